@@ -1,0 +1,236 @@
+r"""Analytic cost model of one serving iteration (NanoFlow §3).
+
+For a model, tensor parallelism N = tp, a dense batch of B tokens and a workload with mean prompt
+length p and mean output length d, the steady-state batch holds
+
+    n_d = B d / (p + d)   decode tokens (one per running request), context c_d = p + d/2,
+    n_p = B - n_d         prefill tokens, causal context c_p = (p + 1)/2 on average.
+
+Per op (summed over L layers, logical tensors counted once across the N GPUs, as NanoFlow's
+Table 2 does): FLOPs F, bytes loaded M (weights + activations in + out), network bytes X
+(ring all-reduce: 2 (N-1) B D S per all-reduce, summed over GPUs). Times use aggregate ceilings:
+
+    T_compute = F / (N C),  T_mem = M / (N W),  T_net = X / (N W_net / 2)    (one direction)
+
+and the op's bottleneck is the largest. Whole-iteration quantities:
+
+    T_R = T_mem / T_compute = (C / W) (MemSize / P) / (2 B)                 (Eq. 4)
+    optimal tokens/s/GPU = C / (2 P)                                         (Eq. 5)
+
+with P the parameters a token touches (all of them for dense models; k of E experts for MoE).
+The largest dense batch is the largest multiple of 128 whose per-GPU weights + KV cache
+(n_d c_d tokens) + activations fit `mem_util` of each GPU's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from nanosched.errors import ConfigError
+from nanosched.hardware import GPUSpec
+from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
+from nanosched.models.spec import ModelSpec
+from nanosched.workloads import Workload
+
+TOKEN_QUANTUM = 128  # dense batches and nano-batches are multiples of this
+DEFAULT_MAX_DENSE_BATCH = 2048  # `auto` caps here: NanoFlow's best for 70B on 8 GPUs
+
+
+@dataclass(frozen=True)
+class BatchMix:
+    """Composition of a steady-state dense batch."""
+
+    dense_batch: int
+    num_decode: float
+    num_prefill: float
+    decode_context: float
+    prefill_context: float
+    num_sampled: float  # tokens that need logits: decode tokens + prompts finishing prefill
+
+
+def batch_mix(workload: Workload, dense_batch: int) -> BatchMix:
+    n_d = dense_batch * workload.decode_fraction
+    n_p = dense_batch - n_d
+    return BatchMix(dense_batch, n_d, n_p, workload.input_len + workload.output_len / 2,
+                    (workload.input_len + 1) / 2, n_d + n_p / workload.input_len)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    name: str
+    resource: str
+    flops: float
+    mem_bytes: float
+    net_bytes: float
+    t_compute_s: float
+    t_mem_s: float
+    t_net_s: float
+
+    @property
+    def time_s(self) -> float:
+        return max(self.t_compute_s, self.t_mem_s, self.t_net_s)
+
+    @property
+    def bottleneck(self) -> str:
+        times = {COMPUTE: self.t_compute_s, MEMORY: self.t_mem_s, NETWORK: self.t_net_s}
+        return max(times, key=times.__getitem__)
+
+
+def _op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str) -> tuple[float, float, float]:
+    """(FLOPs, bytes loaded, network bytes) of op `name` for one layer, logical tensors."""
+    B, D, S = mix.dense_batch, spec.hidden_size, spec.dtype_bytes
+    q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
+    qkv = q + 2 * kv
+    e, k = max(spec.num_experts, 1), max(spec.num_experts_per_tok, 1)
+    t_exp = B * k  # token-expert pairs (B for dense models)
+    weights_touched = min(e, t_exp)  # experts whose weights a MoE GEMM loads
+    n_d, n_p = mix.num_decode, mix.num_prefill
+    if name == "kqv":
+        w = D * qkv + (qkv if spec.qkv_bias else 0)
+        return 2 * B * D * qkv, (w + B * D + B * qkv) * S, 0.0
+    if name == "rope_append":
+        return 6 * B * (q + kv), 2 * B * qkv * S, 0.0
+    if name == "attn_decode":
+        return (4 * spec.num_heads * spec.head_dim * n_d * mix.decode_context,
+                (n_d * mix.decode_context * 2 * kv + n_d * (2 * q + 2 * kv)) * S, 0.0)
+    if name == "attn_prefill":
+        return (4 * spec.num_heads * spec.head_dim * n_p * mix.prefill_context,
+                n_p * (2 * q + 2 * kv) * S, 0.0)
+    if name == "o":
+        return 2 * B * q * D, (q * D + B * q + B * D) * S, 0.0
+    if name in ("ar_attn", "ar_ffn"):
+        sent = 2 * (tp - 1) * B * D * S
+        return (tp - 1) * B * D, sent, sent
+    if name in ("add_norm_ffn", "add_norm_attn"):
+        return 5 * B * D, (4 * B * D + D) * S, 0.0
+    if name in ("ug", "experts_ug"):
+        router = 2 * B * D * spec.num_experts if spec.is_moe else 0
+        w = weights_touched * D * 2 * inter + D * spec.num_experts
+        return 2 * t_exp * D * 2 * inter + router, (w + B * D + t_exp * 2 * inter) * S, 0.0
+    if name == "act":
+        return 4 * t_exp * inter, 3 * t_exp * inter * S, 0.0
+    if name in ("d", "experts_d"):
+        w = weights_touched * inter * D
+        return 2 * t_exp * inter * D, (w + t_exp * inter + B * D) * S, 0.0
+    raise ConfigError(f"cost model has no formula for op {name!r}")
+
+
+def _timed(name: str, resource: str, flops: float, mem: float, net: float, gpu: GPUSpec,
+           tp: int) -> OpCost:
+    return OpCost(name, resource, flops, mem, net,
+                  flops / (tp * gpu.compute_gflops * 1e9),
+                  mem / (tp * gpu.mem_bw_gbs * 1e9),
+                  net / (tp * gpu.net_bw_one_way_gbs * 1e9) if net else 0.0)
+
+
+def op_costs(spec: ModelSpec, gpu: GPUSpec, tp: int, mix: BatchMix) -> list[OpCost]:
+    """Every op of the layer, times L, then the LM head over the sampled tokens."""
+    costs = []
+    for op in layer_ops(spec, tp):
+        f, m, x = _op_demands(spec, tp, mix, op.name)
+        L = spec.num_layers
+        costs.append(_timed(op.name, op.resource, f * L, m * L, x * L, gpu, tp))
+    sampled = mix.num_sampled
+    V, D, S = spec.vocab_size, spec.hidden_size, spec.dtype_bytes
+    costs.append(_timed("lm_head", COMPUTE, 2 * sampled * D * V,
+                        (V * D + sampled * D) * S + sampled * V * 4, 0.0, gpu, tp))
+    return costs
+
+
+def activation_bytes_per_gpu(spec: ModelSpec, tp: int, dense_batch: int) -> float:
+    """Working activations of one forward on one GPU (two nano-batch buffers of the widest op)."""
+    widest = 2 * spec.hidden_size + (spec.q_size + 2 * spec.kv_size) // tp + \
+        2 * spec.intermediate_size * max(1, spec.num_experts_per_tok) // tp
+    return 2 * dense_batch * widest * spec.dtype_bytes
+
+
+def max_dense_batch(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
+                    mem_util: float = 0.9) -> int:
+    """Largest multiple of 128 tokens whose weights, KV cache and activations fit each GPU."""
+    if not 0 < mem_util <= 1:
+        raise ConfigError(f"--mem-util must be in (0, 1], got {mem_util}")
+    budget = mem_util * gpu.mem_bytes - spec.num_params() * spec.dtype_bytes / tp
+    kv_per_batch_token = (workload.decode_fraction *
+                          (workload.input_len + workload.output_len / 2) *
+                          spec.kv_bytes_per_token(tp))
+    per_token = kv_per_batch_token + activation_bytes_per_gpu(spec, tp, 1)
+    if budget <= 0 or budget < TOKEN_QUANTUM * per_token:
+        raise ConfigError(
+            f"model {spec.name!r} does not fit {tp} x {gpu.name} ({gpu.mem_gib:g} GiB each) with "
+            f"a {TOKEN_QUANTUM}-token batch: raise --tp or use a GPU with more memory")
+    return int(budget // per_token) // TOKEN_QUANTUM * TOKEN_QUANTUM
+
+
+def optimal_tokens_per_s_per_gpu(spec: ModelSpec, compute_gflops: float) -> float:
+    """NanoFlow Eq. 5: compute / (2 P), P = parameters a token touches."""
+    return compute_gflops * 1e9 / (2 * spec.num_params(active=True))
+
+
+@dataclass(frozen=True)
+class Analysis:
+    model: ModelSpec
+    gpu: GPUSpec
+    tp: int
+    workload: Workload
+    mix: BatchMix
+    max_dense_batch: int
+    ops: list[OpCost] = field(default_factory=list)
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(op, attr) for op in self.ops)
+
+    @property
+    def bottleneck(self) -> str:
+        totals = {COMPUTE: self.total("t_compute_s"), MEMORY: self.total("t_mem_s"),
+                  NETWORK: self.total("t_net_s")}
+        return max(totals, key=totals.__getitem__)
+
+    @property
+    def t_r(self) -> float:
+        """Eq. 4 with the exact iteration compute time: (MemSize / MemBW) / T_compute."""
+        t_compute = 2 * self.mix.dense_batch * self.model.num_params(active=True) / (
+            self.tp * self.gpu.compute_gflops * 1e9)
+        return self.gpu.mem_bytes / (self.gpu.mem_bw_gbs * 1e9) / t_compute
+
+    @property
+    def sequential_iteration_s(self) -> float:
+        """Each op alone at its own bottleneck, one after another."""
+        return sum(op.time_s for op in self.ops)
+
+    @property
+    def optimal_tokens_per_s_per_gpu(self) -> float:
+        return optimal_tokens_per_s_per_gpu(self.model, self.gpu.compute_gflops)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model.name, "gpu": self.gpu.to_json(), "tp": self.tp,
+            "workload": self.workload.to_json(), "mix": asdict(self.mix),
+            "max_dense_batch": self.max_dense_batch,
+            "params": self.model.num_params(), "active_params": self.model.num_params(True),
+            "ops": [{**asdict(op), "bottleneck": op.bottleneck} for op in self.ops],
+            "totals": {"flops": self.total("flops"), "mem_bytes": self.total("mem_bytes"),
+                       "net_bytes": self.total("net_bytes"),
+                       "t_compute_s": self.total("t_compute_s"),
+                       "t_mem_s": self.total("t_mem_s"), "t_net_s": self.total("t_net_s")},
+            "bottleneck": self.bottleneck, "t_r": self.t_r,
+            "sequential_iteration_s": self.sequential_iteration_s,
+            "optimal_tokens_per_s_per_gpu": self.optimal_tokens_per_s_per_gpu,
+        }
+
+
+def analyze(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
+            dense_batch: int | None = None, mem_util: float = 0.9) -> Analysis:
+    """Price one iteration; `dense_batch=None` takes the largest that fits, capped at 2048."""
+    spec.check_tp(tp)
+    fit = max_dense_batch(spec, gpu, tp, workload, mem_util)
+    if dense_batch is None:
+        dense_batch = min(fit, DEFAULT_MAX_DENSE_BATCH)
+    elif not isinstance(dense_batch, int) or dense_batch < 1:
+        raise ConfigError(f"--dense-batch must be a positive integer, got {dense_batch!r}")
+    mix = batch_mix(workload, dense_batch)
+    return Analysis(spec, gpu, tp, workload, mix, fit, op_costs(spec, gpu, tp, mix))
+
+
+__all__ = ["Analysis", "BatchMix", "OpCost", "analyze", "batch_mix", "max_dense_batch",
+           "op_costs", "optimal_tokens_per_s_per_gpu", "TOKEN_QUANTUM"]

@@ -1,0 +1,160 @@
+"""The `nanosched` command line: each command parses flags into a config and calls one function.
+
+Errors that name a bad input (`NanoschedError`) print one line to stderr and exit with code 2,
+as typer's own usage errors do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from nanosched.errors import NanoschedError
+
+app = typer.Typer(
+    name="nanosched",
+    help=(
+        "Find and run nano-batch pipelines for LLM inference: profile a GPU's kernels and their "
+        "interference, search the pipeline with OR-Tools, and replay it when serving.\n\n"
+        "Start with `nanosched analyze --model llama3-70b --gpu h100 --tp 8` to see where an "
+        "iteration's time goes."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _version(value: bool) -> None:
+    if value:
+        from nanosched import __version__
+
+        typer.echo(f"nanosched {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Find and run nano-batch pipelines for LLM inference."""
+
+
+def reports_errors(fn: F) -> F:
+    """Turn a NanoschedError into `error: ...` on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except NanoschedError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
+    """Print rows as an aligned text table; columns are (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for row in rows:
+        cells.append([format(row[k], f) if isinstance(row[k], (int, float)) and f else str(row[k])
+                      for k, _, f in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    for n, r in enumerate(cells):
+        typer.echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        if n == 0:
+            typer.echo("  ".join("-" * w for w in widths))
+
+
+@app.command()
+@reports_errors
+def analyze(
+    model: str = typer.Option(..., "--model", "-m",
+                              help="Model name (e.g. llama3-70b) or an HF config.json / folder."),
+    gpu: str = typer.Option("h100", "--gpu", help="GPU prior from NanoFlow's Table 1 "
+                            "(a100, a100-40g, h100, h200, b200, mi300, ...)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (number of GPUs)."),
+    dense_batch: int | None = typer.Option(
+        None, "--dense-batch", help="Tokens per iteration; default: the largest that fits, "
+        "capped at 2048."),
+    input_len: float | None = typer.Option(None, "--input-len", help="Mean prompt tokens p "
+                                           "(default 1024 with --output-len 512)."),
+    output_len: float | None = typer.Option(None, "--output-len", help="Mean output tokens d."),
+    workload: str | None = typer.Option(None, "--workload", help="Named dataset instead of "
+                                        "lengths: sharegpt, lmsys, splitwise."),
+    compute_tflops: float | None = typer.Option(
+        None, "--compute-tflops", help="Measured dense bf16 TFLOP/s per GPU to use instead of "
+        "the prior."),
+    mem_util: float = typer.Option(0.9, "--mem-util", help="Share of GPU memory for weights, "
+                                   "KV cache and activations."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON."),
+) -> None:
+    """Estimate per-op compute, memory and network time of one iteration (NanoFlow Table 2).
+
+    Prints FLOPs, bytes and time per resource for every op over all layers, the bottleneck,
+    the largest dense batch that fits, T_R (Eq. 4) and the optimal throughput (Eq. 5).
+    """
+    from nanosched.autosearch.costmodel import analyze as run_analysis
+    from nanosched.hardware import get_gpu
+    from nanosched.models.spec import load_spec
+    from nanosched.workloads import resolve_workload
+
+    spec = load_spec(model)
+    gpu_spec = get_gpu(gpu).with_measured(compute_tflops=compute_tflops)
+    wl = resolve_workload(workload, input_len, output_len)
+    result = run_analysis(spec, gpu_spec, tp, wl, dense_batch, mem_util)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+        return
+    _print_analysis(result)
+
+
+def _print_analysis(a: Any) -> None:
+    mix = a.mix
+    typer.echo(f"{a.model.name} on {a.tp} x {a.gpu.name} ({a.gpu.compute_gflops / 1e3:g} TFLOP/s, "
+               f"{a.gpu.mem_bw_gbs:g} GB/s, {a.gpu.net_bw_gbs:g} GB/s link; {a.gpu.source})")
+    typer.echo(f"workload {a.workload.name}: p={a.workload.input_len:g}, "
+               f"d={a.workload.output_len:g}; dense batch {mix.dense_batch} = "
+               f"{mix.num_decode:.0f} decode (context {mix.decode_context:g}) + "
+               f"{mix.num_prefill:.0f} prefill tokens")
+    typer.echo("")
+    rows = [{"op": o.name, "class": o.resource, "gflop": o.flops / 1e9, "gb": o.mem_bytes / 1e9,
+             "net": o.net_bytes / 1e9, "tc": o.t_compute_s * 1e3, "tm": o.t_mem_s * 1e3,
+             "tn": o.t_net_s * 1e3, "bound": o.bottleneck} for o in a.ops]
+    rows.append({"op": "total", "class": "", "gflop": a.total("flops") / 1e9,
+                 "gb": a.total("mem_bytes") / 1e9, "net": a.total("net_bytes") / 1e9,
+                 "tc": a.total("t_compute_s") * 1e3, "tm": a.total("t_mem_s") * 1e3,
+                 "tn": a.total("t_net_s") * 1e3, "bound": a.bottleneck})
+    print_table(rows, [("op", "op", ""), ("class", "class", ""), ("gflop", "GFLOP", ".1f"),
+                       ("gb", "mem GB", ".2f"), ("net", "net GB", ".2f"),
+                       ("tc", "T_comp ms", ".2f"), ("tm", "T_mem ms", ".2f"),
+                       ("tn", "T_net ms", ".2f"), ("bound", "bottleneck", "")])
+    typer.echo("")
+    params = a.model.num_params(active=True)
+    typer.echo(f"parameters used per token: {params / 1e9:.2f} B; "
+               f"largest dense batch that fits: {a.max_dense_batch}")
+    typer.echo(f"T_R = T_mem / T_compute (Eq. 4): {a.t_r:.3f} "
+               f"({'compute' if a.t_r < 1 else 'memory'}-bound)")
+    seq = a.sequential_iteration_s
+    typer.echo(f"sequential iteration (each op at its bottleneck): {seq * 1e3:.2f} ms = "
+               f"{mix.dense_batch / seq / a.tp:.0f} tokens/s/GPU")
+    typer.echo(f"optimal throughput (Eq. 5): {a.optimal_tokens_per_s_per_gpu:.0f} tokens/s/GPU")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="nanosched")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Model specs: the numbers of a decoder-only transformer that cost model, search and runtime use.
+
+A `ModelSpec` is a frozen dataclass. Named specs live in `REGISTRY` (gpt-fast's
+`transformer_configs` pattern); `load_spec(name_or_path)` also reads a Hugging Face
+`config.json`, or a checkpoint folder holding one.
+
+Legend for shape comments elsewhere: D = hidden size, Hq/Hkv = query/KV heads, d = head dim,
+I = intermediate size, V = vocabulary, E = experts, k = experts per token, L = layers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanosched.errors import ConfigError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a Llama-family (optionally MoE) decoder-only model."""
+
+    name: str
+    arch: str  # "llama" | "qwen2" | "mixtral"
+    hidden_size: int  # D
+    num_layers: int  # L
+    num_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # d
+    intermediate_size: int  # I (per expert for MoE)
+    vocab_size: int  # V
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    num_experts: int = 0  # E; 0 means a dense FFN
+    num_experts_per_tok: int = 0  # k
+    rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model {self.name!r}: {name} must be a positive integer, "
+                                  f"got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model {self.name!r}: num_heads ({self.num_heads}) must be a "
+                              f"multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.arch not in set(ARCHITECTURES.values()):
+            raise ConfigError(f"model {self.name!r}: arch must be one of "
+                              f"{sorted(set(ARCHITECTURES.values()))}, got {self.arch!r}")
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"model {self.name!r}: num_experts_per_tok must be in "
+                              f"1..{self.num_experts}, got {self.num_experts_per_tok}")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gqa_group(self) -> int:
+        """R_GQA: query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def attn_params_per_layer(self) -> int:
+        qkv = self.hidden_size * (self.q_size + 2 * self.kv_size)
+        bias = (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
+        return qkv + bias + self.q_size * self.hidden_size
+
+    def ffn_params_per_layer(self, active: bool = False) -> int:
+        one = 3 * self.hidden_size * self.intermediate_size  # gate, up, down
+        if not self.is_moe:
+            return one
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return experts * one + self.hidden_size * self.num_experts  # + router
+
+    def params_per_layer(self, active: bool = False) -> int:
+        norms = 2 * self.hidden_size
+        return self.attn_params_per_layer() + self.ffn_params_per_layer(active) + norms
+
+    @property
+    def num_embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    def num_params(self, active: bool = False) -> int:
+        """All parameters (embeddings, layers, final norm, LM head unless tied).
+
+        With `active=True`, a MoE model counts only the experts a token uses (k of E).
+        """
+        layers = self.num_layers * self.params_per_layer(active)
+        return self.num_embedding_params + layers + self.hidden_size + self.num_lm_head_params
+
+    def kv_bytes_per_token(self, tp: int = 1) -> int:
+        """Bytes of K and V one token keeps in the cache, all layers, on one of `tp` GPUs."""
+        kv_heads = max(1, self.num_kv_heads // tp)
+        return 2 * kv_heads * self.head_dim * self.dtype_bytes * self.num_layers
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ConfigError unless the model can be sharded `tp` ways."""
+        if not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"--tp must be a positive integer, got {tp!r}")
+        allowed = [n for n in range(1, self.num_heads + 1) if self._tp_ok(n)]
+        if not self._tp_ok(tp):
+            raise ConfigError(
+                f"--tp {tp} does not divide model {self.name!r} (num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, intermediate_size={self.intermediate_size}); "
+                f"allowed: {', '.join(map(str, allowed))}")
+
+    def _tp_ok(self, tp: int) -> bool:
+        kv_ok = self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0
+        return self.num_heads % tp == 0 and kv_ok and self.intermediate_size % tp == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelSpec:
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"model spec: {exc}") from exc
+
+
+def _llama(name: str, **kw: Any) -> ModelSpec:
+    return ModelSpec(name=name, arch=kw.pop("arch", "llama"), **kw)
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    s.name: s
+    for s in [
+        _llama("llama2-70b", hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+               head_dim=128, intermediate_size=28672, vocab_size=32000,
+               max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5),
+        _llama("llama3-8b", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+               head_dim=128, intermediate_size=14336, vocab_size=128256,
+               max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+        _llama("llama3-70b", hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+               head_dim=128, intermediate_size=28672, vocab_size=128256,
+               max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+        _llama("qwen2.5-72b", arch="qwen2", hidden_size=8192, num_layers=80, num_heads=64,
+               num_kv_heads=8, head_dim=128, intermediate_size=29568, vocab_size=152064,
+               max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+               qkv_bias=True),
+        _llama("deepseek-67b", hidden_size=8192, num_layers=95, num_heads=64, num_kv_heads=8,
+               head_dim=128, intermediate_size=22016, vocab_size=102400,
+               max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6),
+        _llama("mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, num_heads=32,
+               num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
+               max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+               num_experts=8, num_experts_per_tok=2),
+    ]
+}
+
+
+def _require(cfg: dict[str, Any], key: str, where: str) -> Any:
+    if key not in cfg:
+        raise ConfigError(f"{where}: missing field {key!r}")
+    return cfg[key]
+
+
+def spec_from_hf_config(cfg: dict[str, Any], name: str, where: str = "config.json") -> ModelSpec:
+    """Build a ModelSpec from a Hugging Face config dict (Llama, Mistral, Qwen2, Mixtral)."""
+    archs = cfg.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise ConfigError(f"{where}: field 'architectures' is {archs!r}; supported: "
+                          f"{', '.join(sorted(ARCHITECTURES))}")
+    arch = ARCHITECTURES[known[0]]
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: field 'hidden_act' is {act!r}; only 'silu' is supported")
+    hidden = _require(cfg, "hidden_size", where)
+    heads = _require(cfg, "num_attention_heads", where)
+    head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and
+                                       isinstance(heads, int) and heads else 0)
+    moe = arch == "mixtral"
+    return ModelSpec(
+        name=name,
+        arch=arch,
+        hidden_size=hidden,
+        num_layers=_require(cfg, "num_hidden_layers", where),
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=_require(cfg, "intermediate_size", where),
+        vocab_size=_require(cfg, "vocab_size", where),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        num_experts=_require(cfg, "num_local_experts", where) if moe else 0,
+        num_experts_per_tok=_require(cfg, "num_experts_per_tok", where) if moe else 0,
+        rope_scaling=cfg.get("rope_scaling"),
+    )
+
+
+def load_spec(name_or_path: str) -> ModelSpec:
+    """A registered name, an HF `config.json`, or a folder that holds one."""
+    if name_or_path in REGISTRY:
+        return REGISTRY[name_or_path]
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"--model {name_or_path}: folder has no config.json")
+    if path.suffix == ".json" and path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--model {name_or_path}: not valid JSON ({exc})") from exc
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"--model {name_or_path}: expected a JSON object")
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return spec_from_hf_config(cfg, name=name, where=str(path))
+    raise ConfigError(f"--model {name_or_path!r} is neither a known model nor a config.json or "
+                      f"checkpoint folder; known models: {', '.join(sorted(REGISTRY))}")

@@ -1,0 +1,53 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nanosched.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_analyze_prints_table2_shape():
+    r = run("analyze", "--model", "llama2-70b", "--gpu", "a100", "--tp", "8",
+            "--dense-batch", "2048", "--input-len", "512", "--output-len", "1024")
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("kqv "))
+    assert "27487.8" in line and "11.01" in line and "compute" in line
+    assert "largest dense batch that fits: 2048" in r.output
+
+
+def test_analyze_json():
+    r = run("analyze", "--model", "llama3-8b", "--gpu", "h100", "--json",
+            "--compute-tflops", "761")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["gpu"]["compute_gflops"] == 761e3
+    assert data["optimal_tokens_per_s_per_gpu"] == pytest.approx(761e12 / (2 * 8.030261248e9))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama9"], "--model 'llama9' is neither a known model"),
+    (["--model", "llama3-8b", "--gpu", "tpu9"], "--gpu 'tpu9' is not a known GPU"),
+    (["--model", "llama3-70b", "--tp", "3"], "--tp 3 does not divide"),
+    (["--model", "llama3-8b", "--input-len", "0", "--output-len", "5"], "--input-len must be"),
+    (["--model", "llama3-8b", "--input-len", "10", "--output-len", "-5"], "--output-len must be"),
+    (["--model", "llama3-8b", "--input-len", "10"], "go together"),
+    (["--model", "llama3-8b", "--workload", "alpaca"], "known: splitwise, lmsys, sharegpt"),
+    (["--model", "llama3-8b", "--compute-tflops", "-1"], "--compute-tflops must be positive"),
+])
+def test_bad_inputs_exit_2_with_message(args, message):
+    r = run("analyze", *args)
+    assert r.exit_code == 2
+    assert message in r.output
+
+
+def test_help_explains_commands():
+    r = run("--help")
+    assert r.exit_code == 0 and "analyze" in r.output
+    r = run("analyze", "--help")
+    assert r.exit_code == 0 and "--dense-batch" in r.output and "Table 2" in r.output

@@ -1,0 +1,1 @@
+"""Kernel and interference profiling on the GPU, and the profile contract (`format`)."""

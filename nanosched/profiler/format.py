@@ -1,0 +1,294 @@
+"""The profile contract, `nanosched.profile/1`: one JSON file per GPU x model x tp.
+
+Pure Python: the search reads profiles on machines without a GPU. The profiler writes them.
+
+Contents
+- `identity`: GPU name, SM count, memory, driver, CUDA, torch, triton, date, command line.
+- `model` (ModelSpec JSON) and `tp`; `dense_batch`, the largest token count measured.
+- `ceilings`: measured bf16 GEMM TFLOP/s (at 8192^3 and at the model's shapes), HBM copy GB/s,
+  all-reduce bus GB/s and latency (tp > 1; `modelled` when derived rather than measured).
+- `kernels`: rows (op, tokens, context, sms, mechanism, impl) -> time_us, every measurement kept;
+  `best` marks the fastest row per (op, tokens, context, sms).
+- `pairs`: raw co-run measurements of a compute kernel beside a memory or network kernel.
+- `rp`: the R->P table per non-compute class. R is the share of the GPU given to the
+  non-compute kernel; `p_other` its performance normalised to running alone, `p_compute` the
+  compute kernel's (measured, not assumed 1 - R). Each point says how it was realised
+  (mechanism, SMs or CTAs of each side, the compute implementation), so a schedule that picks
+  the point can be run as measured.
+
+Lookups never extrapolate: a token count or context outside the measured range is a
+ProfileError naming the missing row. Contexts between measured ones interpolate linearly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nanosched.errors import ProfileError
+from nanosched.fileio import write_json_atomic
+from nanosched.models.spec import ModelSpec
+
+FORMAT = "nanosched.profile/1"
+MECHANISMS = ("full", "green_ctx", "cta_bound", "stream_priority")
+RP_CLASSES = ("memory", "network")
+
+
+@dataclass(frozen=True)
+class Identity:
+    gpu_name: str
+    num_sms: int
+    memory_bytes: int
+    driver: str = ""
+    cuda: str = ""
+    torch: str = ""
+    triton: str = ""
+    date: str = ""
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    gemm_tflops_8192: float
+    gemm_tflops_model: float
+    copy_gbs: float
+    allreduce_busbw_gbs: float | None = None
+    allreduce_latency_us: float | None = None
+    allreduce_modelled: bool = False
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    op: str
+    tokens: int
+    time_us: float
+    sms: int
+    mechanism: str = "full"
+    impl: str = "default"
+    context: int = 0  # mean KV context for attention ops, 0 otherwise
+    best: bool = False
+    modelled: bool = False  # derived from a model (e.g. NCCL ring formula), not measured
+
+
+@dataclass(frozen=True)
+class PairRow:
+    compute_op: str
+    other_op: str
+    other_class: str  # "memory" | "network"
+    tokens: int
+    mechanism: str
+    compute_impl: str
+    compute_sms: int
+    other_sms: int  # SMs (green_ctx) or CTAs (cta_bound) given to the other kernel
+    compute_alone_us: float
+    other_alone_us: float
+    compute_us: float
+    other_us: float
+    context: int = 0
+
+    @property
+    def p_compute(self) -> float:
+        return self.compute_alone_us / self.compute_us
+
+    @property
+    def p_other(self) -> float:
+        return self.other_alone_us / self.other_us
+
+
+@dataclass(frozen=True)
+class RPPoint:
+    r: float
+    p_other: float
+    p_compute: float
+    mechanism: str
+    compute_sms: int
+    other_sms: int
+    compute_impl: str = "default"
+    std_rel: float = 0.0  # spread of p_other across the shapes folded into this point
+
+
+@dataclass(frozen=True)
+class Profile:
+    identity: Identity
+    model: ModelSpec
+    tp: int
+    dense_batch: int
+    ceilings: Ceilings
+    kernels: tuple[KernelRow, ...]
+    pairs: tuple[PairRow, ...] = ()
+    rp: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def token_grid(self, op: str) -> list[int]:
+        return sorted({k.tokens for k in self.kernels if k.op == op})
+
+    def sm_grid(self, op: str | None = None) -> list[int]:
+        return sorted({k.sms for k in self.kernels if op is None or k.op == op})
+
+    def _rows(self, op: str, tokens: int, sms: int | None) -> list[KernelRow]:
+        sms = self.identity.num_sms if sms is None else sms
+        rows = [k for k in self.kernels if k.op == op and k.tokens == tokens and k.sms == sms]
+        if not rows:
+            have = self.token_grid(op)
+            what = f"op {op!r} at {tokens} tokens on {sms} SMs"
+            if not have:
+                raise ProfileError(f"profile has no rows for {what}: op not profiled")
+            raise ProfileError(f"profile has no row for {what}; measured tokens: "
+                               f"{have[0]}..{have[-1]} ({len(have)} sizes), SMs: "
+                               f"{self.sm_grid(op)}")
+        return rows
+
+    def kernel_time_us(self, op: str, tokens: int, sms: int | None = None,
+                       context: float | None = None) -> float:
+        """Fastest measured time of `op` at `tokens` on `sms` SMs (all SMs by default).
+
+        Attention rows are also keyed by context: the time at `context` is interpolated
+        between the two nearest measured contexts, never extrapolated.
+        """
+        rows = self._rows(op, tokens, sms)
+        contexts = sorted({r.context for r in rows})
+        if context is None or contexts == [0]:
+            return min(r.time_us for r in rows)
+        if not contexts[0] <= context <= contexts[-1]:
+            raise ProfileError(f"profile has {op!r} at contexts {contexts[0]}..{contexts[-1]}, "
+                               f"not {context:g}: profile the workload's context range")
+        best = {c: min(r.time_us for r in rows if r.context == c) for c in contexts}
+        i = bisect.bisect_left(contexts, context)
+        if contexts[i] == context:
+            return best[context]
+        lo, hi = contexts[i - 1], contexts[i]
+        w = (context - lo) / (hi - lo)
+        return best[lo] * (1 - w) + best[hi] * w
+
+    def rp_points(self, cls: str) -> tuple[RPPoint, ...]:
+        if cls not in self.rp or not self.rp[cls]:
+            raise ProfileError(f"profile has no R->P table for class {cls!r}; has: "
+                               f"{sorted(self.rp) or 'none'}")
+        return self.rp[cls]
+
+    # ---- JSON ------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "identity": asdict(self.identity),
+            "model": self.model.to_json(),
+            "tp": self.tp,
+            "dense_batch": self.dense_batch,
+            "ceilings": asdict(self.ceilings),
+            "kernels": [asdict(k) for k in self.kernels],
+            "pairs": [asdict(p) for p in self.pairs],
+            "rp": {c: [asdict(p) for p in pts] for c, pts in self.rp.items()},
+            "notes": list(self.notes),
+        }
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON: schedules record which profile they came from."""
+        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "profile") -> Profile:
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where}: expected a JSON object")
+        if data.get("format") != FORMAT:
+            raise ProfileError(f"{where}: format is {data.get('format')!r}, expected {FORMAT!r}")
+        prof = cls(
+            identity=_build(Identity, data, "identity", where),
+            model=ModelSpec.from_json(_get(data, "model", dict, where)),
+            tp=_get(data, "tp", int, where),
+            dense_batch=_get(data, "dense_batch", int, where),
+            ceilings=_build(Ceilings, data, "ceilings", where),
+            kernels=tuple(_build_list(KernelRow, data, "kernels", where)),
+            pairs=tuple(_build_list(PairRow, data, "pairs", where, required=False)),
+            rp={c: tuple(_build_list(RPPoint, data["rp"], c, f"{where}: rp"))
+                for c in _get(data, "rp", dict, where, required=False) or {}},
+            notes=tuple(data.get("notes", [])),
+        )
+        validate(prof, where)
+        return prof
+
+
+def _get(data: dict[str, Any], key: str, typ: type, where: str, required: bool = True) -> Any:
+    if key not in data:
+        if required:
+            raise ProfileError(f"{where}: missing field {key!r}")
+        return None
+    value = data[key]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ProfileError(f"{where}: field {key!r} must be {typ.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], key: str, where: str) -> Any:
+    return _make(cls, _get(data, key, dict, where), f"{where}: {key}")
+
+
+def _build_list(cls: type, data: dict[str, Any], key: str, where: str,
+                required: bool = True) -> list[Any]:
+    items = _get(data, key, list, where, required) or []
+    return [_make(cls, item, f"{where}: {key}[{i}]") for i, item in enumerate(items)]
+
+
+def _make(cls: type, item: Any, where: str) -> Any:
+    if not isinstance(item, dict):
+        raise ProfileError(f"{where}: expected an object, got {item!r}")
+    names = {f.name for f in fields(cls)}
+    unknown = set(item) - names
+    if unknown:
+        raise ProfileError(f"{where}: unknown field(s) {sorted(unknown)}")
+    try:
+        return cls(**item)
+    except TypeError as exc:
+        raise ProfileError(f"{where}: {exc}") from exc
+
+
+def validate(prof: Profile, where: str = "profile") -> None:
+    """Check internal consistency; raise ProfileError naming the first problem."""
+    if prof.identity.num_sms <= 0:
+        raise ProfileError(f"{where}: identity.num_sms must be positive")
+    prof.model.check_tp(prof.tp)
+    if not prof.kernels:
+        raise ProfileError(f"{where}: kernel table is empty")
+    for i, k in enumerate(prof.kernels):
+        here = f"{where}: kernels[{i}] ({k.op}, {k.tokens} tokens)"
+        if k.mechanism not in MECHANISMS:
+            raise ProfileError(f"{here}: mechanism {k.mechanism!r} not in {MECHANISMS}")
+        if not (isinstance(k.time_us, (int, float)) and k.time_us > 0):
+            raise ProfileError(f"{here}: time_us must be positive, got {k.time_us!r}")
+        if not 0 < k.sms <= prof.identity.num_sms:
+            raise ProfileError(f"{here}: sms {k.sms} not in 1..{prof.identity.num_sms}")
+        if k.tokens <= 0:
+            raise ProfileError(f"{here}: tokens must be positive")
+    for cls, pts in prof.rp.items():
+        if cls not in RP_CLASSES:
+            raise ProfileError(f"{where}: rp class {cls!r} not in {RP_CLASSES}")
+        for p in pts:
+            if not (0 < p.r < 1 and 0 < p.p_other <= 1.5 and 0 < p.p_compute <= 1.5):
+                raise ProfileError(f"{where}: rp[{cls}] point r={p.r}: r must be in (0, 1) "
+                                   f"and P in (0, 1.5]")
+            if p.mechanism not in MECHANISMS:
+                raise ProfileError(f"{where}: rp[{cls}] r={p.r}: mechanism {p.mechanism!r}")
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read and validate a profile file."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"profile {p} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile {p}: not valid JSON ({exc}); a truncated file? "
+                           f"re-run `nanosched profile --resume`") from exc
+    return Profile.from_json(data, where=f"profile {p}")
+
+
+def save_profile(prof: Profile, path: str | os.PathLike[str]) -> None:
+    validate(prof)
+    write_json_atomic(path, prof.to_json())

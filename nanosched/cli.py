@@ -83,7 +83,8 @@ def analyze(
                               help="Model name (e.g. llama3-70b) or an HF config.json / folder."),
     gpu: str = typer.Option("h100", "--gpu", help="GPU prior from NanoFlow's Table 1 "
                             "(a100, a100-40g, h100, h200, b200, mi300, ...)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (number of GPUs)."),
+    tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree (number of GPUs); "
+                                  "default: the smallest that holds the dense batch's KV cache."),
     dense_batch: int | None = typer.Option(
         None, "--dense-batch", help="Tokens per iteration; default: the largest that fits, "
         "capped at 2048."),
@@ -104,6 +105,7 @@ def analyze(
     Prints FLOPs, bytes and time per resource for every op over all layers, the bottleneck,
     the largest dense batch that fits, T_R (Eq. 4) and the optimal throughput (Eq. 5).
     """
+    from nanosched.autosearch.costmodel import DEFAULT_MAX_DENSE_BATCH, choose_tp
     from nanosched.autosearch.costmodel import analyze as run_analysis
     from nanosched.hardware import get_gpu
     from nanosched.models.spec import load_spec
@@ -112,6 +114,11 @@ def analyze(
     spec = load_spec(model)
     gpu_spec = get_gpu(gpu).with_measured(compute_tflops=compute_tflops)
     wl = resolve_workload(workload, input_len, output_len)
+    if tp is None:
+        tp = choose_tp(spec, gpu_spec, wl, dense_batch, mem_util)
+        target = dense_batch or DEFAULT_MAX_DENSE_BATCH
+        typer.echo(f"--tp not given: using tp={tp}, the smallest whose {gpu_spec.name} GPUs hold "
+                   f"the weights and the KV cache of a {target}-token dense batch", err=True)
     result = run_analysis(spec, gpu_spec, tp, wl, dense_batch, mem_util)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))

@@ -25,7 +25,7 @@ def test_analyze_json():
     r = run("analyze", "--model", "llama3-8b", "--gpu", "h100", "--json",
             "--compute-tflops", "761")
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert data["gpu"]["compute_gflops"] == 761e3
     assert data["optimal_tokens_per_s_per_gpu"] == pytest.approx(761e12 / (2 * 8.030261248e9))
 

@@ -124,3 +124,15 @@ def test_model_too_big_is_reported():
 def test_dense_batch_must_be_positive():
     with pytest.raises(ConfigError, match="--dense-batch"):
         analyze(load_spec("llama3-8b"), get_gpu("h100"), 1, fixed(1024, 512), 0)
+
+
+def test_choose_tp_is_the_smallest_that_holds_the_batch():
+    from nanosched.autosearch.costmodel import choose_tp, max_dense_batch
+
+    spec, gpu, wl = load_spec("llama3-70b"), get_gpu("h100"), fixed(1024, 512)
+    assert max_dense_batch(spec, gpu, 4, wl) < 2048 <= max_dense_batch(spec, gpu, 8, wl)
+    assert choose_tp(spec, gpu, wl) == 8
+    assert choose_tp(spec, gpu, wl, dense_batch=1024) == 4
+    assert choose_tp(load_spec("llama3-8b"), get_gpu("h200"), wl) == 1
+    with pytest.raises(ConfigError, match="no tp in .* fits a 100000-token dense batch"):
+        choose_tp(spec, get_gpu("a100-40g"), wl, dense_batch=100000)

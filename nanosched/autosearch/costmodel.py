@@ -162,6 +162,27 @@ def max_dense_batch(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
     return int(budget // per_token) // TOKEN_QUANTUM * TOKEN_QUANTUM
 
 
+def choose_tp(spec: ModelSpec, gpu: GPUSpec, workload: Workload, dense_batch: int | None = None,
+              mem_util: float = 0.9, max_tp: int = 64) -> int:
+    """Smallest tp whose GPUs hold the weights and the KV cache of the dense batch.
+
+    The dense batch defaults to 2048 tokens (NanoFlow's for 70B models).
+    """
+    target = DEFAULT_MAX_DENSE_BATCH if dense_batch is None else dense_batch
+    tried = []
+    for tp in range(1, max_tp + 1):
+        if not spec.tp_ok(tp):
+            continue
+        tried.append(tp)
+        try:
+            if max_dense_batch(spec, gpu, tp, workload, mem_util) >= target:
+                return tp
+        except ConfigError:
+            continue
+    raise ConfigError(f"no tp in {tried} fits a {target}-token dense batch of {spec.name!r} on "
+                      f"{gpu.name}: lower --dense-batch or give --tp")
+
+
 def optimal_tokens_per_s_per_gpu(spec: ModelSpec, compute_gflops: float) -> float:
     """NanoFlow Eq. 5: compute / (2 P), P = parameters a token touches."""
     return compute_gflops * 1e9 / (2 * spec.num_params(active=True))
@@ -232,5 +253,5 @@ def analyze(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
     return Analysis(spec, gpu, tp, workload, mix, fit, op_costs(spec, gpu, tp, mix))
 
 
-__all__ = ["Analysis", "BatchMix", "OpCost", "analyze", "batch_mix", "max_dense_batch",
-           "op_costs", "optimal_tokens_per_s_per_gpu", "TOKEN_QUANTUM"]
+__all__ = ["Analysis", "BatchMix", "OpCost", "analyze", "batch_mix", "choose_tp",
+           "max_dense_batch", "op_costs", "optimal_tokens_per_s_per_gpu", "TOKEN_QUANTUM"]

@@ -124,14 +124,15 @@ class ModelSpec:
         """Raise ConfigError unless the model can be sharded `tp` ways."""
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"--tp must be a positive integer, got {tp!r}")
-        allowed = [n for n in range(1, self.num_heads + 1) if self._tp_ok(n)]
-        if not self._tp_ok(tp):
+        allowed = [n for n in range(1, self.num_heads + 1) if self.tp_ok(n)]
+        if not self.tp_ok(tp):
             raise ConfigError(
                 f"--tp {tp} does not divide model {self.name!r} (num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, intermediate_size={self.intermediate_size}); "
                 f"allowed: {', '.join(map(str, allowed))}")
 
-    def _tp_ok(self, tp: int) -> bool:
+    def tp_ok(self, tp: int) -> bool:
+        """Whether heads, KV heads (split or replicated) and the FFN divide `tp` ways."""
         kv_ok = self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0
         return self.num_heads % tp == 0 and kv_ok and self.intermediate_size % tp == 0
 

@@ -1,0 +1,181 @@
+"""Requests and the workloads that produce them.
+
+A `Request` is what the engine serves: prompt token ids, how many tokens to generate at most,
+sampling settings and (for benchmarks) an arrival time. `make_requests` builds them from
+- fixed lengths (`--input-len IN --output-len OUT`, vLLM's names),
+- a named dataset of NanoFlow's Table 4 (`splitwise`, `lmsys`, `sharegpt`): seeded lengths drawn
+  from log-normal distributions with the table's mean and standard deviation,
+- a JSONL file, one request per line: `{"prompt_len": N | "prompt_ids": [...], "output_len": M}`,
+and `poisson_arrivals` spaces them at a request rate (exponential gaps, NanoFlow §6.3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nanosched.errors import ConfigError
+from nanosched.workloads import DATASETS, Workload, fixed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    max_tokens: int = 16
+    ignore_eos: bool = False  # benchmark mode: generate exactly max_tokens
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+
+
+@dataclass
+class Request:
+    """One generation request and its progress (mutated only by the engine)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_s: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0  # prompt tokens already in the KV cache
+    finished: bool = False
+    finish_reason: str = ""
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_prefilled < self.prompt_len
+
+    @property
+    def peak_tokens(self) -> int:
+        """KV tokens this request holds at its longest: prompt + every generated token."""
+        return self.prompt_len + self.params.max_tokens
+
+
+def _lognormal_lengths(rng: np.random.Generator, mean: float, std: float, n: int,
+                       max_len: int) -> list[int]:
+    if std <= 0:
+        return [max(1, min(max_len, round(mean)))] * n
+    sigma2 = math.log(1 + (std / mean) ** 2)
+    mu = math.log(mean) - sigma2 / 2
+    draws = rng.lognormal(mu, math.sqrt(sigma2), size=n)
+    return [int(x) for x in np.clip(np.round(draws), 1, max_len)]
+
+
+def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    return [int(x) for x in rng.integers(0, vocab_size, size=n)]
+
+
+def synthetic_requests(workload: Workload, num_prompts: int, vocab_size: int, max_len: int,
+                       seed: int = 0, ignore_eos: bool = True) -> list[Request]:
+    """Seeded requests whose lengths follow `workload` (fixed when its std is 0).
+
+    Prompt plus output never exceeds `max_len` (the model's context): outputs are cut to fit.
+    """
+    if num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be a positive integer, got {num_prompts}")
+    rng = np.random.default_rng(seed)
+    ins = _lognormal_lengths(rng, workload.input_len, workload.input_std, num_prompts,
+                             max_len - 1)
+    outs = _lognormal_lengths(rng, workload.output_len, workload.output_std, num_prompts,
+                              max_len - 1)
+    return [
+        Request(i, _random_ids(rng, p, vocab_size),
+                SamplingParams(max_tokens=max(1, min(o, max_len - p)), ignore_eos=ignore_eos))
+        for i, (p, o) in enumerate(zip(ins, outs, strict=True))
+    ]
+
+
+def jsonl_requests(path: str | Path, vocab_size: int, max_len: int, seed: int = 0,
+                   ignore_eos: bool = True) -> list[Request]:
+    """Requests from a JSONL file; errors name the line and the problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--workload {path}: no such file (and not one of "
+                          f"{', '.join(DATASETS)})")
+    rng = np.random.default_rng(seed)
+    requests: list[Request] = []
+    for n, line in enumerate(p.read_text().splitlines(), start=1):
+        where = f"{p}:{n}"
+        if not line.strip():
+            raise ConfigError(f"{where}: empty line; each line must be one JSON request")
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: expected an object with prompt_len or prompt_ids")
+        ids = _prompt_ids(obj, where, rng, vocab_size)
+        out = obj.get("output_len")
+        if not isinstance(out, int) or isinstance(out, bool) or out < 1:
+            raise ConfigError(f"{where}: output_len must be a positive integer, got {out!r}")
+        if len(ids) + out > max_len:
+            raise ConfigError(f"{where}: prompt ({len(ids)}) + output_len ({out}) exceeds the "
+                              f"model's context of {max_len} tokens")
+        requests.append(Request(len(requests), ids,
+                                SamplingParams(max_tokens=out, ignore_eos=ignore_eos)))
+    if not requests:
+        raise ConfigError(f"{p}: file has no requests")
+    return requests
+
+
+def _prompt_ids(obj: dict, where: str, rng: np.random.Generator, vocab_size: int) -> list[int]:
+    if "prompt_ids" in obj:
+        ids = obj["prompt_ids"]
+        if (not isinstance(ids, list) or not ids or
+                not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids)):
+            raise ConfigError(f"{where}: prompt_ids must be a non-empty list of token ids in "
+                              f"0..{vocab_size - 1}")
+        return ids
+    n = obj.get("prompt_len")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"{where}: prompt_len must be a positive integer (or give "
+                          f"prompt_ids), got {n!r}")
+    return _random_ids(rng, n, vocab_size)
+
+
+def poisson_arrivals(requests: list[Request], rate: float, seed: int = 0) -> None:
+    """Set arrival times with exponential gaps at `rate` requests/s (inf: all at time 0)."""
+    if not rate > 0:
+        raise ConfigError(f"--request-rate must be positive, got {rate}")
+    if math.isinf(rate):
+        return
+    gaps = np.random.default_rng(seed + 1).exponential(1 / rate, size=len(requests))
+    for r, t in zip(requests, np.cumsum(gaps), strict=True):
+        r.arrival_s = float(t)
+
+
+def make_requests(workload: str | None, input_len: int | None, output_len: int | None,
+                  num_prompts: int, vocab_size: int, max_len: int, seed: int = 0,
+                  ignore_eos: bool = True) -> list[Request]:
+    """Requests from the bench flags: a dataset name, a JSONL path, or fixed lengths."""
+    if workload is not None and (input_len is not None or output_len is not None):
+        raise ConfigError("give either --workload or --input-len/--output-len, not both")
+    if workload is None:
+        if input_len is None or output_len is None:
+            raise ConfigError("give --input-len and --output-len, or --workload")
+        if input_len + output_len > max_len:
+            raise ConfigError(f"--input-len {input_len} + --output-len {output_len} exceeds "
+                              f"the model's context of {max_len} tokens")
+        return synthetic_requests(fixed(input_len, output_len), num_prompts, vocab_size,
+                                  max_len, seed, ignore_eos)
+    if workload in DATASETS:
+        return synthetic_requests(DATASETS[workload], num_prompts, vocab_size, max_len, seed,
+                                  ignore_eos)
+    return jsonl_requests(workload, vocab_size, max_len, seed, ignore_eos)[:num_prompts]

@@ -1,0 +1,27 @@
+"""Token sampling: greedy, temperature and top-p (nucleus), batched over the sampled rows."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token per row.
+
+    logits [N, V] (any float dtype), temperature [N] (0 = greedy), top_p [N] in (0, 1].
+    Returns [N] int64 on the logits' device. Rows with temperature 0 take the argmax.
+    """
+    greedy = logits.argmax(dim=-1)
+    is_random = temperature > 0
+    if not bool(is_random.any()):
+        return greedy
+    scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)  # [N, V]
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    sorted_p = sorted_p.masked_fill(before >= top_p.unsqueeze(1), 0.0)
+    pick = torch.multinomial(sorted_p, 1, generator=generator).squeeze(1)  # [N]
+    drawn = order.gather(1, pick.unsqueeze(1)).squeeze(1)
+    return torch.where(is_random, drawn, greedy)

@@ -1,0 +1,95 @@
+"""Streams and events behind one small interface, so the backend runs on a GPU or on the CPU.
+
+`CudaDevice` maps the schedule's streams to CUDA streams (plain, prioritised, or a green-context
+partition's stream given by the caller) and orders them with CUDA events. `SerialDevice` runs
+every launch at once on the CPU: it has one real order, so events are recorded only to be counted.
+Tests use a device that delays and reorders launches to catch a missing event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class Device(Protocol):
+    def stream(self, name: str) -> Any: ...
+
+    def launch(self, stream: Any, fn: Callable[[], None]) -> None: ...
+
+    def record(self, stream: Any) -> Any: ...
+
+    def wait(self, stream: Any, event: Any) -> None: ...
+
+    def join(self) -> None:
+        """Make the default stream wait for everything launched (end of a forward)."""
+        ...
+
+
+class SerialDevice:
+    """CPU execution in launch order; counts the events a GPU would need."""
+
+    def __init__(self) -> None:
+        self.num_events = 0
+        self.num_waits = 0
+
+    def stream(self, name: str) -> str:
+        return name
+
+    def launch(self, stream: Any, fn: Callable[[], None]) -> None:
+        fn()
+
+    def record(self, stream: Any) -> int:
+        self.num_events += 1
+        return self.num_events
+
+    def wait(self, stream: Any, event: Any) -> None:
+        self.num_waits += 1
+
+    def join(self) -> None:
+        pass
+
+
+class CudaDevice:
+    """CUDA streams per schedule stream name; `streams` may pre-bind names to given streams
+    (e.g. green-context partition streams wrapped in `torch.cuda.ExternalStream`)."""
+
+    def __init__(self, streams: dict[str, Any] | None = None,
+                 priorities: dict[str, int] | None = None) -> None:
+        import torch
+
+        self._torch = torch
+        self._streams: dict[str, Any] = dict(streams or {})
+        self._priorities = priorities or {}
+        self._origin = torch.cuda.current_stream()
+        self._used: set[str] = set()
+        self.num_events = 0
+        self.num_waits = 0
+
+    def stream(self, name: str) -> Any:
+        if name not in self._streams:
+            prio = self._priorities.get(name, 0)
+            self._streams[name] = self._torch.cuda.Stream(priority=prio)
+        if name not in self._used:  # a stream's first use follows the work before the forward
+            self._used.add(name)
+            self._streams[name].wait_stream(self._origin)
+        return self._streams[name]
+
+    def launch(self, stream: Any, fn: Callable[[], None]) -> None:
+        with self._torch.cuda.stream(stream):
+            fn()
+
+    def record(self, stream: Any) -> Any:
+        event = self._torch.cuda.Event()
+        event.record(stream)
+        self.num_events += 1
+        return event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+        self.num_waits += 1
+
+    def join(self) -> None:
+        for name in self._used:
+            self._origin.wait_stream(self._streams[name])
+        self._used.clear()

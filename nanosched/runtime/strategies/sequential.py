@@ -1,0 +1,14 @@
+"""`Sequential`: the whole batch, one op after another, one stream. The baseline and fallback."""
+
+from __future__ import annotations
+
+from nanosched.runtime.scheduler import OpScheduler, SchedContext
+
+
+class Sequential(OpScheduler):
+    name = "sequential"
+
+    def schedule(self, ctx: SchedContext) -> None:
+        ctx.split([ctx.program.num_tokens])
+        while not ctx.done():
+            ctx.execute(ctx.get_ready_ops(0))

@@ -103,8 +103,8 @@ class Batcher:
     def predicted_peak_pages(self, extra: Request | None = None) -> int:
         reqs = self.running + ([extra] if extra is not None else [])
         decoding = [r for r in reqs if not r.is_prefilling]
-        held = [r.prompt_len + len(r.output_ids) for r in decoding]
-        remaining = [max(0, r.params.max_tokens - len(r.output_ids)) for r in decoding]
+        held = [r.prompt_len + r.num_output for r in decoding]
+        remaining = [max(0, r.params.max_tokens - r.num_output) for r in decoding]
         prefilling = sum(r.peak_tokens for r in reqs if r.is_prefilling)
         return math.ceil((prefilling + peak_kv_tokens(held, remaining)) / self.page_size) + \
             len(reqs)
@@ -116,8 +116,9 @@ class Batcher:
     # ---- formation -------------------------------------------------------------------------
     def form(self, now_s: float = math.inf) -> Batch:
         """The next batch: decodes, continuing prefills, then new requests that fit."""
-        entries = [BatchEntry(r, r.prompt_len + len(r.output_ids) - 1, 1, True)
-                   for r in self.running if not r.is_prefilling and not r.finished]
+        entries = [BatchEntry(r, r.prompt_len + r.num_output - 1, 1, True)
+                   for r in self.running if not r.is_prefilling and not r.finished
+                   and r.num_output < r.params.max_tokens]
         budget = self.dense_batch - len(entries)
         for r in self.running:
             if budget == 0:

@@ -48,6 +48,7 @@ class Request:
     params: SamplingParams
     arrival_s: float = 0.0
     output_ids: list[int] = field(default_factory=list)
+    pending: int = 0  # tokens sampled on the device but not yet read back (async loop)
     num_prefilled: int = 0  # prompt tokens already in the KV cache
     finished: bool = False
     finish_reason: str = ""
@@ -57,6 +58,11 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        """Tokens generated so far, counting those still on the device."""
+        return len(self.output_ids) + self.pending
 
     @property
     def is_prefilling(self) -> bool:

@@ -179,6 +179,10 @@ class OpScheduler(ABC):
 
     name = "strategy"
 
+    def accepts(self, program: Program) -> bool:
+        """Whether this strategy runs `program`; the engine falls back when it does not."""
+        return True
+
     @abstractmethod
     def schedule(self, ctx: SchedContext) -> None:
         """Dispatch every op of every micro-batch through `ctx`."""

@@ -1,0 +1,179 @@
+"""The serving engine (NanoFlow §4.2.1): `step()` = form batch -> run the scheduler -> post-process.
+
+A fixed dense batch per iteration (decode first, chunked prefill after; see batcher.py). The
+model step goes through a scheduling strategy (`Sequential` by default; any `OpScheduler`), with
+a fallback strategy for batches the main one does not accept, counted in `stats`.
+
+Asynchronous loop. With `async_loop=True` the CPU forms and launches batch i+1 before it reads
+back batch i's tokens: a decode whose previous token is still on the device takes it from the
+device tensor of the last iteration, and a request that ended with EOS in batch i is seen one
+iteration late (its extra token is dropped). Without a GPU both loops give the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanosched.runtime.backend import Backend
+from nanosched.runtime.batcher import Batch, Batcher
+from nanosched.runtime.device import CudaDevice, SerialDevice
+from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.program import LaunchConfig
+from nanosched.runtime.requests import Request
+from nanosched.runtime.sampling import sample
+from nanosched.runtime.scheduler import OpScheduler, run_program
+from nanosched.runtime.strategies import Sequential
+
+
+@dataclass
+class EngineStats:
+    iterations: int = 0
+    tokens: int = 0  # prompt + decode tokens processed
+    fallbacks: int = 0  # iterations the main strategy did not accept
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Launched:
+    """An iteration in flight: which requests sample, and their tokens on the device."""
+
+    samplers: list[Request]
+    tokens: torch.Tensor  # [n] int64 on the device
+    host: torch.Tensor  # [n] int64, pinned on CUDA
+    ready: Any  # CUDA event (None on CPU)
+
+
+class Engine:
+    def __init__(self, model: Any, *, dense_batch: int, num_pages: int, page_size: int = 16,
+                 strategy: OpScheduler | None = None, fallback: OpScheduler | None = None,
+                 stream_configs: dict[str, LaunchConfig] | None = None,
+                 eos_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
+                 async_loop: bool = True) -> None:
+        self.model = model
+        self.is_cuda = model.device.type == "cuda"
+        self.ws = model.new_workspace(dense_batch, num_pages, page_size)
+        self.batcher = Batcher(dense_batch, num_pages, page_size,
+                               model.spec.max_position_embeddings)
+        self.strategy = strategy or Sequential()
+        self.fallback = fallback or Sequential()
+        self.stream_configs = stream_configs
+        self.backend = Backend(CudaDevice() if self.is_cuda else SerialDevice())
+        self.eos_ids = frozenset(eos_ids)
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.async_loop = async_loop and self.is_cuda
+        self.stats = EngineStats()
+        self._in_flight: _Launched | None = None
+        self._pending_row: dict[int, int] = {}  # request id -> row in the in-flight tokens
+        self.finished: list[Request] = []
+        self.clock = time.perf_counter
+        self.t0 = self.clock()
+
+    # ---- public ----------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.batcher.add(req)
+
+    def step(self) -> list[Request]:
+        """One iteration: form batch -> run the scheduler -> post-process. Returns the
+        requests whose end became known in this step."""
+        batch = self.batcher.form(self.clock() - self.t0)
+        launched = self._run(batch) if batch.entries else None
+        previous, self._in_flight = self._in_flight, launched
+        if not self.async_loop:
+            previous, self._in_flight = launched, None
+        return self._post_process(previous) if previous is not None else []
+
+    def run_to_completion(self, max_steps: int = 10**9) -> list[Request]:
+        for _ in range(max_steps):
+            if not (self.batcher.has_work or self._in_flight):
+                break
+            self.step()
+        return self.finished
+
+    # ---- run the scheduler -----------------------------------------------------------------
+    def _run(self, batch: Batch) -> _Launched:
+        ws, dev = self.ws, self.model.device
+        meta = ws.kv.plan([(e.request.request_id, e.num_tokens, e.is_decode)
+                           for e in batch.entries])
+        segments, ids, from_device, rows = [], [], [], []
+        row = 0
+        for e in batch.entries:
+            r = e.request
+            if e.is_decode and r.pending:
+                from_device.append((row, self._pending_row[r.request_id]))
+                ids.append(0)
+            elif e.is_decode:
+                ids.append(r.output_ids[-1])
+            else:
+                ids += r.prompt_ids[e.start:e.start + e.num_tokens]
+            segments.append((row, row + e.num_tokens, e.is_decode))
+            row += e.num_tokens
+            if e.samples:
+                rows.append(row - 1)
+        n = row
+        ws.token_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        if from_device:
+            dst, src = zip(*from_device, strict=True)
+            ws.token_ids.index_copy_(0, torch.tensor(dst, device=dev),
+                                     self._in_flight.tokens[torch.tensor(src, device=dev)])
+        program = model_program(self.model, ws, meta, segments)
+        strategy = self.strategy if self.strategy.accepts(program) else self.fallback
+        self.stats.fallbacks += strategy is not self.strategy
+        run_program(program, strategy, self.backend, self.stream_configs)
+        return self._sample(batch, rows)
+
+    def _sample(self, batch: Batch, rows: list[int]) -> _Launched:
+        dev = self.model.device
+        samplers = [e.request for e in batch.entries if e.samples]
+        logits = self.model.logits(self.ws, torch.tensor(rows, device=dev))
+        temp = torch.tensor([r.params.temperature for r in samplers], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in samplers], device=dev)
+        tokens = sample(logits, temp, top_p, self.generator)
+        for e in batch.entries:
+            if not e.is_decode:
+                e.request.num_prefilled += e.num_tokens
+        for i, r in enumerate(samplers):
+            r.pending += 1
+            self._pending_row[r.request_id] = i
+        self.stats.iterations += 1
+        self.stats.tokens += batch.num_tokens
+        self.stats.batch_sizes.append(batch.num_tokens)
+        if not self.is_cuda:
+            return _Launched(samplers, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Launched(samplers, tokens, host, event)
+
+    # ---- post-process ----------------------------------------------------------------------
+    def _post_process(self, launched: _Launched) -> list[Request]:
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        now = self.clock() - self.t0
+        ended = []
+        for r, tok in zip(launched.samplers, launched.host.tolist(), strict=True):
+            r.pending -= 1
+            if r.finished:
+                continue  # ended with EOS one iteration ago; this token is past the end
+            r.output_ids.append(tok)
+            if r.first_token_s is None:
+                r.first_token_s = now
+            if len(r.output_ids) >= r.params.max_tokens:
+                r.finish_reason = "length"
+            elif tok in self.eos_ids and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+            else:
+                continue
+            r.finished, r.finish_s = True, now
+            ended.append(r)
+        for r in ended:
+            self.ws.kv.release(r.request_id)
+            self._pending_row.pop(r.request_id, None)
+        self.batcher.retire(ended)
+        self.finished += ended
+        return ended
+

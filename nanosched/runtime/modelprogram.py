@@ -1,0 +1,86 @@
+"""A model forward as a `Program`: the named ops of every layer with their buffer accesses.
+
+The model (nanosched.models.model.CausalLM) runs any op on any token range of its workspace; this
+module only declares what each op reads and writes, in token rows, so that the scheduler and
+backend can order nano-ops without knowing the model. Buffer names are the workspace's fields;
+`kv{l}` stands for layer l's K/V pages of the batch's tokens. Prefill attention reads the K/V
+rows of its prompt's earlier tokens in the batch (a span back to the chunk's first row); decode
+attention reads only its own row of this iteration (the rest is cache from earlier ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from nanosched.models.ops import COMPUTE, OTHER, layer_ops
+from nanosched.runtime.program import Access, LaunchConfig, Program, ProgramOp
+
+# op -> (reads, writes); "kv" means this layer's K/V rows
+_ACCESSES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "kqv": (("normed",), ("qkv",)),
+    "rope_append": (("qkv",), ("q", "kv")),
+    "attn_decode": (("q", "kv"), ("attn",)),
+    "attn_prefill": (("q", "kv"), ("attn",)),
+    "o": (("attn",), ("o_out",)),
+    "ar_attn": (("o_out",), ("o_out",)),
+    "add_norm_ffn": (("o_out", "residual"), ("residual", "normed")),
+    "ug": (("normed",), ("gate_up",)),
+    "experts_ug": (("normed",), ("gate_up", "router")),
+    "act": (("gate_up",), ("act",)),
+    "d": (("act",), ("ffn_out",)),
+    "experts_d": (("act", "router"), ("ffn_out",)),
+    "ar_ffn": (("ffn_out",), ("ffn_out",)),
+    "add_norm_attn": (("ffn_out", "residual"), ("residual", "normed")),
+}
+
+
+def prefill_span(segments: Sequence[tuple[int, int, bool]]):
+    """Span of prefill attention: back to the first batch row of the chunk holding `start`.
+
+    segments: (first row, end row, is_decode) of each request's slice of the batch, in order.
+    """
+    first_row: dict[int, int] = {}
+    for lo, hi, is_decode in segments:
+        if not is_decode:
+            for t in range(lo, hi):
+                first_row[t] = lo
+
+    def span(start: int, end: int) -> tuple[int, int]:
+        return first_row.get(start, start), end
+
+    return span
+
+
+def _launch_dict(cfg: LaunchConfig) -> dict[str, Any] | None:
+    out = {k: v for k, v in (("max_ctas", cfg.max_ctas), ("num_sms", cfg.num_sms),
+                             ("impl", cfg.impl)) if v is not None}
+    return out or None
+
+
+def model_program(model: Any, ws: Any, meta: Any,
+                  segments: Sequence[tuple[int, int, bool]]) -> Program:
+    """The forward over the batch described by `meta`: embedding, then every layer's ops."""
+    num_tokens = segments[-1][1] if segments else 0
+    span = prefill_span(segments)
+    ops = [ProgramOp("embed", -1, OTHER,
+                     lambda s, e, cfg: model.embed(ws, meta, s, e),
+                     (Access("token_ids"),), (Access("residual"), Access("normed")))]
+    resources = {op.name: op.resource for op in layer_ops(model.spec, model.tp.size)}
+    for layer in range(model.spec.num_layers):
+        for name in model.op_names():
+            reads, writes = _ACCESSES[name]
+
+            def access(buf: str, name: str = name, layer: int = layer) -> Access:
+                if buf != "kv":
+                    return Access(buf)
+                return Access(f"kv{layer}", span if name == "attn_prefill" else None)
+
+            def run(s: int, e: int, cfg: LaunchConfig, layer: int = layer,
+                    name: str = name) -> None:
+                model.run_op(layer, name, ws, meta, s, e, launch=_launch_dict(cfg))
+
+            ops.append(ProgramOp(name, layer, resources.get(name, COMPUTE), run,
+                                 tuple(access(b) for b in reads),
+                                 tuple(access(b) for b in writes)))
+    return Program(num_tokens, tuple(ops))

@@ -38,3 +38,14 @@ def default_num_ctas(device: torch.device) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 for fp32 inputs (no TF32), the default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (the models ask here instead of touching torch.cuda)."""
+    return torch.cuda.is_available()
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device of this process (Triton launches there)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

@@ -158,6 +158,48 @@ def _print_analysis(a: Any) -> None:
     typer.echo(f"optimal throughput (Eq. 5): {a.optimal_tokens_per_s_per_gpu:.0f} tokens/s/GPU")
 
 
+@app.command()
+@reports_errors
+def generate(
+    model: str = typer.Option(..., "--model", "-m", help="Registered model name (random "
+                              "weights) or an HF checkpoint folder (config.json + safetensors)."),
+    prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs a tokenizer "
+                                      "in the checkpoint folder)."),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt token ids, "
+                                          "comma-separated: 1,2,3."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (processes)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
+    as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
+) -> None:
+    """Generate a continuation through the paged KV cache and the named-op model."""
+    from nanosched.errors import ConfigError
+    from nanosched.models.generate import GenerateConfig
+    from nanosched.models.generate import generate as run_generate
+
+    ids = None
+    if prompt_ids is not None:
+        try:
+            ids = tuple(int(t) for t in prompt_ids.split(","))
+        except ValueError:
+            raise ConfigError(f"--prompt-ids must be comma-separated integers, got "
+                              f"{prompt_ids!r}") from None
+    cfg = GenerateConfig(model=model, prompt=prompt, prompt_ids=ids, max_tokens=max_tokens,
+                         temperature=temperature, device=device, tp=tp, seed=seed)
+    result = run_generate(cfg)
+    if result.random_weights:
+        typer.echo(f"note: {model} has no checkpoint here; using random weights (seed {seed})",
+                   err=True)
+    if as_json:
+        typer.echo(json.dumps({"model": model, "prompt_ids": result.prompt_ids,
+                               "output_ids": result.output_ids, "text": result.text}))
+    else:
+        typer.echo(result.text if result.text is not None
+                   else " ".join(map(str, result.output_ids)))
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="nanosched")

@@ -200,6 +200,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, where: str = "config.jso
     head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and
                                        isinstance(heads, int) and heads else 0)
     moe = arch == "mixtral"
+    theta, scaling = _rope_fields(cfg)
     return ModelSpec(
         name=name,
         arch=arch,
@@ -211,14 +212,29 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, where: str = "config.jso
         intermediate_size=_require(cfg, "intermediate_size", where),
         vocab_size=_require(cfg, "vocab_size", where),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         num_experts=_require(cfg, "num_local_experts", where) if moe else 0,
         num_experts_per_tok=_require(cfg, "num_experts_per_tok", where) if moe else 0,
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling=scaling,
     )
+
+
+def _rope_fields(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope scaling) from either transformers-4 or transformers-5 config fields.
+
+    transformers 5 writes `rope_parameters = {"rope_theta": ..., "rope_type": ...}`; older
+    configs have top-level `rope_theta` and an optional `rope_scaling` dict. A scaling dict is
+    kept only when its type is not "default".
+    """
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (params if isinstance(params, dict) else {})
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    theta = float(theta if theta is not None else cfg.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    return theta, (dict(scaling) if kind != "default" else None)
 
 
 def load_spec(name_or_path: str) -> ModelSpec:

@@ -1,0 +1,157 @@
+"""Paged GQA decode attention in Triton: split-K over the context, a bounded persistent grid.
+
+Contract (same as `reference.decode_attention`): q, out [n, Hq, d]; k_cache, v_cache
+[P, S, Hkv, d]; block_tables [n, max_pages] int32; context_lens [n] int32. One work item is
+(request, KV head, split); a split covers `split_len` consecutive cached tokens. The partial
+kernel runs on `max_ctas` programs that loop over the work items (persistent grid), so the caller
+bounds the kernel's SM footprint; each item handles the whole GQA group of its KV head with one
+`tl.dot`. With more than one split, a second kernel (same CTA bound) merges the partial results
+by their log-sum-exp. `max_ctas` and `num_splits` are launch arguments: the profiler sweeps them.
+
+Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nanosched.kernels.common import default_num_ctas, dot_precision
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr,
+    num_items, num_kv_heads, num_splits, split_len, scale,
+    s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_btn,
+    s_on, s_oh, s_os, s_ln, s_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    for item in range(pid, num_items, tl.num_programs(0)):
+        split = item % num_splits
+        kvh = (item // num_splits) % num_kv_heads
+        req = item // (num_splits * num_kv_heads)
+        ctx = tl.load(lens_ptr + req)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, ctx)
+        heads = kvh * GROUP + offs_g  # [BG]
+        q = tl.load(q_ptr + req * s_qn + heads[:, None] * s_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BG, BD]
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            tok = start + offs_n  # [BN]
+            t_mask = tok < hi
+            page = tl.load(bt_ptr + req * s_btn + tok // PAGE, mask=t_mask, other=0)
+            slot = tok % PAGE
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BG, BN]
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+        has = l_i > 0
+        res = acc / tl.where(has, l_i, 1.0)[:, None]
+        o_off = req * s_on + heads[:, None] * s_oh + split * s_os + offs_d[None, :]
+        tl.store(o_ptr + o_off, res.to(o_ptr.dtype.element_ty),
+                 mask=g_mask[:, None] & d_mask[None, :])
+        if STORE_LSE:
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + req * s_ln + heads * s_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_ptr, lse_ptr, out_ptr, num_items, num_heads, num_splits,
+    s_pn, s_ph, s_ps, s_ln, s_lh, s_on, s_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    for item in range(pid, num_items, tl.num_programs(0)):
+        req = item // num_heads
+        head = item % num_heads
+        lse = tl.load(lse_ptr + req * s_ln + head * s_lh + offs_s, mask=s_mask,
+                      other=float("-inf"))  # [BS]
+        weight = tl.exp(lse - tl.max(lse, 0))
+        weight = weight / tl.sum(weight, 0)
+        part = tl.load(part_ptr + req * s_pn + head * s_ph + offs_s[:, None] * s_ps
+                       + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        res = tl.sum(part * weight[:, None], 0)  # [BD]
+        tl.store(out_ptr + req * s_on + head * s_oh + offs_d,
+                 res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+BLOCK_N = 32
+
+
+def plan_splits(num_requests: int, num_kv_heads: int, max_context_len: int, max_ctas: int,
+                num_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, split_len): enough work items for `max_ctas` programs, whole blocks each."""
+    max_blocks = max(1, math.ceil(max_context_len / BLOCK_N))
+    if num_splits is None:
+        num_splits = math.ceil(2 * max_ctas / max(1, num_requests * num_kv_heads))
+    num_splits = max(1, min(num_splits, max_blocks))
+    split_len = math.ceil(max_blocks / num_splits) * BLOCK_N
+    return math.ceil(max_context_len / split_len), split_len
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     max_context_len: int, scale: float, out: torch.Tensor,
+                     max_ctas: int | None = None, num_splits: int | None = None) -> None:
+    """Triton paged decode attention; see the module docstring for shapes and launch args."""
+    n, num_q, d = q.shape
+    if n == 0:
+        return
+    num_kv, page = k_cache.shape[2], k_cache.shape[1]
+    if max_ctas is None:
+        max_ctas = default_num_ctas(q.device)
+    splits, split_len = plan_splits(n, num_kv, max_context_len, max_ctas, num_splits)
+    group = num_q // num_kv
+    num_items = n * num_kv * splits
+    if splits == 1:
+        part, lse = out, out  # write straight to out; lse is never touched
+        s_part = (out.stride(0), out.stride(1), 0)
+    else:
+        part = torch.empty((n, num_q, splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((n, num_q, splits), dtype=torch.float32, device=q.device)
+        s_part = part.stride()[:3]
+    block_d = triton.next_power_of_2(d)
+    _decode_partial_kernel[(min(max_ctas, num_items),)](
+        q, k_cache, v_cache, block_tables, context_lens, part, lse,
+        num_items, num_kv, splits, split_len, scale,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), *s_part,
+        lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, PAGE=page, STORE_LSE=splits > 1,
+        DOT_PREC=dot_precision(q.dtype), num_warps=4)
+    if splits == 1:
+        return
+    merge_items = n * num_q
+    _decode_merge_kernel[(min(max_ctas, merge_items),)](
+        part, lse, out, merge_items, num_q, splits,
+        *part.stride()[:3], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)

@@ -1,0 +1,157 @@
+"""Attention metadata of a dense batch, sliceable to any token range [start, end).
+
+The dense batch holds T tokens: decode tokens first (one per running request), then prefill
+tokens (chunks of prompts). A *segment* is one request's consecutive tokens in the batch; a
+decode segment has one token. `BatchMeta` covers the global token range [start, end) and holds:
+
+- per token (device): `positions` [n] int64, `slot_mapping` [n] int64 (cache slot = page * S +
+  offset where the token's K/V is written);
+- per segment (device): `block_tables` [num_segments, max_pages] int32 and `context_lens`
+  [num_segments] int32 = the position of the segment's last token in this range + 1, i.e. how
+  many cached tokens the segment's last query attends to;
+- per segment (host): local `seg_starts` / `seg_ends`, `seg_first_pos`, `seg_request` (index of
+  the request in the full batch) and `context_lens_cpu`;
+- `num_decode`: decode tokens in the range (they come first; one segment each).
+
+`meta.slice(start, end)` gives the metadata of a sub-range (memoised), so a runtime can run ops
+on nano-batches: a range that cuts a prompt keeps the prompt's earlier tokens in the context of
+its attention (they are read from the paged cache, written there by the earlier range's
+`rope_append`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nanosched.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One request's tokens in a batch: positions first_pos .. first_pos + num_tokens - 1."""
+
+    block_table: tuple[int, ...]  # cache pages of the request, covering every position written
+    first_pos: int
+    num_tokens: int
+    is_decode: bool
+
+
+@dataclass(eq=False)
+class BatchMeta:
+    """Attention metadata for the tokens [start, end) of a dense batch (see module docstring)."""
+
+    start: int
+    end: int
+    num_decode: int
+    page_size: int
+    positions: torch.Tensor  # [n] int64
+    slot_mapping: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [num_segments, max_pages] int32
+    context_lens: torch.Tensor  # [num_segments] int32
+    seg_starts: tuple[int, ...]
+    seg_ends: tuple[int, ...]
+    seg_first_pos: tuple[int, ...]
+    seg_request: tuple[int, ...]
+    context_lens_cpu: tuple[int, ...]
+    _slices: dict[tuple[int, int], BatchMeta] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_prefill(self) -> int:
+        return self.num_tokens - self.num_decode
+
+    @property
+    def max_decode_context(self) -> int:
+        """Longest decode context in the range (0 when there are no decode tokens)."""
+        return max(self.context_lens_cpu[: self.num_decode], default=0)
+
+    def prefill_segments(self) -> list[tuple[int, int, int]]:
+        """(start, end, first_pos) of each prefill segment, relative to the first prefill token."""
+        nd = self.num_decode
+        return [(s - nd, e - nd, p) for s, e, p in
+                zip(self.seg_starts[nd:], self.seg_ends[nd:], self.seg_first_pos[nd:],
+                    strict=True)]
+
+    @classmethod
+    def build(cls, chunks: Sequence[SeqChunk], page_size: int,
+              device: torch.device | str = "cpu") -> BatchMeta:
+        """Metadata of a full batch whose segments are `chunks`, decode chunks first."""
+        _check_chunks(chunks, page_size)
+        positions, slots, starts, ends = [], [], [], []
+        for c in chunks:
+            starts.append(len(positions))
+            for p in range(c.first_pos, c.first_pos + c.num_tokens):
+                positions.append(p)
+                slots.append(c.block_table[p // page_size] * page_size + p % page_size)
+            ends.append(len(positions))
+        width = max((len(c.block_table) for c in chunks), default=1) or 1
+        tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
+        lens = tuple(c.first_pos + c.num_tokens for c in chunks)
+        return cls(
+            start=0, end=len(positions), num_decode=sum(c.is_decode for c in chunks),
+            page_size=page_size,
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device).view(-1, width),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            seg_starts=tuple(starts), seg_ends=tuple(ends),
+            seg_first_pos=tuple(c.first_pos for c in chunks),
+            seg_request=tuple(range(len(chunks))), context_lens_cpu=lens)
+
+    def slice(self, start: int, end: int) -> BatchMeta:
+        """Metadata of the global token range [start, end) ⊆ [self.start, self.end)."""
+        if (start, end) == (self.start, self.end):
+            return self
+        if not self.start <= start <= end <= self.end:
+            raise ConfigError(f"token range [{start}, {end}) is not inside the batch range "
+                              f"[{self.start}, {self.end})")
+        if (start, end) not in self._slices:
+            self._slices[(start, end)] = self._make_slice(start, end)
+        return self._slices[(start, end)]
+
+    def _make_slice(self, start: int, end: int) -> BatchMeta:
+        rows, starts, ends, first_pos = [], [], [], []
+        for i, (s, e, p) in enumerate(zip(self.seg_starts, self.seg_ends, self.seg_first_pos,
+                                          strict=True)):
+            lo, hi = max(s + self.start, start), min(e + self.start, end)
+            if lo < hi:
+                rows.append(i)
+                starts.append(lo - start)
+                ends.append(hi - start)
+                first_pos.append(p + lo - (s + self.start))
+        lens = tuple(p + e - s for s, e, p in zip(starts, ends, first_pos, strict=True))
+        device = self.positions.device
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        a, b = start - self.start, end - self.start
+        return BatchMeta(
+            start=start, end=end, num_decode=sum(r < self.num_decode for r in rows),
+            page_size=self.page_size, positions=self.positions[a:b],
+            slot_mapping=self.slot_mapping[a:b],
+            block_tables=self.block_tables.index_select(0, index),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            seg_starts=tuple(starts), seg_ends=tuple(ends), seg_first_pos=tuple(first_pos),
+            seg_request=tuple(self.seg_request[r] for r in rows), context_lens_cpu=lens)
+
+
+def _check_chunks(chunks: Sequence[SeqChunk], page_size: int) -> None:
+    if page_size <= 0:
+        raise ConfigError(f"page size must be positive, got {page_size}")
+    seen_prefill = False
+    for i, c in enumerate(chunks):
+        if c.num_tokens <= 0 or c.first_pos < 0:
+            raise ConfigError(f"chunk {i}: num_tokens must be positive and first_pos >= 0, got "
+                              f"{c.num_tokens} and {c.first_pos}")
+        if c.is_decode and (seen_prefill or c.num_tokens != 1):
+            raise ConfigError(f"chunk {i}: decode chunks have one token and come before every "
+                              f"prefill chunk")
+        seen_prefill = seen_prefill or not c.is_decode
+        needed = -(-(c.first_pos + c.num_tokens) // page_size)
+        if len(c.block_table) < needed:
+            raise ConfigError(f"chunk {i}: block table has {len(c.block_table)} pages, positions "
+                              f"up to {c.first_pos + c.num_tokens - 1} need {needed}")

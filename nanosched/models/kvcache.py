@@ -1,0 +1,97 @@
+"""Paged KV cache: a page allocator, per-request block tables, and batch planning.
+
+Storage: per layer `k[layer]`, `v[layer]` of shape [P, S, Hkv, d] (P pages of S tokens, the
+tp rank's KV heads). A request owns a list of pages (its block table); position p of the
+request lives at page table[p // S], offset p % S. `plan(...)` reserves pages for the tokens a
+batch will write, advances each request's length and returns the batch's `BatchMeta`.
+Pages are zero-initialised so that padded reads never meet NaNs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nanosched.errors import ConfigError, NanoschedError
+from nanosched.models.batch import BatchMeta, SeqChunk
+
+DEFAULT_PAGE_SIZE = 16
+
+
+class CacheFullError(NanoschedError):
+    """The KV cache has too few free pages for a request."""
+
+
+class PageAllocator:
+    """Free list of page ids 0..num_pages-1."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ConfigError(f"KV cache needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` pages; raises CacheFullError when fewer are free."""
+        if count > len(self._free):
+            raise CacheFullError(f"KV cache: {count} pages needed, {len(self._free)} of "
+                                 f"{self.num_pages} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Return pages to the free list."""
+        self._free.extend(reversed(pages))
+
+
+class KVCache:
+    """Paged K/V storage for every layer plus the block table and length of each request."""
+
+    def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 page_size: int = DEFAULT_PAGE_SIZE) -> None:
+        if page_size <= 0:
+            raise ConfigError(f"page size must be positive, got {page_size}")
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, Hkv, d]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.allocator = PageAllocator(num_pages)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def length(self, request: int) -> int:
+        """Tokens of `request` already written (0 for an unknown request)."""
+        return self.lengths.get(request, 0)
+
+    def reserve(self, request: int, new_length: int) -> None:
+        """Make `request`'s block table cover positions 0..new_length-1."""
+        table = self.tables.setdefault(request, [])
+        self.lengths.setdefault(request, 0)
+        needed = -(-new_length // self.page_size) - len(table)
+        if needed > 0:
+            table.extend(self.allocator.allocate(needed))
+
+    def release(self, request: int) -> None:
+        """Free every page of a finished request."""
+        self.allocator.free(self.tables.pop(request, []))
+        self.lengths.pop(request, None)
+
+    def plan(self, chunks: Sequence[tuple[int, int, bool]]) -> BatchMeta:
+        """Reserve pages and build the metadata of a batch.
+
+        chunks: (request id, number of new tokens, is_decode) in batch order, decode first.
+        Each request's new tokens continue at its current length, which then advances.
+        """
+        seqs = []
+        for request, num_tokens, is_decode in chunks:
+            first = self.length(request)
+            self.reserve(request, first + num_tokens)
+            self.lengths[request] = first + num_tokens
+            seqs.append(SeqChunk(tuple(self.tables[request]), first, num_tokens, is_decode))
+        return BatchMeta.build(seqs, self.page_size, self.device)

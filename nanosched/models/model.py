@@ -1,0 +1,165 @@
+"""Llama-family (Llama-2/3, DeepSeek-67B, Qwen2 with QKV bias) and Mixtral models as named ops.
+
+Per-op interface (what a runtime builds on)::
+
+    model = CausalLM(spec, tp=TensorParallel(rank, size), dtype=..., device=..., kernels=...)
+    ws = model.new_workspace(max_tokens, num_pages, page_size=16)  # buffers + paged KV cache
+    meta = ws.kv.plan([(request_id, num_new_tokens, is_decode), ...])  # decode first
+    ws.token_ids[:T].copy_(ids)                                       # [T] int64
+    model.embed(ws, meta, start, end)                                 # ids → residual, normed
+    for layer in range(spec.num_layers):
+        for op in model.op_names():                                   # ops.layer_ops order
+            model.run_op(layer, op, ws, meta, start, end, launch=None)
+    logits = model.logits(ws, rows)                                   # [len(rows), V]
+
+Every op reads and writes only rows [start, end) of the workspace buffers, for any range of the
+dense batch, using `meta.slice(start, end)` (memoised) as that range's attention metadata. So
+a runtime may call each op on nano-batches in any order that respects the op graph (same rows:
+earlier op first; `attn_prefill` of a range that cuts a prompt after `rope_append` of the
+prompt's earlier ranges) and on any stream. `launch` passes SM-footprint knobs to the kernel:
+`{"max_ctas": 32, "num_splits": 4}` for `attn_decode`, `{"num_sms": 100, "block_m": ...}` for
+GEMM ops when `KernelOptions(gemm="triton")`. `ar_attn` / `ar_ffn` are no-ops at tp = 1.
+`forward(ws, meta, rows)` is the sequential reference: every op over the whole batch.
+
+Model code knows nothing of schedules. Weights live in local (tp-sharded) shapes; see
+`weights.py` (random init) and `checkpoint.py` (HF safetensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanosched.errors import ConfigError
+from nanosched.kernels import dispatch as K
+from nanosched.kernels.dispatch import KernelOptions
+from nanosched.models import op_impls
+from nanosched.models.batch import BatchMeta
+from nanosched.models.kvcache import DEFAULT_PAGE_SIZE, KVCache
+from nanosched.models.ops import layer_ops as op_defs
+from nanosched.models.parallel import LocalShapes, TensorParallel, local_shapes
+from nanosched.models.rope import rope_tables
+from nanosched.models.spec import ModelSpec
+from nanosched.models.workspace import Workspace, allocate_workspace
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """The weights of one decoder layer in local (tp-sharded) shapes; the ops live elsewhere.
+
+    w_qkv [(Hq + 2 Hkv) d, D] rows q | k | v; w_o [D, Hq d]; dense: w_gate_up [2I, D] rows
+    gate | up, w_down [D, I]; MoE: router [E, D], w_gate_up [E, 2I, D], w_down [E, D, I].
+    """
+
+    def __init__(self, spec: ModelSpec, local: LocalShapes, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        d, inter = spec.hidden_size, local.intermediate
+        kw = {"dtype": dtype, "device": device}
+        self.attn_norm = _param(d, **kw)
+        self.w_qkv = _param(local.qkv_size, d, **kw)
+        self.b_qkv = _param(local.qkv_size, **kw) if spec.qkv_bias else None
+        self.w_o = _param(d, local.q_size, **kw)
+        self.ffn_norm = _param(d, **kw)
+        if spec.is_moe:
+            self.router = _param(spec.num_experts, d, **kw)
+            self.w_gate_up = _param(spec.num_experts, 2 * inter, d, **kw)
+            self.w_down = _param(spec.num_experts, d, inter, **kw)
+        else:
+            self.router = None
+            self.w_gate_up = _param(2 * inter, d, **kw)
+            self.w_down = _param(d, inter, **kw)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM whose layers run as the named ops of `nanosched.models.ops`."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kernels: KernelOptions | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tp = tp or TensorParallel()
+        self.local = local_shapes(spec, self.tp)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kernels = kernels or KernelOptions()
+        self.scale = spec.head_dim ** -0.5
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = _param(self.local.vocab, spec.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(spec, self.local, dtype, device)
+                                    for _ in range(spec.num_layers))
+        self.final_norm = _param(spec.hidden_size, **kw)
+        self.lm_head = (self.embed_tokens if spec.tie_word_embeddings
+                        else _param(self.local.vocab, spec.hidden_size, **kw))
+        cos, sin = rope_tables(spec, device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos, d/2] fp32
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._ops = [op.name for op in op_defs(spec, self.tp.size)]
+
+    def op_names(self) -> list[str]:
+        """The layer's ops in program order (network ops only when tp > 1)."""
+        return list(self._ops)
+
+    def new_workspace(self, max_tokens: int, num_pages: int,
+                      page_size: int = DEFAULT_PAGE_SIZE) -> Workspace:
+        """Buffers for batches of up to `max_tokens` tokens and a cache of `num_pages` pages."""
+        s, loc = self.spec, self.local
+        kv = KVCache(s.num_layers, num_pages, loc.num_kv_heads, s.head_dim, self.dtype,
+                     self.device, page_size)
+        k = s.num_experts_per_tok if s.is_moe else 1
+        return allocate_workspace(
+            max_tokens=max_tokens, hidden=s.hidden_size, qkv_size=loc.qkv_size,
+            num_heads=loc.num_heads, head_dim=s.head_dim, intermediate=loc.intermediate,
+            experts_per_token=k, is_moe=s.is_moe, kv=kv, dtype=self.dtype, device=self.device)
+
+    def norm_before(self, layer: int) -> torch.Tensor:
+        """The RMSNorm weight applied before layer `layer` (the final norm after the last)."""
+        return self.layers[layer].attn_norm if layer < len(self.layers) else self.final_norm
+
+    def embed(self, ws: Workspace, meta: BatchMeta, start: int, end: int) -> None:
+        """Look up ws.token_ids[start:end] into the residual stream and norm it for layer 0."""
+        ids = ws.token_ids[start:end]  # [n]
+        local = ids - self.local.vocab_start
+        valid = (local >= 0) & (local < self.local.vocab)
+        h = F.embedding(local.clamp(0, self.local.vocab - 1), self.embed_tokens)  # [n, D]
+        res = ws.residual[start:end]
+        torch.mul(h, valid[:, None].to(h.dtype), out=res)
+        self.tp.all_reduce(res)
+        K.rms_norm_add(res, None, self.norm_before(0), self.spec.rms_norm_eps,
+                       ws.normed[start:end], res, self.kernels)
+
+    def run_op(self, layer: int, name: str, ws: Workspace, meta: BatchMeta, start: int,
+               end: int, launch: dict | None = None) -> None:
+        """Run op `name` of layer `layer` on tokens [start, end) (global batch coordinates)."""
+        fn = op_impls.OPS.get(name)
+        if fn is None:
+            raise ConfigError(f"op {name!r} is not an op of model {self.spec.name!r}; "
+                              f"ops: {', '.join(self._ops)}")
+        if start < end:
+            fn(self, layer, ws, meta, start, end, launch)
+
+    def logits(self, ws: Workspace, rows: torch.Tensor | None = None,
+               num_tokens: int | None = None) -> torch.Tensor:
+        """LM-head logits [len(rows), V] of the normed rows (all `num_tokens` rows if None)."""
+        h = ws.normed[:num_tokens] if rows is None else ws.normed.index_select(0, rows)
+        out = torch.empty((h.shape[0], self.local.vocab), dtype=self.dtype, device=self.device)
+        K.linear(h, self.lm_head, None, out, self.kernels)
+        return self.tp.all_gather_cols(out)[:, : self.spec.vocab_size]
+
+    def forward(self, ws: Workspace, meta: BatchMeta,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Sequential reference: embed, every op of every layer over the batch, logits."""
+        if meta.start != 0:
+            raise ConfigError(f"forward runs a whole batch; got the range [{meta.start}, "
+                              f"{meta.end})")
+        n = meta.end
+        self.embed(ws, meta, 0, n)
+        for layer in range(self.spec.num_layers):
+            for name in self._ops:
+                self.run_op(layer, name, ws, meta, 0, n)
+        return self.logits(ws, rows, num_tokens=n)

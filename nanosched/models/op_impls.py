@@ -1,0 +1,118 @@
+"""The named ops of a decoder layer, each on a token range [start, end) of the dense batch.
+
+Signature of every op: `op(model, layer, ws, meta, start, end, launch) -> None`, called through
+`CausalLM.run_op`. An op reads and writes only rows [start, end) of the workspace (see
+`model.py` for the contract); `meta` is the full batch's metadata and the op slices it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from nanosched.kernels import dispatch as K
+from nanosched.models import moe
+from nanosched.models.batch import BatchMeta
+from nanosched.models.workspace import Workspace
+
+if TYPE_CHECKING:
+    from nanosched.models.model import CausalLM
+
+Launch = dict[str, Any] | None
+
+
+def kqv(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+        launch: Launch) -> None:
+    """qkv[s:e] = normed[s:e] @ w_qkv.T (+ bias)."""
+    layer = m.layers[i]
+    K.linear(ws.normed[s:e], layer.w_qkv, layer.b_qkv, ws.qkv[s:e], m.kernels, launch)
+
+
+def rope_append(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+                launch: Launch) -> None:
+    """Rotate q → q[s:e]; rotate k and write k, v into layer i's pages."""
+    r = meta.slice(s, e)
+    K.rope_append(ws.qkv[s:e], r.positions, m.rope_cos, m.rope_sin, r.slot_mapping,
+                  ws.kv.k[i], ws.kv.v[i], ws.q[s:e], m.kernels)
+
+
+def attn_decode(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+                launch: Launch) -> None:
+    """Decode tokens of the range attend to their requests' cached context."""
+    r = meta.slice(s, e)
+    nd = r.num_decode
+    if nd == 0:
+        return
+    K.decode_attention(ws.q[s:s + nd], ws.kv.k[i], ws.kv.v[i], r.block_tables[:nd],
+                       r.context_lens[:nd], r.max_decode_context, m.scale, ws.attn[s:s + nd],
+                       m.kernels, launch)
+
+
+def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+                 launch: Launch) -> None:
+    """Prefill tokens of the range: causal over their prompts' cached earlier tokens."""
+    r = meta.slice(s, e)
+    nd = r.num_decode
+    if nd == e - s:
+        return
+    K.prefill_attention(ws.q[s + nd:e], ws.kv.k[i], ws.kv.v[i], r.block_tables[nd:],
+                        r.prefill_segments(), m.scale, ws.attn[s + nd:e])
+
+
+def o(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+      launch: Launch) -> None:
+    """o_out[s:e] = attn[s:e] @ w_o.T (a partial sum under tp)."""
+    K.linear(ws.attn[s:e].flatten(1), m.layers[i].w_o, None, ws.o_out[s:e], m.kernels, launch)
+
+
+def ar_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+            launch: Launch) -> None:
+    """All-reduce o_out[s:e] over the tp group."""
+    m.tp.all_reduce(ws.o_out[s:e])
+
+
+def add_norm_ffn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+                 launch: Launch) -> None:
+    """residual += o_out; normed = RMSNorm_ffn(residual)."""
+    K.rms_norm_add(ws.o_out[s:e], ws.residual[s:e], m.layers[i].ffn_norm, m.spec.rms_norm_eps,
+                   ws.normed[s:e], ws.residual[s:e], m.kernels)
+
+
+def ug(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+       launch: Launch) -> None:
+    """gate_up[s:e] = normed[s:e] @ w_gate_up.T."""
+    K.linear(ws.normed[s:e], m.layers[i].w_gate_up, None, ws.gate_up[s:e], m.kernels, launch)
+
+
+def act(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+        launch: Launch) -> None:
+    """act = SiLU(gate) * up on the range's rows (k rows per token for MoE)."""
+    rows = ws.rows(s, e)
+    K.silu_mul(ws.gate_up[rows], ws.act[rows], m.kernels)
+
+
+def d(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+      launch: Launch) -> None:
+    """ffn_out[s:e] = act[s:e] @ w_down.T (a partial sum under tp)."""
+    K.linear(ws.act[s:e], m.layers[i].w_down, None, ws.ffn_out[s:e], m.kernels, launch)
+
+
+def ar_ffn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+           launch: Launch) -> None:
+    """All-reduce ffn_out[s:e] over the tp group."""
+    m.tp.all_reduce(ws.ffn_out[s:e])
+
+
+def add_norm_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
+                  launch: Launch) -> None:
+    """residual += ffn_out; normed = the next layer's input RMSNorm (final norm at the end)."""
+    K.rms_norm_add(ws.ffn_out[s:e], ws.residual[s:e], m.norm_before(i + 1),
+                   m.spec.rms_norm_eps, ws.normed[s:e], ws.residual[s:e], m.kernels)
+
+
+OPS: dict[str, Callable[..., None]] = {
+    "kqv": kqv, "rope_append": rope_append, "attn_decode": attn_decode,
+    "attn_prefill": attn_prefill, "o": o, "ar_attn": ar_attn, "add_norm_ffn": add_norm_ffn,
+    "ug": ug, "experts_ug": moe.experts_ug, "act": act, "d": d, "experts_d": moe.experts_d,
+    "ar_ffn": ar_ffn, "add_norm_attn": add_norm_attn,
+}

@@ -1,0 +1,125 @@
+"""Tensor parallelism: which slice of each weight a rank holds, and its collectives.
+
+Megatron-style sharding, applied when weights are created or loaded (model code only sees local
+shapes): the QKV and gate/up projections are column-parallel (a rank holds Hq/tp query heads,
+Hkv/tp KV heads, I/tp intermediate rows), O and down are row-parallel (partial sums, all-reduced
+by the `ar_attn` / `ar_ffn` ops), the embedding and LM head are vocab-parallel (ceil(V/tp) rows
+per rank, zero-padded at the end). With tp > Hkv each KV head is replicated on tp/Hkv ranks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from nanosched.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group (rank 0 of 1 without one)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; None = the default group
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum `x` over the group in place (nothing at tp = 1)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+
+    def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, c] on every rank → [n, size * c], rank r's columns at r*c.. (x itself at tp=1)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+
+@dataclass(frozen=True)
+class LocalShapes:
+    """Sizes and offsets of one rank's shards (offsets index the full, unsharded tensors)."""
+
+    num_heads: int  # Hq / tp
+    num_kv_heads: int  # max(1, Hkv / tp)
+    head_dim: int
+    q_head_start: int
+    kv_head_start: int
+    intermediate: int  # I / tp
+    inter_start: int
+    vocab: int  # ceil(V / tp), padded
+    vocab_start: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_size(self) -> int:
+        return self.q_size + 2 * self.kv_size
+
+
+def local_shapes(spec: ModelSpec, tp: TensorParallel) -> LocalShapes:
+    """The shard geometry of rank `tp.rank` of `tp.size` (spec.check_tp must pass first)."""
+    spec.check_tp(tp.size)
+    heads = spec.num_heads // tp.size
+    if spec.num_kv_heads >= tp.size:
+        kv_heads = spec.num_kv_heads // tp.size
+        kv_start = tp.rank * kv_heads
+    else:  # replicate: ranks r*(tp/Hkv) .. share KV head r
+        kv_heads = 1
+        kv_start = tp.rank // (tp.size // spec.num_kv_heads)
+    inter = spec.intermediate_size // tp.size
+    vocab = -(-spec.vocab_size // tp.size)
+    return LocalShapes(num_heads=heads, num_kv_heads=kv_heads, head_dim=spec.head_dim,
+                       q_head_start=tp.rank * heads, kv_head_start=kv_start,
+                       intermediate=inter, inter_start=tp.rank * inter, vocab=vocab,
+                       vocab_start=tp.rank * vocab)
+
+
+def launch(fn: Callable[..., Any], size: int, backend: str, *args: Any) -> Any:
+    """Run `fn(tp, *args)` in `size` spawned processes of one group; return rank 0's result.
+
+    backend "gloo" (CPU) or "nccl" (one GPU per rank: cuda:rank is bound before `fn` runs).
+    `fn` and its arguments must be picklable (module-level functions, plain data).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    torch.multiprocessing.spawn(_entry, args=(size, backend, _free_port(), fn, args, queue),
+                                nprocs=size, join=True)
+    return queue.get()
+
+
+def _entry(rank: int, size: int, backend: str, port: int, fn: Callable[..., Any],
+           args: tuple, queue: Any) -> None:
+    from nanosched.kernels.common import bind_device
+
+    device = torch.device("cuda", rank) if backend == "nccl" else None
+    if device is not None:
+        bind_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, device_id=device)
+    try:
+        result = fn(TensorParallel(rank, size), *args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

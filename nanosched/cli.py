@@ -200,6 +200,66 @@ def generate(
                    else " ".join(map(str, result.output_ids)))
 
 
+@app.command()
+@reports_errors
+def bench(
+    model: str = typer.Option(..., "--model", "-m", help="Model name or HF checkpoint folder."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree."),
+    weights: str = typer.Option("random", "--weights", help="'random' (seeded) or a local "
+                                "HF checkpoint folder."),
+    input_len: int | None = typer.Option(None, "--input-len", help="Prompt tokens per request "
+                                         "(with --output-len)."),
+    output_len: int | None = typer.Option(None, "--output-len", help="Output tokens per "
+                                          "request."),
+    workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise "
+                                        "(NanoFlow Table 4 statistics) or a JSONL file."),
+    num_prompts: int = typer.Option(100, "--num-prompts", help="Number of requests."),
+    dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
+                                           "(default 2048 on a GPU, 256 on the CPU)."),
+    schedule: str = typer.Option("sequential", "--schedule", help="'sequential' or a "
+                                 "schedule JSON file."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="Poisson arrivals "
+                                       "per second (default: all at once, offline)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of lengths, token ids, arrivals, weights."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    json_out: str | None = typer.Option(None, "--json", help="Write every figure, the "
+                                        "configuration and the environment to this file."),
+) -> None:
+    """Serve a workload with the engine and report throughput and latency (NanoFlow §6).
+
+    Flag names follow `vllm bench throughput`. Benchmark mode ignores EOS and generates each
+    request's given output length.
+    """
+    from nanosched.fileio import write_json_atomic
+    from nanosched.runtime.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(model=model, tp=tp, weights=weights, input_len=input_len,
+                      output_len=output_len, workload=workload, num_prompts=num_prompts,
+                      dense_batch=dense_batch, schedule=schedule, request_rate=request_rate,
+                      seed=seed, device=device)
+    out = run_bench(cfg)
+    res = out["results"]
+    env = out["environment"]
+    typer.echo(f"{env['device']}: {out['config']['model']} tp={tp}, strategy "
+               f"{out['strategy']}, dense batch {out['config']['dense_batch']}, "
+               f"{out['iterations']} iterations ({out['fallbacks']} fallbacks)")
+    typer.echo(f"requests {res['requests']}, prompt tokens {res['prompt_tokens']}, output "
+               f"tokens {res['output_tokens']}, {res['elapsed_s']:.2f} s")
+    typer.echo(f"throughput {res['tokens_per_s']:.1f} tokens/s "
+               f"({res['tokens_per_s_per_gpu']:.1f} per GPU), output "
+               f"{res['output_tokens_per_s']:.1f} tokens/s")
+    if res["percent_of_optimal"] is not None:
+        typer.echo(f"optimal {res['optimal_tokens_per_s_per_gpu']:.0f} tokens/s/GPU "
+                   f"(measured GEMM {out['gemm_tflops_8192']:.0f} TFLOP/s): "
+                   f"{res['percent_of_optimal']:.1f}% of optimal")
+    typer.echo(f"latency per output token: mean {res['normalized_latency_s'] * 1e3:.1f} ms, "
+               f"p99 {res['latency_per_output_token_p99_s'] * 1e3:.1f} ms; time to first "
+               f"token mean {res['ttft_mean_s'] * 1e3:.0f} ms")
+    if json_out:
+        write_json_atomic(json_out, out)
+        typer.echo(f"wrote {json_out}")
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="nanosched")

@@ -80,6 +80,8 @@ class Engine:
         """One iteration: form batch -> run the scheduler -> post-process. Returns the
         requests whose end became known in this step."""
         batch = self.batcher.form(self.clock() - self.t0)
+        if not batch.entries and self._in_flight is None:
+            time.sleep(1e-4)  # waiting for arrivals
         launched = self._run(batch) if batch.entries else None
         previous, self._in_flight = self._in_flight, launched
         if not self.async_loop:
@@ -128,10 +130,13 @@ class Engine:
     def _sample(self, batch: Batch, rows: list[int]) -> _Launched:
         dev = self.model.device
         samplers = [e.request for e in batch.entries if e.samples]
-        logits = self.model.logits(self.ws, torch.tensor(rows, device=dev))
-        temp = torch.tensor([r.params.temperature for r in samplers], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in samplers], device=dev)
-        tokens = sample(logits, temp, top_p, self.generator)
+        if samplers:
+            logits = self.model.logits(self.ws, torch.tensor(rows, dtype=torch.int64, device=dev))
+            temp = torch.tensor([r.params.temperature for r in samplers], device=dev)
+            top_p = torch.tensor([r.params.top_p for r in samplers], device=dev)
+            tokens = sample(logits, temp, top_p, self.generator)
+        else:  # every entry is a prompt chunk that does not end its prompt
+            tokens = torch.empty(0, dtype=torch.int64, device=dev)
         for e in batch.entries:
             if not e.is_decode:
                 e.request.num_prefilled += e.num_tokens

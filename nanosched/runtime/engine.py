@@ -52,7 +52,7 @@ class Engine:
                  strategy: OpScheduler | None = None, fallback: OpScheduler | None = None,
                  stream_configs: dict[str, LaunchConfig] | None = None,
                  eos_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 async_loop: bool = True) -> None:
+                 async_loop: bool | None = None) -> None:
         self.model = model
         self.is_cuda = model.device.type == "cuda"
         self.ws = model.new_workspace(dense_batch, num_pages, page_size)
@@ -64,7 +64,8 @@ class Engine:
         self.backend = Backend(CudaDevice() if self.is_cuda else SerialDevice())
         self.eos_ids = frozenset(eos_ids)
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
-        self.async_loop = async_loop and self.is_cuda
+        # default: asynchronous on a GPU; on the CPU it runs the same code with no overlap
+        self.async_loop = self.is_cuda if async_loop is None else async_loop
         self.stats = EngineStats()
         self._in_flight: _Launched | None = None
         self._pending_row: dict[int, int] = {}  # request id -> row in the in-flight tokens

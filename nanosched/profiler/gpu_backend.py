@@ -144,7 +144,6 @@ class GPUBackend:
         src = ws.tensor("src", (256 << 20,))  # 512 MiB of bf16
         dst = torch.empty_like(src)
         copy_us = timing.bench_us(lambda: dst.copy_(src), self.device, rep_ms=30, flush=False)
-        del a, b, src, dst
         ws.clear()
         model_tflops = flops / us / 1e6 if us else peak
         return Ceilings(peak, model_tflops, 2 * (512 << 20) / copy_us / 1e3)

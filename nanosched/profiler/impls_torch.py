@@ -1,13 +1,12 @@
 """Implementations available before the model's own kernels: torch ops, cuBLAS, cuBLASLt with an
 SM target, and the profiler's own Triton kernels (triton_kernels.py). See impls.py for the API.
 
-| op | implementations |
-|---|---|
-| kqv, o, ug, d | `cublas` (F.linear), `cublaslt` (SM target), `triton_persistent_128x128`, `triton_persistent_128x256` (NUM_SMS = the SMs given) |
-| experts_ug, experts_d | `torch_bmm` (uniform routing) |
-| attn_decode | `torch_sdpa` (GQA), `triton_decode` (grid bounded: CTAs given, or 4 per SM) |
-| attn_prefill | `torch_sdpa` (causal, chunks of `context`-token prompts) |
-| rope_append, add_norm_ffn, add_norm_attn, act | `torch` |
+- kqv, o, ug, d: `cublas` (F.linear), `cublaslt` (SM target), `triton_persistent_128x128`
+  and `triton_persistent_128x256` (NUM_SMS = the SMs given)
+- experts_ug, experts_d: `torch_bmm` (uniform routing)
+- attn_decode: `torch_sdpa` (GQA), `triton_decode` (grid bounded: the CTAs given, or 4 per SM)
+- attn_prefill: `torch_sdpa` (causal, chunks cut from `context`-token prompts)
+- rope_append, add_norm_ffn, add_norm_attn, act: `torch`
 """
 
 from __future__ import annotations

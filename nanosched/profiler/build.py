@@ -1,5 +1,7 @@
 """Turn a run's measurements (`RunState`) into a `Profile`: best rows, network rows, R->P tables.
 
+The all-reduce ceilings are the bus bandwidth and latency of the ring formula fitted to NCCL's
+default all-reduce over all token counts (bandwidth term: the large-message limit).
 Network rows: measured on `world` GPUs when `world == tp`; when fewer GPUs were visible, fitted
 with NCCL's ring formulas (network_model.py) on the measured GPUs and evaluated at tp, marked
 `modelled`; with one GPU visible, modelled from the GPU's prior link bandwidth (hardware.py)
@@ -12,6 +14,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
+from nanosched.errors import ProfileError
 from nanosched.hardware import GPUS
 from nanosched.models.ops import NETWORK
 from nanosched.profiler.backend import Backend, NetworkRequest, NetworkResult
@@ -21,7 +24,6 @@ from nanosched.profiler.network_model import (
     KINDS,
     OPS_OF_KIND,
     PRIOR_LATENCY_US,
-    busbw_gbs,
     fit_ring,
     ring_time_us,
 )
@@ -85,9 +87,6 @@ def network_rows(settings: ProfileSettings, state: RunState, num_sms: int
         modelled = world < tp
         bw, lat = fit_ring("all_reduce", world, *_xy(series[("all_reduce", 0)], size))
         ceil = {"allreduce_busbw_gbs": bw, "allreduce_latency_us": lat}
-        if not modelled:
-            t, us = max(series[("all_reduce", 0)])
-            ceil["allreduce_busbw_gbs"] = busbw_gbs("all_reduce", t * size, world, us)
     rows = []
     for (kind, ctas), points in sorted(series.items()):
         if modelled and state.network is not None:
@@ -148,7 +147,8 @@ def build_profile(settings: ProfileSettings, state: RunState) -> Profile:
     if state.skipped:
         reasons = sorted(set(state.skipped.values()))
         state.note(f"{len(state.skipped)} rows not measured: {'; '.join(reasons[:5])}")
-    assert state.ceilings is not None
+    if state.ceilings is None:
+        raise ProfileError("no ceilings were measured; run the profile again")
     ceilings = Ceilings(**{**state.ceilings.__dict__, **net_ceil})
     return Profile(identity=state.identity, model=settings.model, tp=settings.tp,
                    dense_batch=settings.dense_batch, ceilings=ceilings, kernels=tuple(kernels),

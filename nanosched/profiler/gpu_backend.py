@@ -74,10 +74,8 @@ class GPUBackend:
     def busy(self) -> list[str]:
         try:
             apps = _smi(self.index, "compute-apps=pid,used_memory")
-            util, sm_clock, sm_max, reasons = _smi(
-                self.index, "gpu=utilization.gpu,clocks.sm,clocks.max.sm,"
-                "clocks_throttle_reasons.active")[0].split(", ")
-        except (OSError, ValueError, IndexError, subprocess.SubprocessError) as exc:
+            util = _smi(self.index, "gpu=utilization.gpu")[0]
+        except (OSError, IndexError, subprocess.SubprocessError) as exc:
             return [f"could not ask nvidia-smi whether the GPU is idle ({exc})"]
         out = []
         others = [a for a in apps if a.split(",")[0].strip() != str(os.getpid())]
@@ -85,9 +83,18 @@ class GPUBackend:
             out.append(f"{len(others)} other process(es) on GPU {self.index}: {'; '.join(others)}")
         if util.isdigit() and int(util) > BUSY_UTIL_PERCENT:
             out.append(f"utilisation {util}% before profiling started")
-        if reasons not in ("0x0000000000000000", "0x0000000000000001", "[N/A]"):
-            out.append(f"clock throttle reasons {reasons} (SM clock {sm_clock}/{sm_max} MHz)")
+        reasons = self._throttle_reasons()
+        if reasons not in ("", "0x0000000000000000", "0x0000000000000001", "[N/A]"):
+            out.append(f"clocks held back by nvidia-smi reasons {reasons}")
         return out
+
+    def _throttle_reasons(self) -> str:
+        for field_name in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+            try:
+                return _smi(self.index, f"gpu={field_name}")[0]
+            except (OSError, IndexError, subprocess.SubprocessError):
+                continue
+        return ""
 
     # ---- setup ---------------------------------------------------------------------------
     def make_partitions(self, small_sides: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -180,6 +187,8 @@ class GPUBackend:
     def network(self, settings: ProfileSettings, request: NetworkRequest) -> NetworkResult:
         from nanosched.profiler.network import measure_network
 
+        self.ws.clear()  # leave GPU 0's memory to the worker that runs there
+        torch.cuda.empty_cache()
         return measure_network(settings, request, self.num_sms, self.rep_ms)
 
     def close(self) -> None:

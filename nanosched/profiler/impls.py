@@ -56,7 +56,7 @@ class Workspace:
             raise Unsupported(f"{name} {list(shape)} needs {size / 2**30:.1f} GiB, more than "
                               f"the {self.max_bytes / 2**30:.1f} GiB free")
         if dtype.is_floating_point:
-            t = torch.randn(shape, device=self.device, dtype=torch.float32).mul_(scale).to(dtype)
+            t = torch.randn(shape, device=self.device, dtype=dtype).mul_(scale)
         else:
             t = torch.randint(0, 1 << 20, shape, device=self.device, dtype=dtype)
         self.cache[name] = t

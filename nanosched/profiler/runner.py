@@ -118,6 +118,8 @@ def run_profile(settings: ProfileSettings, backend: Backend, opts: RunOptions) -
             f"to {ppath}; continue with {opts.resume_hint}") from None
     finally:
         backend.close()
+    if loop.bar is not None:
+        loop.bar.close()
     loop.save()
     prof = build_profile(settings, state)
     save_profile(prof, opts.out)
@@ -179,8 +181,6 @@ def _run_tasks(loop: _Loop, ktasks: list[KernelTask], ptasks: list[PairTask],
     for task in ptasks:
         if task.key not in state.pairs and str(task.key) not in state.skipped:
             _pair(loop, task)
-    if not network:
-        loop.bar.close()
 
 
 def _kernel(loop: _Loop, task: KernelTask) -> None:

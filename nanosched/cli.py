@@ -10,11 +10,12 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
 
-from nanosched.errors import NanoschedError
+from nanosched.errors import ConfigError, NanoschedError
 
 app = typer.Typer(
     name="nanosched",
@@ -258,6 +259,75 @@ def bench(
     if json_out:
         write_json_atomic(json_out, out)
         typer.echo(f"wrote {json_out}")
+
+
+profile_app = typer.Typer(
+    help="Measure this GPU's kernels and their interference (`nanosched profile --gpu 0 "
+    "--model llama3-8b`), or show a profile (`nanosched profile show FILE`).",
+    no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
+app.add_typer(profile_app, name="profile")
+
+
+@profile_app.callback(invoke_without_command=True)
+@reports_errors
+def profile(
+    ctx: typer.Context,
+    gpu: int = typer.Option(0, "--gpu", help="CUDA device index to measure."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model name or HF config."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: kernels are measured at "
+                           "tp-sharded shapes; network rows on min(tp, visible GPUs)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Profile file to write "
+                                    "(default profile-MODEL-tpN.json)."),
+    quick: bool = typer.Option(False, "--quick", help="Coarse grid: fewer SM partitions, "
+                               "implementations, contexts and pairs (about 2 minutes)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT.partial.json."),
+    dense_batch: int | None = typer.Option(None, "--dense-batch", help="Largest token count "
+                                           "(default: what fits, capped at 2048)."),
+    input_len: float | None = typer.Option(None, "--input-len", help="Mean prompt tokens p."),
+    output_len: float | None = typer.Option(None, "--output-len", help="Mean output tokens d."),
+    workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    fake_gpu: bool = typer.Option(False, "--fake-gpu", help="Dry run on a simulated GPU "
+                                  "(deterministic numbers, no CUDA needed)."),
+) -> None:
+    """Profile kernels alone and in pairs on a GPU and write the profile (nanosched.profile/1).
+
+    Measures ceilings, then every op of the model's layer at 128..dense-batch tokens on every
+    SM partition and implementation, then compute x memory (and x network, tp > 1) pairs, and
+    derives the R->P tables. Ctrl-C leaves OUT.partial.json; --resume continues it.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from nanosched.profiler.command import ProfileConfig, profile_gpu
+    from nanosched.profiler.runner import ProfileInterrupted
+    from nanosched.workloads import resolve_workload
+
+    if model is None:
+        raise ConfigError("nanosched profile needs --model (e.g. --model llama3-8b)")
+    cfg = ProfileConfig(gpu, model, tp, resolve_workload(workload, input_len, output_len), out,
+                        quick, resume, dense_batch, not no_progress, fake_gpu)
+    try:
+        profile_gpu(cfg, log=typer.echo)
+    except ProfileInterrupted as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(code=130) from None
+
+
+@profile_app.command("show")
+@reports_errors
+def profile_show(
+    file: Path = typer.Argument(..., help="Profile JSON to show."),
+    plot: Path | None = typer.Option(None, "--plot", help="Also write R->P curves and kernel "
+                                     "time vs SMs to this PNG (needs matplotlib)."),
+) -> None:
+    """Print a profile's ceilings, kernel tables, R->P tables and notes."""
+    from nanosched.profiler.format import load_profile
+    from nanosched.profiler.show import plot_profile, show_profile
+
+    prof = load_profile(file)
+    show_profile(prof, echo=typer.echo)
+    if plot is not None:
+        typer.echo(f"wrote {plot_profile(prof, plot)}")
 
 
 def main() -> None:

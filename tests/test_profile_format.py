@@ -74,3 +74,32 @@ def test_truncated_file(tmp_path):
     path.write_text(json.dumps(tiny_profile().to_json())[:200])
     with pytest.raises(ProfileError, match="not valid JSON"):
         load_profile(path)
+
+
+def test_per_shape_rp_tables_round_trip_and_are_preferred(tmp_path):
+    from dataclasses import replace
+
+    from nanosched.profiler.format import RPPoint as P
+
+    shape_pt = P(0.25, 0.4, 0.8, "green_ctx", 100, 32, compute_op="ug", tokens=128)
+    prof = replace(tiny_profile(), rp_shapes={"memory": (shape_pt,)})
+    path = tmp_path / "s.json"
+    save_profile(prof, path)
+    again = load_profile(path)
+    assert again == prof
+    assert again.rp_points("memory", "ug", 128) == (shape_pt,)
+    assert again.rp_points("memory", "kqv", 128) == prof.rp["memory"]  # falls back to folded
+    assert "rp_shapes" not in tiny_profile().to_json()  # absent when empty: digests stay
+
+
+@pytest.mark.parametrize("model, tp, gpu, message", [
+    ("llama3-70b", 1, None, "made for model 'llama3-8b', not 'llama3-70b'"),
+    ("llama3-8b", 2, None, "made for --tp 1, not --tp 2"),
+    ("llama3-8b", 1, "NVIDIA H200", "measured on 'NVIDIA H100 80GB HBM3', not on 'NVIDIA H200'"),
+    ("llama3-8b", 1, None, "no kernel rows for op\\(s\\) rope_append, attn_prefill, o"),
+])
+def test_profile_for_another_model_tp_gpu_or_missing_ops_is_refused(model, tp, gpu, message):
+    from nanosched.profiler.format import check_profile_for
+
+    with pytest.raises(ProfileError, match=message):
+        check_profile_for(tiny_profile(), load_spec(model), tp, gpu)

@@ -9,12 +9,25 @@ Contents
   all-reduce bus GB/s and latency (tp > 1; `modelled` when derived rather than measured).
 - `kernels`: rows (op, tokens, context, sms, mechanism, impl) -> time_us, every measurement kept;
   `best` marks the fastest row per (op, tokens, context, sms).
+  Network ops: `ar_attn`, `ar_ffn` (all-reduce of [T, D]) and, for schedules that split an
+  all-reduce, `rs_attn`, `rs_ffn` (reduce-scatter [T, D] -> [T/tp, D]) and `ag_attn`, `ag_ffn`
+  (all-gather [T/tp, D] -> [T, D]); `tokens` is T. Their `sms` is the NCCL CTA bound
+  (`cta_bound`, impl `nccl_ctasN`) or all SMs (`full`, impl `nccl`). Rows for more GPUs than
+  were visible are derived from the measured two-GPU bus bandwidth and latency with NCCL's ring
+  formulas and marked `modelled`; a note says so.
 - `pairs`: raw co-run measurements of a compute kernel beside a memory or network kernel.
-- `rp`: the R->P table per non-compute class. R is the share of the GPU given to the
-  non-compute kernel; `p_other` its performance normalised to running alone, `p_compute` the
-  compute kernel's (measured, not assumed 1 - R). Each point says how it was realised
-  (mechanism, SMs or CTAs of each side, the compute implementation), so a schedule that picks
-  the point can be run as measured.
+  `compute_alone_us`/`other_alone_us` are each kernel's best time alone on the whole GPU, so
+  P = alone / co-run is normalised to the kernel's best, as in NanoFlow section 4.1.1.
+- `rp`: the R->P table per non-compute class, folded over the profiled shapes. R is the share of
+  the GPU given to the non-compute kernel: its partition's SMs / all SMs (`green_ctx`), its CTAs
+  / all SMs (`cta_bound`, one CTA per SM), or NanoFlow's GEMM-centric proxy 1 - P_compute where
+  nothing bounds it (`stream_priority`). `p_other` is its performance normalised to running
+  alone, `p_compute` the compute kernel's (measured, not assumed 1 - R). Each point says how it
+  was realised (mechanism, SMs or CTAs of each side, the compute implementation), so a schedule
+  that picks the point can be run as measured. `std_rel` is the spread of `p_other` across
+  shapes (NanoFlow found one table fits within 5%).
+- `rp_shapes`: per-shape R->P points (`compute_op`, `tokens` and `context` set), kept when one
+  table does not fit every shape; `rp_points(cls, compute_op, tokens)` prefers them.
 
 Lookups never extrapolate: a token count or context outside the measured range is a
 ProfileError naming the missing row. Contexts between measured ones interpolate linearly.
@@ -32,6 +45,7 @@ from typing import Any
 
 from nanosched.errors import ProfileError
 from nanosched.fileio import write_json_atomic
+from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
 
 FORMAT = "nanosched.profile/1"
@@ -110,6 +124,9 @@ class RPPoint:
     other_sms: int
     compute_impl: str = "default"
     std_rel: float = 0.0  # spread of p_other across the shapes folded into this point
+    compute_op: str = ""  # per-shape points (Profile.rp_shapes) name their shape; "" if folded
+    tokens: int = 0
+    context: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +140,7 @@ class Profile:
     pairs: tuple[PairRow, ...] = ()
     rp: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    rp_shapes: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
 
     # ---- lookups ---------------------------------------------------------------------------
     def token_grid(self, op: str) -> list[int]:
@@ -166,15 +184,26 @@ class Profile:
         w = (context - lo) / (hi - lo)
         return best[lo] * (1 - w) + best[hi] * w
 
-    def rp_points(self, cls: str) -> tuple[RPPoint, ...]:
+    def rp_points(self, cls: str, compute_op: str | None = None,
+                  tokens: int | None = None) -> tuple[RPPoint, ...]:
+        """The R->P points of class `cls`, sorted by R.
+
+        With `compute_op` and `tokens`, the points measured at that shape are returned when the
+        profile kept per-shape tables (one table did not fit every shape); else the folded table.
+        """
+        if compute_op is not None and tokens is not None:
+            own = tuple(p for p in self.rp_shapes.get(cls, ())
+                        if p.compute_op == compute_op and p.tokens == tokens)
+            if own:
+                return tuple(sorted(own, key=lambda p: p.r))
         if cls not in self.rp or not self.rp[cls]:
             raise ProfileError(f"profile has no R->P table for class {cls!r}; has: "
                                f"{sorted(self.rp) or 'none'}")
-        return self.rp[cls]
+        return tuple(sorted(self.rp[cls], key=lambda p: p.r))
 
     # ---- JSON ------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "format": FORMAT,
             "identity": asdict(self.identity),
             "model": self.model.to_json(),
@@ -186,6 +215,9 @@ class Profile:
             "rp": {c: [asdict(p) for p in pts] for c, pts in self.rp.items()},
             "notes": list(self.notes),
         }
+        if self.rp_shapes:  # written only when kept, so older profiles keep their digest
+            data["rp_shapes"] = {c: [asdict(p) for p in pts] for c, pts in self.rp_shapes.items()}
+        return data
 
     def digest(self) -> str:
         """sha256 of the canonical JSON: schedules record which profile they came from."""
@@ -209,6 +241,8 @@ class Profile:
             rp={c: tuple(_build_list(RPPoint, data["rp"], c, f"{where}: rp"))
                 for c in _get(data, "rp", dict, where, required=False) or {}},
             notes=tuple(data.get("notes", [])),
+            rp_shapes={c: tuple(_build_list(RPPoint, data["rp_shapes"], c, f"{where}: rp_shapes"))
+                       for c in _get(data, "rp_shapes", dict, where, required=False) or {}},
         )
         validate(prof, where)
         return prof
@@ -265,15 +299,38 @@ def validate(prof: Profile, where: str = "profile") -> None:
             raise ProfileError(f"{here}: sms {k.sms} not in 1..{prof.identity.num_sms}")
         if k.tokens <= 0:
             raise ProfileError(f"{here}: tokens must be positive")
-    for cls, pts in prof.rp.items():
-        if cls not in RP_CLASSES:
-            raise ProfileError(f"{where}: rp class {cls!r} not in {RP_CLASSES}")
-        for p in pts:
-            if not (0 < p.r < 1 and 0 < p.p_other <= 1.5 and 0 < p.p_compute <= 1.5):
-                raise ProfileError(f"{where}: rp[{cls}] point r={p.r}: r must be in (0, 1) "
-                                   f"and P in (0, 1.5]")
-            if p.mechanism not in MECHANISMS:
-                raise ProfileError(f"{where}: rp[{cls}] r={p.r}: mechanism {p.mechanism!r}")
+    for key, table in (("rp", prof.rp), ("rp_shapes", prof.rp_shapes)):
+        for cls, pts in table.items():
+            if cls not in RP_CLASSES:
+                raise ProfileError(f"{where}: {key} class {cls!r} not in {RP_CLASSES}")
+            for p in pts:
+                _check_rp_point(p, f"{where}: {key}[{cls}] point r={p.r}")
+
+
+def _check_rp_point(p: RPPoint, here: str) -> None:
+    if not (0 < p.r < 1 and 0 < p.p_other <= 1.5 and 0 < p.p_compute <= 1.5):
+        raise ProfileError(f"{here}: r must be in (0, 1) and P in (0, 1.5]")
+    if p.mechanism not in MECHANISMS:
+        raise ProfileError(f"{here}: mechanism {p.mechanism!r} not in {MECHANISMS}")
+
+
+def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | None = None,
+                      where: str = "profile") -> None:
+    """Raise ProfileError unless `prof` was made for `model` at `tp` (on `gpu_name`, if given)
+    and its kernel table has every op of that model's layer."""
+    if prof.model.name != model.name or prof.model != model:
+        raise ProfileError(f"{where} was made for model {prof.model.name!r}, not {model.name!r}: "
+                           f"profile this model with `nanosched profile --model {model.name}`")
+    if prof.tp != tp:
+        raise ProfileError(f"{where} was made for --tp {prof.tp}, not --tp {tp}")
+    if gpu_name is not None and prof.identity.gpu_name != gpu_name:
+        raise ProfileError(f"{where} was measured on {prof.identity.gpu_name!r}, not on "
+                           f"{gpu_name!r}: profile this GPU with `nanosched profile --gpu`")
+    have = {k.op for k in prof.kernels}
+    missing = [op.name for op in layer_ops(model, tp) if op.name not in have]
+    if missing:
+        raise ProfileError(f"{where} has no kernel rows for op(s) {', '.join(missing)}: "
+                           f"re-run `nanosched profile --resume` to measure them")
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:

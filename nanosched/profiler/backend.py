@@ -1,0 +1,74 @@
+"""The measuring side of the profiler, as an interface: the loop in `runner.py` drives a Backend.
+
+`gpu_backend.GPUBackend` measures on a CUDA GPU; `fake.FakeBackend` answers from a deterministic
+model, so the loop, resume and table building are tested on a CPU. A backend times one task at a
+time and never decides what to measure. Times are in microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nanosched.profiler.format import Ceilings, Identity
+from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
+
+
+class Unsupported(Exception):
+    """This task cannot run here (too large for memory, shape the kernel rejects); the reason
+    is recorded in the profile's notes and the row is left out."""
+
+
+@dataclass(frozen=True)
+class NetworkRequest:
+    """Collectives to time on `world` GPUs: every kind at every token count, with NCCL's
+    default CTA count (0) and with each CTA bound; then the GEMM x all-reduce pairs."""
+
+    world: int
+    tokens: tuple[int, ...]
+    ctas: tuple[int, ...]  # 0 = NCCL's default
+    pairs: tuple[PairTask, ...] = ()
+
+
+@dataclass
+class NetworkResult:
+    world: int
+    times_us: dict[tuple[str, int, int], float] = field(default_factory=dict)  # kind,tokens,ctas
+    # per pair: (compute alone, other alone, compute co-run, other co-run), all in us
+    pairs: list[tuple[PairTask, tuple[float, float, float, float]]] = field(default_factory=list)
+
+
+class Backend(Protocol):
+    def identity(self, command: str) -> Identity:
+        """The GPU, its driver and the software versions measured with."""
+
+    def busy(self) -> list[str]:
+        """Why the GPU is not idle (other processes, utilisation, throttling); empty if idle."""
+
+    def make_partitions(self, small_sides: tuple[int, ...]) -> list[tuple[int, int]]:
+        """Create disjoint SM partitions; return the (small, rest) SM counts granted."""
+
+    def implementations(self) -> tuple[dict[str, list[ImplInfo]], list[str]]:
+        """Per op the implementations that can run here, and notes on those that cannot."""
+
+    def ceilings(self, settings: ProfileSettings) -> Ceilings:
+        """GEMM TFLOP/s at 8192^3 and at the model's shapes, HBM copy GB/s."""
+
+    def reference_us(self) -> float:
+        """Time of a fixed reference GEMM, re-timed to detect clock drift."""
+
+    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> float:
+        """Median time of one kernel row; raises Unsupported."""
+
+    def time_pair(self, settings: ProfileSettings, task: PairTask,
+                  alone_us: tuple[float, float]) -> tuple[float, float]:
+        """(compute, other) times while co-running; `alone_us` sizes the co-run window."""
+
+    def visible_gpus(self) -> int:
+        """GPUs this process can use for network measurements."""
+
+    def network(self, settings: ProfileSettings, request: NetworkRequest) -> NetworkResult:
+        """Time collectives and GEMM x collective pairs on `request.world` GPUs."""
+
+    def close(self) -> None:
+        """Release partitions and memory."""

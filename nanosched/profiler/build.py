@@ -1,0 +1,156 @@
+"""Turn a run's measurements (`RunState`) into a `Profile`: best rows, network rows, R->P tables.
+
+The all-reduce ceilings are the bus bandwidth and latency of the ring formula fitted to NCCL's
+default all-reduce over all token counts (bandwidth term: the large-message limit).
+Network rows: measured on `world` GPUs when `world == tp`; when fewer GPUs were visible, fitted
+with NCCL's ring formulas (network_model.py) on the measured GPUs and evaluated at tp, marked
+`modelled`; with one GPU visible, modelled from the GPU's prior link bandwidth (hardware.py)
+and a latency taken from DESIGN.md's two-H200 measurement. Every modelled row is noted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+from nanosched.errors import ProfileError
+from nanosched.hardware import GPUS
+from nanosched.models.ops import NETWORK
+from nanosched.profiler.backend import Backend, NetworkRequest, NetworkResult
+from nanosched.profiler.format import Ceilings, KernelRow, PairRow, Profile
+from nanosched.profiler.interference import FIT_LIMIT, derive_rp
+from nanosched.profiler.network_model import (
+    KINDS,
+    OPS_OF_KIND,
+    PRIOR_LATENCY_US,
+    fit_ring,
+    ring_time_us,
+)
+from nanosched.profiler.plan import ImplInfo, ProfileSettings, network_pair_tasks
+from nanosched.profiler.state import RunState
+
+
+def network_request(settings: ProfileSettings, backend: Backend, num_sms: int,
+                    impls: dict[str, list[ImplInfo]], state: RunState) -> NetworkRequest | None:
+    """What to measure on several GPUs, or None (tp 1, or a single GPU visible)."""
+    if settings.tp == 1:
+        return None
+    world = min(settings.tp, backend.visible_gpus())
+    if world < 2:
+        state.note(f"only one GPU visible: network rows for tp {settings.tp} are modelled from "
+                   f"the GPU's prior link bandwidth, not measured; profile on {settings.tp} "
+                   f"GPUs to measure them")
+        return None
+    return NetworkRequest(world, tuple(settings.token_grid()), (0, *settings.nccl_ctas()),
+                          tuple(network_pair_tasks(settings, num_sms, impls)))
+
+
+def record_network(state: RunState, settings: ProfileSettings, request: NetworkRequest,
+                   result: NetworkResult, num_sms: int) -> None:
+    state.network = {"world": result.world,
+                     "times": [[k, t, c, us] for (k, t, c), us in sorted(result.times_us.items())]}
+    for task, (alone_c, alone_o, c_us, o_us) in result.pairs:
+        state.pairs[task.key] = PairRow(
+            compute_op=task.compute_op, other_op=task.other_op, other_class=NETWORK,
+            tokens=task.tokens, mechanism=task.mechanism, compute_impl=task.compute_impl,
+            compute_sms=task.compute_sms, other_sms=task.other_sms, compute_alone_us=alone_c,
+            other_alone_us=alone_o, compute_us=c_us, other_us=o_us, context=task.context)
+
+
+def _net_row(op: str, tokens: int, us: float, ctas: int, num_sms: int,
+             modelled: bool) -> KernelRow:
+    if ctas == 0:
+        return KernelRow(op, tokens, us, num_sms, "full", "nccl", modelled=modelled)
+    return KernelRow(op, tokens, us, ctas, "cta_bound", f"nccl_ctas{ctas}", modelled=modelled)
+
+
+def network_rows(settings: ProfileSettings, state: RunState, num_sms: int
+                 ) -> tuple[list[KernelRow], dict[str, Any]]:
+    """Rows of every network op and the all-reduce ceilings (busbw, latency, modelled)."""
+    if settings.tp == 1:
+        return [], {}
+    size = settings.model.hidden_size * settings.model.dtype_bytes  # bytes per token of [T, D]
+    tp = settings.tp
+    series: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+    if state.network is None:
+        bw, lat = _prior_busbw(state.identity.gpu_name), PRIOR_LATENCY_US
+        for t in settings.token_grid():
+            for kind in KINDS:
+                series[(kind, 0)].append((t, ring_time_us(kind, t * size, tp, bw, lat)))
+        world, modelled = tp, True
+        ceil = {"allreduce_busbw_gbs": bw, "allreduce_latency_us": lat}
+    else:
+        world = state.network["world"]
+        for kind, t, c, us in state.network["times"]:
+            series[(kind, c)].append((t, us))
+        modelled = world < tp
+        bw, lat = fit_ring("all_reduce", world, *_xy(series[("all_reduce", 0)], size))
+        ceil = {"allreduce_busbw_gbs": bw, "allreduce_latency_us": lat}
+    rows = []
+    for (kind, ctas), points in sorted(series.items()):
+        if modelled and state.network is not None:
+            bw_k, lat_k = fit_ring(kind, world, *_xy(points, size))
+            points = [(t, ring_time_us(kind, t * size, tp, bw_k, lat_k)) for t, _ in points]
+        for op in OPS_OF_KIND[kind]:
+            rows += [_net_row(op, t, us, ctas, num_sms, modelled) for t, us in points]
+    if modelled and state.network is not None:
+        state.note(f"network rows for tp {tp} are modelled with NCCL's ring formulas from "
+                   f"measurements on {world} GPUs")
+    return rows, {**ceil, "allreduce_modelled": modelled}
+
+
+def _xy(points: list[tuple[int, float]], size: int) -> tuple[list[float], list[float]]:
+    return [t * size for t, _ in points], [us for _, us in points]
+
+
+def _prior_busbw(gpu_name: str) -> float:
+    name = gpu_name.lower()
+    for key in ("h200", "h100", "a100", "b200", "b100"):
+        if key in name:
+            return GPUS[key].net_bw_one_way_gbs
+    return GPUS["h100"].net_bw_one_way_gbs
+
+
+def mark_best(rows: list[KernelRow]) -> list[KernelRow]:
+    """Set `best` on the fastest row of every (op, tokens, context, sms)."""
+    fastest: dict[tuple[str, int, int, int], float] = {}
+    for r in rows:
+        key = (r.op, r.tokens, r.context, r.sms)
+        fastest[key] = min(fastest.get(key, r.time_us), r.time_us)
+    marked, seen = [], set()
+    for r in rows:
+        key = (r.op, r.tokens, r.context, r.sms)
+        is_best = r.time_us == fastest[key] and key not in seen
+        seen.update([key] if is_best else [])
+        marked.append(replace(r, best=is_best))
+    return marked
+
+
+def build_profile(settings: ProfileSettings, state: RunState) -> Profile:
+    num_sms = state.identity.num_sms
+    net_rows, net_ceil = network_rows(settings, state, num_sms)
+    kernels = mark_best(list(state.kernels.values()) + net_rows)
+    rp, rp_shapes = {}, {}
+    for cls in ("memory", "network"):
+        pairs = [p for p in state.pairs.values() if p.other_class == cls]
+        if not pairs:
+            continue
+        table = derive_rp(pairs, num_sms)
+        rp[cls] = table.points
+        state.note(f"R->P {cls}: {len(table.points)} Pareto points from {len(pairs)} pairs over "
+                   f"{table.num_shapes} shapes; largest spread of P across shapes "
+                   f"{100 * table.fit:.1f}% (NanoFlow: within {100 * FIT_LIMIT:.0f}%)")
+        if not table.fits:
+            rp_shapes[cls] = table.per_shape
+            state.note(f"R->P {cls}: one table does not fit every shape; per-shape tables kept")
+    if state.skipped:
+        reasons = sorted(set(state.skipped.values()))
+        state.note(f"{len(state.skipped)} rows not measured: {'; '.join(reasons[:5])}")
+    if state.ceilings is None:
+        raise ProfileError("no ceilings were measured; run the profile again")
+    ceilings = Ceilings(**{**state.ceilings.__dict__, **net_ceil})
+    return Profile(identity=state.identity, model=settings.model, tp=settings.tp,
+                   dense_batch=settings.dense_batch, ceilings=ceilings, kernels=tuple(kernels),
+                   pairs=tuple(state.pairs.values()), rp=rp, notes=tuple(state.notes),
+                   rp_shapes=rp_shapes)

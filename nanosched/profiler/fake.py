@@ -1,0 +1,119 @@
+"""`FakeBackend`: a deterministic stand-in for a GPU, for tests and dry runs on a CPU.
+
+Kernel times follow a roofline (`peak_tflops`, `hbm_gbs`) scaled by the SMs or CTAs a row gets;
+pairs follow a fixed interference model (`interference`), collectives NCCL's ring formula. It
+uses the real implementation registry's names, so a fake profile has the rows a real one has.
+`interrupt_after` raises KeyboardInterrupt at that kernel measurement, as Ctrl-C would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanosched.models.ops import MEMORY
+from nanosched.profiler import impls
+from nanosched.profiler.backend import NetworkRequest, NetworkResult, Unsupported
+from nanosched.profiler.format import Ceilings, Identity
+from nanosched.profiler.network_model import KINDS, ring_time_us
+from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
+from nanosched.profiler.shapes import GEMM_OPS, gemm_flops, op_bytes
+
+IMPL_SPEED = {"cublas": 1.0, "cublaslt": 0.97, "triton_persistent_128x128": 0.93,
+              "triton_persistent_128x256": 0.95, "torch_sdpa": 0.8}
+
+
+def interference(task: PairTask, num_sms: int) -> tuple[float, float]:
+    """(P_compute, P_other) of a pair: a fixed, smooth model of sharing one GPU."""
+    share = min(task.other_sms, num_sms) / num_sms
+    if task.mechanism == "stream_priority":
+        p_c, p_o = 0.87, 0.2 if task.other_class == MEMORY else 0.4
+    elif task.mechanism == "green_ctx":
+        p_c, p_o = 0.98 * (1 - share), min(1.0, 2.2 * share)
+    else:
+        p_c = 1 - 0.8 * share if task.compute_sms < num_sms else 0.9 - share / 2
+        p_o = min(1.0, 2.5 * share) * (0.8 if task.compute_sms == num_sms else 1.0)
+    p_c *= IMPL_SPEED.get(task.compute_impl, 1.0)
+    return p_c, p_o * (1 + task.tokens / 1e5)
+
+
+@dataclass
+class FakeBackend:
+    gpu_name: str = "Fake GPU 132"
+    num_sms: int = 132
+    peak_tflops: float = 700.0
+    hbm_gbs: float = 3000.0
+    gpus: int = 1
+    busy_reasons: list[str] = field(default_factory=list)
+    interrupt_after: int | None = None
+    unsupported: set[str] = field(default_factory=set)  # impl names that refuse to run
+    drift: float = 0.0  # relative slow-down of the reference GEMM after the first timing
+    calls: list[KernelTask] = field(default_factory=list)
+    pair_calls: list[PairTask] = field(default_factory=list)
+    reference_calls: int = 0
+
+    def identity(self, command: str) -> Identity:
+        return Identity(self.gpu_name, self.num_sms, 80 << 30, "fake", "fake", "fake", "fake",
+                        "2026-01-01T00:00:00+00:00", command)
+
+    def busy(self) -> list[str]:
+        return list(self.busy_reasons)
+
+    def make_partitions(self, small_sides: tuple[int, ...]) -> list[tuple[int, int]]:
+        granted = [(-(-s // 8) * 8) for s in small_sides]  # Hopper rounds up to 8 SMs
+        return [(s, self.num_sms - s) for s in dict.fromkeys(granted)]
+
+    def implementations(self) -> tuple[dict[str, list[ImplInfo]], list[str]]:
+        ops = sorted({*GEMM_OPS, "attn_decode", "attn_prefill", "rope_append", "add_norm_ffn",
+                      "add_norm_attn", "act"})
+        return impls.available(ops)
+
+    def ceilings(self, settings: ProfileSettings) -> Ceilings:
+        return Ceilings(self.peak_tflops * 1.05, self.peak_tflops, self.hbm_gbs)
+
+    def reference_us(self) -> float:
+        self.reference_calls += 1
+        return 200.0 * (1 + (self.drift if self.reference_calls > 1 else 0.0))
+
+    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> float:
+        if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
+            raise KeyboardInterrupt
+        self.calls.append(task)
+        if task.impl in self.unsupported:
+            raise Unsupported(f"{task.impl} refuses in this test")
+        share = min(task.sms, self.num_sms) / self.num_sms
+        if task.mechanism == "cta_bound":
+            share = min(1.0, task.sms / 96)  # bandwidth needs CTAs in flight
+        spec, tp = settings.model, settings.tp
+        flops = gemm_flops(spec, tp, task.op, task.tokens) if task.op in GEMM_OPS else 0.0
+        t_c = flops / (self.peak_tflops * 1e6 * share * IMPL_SPEED.get(task.impl, 1.0))
+        t_m = op_bytes(spec, tp, task.op, task.tokens, task.context) / (
+            self.hbm_gbs * 1e3 * min(1.0, 1.5 * share))
+        return 3.0 + max(t_c, t_m)
+
+    def time_pair(self, settings: ProfileSettings, task: PairTask,
+                  alone_us: tuple[float, float]) -> tuple[float, float]:
+        self.pair_calls.append(task)
+        p_c, p_o = interference(task, self.num_sms)
+        return alone_us[0] / p_c, alone_us[1] / p_o
+
+    def visible_gpus(self) -> int:
+        return self.gpus
+
+    def network(self, settings: ProfileSettings, request: NetworkRequest) -> NetworkResult:
+        size = settings.model.hidden_size * settings.model.dtype_bytes
+        result = NetworkResult(request.world)
+        for kind in KINDS:
+            for t in request.tokens:
+                for c in request.ctas:
+                    bw = 230.0 * (min(1.0, c / 16) if c else 1.0)
+                    result.times_us[(kind, t, c)] = ring_time_us(kind, t * size, request.world,
+                                                                 bw, 8.0)
+        for task in request.pairs:
+            p_c, p_o = interference(task, self.num_sms)
+            c_alone = 50.0 + task.tokens / 10
+            o_alone = result.times_us[("all_reduce", task.tokens, 0)]
+            result.pairs.append((task, (c_alone, o_alone, c_alone / p_c, o_alone / p_o)))
+        return result
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,200 @@
+"""`GPUBackend`: the Backend that measures on a CUDA GPU (GPU-only; imports torch.cuda).
+
+Kernel rows run on the whole GPU (`full`), on a green-context partition's stream (`green_ctx`),
+or on the whole GPU with a bounded grid (`cta_bound`). Pairs run the compute kernel and the
+memory kernel on two streams: the partitions' (`green_ctx`) or two prioritised streams, the
+non-compute kernel's first (`cta_bound`, `stream_priority`). Network work is handed to
+network.py's worker processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+from nanosched.profiler import impls, timing
+from nanosched.profiler.backend import NetworkRequest, NetworkResult, Unsupported
+from nanosched.profiler.format import Ceilings, Identity
+from nanosched.profiler.partitions import PartitionPair, split_sms
+from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
+from nanosched.profiler.shapes import GEMM_OPS, gemm_dims
+
+BUSY_UTIL_PERCENT = 10
+
+
+def _smi(index: int, query: str) -> list[str]:
+    out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits",
+                          "-i", str(index)], capture_output=True, text=True, timeout=20)
+    if out.returncode:
+        raise OSError(out.stderr.strip() or f"nvidia-smi exited {out.returncode}")
+    return [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+
+
+class GPUBackend:
+    def __init__(self, index: int, rep_ms: float = 10.0) -> None:
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            from nanosched.errors import ConfigError
+
+            raise ConfigError(f"--gpu {index}: no such CUDA device (this process sees "
+                              f"{torch.cuda.device_count()})")
+        self.index = index
+        self.device = torch.device("cuda", index)
+        torch.cuda.set_device(self.device)
+        self.rep_ms = rep_ms
+        self.props = torch.cuda.get_device_properties(self.device)
+        self.num_sms = self.props.multi_processor_count
+        free, _ = torch.cuda.mem_get_info(self.device)
+        self.ws = impls.Workspace(self.device, max_bytes=0.35 * free)
+        self.pairs: dict[int, PartitionPair] = {}  # by partition SM count -> its pair
+        lo, hi = torch.cuda.Stream.priority_range()
+        self.high = torch.cuda.Stream(self.device, priority=hi)
+        self.low = torch.cuda.Stream(self.device, priority=lo)
+        self.max_tokens = 0
+
+    # ---- identity and health -------------------------------------------------------------
+    def identity(self, command: str) -> Identity:
+        import triton
+
+        try:
+            driver = _smi(self.index, "gpu=driver_version")[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            driver = ""
+        return Identity(self.props.name, self.num_sms, self.props.total_memory, driver,
+                        torch.version.cuda or "", torch.__version__, triton.__version__,
+                        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        command or shlex.join(sys.argv))
+
+    def busy(self) -> list[str]:
+        try:
+            apps = _smi(self.index, "compute-apps=pid,used_memory")
+            util = _smi(self.index, "gpu=utilization.gpu")[0]
+        except (OSError, IndexError, subprocess.SubprocessError) as exc:
+            return [f"could not ask nvidia-smi whether the GPU is idle ({exc})"]
+        out = []
+        others = [a for a in apps if a.split(",")[0].strip() != str(os.getpid())]
+        if others:
+            out.append(f"{len(others)} other process(es) on GPU {self.index}: {'; '.join(others)}")
+        if util.isdigit() and int(util) > BUSY_UTIL_PERCENT:
+            out.append(f"utilisation {util}% before profiling started")
+        reasons = self._throttle_reasons()
+        if reasons not in ("", "0x0000000000000000", "0x0000000000000001", "[N/A]"):
+            out.append(f"clocks held back by nvidia-smi reasons {reasons}")
+        return out
+
+    def _throttle_reasons(self) -> str:
+        for field_name in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+            try:
+                return _smi(self.index, f"gpu={field_name}")[0]
+            except (OSError, IndexError, subprocess.SubprocessError):
+                continue
+        return ""
+
+    # ---- setup ---------------------------------------------------------------------------
+    def make_partitions(self, small_sides: tuple[int, ...]) -> list[tuple[int, int]]:
+        granted = []
+        for small in small_sides:
+            lo, hi = torch.cuda.Stream.priority_range()
+            pair = split_sms(self.index, small, small_priority=hi, rest_priority=lo)
+            if pair.small.sms in self.pairs or pair.rest.sms in self.pairs:
+                pair.close()  # the driver rounded two requests to the same split
+                continue
+            self.pairs[pair.small.sms] = self.pairs[pair.rest.sms] = pair
+            granted.append((pair.small.sms, pair.rest.sms))
+        return granted
+
+    def implementations(self) -> tuple[dict[str, list[ImplInfo]], list[str]]:
+        return impls.available(sorted({*GEMM_OPS, "attn_decode", "attn_prefill", "rope_append",
+                                       "add_norm_ffn", "add_norm_attn", "act"}))
+
+    def _stream(self, mechanism: str, sms: int) -> Any:
+        if mechanism != "green_ctx":
+            return torch.cuda.current_stream(self.device)
+        pair = self.pairs[sms]
+        return pair.small.stream if pair.small.sms == sms else pair.rest.stream
+
+    def _kernel(self, settings: ProfileSettings, op: str, impl: str, tokens: int, context: int,
+                sms: int, mechanism: str) -> impls.Kernel:
+        self.max_tokens = max(self.max_tokens, settings.dense_batch)
+        call = impls.OpCall(settings.model, settings.tp, op, tokens, context, sms, mechanism,
+                            self.num_sms, self.ws, settings.dense_batch)
+        try:
+            return impls.get(op, impl).setup(call)
+        except torch.cuda.OutOfMemoryError as exc:
+            self.ws.clear()
+            raise Unsupported(f"{op}/{impl} at {tokens} tokens: out of memory") from exc
+
+    # ---- measurements --------------------------------------------------------------------
+    def _bench(self, kernel: impls.Kernel, stream: Any, rep_ms: float | None = None) -> float:
+        with kernel.scope(), torch.cuda.stream(stream):
+            return timing.bench_us(kernel.fn, self.device, rep_ms or self.rep_ms)
+
+    def ceilings(self, settings: ProfileSettings) -> Ceilings:
+        ws = impls.Workspace(self.device)
+        a = ws.tensor("a", (8192, 8192))
+        b = ws.tensor("b", (8192, 8192))
+        t = timing.bench_us(lambda: a @ b, self.device, rep_ms=50, flush=False)
+        peak = 2 * 8192 ** 3 / t / 1e6
+        flops = us = 0.0
+        for op in ("kqv", "o") if settings.model.is_moe else ("kqv", "o", "ug", "d"):
+            k, n = gemm_dims(settings.model, settings.tp, op)
+            kern = self._kernel(settings, op, "cublas", settings.dense_batch, 0, self.num_sms,
+                                "full")
+            us += self._bench(kern, torch.cuda.current_stream(self.device), 30)
+            flops += 2.0 * settings.dense_batch * k * n
+        src = ws.tensor("src", (256 << 20,))  # 512 MiB of bf16
+        dst = torch.empty_like(src)
+        copy_us = timing.bench_us(lambda: dst.copy_(src), self.device, rep_ms=30, flush=False)
+        ws.clear()
+        model_tflops = flops / us / 1e6 if us else peak
+        return Ceilings(peak, model_tflops, 2 * (512 << 20) / copy_us / 1e3)
+
+    def reference_us(self) -> float:
+        a = self.ws.tensor("ref_a", (4096, 4096))
+        b = self.ws.tensor("ref_b", (4096, 4096))
+        return timing.bench_us(lambda: a @ b, self.device, rep_ms=20, flush=False)
+
+    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> float:
+        kern = self._kernel(settings, task.op, task.impl, task.tokens, task.context, task.sms,
+                            task.mechanism)
+        return self._bench(kern, self._stream(task.mechanism, task.sms))
+
+    def time_pair(self, settings: ProfileSettings, task: PairTask,
+                  alone_us: tuple[float, float]) -> tuple[float, float]:
+        mech = task.mechanism
+        comp = self._kernel(settings, task.compute_op, task.compute_impl, task.tokens, 0,
+                            task.compute_sms, "green_ctx" if mech == "green_ctx" else "full")
+        other = self._kernel(settings, task.other_op, task.other_impl, task.tokens,
+                             task.context, task.other_sms, mech)
+        if mech == "green_ctx":
+            s_comp, s_other = self._stream(mech, task.compute_sms), self._stream(mech,
+                                                                                 task.other_sms)
+        else:
+            s_comp, s_other = self.low, self.high
+        with comp.scope(), other.scope():
+            return timing.co_run_us(comp.fn, s_comp, alone_us[0], other.fn, s_other,
+                                    alone_us[1], self.device)
+
+    def visible_gpus(self) -> int:
+        return torch.cuda.device_count()
+
+    def network(self, settings: ProfileSettings, request: NetworkRequest) -> NetworkResult:
+        from nanosched.profiler.network import measure_network
+
+        self.ws.clear()  # leave GPU 0's memory to the worker that runs there
+        torch.cuda.empty_cache()
+        return measure_network(settings, request, self.num_sms, self.rep_ms)
+
+    def close(self) -> None:
+        for pair in {id(p): p for p in self.pairs.values()}.values():
+            with contextlib.suppress(Exception):
+                pair.close()
+        self.pairs.clear()
+        self.ws.clear()
+        torch.cuda.empty_cache()

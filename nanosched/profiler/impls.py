@@ -1,0 +1,173 @@
+"""The implementation registry: per op, the named ways to run it that the profiler measures.
+
+An `Impl` says which SM-allocation mechanisms it supports and how to launch it:
+`setup(call: OpCall) -> Kernel`, where `OpCall` gives the model, tp, op, tokens, context, the
+SMs (or CTAs, for `cta_bound`) it may use, the GPU's SM count and a `Workspace` of cached random
+tensors; `Kernel.fn()` launches the op once on the current stream, inside `Kernel.scope()`
+(global settings such as cuBLASLt's SM target). setup allocates; fn only launches.
+
+Plug point for the model's Triton kernels (nanosched/kernels/, another branch): after the merge,
+add a module beside `impls_torch.py` whose `register_all()` calls `register(op, Impl(...))`, and
+call it from `_ensure_registered()` below, e.g. the persistent GEMM as
+`Impl("kernels_gemm", ("full", "green_ctx"), setup, targets_sms=True)` for every GEMM op, the
+paged decode attention with a CTA bound as `Impl("kernels_decode", ("full", "green_ctx",
+"cta_bound"), setup)` for `attn_decode`. The profiler then measures them beside the ones here,
+marks the fastest per (op, tokens, context, SMs) `best`, and the runtime launches what the
+schedule names. Set `quick=False` on variants that `--quick` may leave out.
+
+torch is imported here (it is installed everywhere); triton and torch.cuda only inside setup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanosched.models.spec import ModelSpec
+from nanosched.profiler.backend import Unsupported
+from nanosched.profiler.plan import ImplInfo
+
+
+@dataclass
+class Workspace:
+    """Random tensors reused across rows; one live tensor per name (a new shape replaces it)."""
+
+    device: torch.device
+    dtype: torch.dtype = torch.bfloat16
+    max_bytes: float = float("inf")  # refuse single tensors larger than this
+    cache: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def tensor(self, name: str, shape: tuple[int, ...], scale: float = 1.0,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        have = self.cache.get(name)
+        if have is not None and tuple(have.shape) == tuple(shape) and have.dtype == dtype:
+            return have
+        self.cache.pop(name, None)
+        numel = 1
+        for n in shape:
+            numel *= n
+        size = numel * torch.finfo(dtype).bits // 8 if dtype.is_floating_point else numel * 8
+        if size > self.max_bytes:
+            raise Unsupported(f"{name} {list(shape)} needs {size / 2**30:.1f} GiB, more than "
+                              f"the {self.max_bytes / 2**30:.1f} GiB free")
+        if dtype.is_floating_point:
+            t = torch.randn(shape, device=self.device, dtype=dtype).mul_(scale)
+        else:
+            t = torch.randint(0, 1 << 20, shape, device=self.device, dtype=dtype)
+        self.cache[name] = t
+        return t
+
+    def clear(self) -> None:
+        self.cache.clear()
+
+
+@dataclass(frozen=True)
+class OpCall:
+    spec: ModelSpec
+    tp: int
+    op: str
+    tokens: int
+    context: int
+    sms: int  # SMs of its partition / SM target, or CTAs for cta_bound
+    mechanism: str
+    num_sms: int
+    ws: Workspace
+    max_tokens: int = 0  # largest token count of the run: inputs are sliced from one buffer
+
+
+@dataclass(frozen=True)
+class Kernel:
+    fn: Callable[[], Any]
+    scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    mechanisms: tuple[str, ...]
+    setup: Callable[[OpCall], Kernel]
+    quick: bool = True
+    targets_sms: bool = False
+    requires: Callable[[], str | None] = lambda: None  # why it cannot run here, or None
+
+    def info(self) -> ImplInfo:
+        return ImplInfo(self.name, self.mechanisms, self.quick, self.targets_sms)
+
+
+REGISTRY: dict[str, list[Impl]] = {}
+
+
+def register(op: str, impl: Impl) -> None:
+    """Add an implementation of `op` (replacing one of the same name)."""
+    impls = [i for i in REGISTRY.setdefault(op, []) if i.name != impl.name]
+    REGISTRY[op] = impls + [impl]
+
+
+def available(ops: list[str]) -> tuple[dict[str, list[ImplInfo]], list[str]]:
+    """Per op the implementations that can run here, and a note for each that cannot."""
+    _ensure_registered()
+    out: dict[str, list[ImplInfo]] = {}
+    notes = []
+    for op in ops:
+        for impl in REGISTRY.get(op, []):
+            reason = impl.requires()
+            if reason:
+                notes.append(f"{op}/{impl.name} not measured: {reason}")
+            else:
+                out.setdefault(op, []).append(impl.info())
+    return out, notes
+
+
+def get(op: str, name: str) -> Impl:
+    _ensure_registered()
+    for impl in REGISTRY.get(op, []):
+        if impl.name == name:
+            return impl
+    raise KeyError(f"no implementation {name!r} of op {op!r}")
+
+
+@contextlib.contextmanager
+def cublaslt_sm_target(sms: int, num_sms: int) -> Iterator[None]:
+    """cuBLASLt as torch's BLAS, told to use `sms` SMs (carve-out = the others)."""
+    prev_lib = torch.backends.cuda.preferred_blas_library()
+    prev_carve = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(num_sms - sms if sms < num_sms else None)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(prev_carve)
+        torch.backends.cuda.preferred_blas_library(prev_lib)
+
+
+def cublaslt_missing() -> str | None:
+    if not hasattr(torch.backends.cuda, "preferred_blas_library"):
+        return "torch.backends.cuda.preferred_blas_library is missing in this torch"
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        return "torch._C._set_sm_carveout_experimental is missing in this torch"
+    return None
+
+
+def triton_missing() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+_registered = False
+
+
+def _ensure_registered() -> None:
+    global _registered
+    if not _registered:
+        _registered = True
+        from nanosched.profiler import impls_torch
+
+        impls_torch.register_all()

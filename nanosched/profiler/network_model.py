@@ -1,0 +1,69 @@
+"""NCCL ring cost formulas: fit bus bandwidth and latency, model collectives on N GPUs. Pure.
+
+For a collective over N GPUs moving a tensor of S bytes (the full [T, D] tensor) with bus
+bandwidth B (NCCL's busbw, roughly independent of N on one NVLink host) and per-step latency a:
+
+    all-reduce (ring):       t = 2 (N-1)/N * S / B + 2 (N-1) a
+    reduce-scatter (ring):   t =   (N-1)/N * S / B +   (N-1) a
+    all-gather (ring):       t =   (N-1)/N * S / B +   (N-1) a
+
+`fit_ring` finds B and a by least squares from measurements on `world` GPUs at several sizes;
+`ring_time_us` evaluates the formula at another N. Rows made this way are marked `modelled`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nanosched.errors import ProfileError
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+OPS_OF_KIND = {"all_reduce": ("ar_attn", "ar_ffn"), "reduce_scatter": ("rs_attn", "rs_ffn"),
+               "all_gather": ("ag_attn", "ag_ffn")}
+# Two H200s, NCCL 2.28 (DESIGN.md): 33 us for a 4 MiB all-reduce at 228 GB/s busbw leaves
+# about 2 x 7.5 us of latency. Used only when no second GPU could be measured.
+PRIOR_LATENCY_US = 7.5
+
+
+def _factors(kind: str, world: int) -> tuple[float, float]:
+    """(bytes factor, latency steps) of `kind` on `world` GPUs."""
+    if kind not in KINDS:
+        raise ProfileError(f"unknown collective {kind!r}; known: {', '.join(KINDS)}")
+    if world < 2:
+        raise ProfileError(f"a collective needs at least 2 GPUs, got {world}")
+    if kind == "all_reduce":
+        return 2 * (world - 1) / world, 2 * (world - 1)
+    return (world - 1) / world, world - 1
+
+
+def ring_time_us(kind: str, size_bytes: float, world: int, busbw_gbs: float,
+                 latency_us: float) -> float:
+    """Time of one collective by the ring formula."""
+    volume, steps = _factors(kind, world)
+    return volume * size_bytes / (busbw_gbs * 1e3) + steps * latency_us
+
+
+def fit_ring(kind: str, world: int, sizes_bytes: Sequence[float],
+             times_us: Sequence[float]) -> tuple[float, float]:
+    """(busbw GB/s, latency us) fitting measured times of `kind` on `world` GPUs."""
+    if len(sizes_bytes) != len(times_us) or len(sizes_bytes) < 2:
+        raise ProfileError(f"fitting {kind} needs at least two sizes, got {len(sizes_bytes)}")
+    volume, steps = _factors(kind, world)
+    xs = [volume * s for s in sizes_bytes]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(times_us) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ProfileError(f"fitting {kind} needs different sizes")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, times_us, strict=True)) / sxx
+    if slope <= 0:
+        raise ProfileError(f"{kind} times do not grow with size ({list(times_us)} us): "
+                           f"the measurement is noise; re-run the profile on an idle machine")
+    intercept = max(my - slope * mx, 0.0)
+    return 1e-3 / slope, intercept / steps
+
+
+def busbw_gbs(kind: str, size_bytes: float, world: int, time_us: float) -> float:
+    """NCCL's bus bandwidth of one measurement (what nccl-tests prints as busbw)."""
+    volume, _ = _factors(kind, world)
+    return volume * size_bytes / (time_us * 1e3)

@@ -1,0 +1,233 @@
+"""What a profile measures: the grid of kernel rows and co-run pairs, as plain tasks.
+
+Pure Python. `ProfileSettings` fixes model, tp, workload, dense batch and `quick`; given the SM
+partitions the GPU granted and the implementations available, `kernel_tasks` lists every
+(op, tokens, context, sms, mechanism, impl) row and `pair_tasks` every co-run pair. A task's
+`key` is the key of the row it produces, so a resumed run measures only the missing keys.
+
+Grids (full / --quick):
+- tokens: 128 .. dense batch in steps of 128 (both).
+- contexts of `attn_decode`: p/2, p, p + d/2, p + d  /  p/2, p + d  (mean KV context);
+  `attn_prefill`: prompt lengths p/2, p, 2p  /  p (chunks of T tokens cut from such prompts).
+- SM partitions: the GPU split into a small side of 16, 32, 48, 64 SMs and the rest  /  32;
+  every op is measured on every granted side and on all SMs.
+- CTA bounds of memory kernels (`cta_bound`): 8, 16, 32, 48, 64, 96, 128  /  16, 64.
+- NCCL CTA bounds of network kernels: 2, 4, 8, 16, 32  /  2, 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from nanosched.autosearch.costmodel import TOKEN_QUANTUM
+from nanosched.errors import ConfigError
+from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
+from nanosched.models.spec import ModelSpec
+from nanosched.workloads import Workload
+
+PARTITION_SMALL = (16, 32, 48, 64)
+PARTITION_SMALL_QUICK = (32,)
+MEMORY_CTAS = (8, 16, 32, 48, 64, 96, 128)
+MEMORY_CTAS_QUICK = (16, 64)
+NCCL_CTAS = (2, 4, 8, 16, 32)
+NCCL_CTAS_QUICK = (2, 8)
+PAIR_COMPUTE_OPS = ("kqv", "o", "ug", "d", "experts_ug", "experts_d")
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """Everything that decides the grid; two runs with equal settings measure the same rows."""
+
+    model: ModelSpec
+    tp: int
+    workload: Workload
+    dense_batch: int
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        self.model.check_tp(self.tp)
+        if self.dense_batch < TOKEN_QUANTUM or self.dense_batch % TOKEN_QUANTUM:
+            raise ConfigError(f"--dense-batch must be a positive multiple of {TOKEN_QUANTUM}, "
+                              f"got {self.dense_batch}")
+
+    def token_grid(self) -> list[int]:
+        return list(range(TOKEN_QUANTUM, self.dense_batch + 1, TOKEN_QUANTUM))
+
+    def decode_contexts(self) -> list[int]:
+        p, d = self.workload.input_len, self.workload.output_len
+        points = (p / 2, p + d) if self.quick else (p / 2, p, p + d / 2, p + d)
+        return sorted({max(1, round(c)) for c in points})
+
+    def prefill_contexts(self) -> list[int]:
+        p = self.workload.input_len
+        points = (p,) if self.quick else (p / 2, p, 2 * p)
+        cap = self.model.max_position_embeddings
+        return sorted({min(cap, max(1, round(c))) for c in points})
+
+    def partition_requests(self) -> tuple[int, ...]:
+        return PARTITION_SMALL_QUICK if self.quick else PARTITION_SMALL
+
+    def memory_ctas(self, num_sms: int) -> list[int]:
+        grid = MEMORY_CTAS_QUICK if self.quick else MEMORY_CTAS
+        return [c for c in grid if c < num_sms]
+
+    def nccl_ctas(self) -> tuple[int, ...]:
+        return NCCL_CTAS_QUICK if self.quick else NCCL_CTAS
+
+    def pair_shapes(self) -> list[tuple[str, int]]:
+        """(compute op, tokens) of the co-run pairs: every GEMM at a few sizes / two shapes."""
+        gemms = [op.name for op in layer_ops(self.model, 1) if op.name in PAIR_COMPUTE_OPS]
+        grid = self.token_grid()
+        if self.quick:
+            return [(gemms[-2], grid[len(grid) // 2]), (gemms[0], grid[len(grid) // 4])]
+        sizes = sorted({grid[len(grid) // 4], grid[len(grid) // 2], grid[-1]})
+        return [(op, t) for op in gemms for t in sizes]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model.name, "tp": self.tp, "workload": self.workload.to_json(),
+                "dense_batch": self.dense_batch, "quick": self.quick}
+
+
+@dataclass(frozen=True)
+class ImplInfo:
+    """What the plan needs to know of an implementation (impls.py holds how to launch it)."""
+
+    name: str
+    mechanisms: tuple[str, ...]  # of "full", "green_ctx", "cta_bound"
+    quick: bool = True  # also measured by --quick
+    targets_sms: bool = False  # a GEMM told how many SMs to use (persistent grid, SM target)
+
+
+@dataclass(frozen=True)
+class KernelTask:
+    op: str
+    tokens: int
+    context: int
+    sms: int  # SMs (full, green_ctx) or CTAs (cta_bound)
+    mechanism: str
+    impl: str
+
+    @property
+    def key(self) -> tuple[str, int, int, int, str, str]:
+        return (self.op, self.tokens, self.context, self.sms, self.mechanism, self.impl)
+
+
+@dataclass(frozen=True)
+class PairTask:
+    compute_op: str
+    tokens: int
+    other_op: str
+    other_class: str
+    context: int
+    mechanism: str
+    compute_impl: str
+    compute_sms: int
+    other_sms: int  # partition SMs (green_ctx), CTAs (cta_bound), all SMs (stream_priority)
+    other_impl: str
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return tuple(asdict(self).values())
+
+
+def sm_grid(num_sms: int, partitions: list[tuple[int, int]]) -> list[int]:
+    """All SMs plus both sides of every granted partition, ascending."""
+    return sorted({num_sms, *(s for pair in partitions for s in pair)})
+
+
+def op_contexts(settings: ProfileSettings, op: str) -> list[int]:
+    if op == "attn_decode":
+        return settings.decode_contexts()
+    if op == "attn_prefill":
+        return settings.prefill_contexts()
+    return [0]
+
+
+def kernel_tasks(settings: ProfileSettings, num_sms: int, partitions: list[tuple[int, int]],
+                 impls: dict[str, list[ImplInfo]]) -> list[KernelTask]:
+    """Every row of the kernel table of a layer on one GPU (network ops excluded)."""
+    sms_list = sm_grid(num_sms, partitions)
+    tasks = []
+    for op in layer_ops(settings.model, settings.tp):
+        if op.resource == NETWORK:
+            continue
+        choices = [i for i in impls.get(op.name, []) if i.quick or not settings.quick]
+        if not choices:
+            raise ConfigError(f"no implementation registered for op {op.name!r}; see "
+                              f"nanosched/profiler/impls.py")
+        for context in op_contexts(settings, op.name):  # outer: one KV cache per context
+            for tokens in settings.token_grid():
+                for impl in choices:
+                    tasks += _placements(op.name, tokens, context, impl, num_sms, sms_list,
+                                         settings.memory_ctas(num_sms))
+    return tasks
+
+
+def _placements(op: str, tokens: int, context: int, impl: ImplInfo, num_sms: int,
+                sms_list: list[int], ctas: list[int]) -> list[KernelTask]:
+    out = []
+    if "full" in impl.mechanisms:
+        out.append(KernelTask(op, tokens, context, num_sms, "full", impl.name))
+    if "green_ctx" in impl.mechanisms:
+        out += [KernelTask(op, tokens, context, s, "green_ctx", impl.name)
+                for s in sms_list if s < num_sms]
+    if "cta_bound" in impl.mechanisms:
+        out += [KernelTask(op, tokens, context, c, "cta_bound", impl.name) for c in ctas]
+    return out
+
+
+def _pair_impls(settings: ProfileSettings, impls: dict[str, list[ImplInfo]],
+                op: str) -> list[ImplInfo]:
+    return [i for i in impls.get(op, []) if i.quick or not settings.quick]
+
+
+def _sharing(task: PairTask, impl: ImplInfo, num_sms: int, ctas: int) -> PairTask:
+    """The pair with the GEMM told to leave `ctas` SMs free when it can be told."""
+    c_sms = num_sms - ctas if impl.targets_sms else num_sms
+    return replace(task, mechanism="cta_bound", compute_impl=impl.name, compute_sms=c_sms,
+                   other_sms=ctas)
+
+
+def memory_pair_tasks(settings: ProfileSettings, num_sms: int,
+                      partitions: list[tuple[int, int]], impls: dict[str, list[ImplInfo]],
+                      memory_impl: str) -> list[PairTask]:
+    """GEMM x decode attention pairs for every shape and every way of sharing the GPU:
+    plain prioritised streams, disjoint partitions, and a CTA-bounded attention kernel."""
+    contexts = settings.decode_contexts()
+    context = contexts[len(contexts) // 2]
+    tasks = []
+    for op, tokens in settings.pair_shapes():
+        gemms = _pair_impls(settings, impls, op)
+        base = PairTask(op, tokens, "attn_decode", MEMORY, context, "stream_priority",
+                        gemms[0].name, num_sms, num_sms, memory_impl)
+        tasks.append(base)
+        for small, rest in partitions:
+            tasks += [replace(base, mechanism="green_ctx", compute_impl=i.name,
+                              compute_sms=rest, other_sms=small)
+                      for i in gemms if "green_ctx" in i.mechanisms]
+        for ctas in settings.memory_ctas(num_sms):
+            tasks += [_sharing(base, i, num_sms, ctas) for i in gemms]
+    return tasks
+
+
+def network_pair_tasks(settings: ProfileSettings, num_sms: int,
+                       impls: dict[str, list[ImplInfo]]) -> list[PairTask]:
+    """GEMM x all-reduce pairs: NCCL as is, and bounded to few CTAs with the GEMM told to
+    leave those SMs free."""
+    if settings.tp == 1:
+        return []
+    tasks = []
+    for op, tokens in settings.pair_shapes():
+        gemms = _pair_impls(settings, impls, op)
+        base = PairTask(op, tokens, "ar_ffn", NETWORK, 0, "stream_priority", gemms[0].name,
+                        num_sms, num_sms, "nccl")
+        tasks.append(base)
+        for ctas in settings.nccl_ctas():
+            tasks += [replace(_sharing(base, i, num_sms, ctas), other_impl=f"nccl_ctas{ctas}")
+                      for i in gemms]
+    return tasks
+
+
+def compute_ops(settings: ProfileSettings) -> list[str]:
+    return [op.name for op in layer_ops(settings.model, settings.tp) if op.resource == COMPUTE]

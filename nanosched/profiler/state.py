@@ -1,0 +1,118 @@
+"""The partial profile, `FILE.partial.json`: what a run has measured so far, saved atomically.
+
+Format `nanosched.profile-partial/1`: settings, identity, ceilings, granted partitions, the
+reference GEMM time, kernel rows, pairs, network results, skipped rows and notes. A resumed run
+loads it, refuses one made for another GPU, model, tp or grid (naming which), and measures only
+the rows that are missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nanosched.errors import ProfileError
+from nanosched.fileio import write_json_atomic
+from nanosched.profiler.format import Ceilings, Identity, KernelRow, PairRow
+from nanosched.profiler.plan import ProfileSettings
+
+PARTIAL_FORMAT = "nanosched.profile-partial/1"
+KERNEL_FIELDS = [f.name for f in fields(KernelRow)]
+PAIR_FIELDS = [f.name for f in fields(PairRow)]
+
+
+def partial_path(out: str | os.PathLike[str]) -> Path:
+    p = Path(out)
+    return p.with_name(p.name.removesuffix(".json") + ".partial.json")
+
+
+@dataclass
+class RunState:
+    settings: dict[str, Any]
+    identity: Identity
+    ceilings: Ceilings | None = None
+    partitions: list[tuple[int, int]] = field(default_factory=list)
+    reference_us: float | None = None
+    kernels: dict[tuple[Any, ...], KernelRow] = field(default_factory=dict)
+    pairs: dict[tuple[Any, ...], PairRow] = field(default_factory=dict)
+    network: dict[str, Any] | None = None  # {"world", "times": [[kind, tokens, ctas, us]], ...}
+    skipped: dict[str, str] = field(default_factory=dict)  # task key (str) -> reason
+    notes: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PARTIAL_FORMAT, "settings": self.settings,
+            "identity": asdict(self.identity),
+            "ceilings": asdict(self.ceilings) if self.ceilings else None,
+            "partitions": [list(p) for p in self.partitions],
+            "reference_us": self.reference_us,
+            "kernel_fields": KERNEL_FIELDS,
+            "kernels": [[getattr(k, f) for f in KERNEL_FIELDS] for k in self.kernels.values()],
+            "pair_fields": PAIR_FIELDS,
+            "pairs": [[list(k), [getattr(p, f) for f in PAIR_FIELDS]]
+                      for k, p in self.pairs.items()],
+            "network": self.network, "skipped": self.skipped, "notes": self.notes,
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+def kernel_key(row: KernelRow) -> tuple[Any, ...]:
+    return (row.op, row.tokens, row.context, row.sms, row.mechanism, row.impl)
+
+
+def save_state(state: RunState, path: Path) -> None:
+    write_json_atomic(path, state.to_json(), indent=None)
+
+
+def load_state(path: Path, settings: ProfileSettings, identity: Identity) -> RunState:
+    """Read a partial file and check it belongs to this run; ProfileError names what differs."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"--resume: no partial profile {path}; run without --resume to "
+                           f"start one") from None
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"--resume: {path} is not valid JSON ({exc}); delete it and run "
+                           f"without --resume") from exc
+    if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
+        raise ProfileError(f"--resume: {path} is not a partial profile ({PARTIAL_FORMAT})")
+    _check_same(data, settings, identity, path)
+    try:
+        state = RunState(settings=data["settings"], identity=Identity(**data["identity"]))
+        state.ceilings = Ceilings(**data["ceilings"]) if data["ceilings"] else None
+        state.partitions = [(int(a), int(b)) for a, b in data["partitions"]]
+        state.reference_us = data["reference_us"]
+        for values in data["kernels"]:
+            row = KernelRow(**dict(zip(data["kernel_fields"], values, strict=True)))
+            state.kernels[kernel_key(row)] = row
+        for key, values in data["pairs"]:
+            state.pairs[tuple(key)] = PairRow(**dict(zip(data["pair_fields"], values,
+                                                         strict=True)))
+        state.network, state.skipped = data["network"], dict(data["skipped"])
+        state.notes, state.elapsed_s = list(data["notes"]), float(data["elapsed_s"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"--resume: {path} is damaged ({exc!r}); delete it and run without "
+                           f"--resume") from exc
+    return state
+
+
+def _check_same(data: dict[str, Any], settings: ProfileSettings, identity: Identity,
+                path: Path) -> None:
+    mine = settings.to_json()
+    theirs = data.get("settings") or {}
+    for key in ("model", "tp", "dense_batch", "quick", "workload"):
+        if theirs.get(key) != mine[key]:
+            raise ProfileError(f"--resume: {path} was made with {key}={theirs.get(key)!r}, this "
+                               f"run has {key}={mine[key]!r}; use the same flags or delete it")
+    gpu = (data.get("identity") or {}).get("gpu_name")
+    if gpu != identity.gpu_name:
+        raise ProfileError(f"--resume: {path} was measured on {gpu!r}, this GPU is "
+                           f"{identity.gpu_name!r}; delete it or resume on that GPU")

@@ -1,0 +1,94 @@
+"""Green-context partitions and the profiler's GPU backend, on a real GPU (`pytest -m gpu`)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("small", [32, 40, 48])
+def test_split_gives_disjoint_sm_sets(small):
+    from nanosched.profiler.partitions import partition_sm_ids, split_sms
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pair = split_sms(0, small)
+    try:
+        assert pair.small.sms >= small and pair.small.sms + pair.rest.sms <= num_sms
+        ids_small = partition_sm_ids(pair.small, 4096)
+        ids_rest = partition_sm_ids(pair.rest, 4096)
+        assert not ids_small & ids_rest
+        assert pair.small.sms // 2 <= len(ids_small) <= pair.small.sms
+        assert pair.rest.sms // 2 <= len(ids_rest) <= pair.rest.sms
+    finally:
+        pair.close()
+
+
+def test_gemm_on_a_partition_stream_is_right():
+    from nanosched.profiler.partitions import split_sms
+
+    pair = split_sms(0, 32)
+    try:
+        a = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16)
+        ref = (a.float() @ b.float())
+        for part in (pair.small, pair.rest):
+            with torch.cuda.stream(part.stream):
+                out = a @ b
+            part.stream.synchronize()
+            assert torch.allclose(out.float(), ref, rtol=2e-2, atol=0.5)
+    finally:
+        pair.close()
+
+
+def test_cublaslt_scope_sets_and_restores_the_sm_target():
+    from nanosched.profiler import impls
+
+    if impls.cublaslt_missing():
+        pytest.skip(impls.cublaslt_missing())
+    before = torch._C._get_sm_carveout_experimental()
+    with impls.cublaslt_sm_target(100, 132):
+        assert torch._C._get_sm_carveout_experimental() == 32
+    assert torch._C._get_sm_carveout_experimental() == before
+
+
+def test_triton_kernels_match_torch_in_bf16():
+    from nanosched.profiler.triton_kernels import decode_attention, persistent_linear
+
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
+    out = torch.empty(300, 768, device="cuda", dtype=torch.bfloat16)
+    persistent_linear(x, w, out, num_sms=37)
+    torch.testing.assert_close(out, x @ w.T, rtol=2e-2, atol=2e-2)
+    q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(64, 8, 700, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    o = decode_attention(q, k, v, torch.empty_like(q), num_ctas=16)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v,
+                                                           enable_gqa=True).squeeze(2)
+    torch.testing.assert_close(o, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_gpu_backend_times_a_row_and_a_pair():
+    from nanosched.models.spec import load_spec
+    from nanosched.profiler.gpu_backend import GPUBackend
+    from nanosched.profiler.plan import KernelTask, PairTask, ProfileSettings
+    from nanosched.workloads import fixed
+
+    backend = GPUBackend(0, rep_ms=5)
+    try:
+        s = ProfileSettings(load_spec("llama3-8b"), 1, fixed(1024, 512), 512, quick=True)
+        small, rest = backend.make_partitions((32,))[0]
+        n = backend.num_sms
+        full = backend.time_kernel(s, KernelTask("ug", 512, 0, n, "full", "cublas"))
+        part = backend.time_kernel(s, KernelTask("ug", 512, 0, rest, "green_ctx",
+                                                 "triton_persistent_128x128"))
+        attn = backend.time_kernel(s, KernelTask("attn_decode", 512, 1024, n, "full",
+                                                 "triton_decode"))
+        assert 0 < full < part < 10 * full
+        task = PairTask("ug", 512, "attn_decode", "memory", 1024, "green_ctx", "cublas", rest,
+                        small, "triton_decode")
+        c_us, o_us = backend.time_pair(s, task, (full, attn))
+        assert c_us > 0.9 * full and o_us > 0.9 * attn
+    finally:
+        backend.close()

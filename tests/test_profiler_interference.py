@@ -1,0 +1,84 @@
+"""Pareto filtering, R->P derivation with a known answer, and NCCL's ring formulas."""
+
+import pytest
+
+from nanosched.errors import ProfileError
+from nanosched.profiler.format import PairRow, RPPoint
+from nanosched.profiler.interference import derive_rp, pareto, r_of
+from nanosched.profiler.network_model import busbw_gbs, fit_ring, ring_time_us
+
+
+def pair(op, tokens, mech, impl, c_sms, o_sms, p_c, p_o):
+    """A pair whose kernels ran at P = p_c and p_o (alone 100 us each)."""
+    return PairRow(op, "attn_decode", "memory", tokens, mech, impl, c_sms, o_sms, 100.0, 100.0,
+                   100.0 / p_c, 100.0 / p_o, context=1024)
+
+
+def pt(p_c, p_o, r=0.5):
+    return RPPoint(r, p_o, p_c, "green_ctx", 100, 32)
+
+
+def test_pareto_keeps_only_undominated_points():
+    a, b, c, d = pt(0.9, 0.2), pt(0.7, 0.6), pt(0.6, 0.5), pt(0.5, 0.9)
+    assert pareto([a, b, c, d]) == [d, b, a]  # equal R: higher P_other first
+    assert pareto([a, a]) == [a]  # equal points: one kept
+
+
+def test_r_is_the_share_given_to_the_other_kernel():
+    assert r_of(pair("ug", 512, "green_ctx", "cublas", 100, 32, 0.7, 0.5), 132) == \
+        pytest.approx(32 / 132)
+    assert r_of(pair("ug", 512, "cta_bound", "cublas", 132, 16, 0.9, 0.3), 132) == \
+        pytest.approx(16 / 132)
+    # nothing bounds it: NanoFlow's GEMM-centric proxy, 1 - P_compute
+    assert r_of(pair("ug", 512, "stream_priority", "cublas", 132, 132, 0.8, 0.2), 132) == \
+        pytest.approx(0.2)
+
+
+def test_rp_table_known_answer():
+    pairs = []
+    for tokens, wobble in ((512, 0.0), (1024, 0.02)):
+        pairs += [
+            pair("ug", tokens, "green_ctx", "cublas", 100, 32, 0.60, 0.50 + wobble),
+            pair("ug", tokens, "green_ctx", "triton", 100, 32, 0.72, 0.50 + wobble),
+            pair("ug", tokens, "cta_bound", "triton", 116, 16, 0.85, 0.30 - wobble),
+            pair("ug", tokens, "stream_priority", "cublas", 132, 132, 0.88, 0.10),
+            pair("ug", tokens, "cta_bound", "cublas", 132, 64, 0.50, 0.45),  # dominated
+        ]
+    table = derive_rp(pairs, 132)
+    assert table.num_shapes == 2
+    got = [(round(p.r, 4), round(p.p_other, 4), round(p.p_compute, 4), p.mechanism,
+            p.compute_impl) for p in table.points]
+    assert got == [
+        (0.12, 0.1, 0.88, "stream_priority", "cublas"),
+        (round(16 / 132, 4), 0.29, 0.85, "cta_bound", "triton"),
+        (round(32 / 132, 4), 0.51, 0.72, "green_ctx", "triton"),
+    ]
+    spread = {p.mechanism: p.std_rel for p in table.points}
+    assert spread["green_ctx"] == pytest.approx(0.01 / 0.51)
+    assert table.fit == pytest.approx(0.01 / 0.29) and table.fits
+    assert {(p.compute_op, p.tokens) for p in table.per_shape} == {("ug", 512), ("ug", 1024)}
+
+
+def test_rp_table_that_does_not_fit_across_shapes():
+    pairs = [pair("kqv", 256, "green_ctx", "cublas", 100, 32, 0.7, 0.2),
+             pair("kqv", 2048, "green_ctx", "cublas", 100, 32, 0.7, 0.6)]
+    table = derive_rp(pairs, 132)
+    assert table.fit == pytest.approx(0.5) and not table.fits
+
+
+def test_ring_formulas_and_fit_round_trip():
+    sizes = [2 ** 20 * k for k in (1, 4, 16, 64)]
+    times = [ring_time_us("all_reduce", s, 2, 200.0, 7.0) for s in sizes]
+    assert times[0] == pytest.approx(2 ** 20 / 200e3 + 14)
+    bw, lat = fit_ring("all_reduce", 2, sizes, times)
+    assert bw == pytest.approx(200.0) and lat == pytest.approx(7.0)
+    # 8 GPUs: 2 (N-1)/N of the bytes, 2 (N-1) latency steps
+    assert ring_time_us("all_reduce", 2 ** 26, 8, bw, lat) == pytest.approx(
+        1.75 * 2 ** 26 / 200e3 + 14 * 7.0)
+    assert ring_time_us("reduce_scatter", 2 ** 26, 8, bw, lat) == pytest.approx(
+        0.875 * 2 ** 26 / 200e3 + 7 * 7.0)
+    assert busbw_gbs("all_reduce", 2 ** 30, 2, 2 ** 30 / 200e3) == pytest.approx(200.0)
+    with pytest.raises(ProfileError, match="do not grow with size"):
+        fit_ring("all_gather", 2, [1e6, 2e6], [50.0, 40.0])
+    with pytest.raises(ProfileError, match="at least 2 GPUs"):
+        ring_time_us("all_reduce", 1e6, 1, 200.0, 7.0)

@@ -1,0 +1,124 @@
+"""The profiling loop on a fake GPU: full tables, best rows, resume, busy/drift reports."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nanosched.errors import ProfileError
+from nanosched.models.ops import layer_ops
+from nanosched.models.spec import load_spec
+from nanosched.profiler.fake import FakeBackend
+from nanosched.profiler.format import check_profile_for, load_profile
+from nanosched.profiler.plan import ProfileSettings, kernel_tasks
+from nanosched.profiler.runner import ProfileInterrupted, RunOptions, run_profile
+from nanosched.profiler.state import partial_path
+from nanosched.workloads import fixed
+
+SPEC = load_spec("llama3-8b")
+
+
+def settings(tp: int = 1, quick: bool = False, dense: int = 256) -> ProfileSettings:
+    return ProfileSettings(SPEC, tp, fixed(1024, 512), dense, quick)
+
+
+def run(tmp_path: Path, backend: FakeBackend, s: ProfileSettings, resume: bool = False,
+        name: str = "p.json"):
+    logs: list[str] = []
+    prof = run_profile(s, backend, RunOptions(tmp_path / name, resume, progress=False,
+                                              log=logs.append))
+    return prof, logs
+
+
+def test_every_op_token_sm_impl_row_is_present_and_best_is_marked(tmp_path):
+    s = settings()
+    backend = FakeBackend()
+    prof, logs = run(tmp_path, backend, s)
+    impls, _ = backend.implementations()
+    # every op x tokens x SM allocation x implementation the plan asked for is in the table
+    want = {t.key for t in kernel_tasks(s, 132, [(16, 116), (32, 100), (48, 84), (64, 68)],
+                                        impls)}
+    have = {(k.op, k.tokens, k.context, k.sms, k.mechanism, k.impl) for k in prof.kernels}
+    assert want == have
+    assert {k.sms for k in prof.kernels if k.op == "kqv"} == \
+        {16, 32, 48, 64, 68, 84, 100, 116, 132}
+    assert {k.impl for k in prof.kernels if k.op == "kqv"} == {
+        "cublas", "cublaslt", "triton_persistent_128x128", "triton_persistent_128x256"}
+    assert {k.context for k in prof.kernels if k.op == "attn_decode"} == {512, 1024, 1280, 1536}
+    assert {k.sms for k in prof.kernels if k.mechanism == "cta_bound"} == \
+        {8, 16, 32, 48, 64, 96, 128}
+    # exactly one best row per (op, tokens, context, sms), and it is the fastest
+    groups: dict = {}
+    for k in prof.kernels:
+        groups.setdefault((k.op, k.tokens, k.context, k.sms), []).append(k)
+    for rows in groups.values():
+        best = [r for r in rows if r.best]
+        assert len(best) == 1 and best[0].time_us == min(r.time_us for r in rows)
+    assert prof.kernel_time_us("kqv", 256) == min(
+        k.time_us for k in prof.kernels if (k.op, k.tokens, k.sms) == ("kqv", 256, 132))
+    check_profile_for(load_profile(tmp_path / "p.json"), SPEC, 1, "Fake GPU 132")
+    assert not partial_path(tmp_path / "p.json").exists()
+    assert "took" in logs[-1]
+
+
+def test_interrupted_run_resumes_measuring_only_missing_rows(tmp_path):
+    s = settings(quick=True)
+    whole, _ = run(tmp_path, FakeBackend(), s, name="whole.json")
+    first = FakeBackend(interrupt_after=40)
+    with pytest.raises(ProfileInterrupted, match=r"saved to .*p\.partial\.json; continue"):
+        run(tmp_path, first, s)
+    partial = partial_path(tmp_path / "p.json")
+    assert len(json.loads(partial.read_text())["kernels"]) == 40
+    second = FakeBackend()
+    prof, logs = run(tmp_path, second, s, resume=True)
+    assert "40 kernel rows" in logs[0]
+    total = len(kernel_tasks(s, 132, [(32, 100)], second.implementations()[0]))
+    assert len(second.calls) == total - 40
+    assert not {t.key for t in first.calls} & {t.key for t in second.calls}
+    assert prof.kernels == whole.kernels and prof.rp == whole.rp
+    assert not partial.exists()
+
+
+def test_resume_refuses_partial_of_another_gpu_or_model(tmp_path):
+    s = settings(quick=True)
+    with pytest.raises(ProfileInterrupted):
+        run(tmp_path, FakeBackend(interrupt_after=5), s)
+    with pytest.raises(ProfileError, match="measured on 'Fake GPU 132', this GPU is 'Other'"):
+        run(tmp_path, FakeBackend(gpu_name="Other"), s, resume=True)
+    other = ProfileSettings(load_spec("llama2-70b"), 8, fixed(1024, 512), 256, True)
+    with pytest.raises(ProfileError, match="model='llama3-8b', this run has model='llama2-70b'"):
+        run(tmp_path, FakeBackend(), other, resume=True)
+    with pytest.raises(ProfileError, match="no partial profile"):
+        run(tmp_path, FakeBackend(), s, resume=True, name="never.json")
+
+
+def test_busy_gpu_drift_and_unsupported_rows_are_reported(tmp_path):
+    backend = FakeBackend(busy_reasons=["1 other process(es) on GPU 0"], drift=0.2,
+                          unsupported={"torch_sdpa"})
+    prof, logs = run(tmp_path, backend, settings(quick=False, dense=128))
+    notes = " | ".join(prof.notes)
+    assert "GPU busy: 1 other process(es)" in notes
+    assert "+20% from 200.0 us" in notes
+    assert "rows not measured: torch_sdpa refuses" in notes
+    assert not [k for k in prof.kernels if k.impl == "torch_sdpa"]
+    assert any("warning: GPU busy" in line for line in logs)
+
+
+def test_network_rows_measured_on_two_gpus_and_modelled_beyond(tmp_path):
+    two, _ = run(tmp_path, FakeBackend(gpus=2), settings(tp=2, quick=True), name="a.json")
+    ops = {k.op for k in two.kernels}
+    assert {"ar_attn", "ar_ffn", "rs_attn", "rs_ffn", "ag_attn", "ag_ffn"} <= ops
+    assert not any(k.modelled for k in two.kernels)
+    assert {k.impl for k in two.kernels if k.op == "ar_ffn"} == {"nccl", "nccl_ctas2",
+                                                                "nccl_ctas8"}
+    assert two.ceilings.allreduce_busbw_gbs == pytest.approx(230, rel=1e-6)
+    assert "network" in two.rp
+    s8 = ProfileSettings(load_spec("llama3-70b"), 8, fixed(1024, 512), 256, True)
+    eight, _ = run(tmp_path, FakeBackend(gpus=2), s8, name="b.json")
+    net = [k for k in eight.kernels if k.op == "ar_attn"]
+    assert net and all(k.modelled for k in net)
+    assert eight.ceilings.allreduce_modelled
+    assert eight.ceilings.allreduce_busbw_gbs == pytest.approx(230, rel=1e-6)
+    assert any("modelled with NCCL's ring formulas from measurements on 2 GPUs" in n
+               for n in eight.notes)
+    assert {op.name for op in layer_ops(s8.model, 8)} <= {k.op for k in eight.kernels}

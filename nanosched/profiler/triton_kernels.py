@@ -70,7 +70,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, num_work, num_kv_heads, context, 
     rn = tl.arange(0, BLOCK_N)
     is_head = rg[:, None] < GROUP
     for work in range(tl.program_id(0), num_work, num_programs):
-        t = work // num_kv_heads
+        t = (work // num_kv_heads).to(tl.int64)  # T * Hkv * C * d passes 2^31 at 1.5K x 1.5K
         kvh = work % num_kv_heads
         qh = kvh * GROUP + rg
         q = tl.load(q_ptr + t * s_qt + qh[:, None] * s_qh + rd[None, :], mask=is_head,

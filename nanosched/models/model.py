@@ -137,7 +137,7 @@ class CausalLM(nn.Module):
                end: int, launch: dict | None = None) -> None:
         """Run op `name` of layer `layer` on tokens [start, end) (global batch coordinates)."""
         fn = op_impls.OPS.get(name)
-        if fn is None:
+        if fn is None or name not in self._ops and name not in ("ar_attn", "ar_ffn"):
             raise ConfigError(f"op {name!r} is not an op of model {self.spec.name!r}; "
                               f"ops: {', '.join(self._ops)}")
         if start < end:

@@ -95,11 +95,14 @@ def launch(fn: Callable[..., Any], size: int, backend: str, *args: Any) -> Any:
     backend "gloo" (CPU) or "nccl" (one GPU per rank: cuda:rank is bound before `fn` runs).
     `fn` and its arguments must be picklable (module-level functions, plain data).
     """
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    torch.multiprocessing.spawn(_entry, args=(size, backend, _free_port(), fn, args, queue),
-                                nprocs=size, join=True)
-    return queue.get()
+    queue = mp.get_context("spawn").SimpleQueue()
+    procs = torch.multiprocessing.spawn(
+        _entry, args=(size, backend, _free_port(), fn, args, queue), nprocs=size, join=False)
+    results = []
+    while not procs.join(timeout=0.05):  # raises if a rank fails
+        if not results and not queue.empty():  # read while rank 0 may block on a full pipe
+            results.append(queue.get())
+    return results[0] if results else queue.get()
 
 
 def _entry(rank: int, size: int, backend: str, port: int, fn: Callable[..., Any],

@@ -1,0 +1,74 @@
+"""Shared helpers of the GPU benchmark scripts: environment record, timing, output, tables.
+
+Each script writes one JSON file (device, versions, date, command, every number) to $OUT when
+set, else bench/results/, and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python bench/x.py` from a checkout
+    sys.path.insert(0, str(ROOT))
+
+
+def environment() -> dict[str, Any]:
+    """Device name, SM count, memory, L2 size and software versions."""
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": props.name, "num_sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable, *sys.argv]),
+    }
+
+
+def l2_bytes() -> int:
+    """L2 cache size of GPU 0 (50 MiB if torch does not report it)."""
+    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 * 2**20
+
+
+def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median time of `fn()` in ms through triton.testing.do_bench (warm-up first)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    """Write data as JSON to $OUT or bench/results/, named after the script, device and time."""
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = data["env"]
+    stamp = env["date"].replace(":", "").replace("-", "")[:15]
+    device = env["device"].replace(" ", "_")
+    path = out_dir / f"{name}-{device}-{stamp}.json"
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
+    """Aligned text table; columns are (key, header, format spec)."""
+    cells = [[h for _, h, _ in columns]]
+    for row in rows:
+        cells.append([format(row[k], f) if f and isinstance(row[k], (int, float)) else
+                      str(row[k]) for k, _, f in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    for n, r in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))

@@ -53,7 +53,8 @@ def _decode_partial_kernel(
         for start in range(lo, hi, BLOCK_N):
             tok = start + offs_n  # [BN]
             t_mask = tok < hi
-            page = tl.load(bt_ptr + req * s_btn + tok // PAGE, mask=t_mask, other=0)
+            page = tl.load(bt_ptr + req * s_btn + tok // PAGE, mask=t_mask,
+                           other=0).to(tl.int64)  # page * page stride passes 2^31 past 128K pages
             slot = tok % PAGE
             kv_mask = t_mask[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh

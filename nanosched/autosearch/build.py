@@ -1,0 +1,101 @@
+"""Assemble the schedule from stage I's structure and stage II's allocation; pure Python.
+
+Besides the data and prompt dependencies of the op graph, the schedule carries resource
+dependencies: two nano-ops on different streams whose shares cannot run together (sum > 1) are
+kept in the order the solver placed them — nano-op x waits for the last such nano-op of each
+other stream that the solver finished before x started — so that a replay that starts every
+nano-op as soon as possible does not run them at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timezone
+
+from nanosched.autosearch.durations import FULL_SHARE, TICKS_PER_US
+from nanosched.autosearch.opgraph import NanoOpDef, OpGraph, TokenMix, expand, nano_deps
+from nanosched.autosearch.stage1 import Structure
+from nanosched.autosearch.stage2 import Allocation
+from nanosched.models.spec import ModelSpec
+from nanosched.profiler.format import Profile
+from nanosched.schedules.format import (
+    Alloc,
+    BatchInfo,
+    Dep,
+    NanoOp,
+    Prediction,
+    Schedule,
+    StageReport,
+    StreamInfo,
+    model_info,
+)
+
+
+def resource_deps(structure: Structure, alloc: Allocation) -> dict[str, list[tuple[str, int]]]:
+    """Nano-op id -> [(id, layer shift)] it must wait for to keep the GPU within capacity."""
+    starts, durs, period = alloc.starts, alloc.durations, alloc.period
+    out: dict[str, list[tuple[str, int]]] = {x: [] for x in starts}
+    for x in starts:
+        for sn, chain in structure.orders.items():
+            if sn == structure.streams[x]:
+                continue
+            best: tuple[int, str, int] | None = None
+            for y in chain:
+                if alloc.choice[x].share + alloc.choice[y].share <= FULL_SHARE:
+                    continue
+                for copy, shift in ((0, 0), (-1, 1)):
+                    end = starts[y] + durs[y] + copy * period
+                    if end <= starts[x] and (best is None or end > best[0]):
+                        best = (end, y, shift)
+            if best is not None:
+                out[x].append((best[1], best[2]))
+    return out
+
+
+def _deps(n: NanoOpDef, data: list[tuple[str, int, str]], res: list[tuple[str, int]]
+          ) -> tuple[Dep, ...]:
+    deps = [Dep(i, shift, kind) for i, shift, kind in data]
+    have = {(d.id, d.shift) for d in deps}
+    deps += [Dep(i, shift, "resource") for i, shift in res if (i, shift) not in have]
+    return tuple(deps)
+
+
+def build_schedule(spec: ModelSpec, tp: int, profile: Profile, graph: OpGraph, mix: TokenMix,
+                   batch: BatchInfo, structure: Structure, alloc: Allocation,
+                   stages: tuple[StageReport, ...], command: str = "") -> Schedule:
+    """The schedule, its prediction from the simulator and the sequential baseline."""
+    from nanosched.autosearch.simulate import sequential_baseline, simulate
+
+    nanos = expand(graph, structure.split, mix, structure.forms)
+    data = nano_deps(graph, nanos, mix, structure.forms)
+    res = resource_deps(structure, alloc)
+    rank = {x: i for chain in structure.orders.values() for i, x in enumerate(chain)}
+    ops = []
+    for n in nanos:
+        opt = alloc.choice[n.id]
+        ops.append(NanoOp(
+            n.id, n.op, n.resource, n.work_start, n.work_end, structure.streams[n.id],
+            rank[n.id], structure.offsets[n.id], _deps(n, data[n.id], res[n.id]),
+            Alloc(opt.share / FULL_SHARE, opt.p, opt.mechanism, opt.units, opt.impl),
+            alloc.starts[n.id] / TICKS_PER_US, alloc.durations[n.id] / TICKS_PER_US))
+    ranges: dict[str, tuple[tuple[int, int], ...]] = {}
+    for n in ops:
+        ranges[n.op] = (*ranges.get(n.op, ()), (n.start, n.end))
+    streams = tuple(StreamInfo(
+        sn, sn, tuple(sorted({n.alloc.mechanism for n in ops if n.stream == sn})),
+        tuple(sorted({n.alloc.units for n in ops if n.stream == sn})))
+        for sn in structure.orders)
+    optimal = profile.ceilings.gemm_tflops_model * 1e12 / (2 * spec.num_params(active=True))
+    seq_period, seq_iter = sequential_baseline(spec, tp, profile, batch)
+    period = alloc.period / TICKS_PER_US
+    pred = Prediction(period, period, period * spec.num_layers, 0.0, optimal, seq_period,
+                      seq_iter)
+    sched = Schedule(model_info(spec), tp, profile.identity.gpu_name, profile.identity.num_sms,
+                     profile.digest(), batch, ranges, dict(structure.forms), streams,
+                     tuple(ops), pred, stages,
+                     datetime.now(timezone.utc).isoformat(timespec="seconds"), command,
+                     profile.notes[:1])
+    sim = simulate(sched, profile)
+    pred = dataclasses.replace(pred, period_us=sim.period_us, iteration_us=sim.iteration_us,
+                               tokens_per_s=sim.tokens_per_s)
+    return dataclasses.replace(sched, prediction=pred)

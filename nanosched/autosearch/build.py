@@ -4,7 +4,8 @@ Besides the data and prompt dependencies of the op graph, the schedule carries r
 dependencies: two nano-ops on different streams whose shares cannot run together (sum > 1) are
 kept in the order the solver placed them — nano-op x waits for the last such nano-op of each
 other stream that the solver finished before x started — so that a replay that starts every
-nano-op as soon as possible does not run them at once.
+nano-op as soon as possible does not run them at once. The solver's placement is then
+compacted to the least period these dependencies allow, kept if the GPU capacity still holds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from nanosched.autosearch.durations import FULL_SHARE, TICKS_PER_US
 from nanosched.autosearch.opgraph import NanoOpDef, OpGraph, TokenMix, expand, nano_deps
 from nanosched.autosearch.stage1 import Structure
 from nanosched.autosearch.stage2 import Allocation
+from nanosched.errors import ScheduleError
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile
 from nanosched.schedules.format import (
@@ -29,6 +31,7 @@ from nanosched.schedules.format import (
     StreamInfo,
     model_info,
 )
+from nanosched.schedules.validate import check_capacity
 
 
 def resource_deps(structure: Structure, alloc: Allocation) -> dict[str, list[tuple[str, int]]]:
@@ -52,6 +55,22 @@ def resource_deps(structure: Structure, alloc: Allocation) -> dict[str, list[tup
     return out
 
 
+def compact(structure: Structure, alloc: Allocation, deps: list[tuple[str, str, int]]
+            ) -> Allocation:
+    """The same structure and options at the least period its dependencies allow.
+
+    The solver may stop with slack; with durations, orders, offsets and the (data and
+    resource) dependencies fixed, `periodic.min_period` finds the tightest placement. The caller
+    keeps it only if the GPU capacity still holds there.
+    """
+    from nanosched.autosearch.periodic import min_period
+
+    found = min_period(alloc.durations, structure.orders, deps, structure.offsets)
+    if found is None or found[0] >= alloc.period:
+        return alloc
+    return dataclasses.replace(alloc, starts=found[1], period=found[0])
+
+
 def _deps(n: NanoOpDef, data: list[tuple[str, int, str]], res: list[tuple[str, int]]
           ) -> tuple[Dep, ...]:
     deps = [Dep(i, shift, kind) for i, shift, kind in data]
@@ -64,11 +83,36 @@ def build_schedule(spec: ModelSpec, tp: int, profile: Profile, graph: OpGraph, m
                    batch: BatchInfo, structure: Structure, alloc: Allocation,
                    stages: tuple[StageReport, ...], command: str = "") -> Schedule:
     """The schedule, its prediction from the simulator and the sequential baseline."""
-    from nanosched.autosearch.simulate import sequential_baseline, simulate
+    from nanosched.autosearch.simulate import simulate
 
     nanos = expand(graph, structure.split, mix, structure.forms)
     data = nano_deps(graph, nanos, mix, structure.forms)
     res = resource_deps(structure, alloc)
+    sched = _assemble(spec, tp, profile, nanos, data, res, batch, structure,
+                      alloc, stages, command)
+    edges = [(x, y, k) for y, ds in data.items() for x, k, _ in ds]
+    edges += [(x, y, k) for y, ds in res.items() for x, k in ds]
+    tight = compact(structure, alloc, edges)
+    if tight is not alloc:
+        candidate = _assemble(spec, tp, profile, nanos, data, res, batch, structure, tight,
+                              stages, command)
+        try:
+            check_capacity(candidate)
+            sched = candidate
+        except ScheduleError:
+            pass
+    sim = simulate(sched, profile)
+    pred = dataclasses.replace(sched.prediction, period_us=sim.period_us,
+                               iteration_us=sim.iteration_us, tokens_per_s=sim.tokens_per_s)
+    return dataclasses.replace(sched, prediction=pred)
+
+
+def _assemble(spec: ModelSpec, tp: int, profile: Profile, nanos: list[NanoOpDef],
+              data: dict[str, list[tuple[str, int, str]]], res: dict[str, list[tuple[str, int]]],
+              batch: BatchInfo, structure: Structure, alloc: Allocation,
+              stages: tuple[StageReport, ...], command: str) -> Schedule:
+    from nanosched.autosearch.simulate import sequential_baseline
+
     rank = {x: i for chain in structure.orders.values() for i, x in enumerate(chain)}
     ops = []
     for n in nanos:
@@ -90,12 +134,8 @@ def build_schedule(spec: ModelSpec, tp: int, profile: Profile, graph: OpGraph, m
     period = alloc.period / TICKS_PER_US
     pred = Prediction(period, period, period * spec.num_layers, 0.0, optimal, seq_period,
                       seq_iter)
-    sched = Schedule(model_info(spec), tp, profile.identity.gpu_name, profile.identity.num_sms,
-                     profile.digest(), batch, ranges, dict(structure.forms), streams,
-                     tuple(ops), pred, stages,
-                     datetime.now(timezone.utc).isoformat(timespec="seconds"), command,
-                     profile.notes[:1])
-    sim = simulate(sched, profile)
-    pred = dataclasses.replace(pred, period_us=sim.period_us, iteration_us=sim.iteration_us,
-                               tokens_per_s=sim.tokens_per_s)
-    return dataclasses.replace(sched, prediction=pred)
+    return Schedule(model_info(spec), tp, profile.identity.gpu_name, profile.identity.num_sms,
+                    profile.digest(), batch, ranges, dict(structure.forms), streams,
+                    tuple(ops), pred, stages,
+                    datetime.now(timezone.utc).isoformat(timespec="seconds"), command,
+                    profile.notes[:1])

@@ -5,14 +5,15 @@ nano-op. Layer copies repeat every P = `prediction.solver_period_us`; a nano-op 
 runs over [s_x + l P, s_x + d_x + l P). Checked:
 
   profile       the schedule was made from this profile (digest), for its model and tp
-  structure     `validate`: ranges cover each op's tokens, orders are permutations, deps exist
-                and cannot deadlock, shares and green-context SMs fit the GPU at every instant
+  structure     ranges cover each op's tokens, orders are permutations, deps exist and cannot
+                deadlock (`validate_structure`)
   op graph      every active op of the layer has nano-ops; every dependency the op graph
                 implies (ranges intersect; prompt; the periodic edge into the next layer) is listed
   dependencies  s_y + δ P ≥ s_x + d_x for every listed dependency (x → y, δ)
   issue order   on each stream the order is by phase s mod P, and layer_offset = ⌊s / P⌋
   streams       no two nano-ops of one stream overlap, over unrolled layers
   classes       no two compute (memory, network) nano-ops overlap, over unrolled layers
+  GPU capacity  shares and green-context SMs of nano-ops running at once fit the GPU
   durations     d = t_alone / P_alloc (within one tick), the allocation a point of the profile
 """
 
@@ -24,7 +25,7 @@ from nanosched.autosearch.simulate import nano_time_us
 from nanosched.errors import ScheduleError
 from nanosched.profiler.format import Profile
 from nanosched.schedules.format import Schedule
-from nanosched.schedules.validate import EPS_US, unrolled, validate
+from nanosched.schedules.validate import EPS_US, check_capacity, unrolled, validate_structure
 
 TOL_US = 1e-3
 
@@ -42,13 +43,17 @@ def check_schedule(s: Schedule, profile: Profile) -> None:
         raise _fail("profile", "schedule", f"schedule for {s.model.get('name')} tp={s.tp}, "
                     f"profile for {profile.model.name} tp={profile.tp}")
     try:
-        validate(s)
+        validate_structure(s)
     except ScheduleError as exc:
         raise _fail("structure", "schedule", str(exc)) from None
     _check_graph(s, profile)
     _check_dep_times(s)
     _check_issue_order(s)
     _check_overlaps(s)
+    try:
+        check_capacity(s)
+    except ScheduleError as exc:
+        raise _fail("GPU capacity", "schedule", str(exc)) from None
     _check_durations(s, profile)
 
 

@@ -22,6 +22,7 @@ class Limits:
 
     time_limit_s: float
     num_workers: int
+    deterministic: bool = False  # stop on CP-SAT's deterministic time: reproducible runs
 
 
 def gap(objective: float, bound: float) -> float:
@@ -59,8 +60,12 @@ def solve(model: Any, stage: str, limits: Limits, progress: Progress | None
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, limits.time_limit_s)
     solver.parameters.num_workers = limits.num_workers
+    if limits.deterministic:
+        solver.parameters.max_deterministic_time = max(0.01, limits.time_limit_s)
+        solver.parameters.interleave_search = limits.num_workers > 1
+    else:
+        solver.parameters.max_time_in_seconds = max(0.01, limits.time_limit_s)
     start = time.perf_counter()
     status = solver.solve(model, _callback_class()(stage, progress))
     wall = time.perf_counter() - start

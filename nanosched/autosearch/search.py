@@ -45,6 +45,7 @@ class SearchConfig:
     max_nano_ops: int = 4
     max_period_us: float | None = None
     command: str = ""
+    deterministic: bool = False  # time limit in CP-SAT deterministic units: reproducible (tests)
 
 
 def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
@@ -105,24 +106,28 @@ def bubble_candidates(st: Structure, prob: Stage1Problem) -> list[str]:
 
 
 def search_structure(prob: Stage1Problem, budget_s: float, workers: int, max_nano: int,
-                     progress: Progress | None) -> tuple[Structure | None, StageReport]:
+                     progress: Progress | None, deterministic: bool = False
+                     ) -> tuple[Structure | None, StageReport]:
     """Stage I from two nano-ops per op, growing counts near compute bubbles."""
     deadline = time.perf_counter() + budget_s
-    best, report = solve_stage1(prob, Limits(0.5 * budget_s, workers), progress)
+    best, report = solve_stage1(prob, Limits(0.5 * budget_s, workers, deterministic), progress)
     if best is None:
         return None, report
     q = prob.mix.dense_batch // QUANTUM
-    while time.perf_counter() < deadline - 0.5:
+    tries = 0
+    while (tries < 2 if deterministic else time.perf_counter() < deadline - 0.5):
+        tries += 1
         improved = False
         for op in bubble_candidates(best, prob):
             left = deadline - time.perf_counter()
-            if prob.counts[op] >= min(max_nano, q) or left < 0.5:
+            if prob.counts[op] >= min(max_nano, q) or (left < 0.5 and not deterministic):
                 continue
             counts = {**prob.counts, op: prob.counts[op] + 1}
             if progress:
                 progress(f"stage I: trying {counts[op]} nano-ops for {op}")
             trial = replace(prob, counts=counts, max_period_ticks=best.period)
-            st, rep = solve_stage1(trial, Limits(min(left, 0.25 * budget_s), workers), progress)
+            step = 0.25 * budget_s if deterministic else min(left, 0.25 * budget_s)
+            st, rep = solve_stage1(trial, Limits(step, workers, deterministic), progress)
             if st is not None and st.period < 0.995 * best.period:
                 best, report, prob, improved = st, rep, trial, True
                 break
@@ -145,7 +150,7 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
     prob = Stage1Problem(graph, mix, _tables(cfg, graph, batch),
                          dict.fromkeys((o.name for o in graph.ops), 2), cap)
     structure, rep1 = search_structure(prob, STAGE1_SHARE * cfg.time_limit_s, cfg.num_workers,
-                                       cfg.max_nano_ops, progress)
+                                       cfg.max_nano_ops, progress, cfg.deterministic)
     if structure is None:
         raise ScheduleError(_no_solution("stage I", rep1))
     nanos = expand(graph, structure.split, mix, structure.forms)
@@ -157,7 +162,9 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
         [(x, y, s) for y, ds in nano_deps(graph, nanos, mix, structure.forms).items()
          for x, s, _ in ds], cap)
     left = max(deadline - time.perf_counter(), 0.1 * cfg.time_limit_s)
-    alloc, rep2 = solve_stage2(p2, Limits(left, cfg.num_workers), progress)
+    if cfg.deterministic:
+        left = (1 - STAGE1_SHARE) * cfg.time_limit_s
+    alloc, rep2 = solve_stage2(p2, Limits(left, cfg.num_workers, cfg.deterministic), progress)
     if alloc is None:
         raise ScheduleError(_no_solution("stage II", rep2))
     sched = build_schedule(cfg.spec, cfg.tp, cfg.profile, graph, mix, batch, structure, alloc,

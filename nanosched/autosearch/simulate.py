@@ -2,9 +2,10 @@ r"""Replay a schedule against a profile and predict its time; pure Python, no so
 
 The replay does what the runtime does: in period p each stream issues, in its issue order, the
 nano-op x of layer p − k_x (k_x its layer offset); a nano-op starts as soon as its stream is
-free and every dependency (y of layer l − δ) has finished — as soon as possible, never at the
-solver's placement. Durations come from the profile: t_alone(op, work tokens, context) / P of
-the nano-op's allocation. Over L layers:
+free, every dependency (y of layer l − δ) has finished and its share of the GPU fits beside
+the nano-ops running then — as soon as possible, never at the solver's placement.
+Durations come from the profile: t_alone(op, work tokens, context) / P of its allocation.
+Over L layers:
 
     period      = (finish(L − 1) − finish(⌊L/2⌋ − 1)) / (L − ⌊L/2⌋)     steady state
     iteration   = finish(L − 1) + t_lm_head                             one forward pass
@@ -52,9 +53,24 @@ def lm_head_us(profile: Profile, batch: BatchInfo) -> float:
     return profile.kernel_time_us("lm_head", tokens)
 
 
+def _fits(placed: list[tuple[float, float, float]], t: float, dur: float, share: float
+          ) -> float | None:
+    """None if `share` fits beside `placed` over [t, t + dur), else the next end to retry at."""
+    edges = sorted({t, *(a for a, _, _ in placed if t < a < t + dur)})
+    for u in edges:
+        running = [(b, r) for a, b, r in placed if a <= u + 1e-9 and b > u + 1e-9]
+        if sum(r for _, r in running) + share > 1 + 1e-9:
+            return min(b for b, _ in running)
+    return None
+
+
 def replay(s: Schedule, durations: dict[str, float], num_layers: int
            ) -> dict[tuple[str, int], tuple[float, float]]:
-    """(nano-op id, layer) -> (start, end) in us, as soon as possible in issue order."""
+    """(nano-op id, layer) -> (start, end) in us: in issue order, as soon as possible.
+
+    A nano-op starts when its stream is free, its dependencies have finished and its share
+    fits beside the nano-ops already running (it waits, rather than oversubscribe the GPU).
+    """
     by_id = {n.id: n for n in s.nano_ops}
     queues: dict[str, list[tuple[str, int]]] = {}
     for st in s.streams:
@@ -62,24 +78,28 @@ def replay(s: Schedule, durations: dict[str, float], num_layers: int
         queues[st.name] = [(n.id, p - n.layer_offset) for p in range(num_layers + 1)
                            for n in chain if 0 <= p - n.layer_offset < num_layers]
     done: dict[tuple[str, int], tuple[float, float]] = {}
-    heads = dict.fromkeys(queues, 0)
-    free = dict.fromkeys(queues, 0.0)
+    heads, free = dict.fromkeys(queues, 0), dict.fromkeys(queues, 0.0)
+    placed: list[tuple[float, float, float]] = []
     while len(done) < len(s.nano_ops) * num_layers:
-        progressed = False
+        ready = []
         for sn, queue in queues.items():
-            while heads[sn] < len(queue):
+            if heads[sn] < len(queue):
                 x, layer = queue[heads[sn]]
                 need = [(d.id, layer - d.shift) for d in by_id[x].deps if layer - d.shift >= 0]
-                if any(k not in done for k in need):
-                    break
-                start = max([free[sn]] + [done[k][1] for k in need])
-                done[(x, layer)] = (start, start + durations[x])
-                free[sn] = start + durations[x]
-                heads[sn] += 1
-                progressed = True
-        if not progressed:
+                if all(k in done for k in need):
+                    ready.append((max([free[sn]] + [done[k][1] for k in need]), sn, x, layer))
+        if not ready:
             stuck = {sn: q[heads[sn]] for sn, q in queues.items() if heads[sn] < len(q)}
             raise ScheduleError(f"replay deadlocks: stream heads {stuck} wait on each other")
+        t, sn, x, layer = min(ready)
+        floor = min(free[q] for q in queues if heads[q] < len(queues[q]))
+        placed = [p for p in placed if p[1] > floor]
+        while (retry := _fits(placed, t, durations[x], by_id[x].alloc.share)) is not None:
+            t = retry
+        done[(x, layer)] = (t, t + durations[x])
+        placed.append((t, t + durations[x], by_id[x].alloc.share))
+        free[sn] = t + durations[x]
+        heads[sn] += 1
     return done
 
 

@@ -22,7 +22,8 @@ Constraints
   dependencies (A → B, δ):   for x ∈ A, y ∈ B a literal a_{xy}: a_{xy} ⇒ s_y + δ τ ≥ e_x, and
                              a_{xy} ∨ ¬p_x ∨ ¬p_y ∨ ¬f_cond ∨ (we_x ≤ ws_y) ∨ (we_y ≤ ws_x)
                              (prompt edges: the range [ps(ws_y), ws_y) in place of [ws_y, we_y))
-  bounds:                    τ ≥ Σ_{x ∈ compute-class ops} d_x, τ ≥ Σ_A min_split t_A (LB)
+  bounds:                    τ ≥ Σ_{x of compute (memory) ops} d_x; τ ≥ Σ_A min_split t_A over
+                             compute ops A on the whole batch (a constant lower bound)
 Objective: minimise τ.
 """
 
@@ -72,9 +73,9 @@ def make_structure(split: dict[str, list[tuple[int, int]]], forms: dict[str, str
     return Structure(split, forms, streams, orders, offsets, starts, period, dict(counts))
 
 
-def min_split_ticks(table: list[int], count: int) -> int:
-    """Least total time of `count` nano-ops that together cover the table's Q quanta."""
-    q = len(table) - 1
+def min_split_ticks(table: list[int], count: int, q: int | None = None) -> int:
+    """Least total time of `count` nano-ops that together cover q quanta (default: all)."""
+    q = len(table) - 1 if q is None else q
     best = [0] + [10**12] * q
     for _ in range(count):
         best = [min((best[j] + table[k - j] for j in range(k)), default=10**12)
@@ -201,8 +202,8 @@ def build_model(prob: Stage1Problem) -> tuple[Any, dict[str, Any]]:
     fixed = [o for o in prob.graph.ops if o.resource in (COMPUTE, MEMORY) and o.group is None]
     for cls in (COMPUTE, MEMORY):
         m.add(tau >= sum(x["d"] for o in fixed if o.resource == cls for x in by_op[o.name]))
-    m.add(tau >= sum(min_split_ticks(prob.tables[o.name], prob.counts[o.name])
-                     for o in fixed if o.resource == COMPUTE))
+    m.add(tau >= sum(min_split_ticks(prob.tables[o.name], prob.counts[o.name], q)
+                     for o in fixed if o.resource == COMPUTE and o.domain == "all"))
     m.minimize(tau)
     return m, {"tau": tau, "forms": forms, "by_op": by_op}
 

@@ -142,9 +142,8 @@ class Schedule:
         raise ScheduleError(f"schedule has no nano-op {id_!r}")
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["ranges"] = {op: [list(r) for r in rs] for op, rs in self.ranges.items()}
-        return {"format": FORMAT, **data}
+        """Plain JSON types (lists, not tuples): equal to what a file read back gives."""
+        return json.loads(json.dumps({"format": FORMAT, **asdict(self)}))
 
     @classmethod
     def from_json(cls, data: Any, where: str = "schedule") -> Schedule:

@@ -52,6 +52,9 @@ def summary_lines(s: Schedule) -> list[str]:
               f"throughput: {p.tokens_per_s:.0f} tokens/s/GPU = "
               f"{100 * p.tokens_per_s / p.optimal_tokens_per_s:.1f}% of optimal "
               f"({p.optimal_tokens_per_s:.0f})"]
+    if p.speedup < 1:
+        lines.append("NO GAIN: the sequential schedule is predicted faster at this batch; "
+                     "run the Sequential scheduler (or a larger dense batch)")
     return lines + [f"note: {n}" for n in s.notes]
 
 

@@ -36,12 +36,17 @@ def op_domain(op: str, dense_batch: int, num_decode: int) -> tuple[int, int]:
 
 def validate(s: Schedule, where: str = "schedule") -> None:
     """Raise ScheduleError naming the first inconsistency of `s`."""
+    validate_structure(s, where)
+    check_capacity(s, where)
+
+
+def validate_structure(s: Schedule, where: str = "schedule") -> None:
+    """Everything `validate` checks except the timing-based GPU capacity."""
     _check_batch(s, where)
     _check_ranges(s, where)
     _check_nano_ops(s, where)
     _check_orders(s, where)
     _check_deps(s, where)
-    check_capacity(s, where)
 
 
 def _fail(where: str, field: str, why: str) -> ScheduleError:

@@ -37,7 +37,8 @@ class Choice:
     messages: list[str] = field(default_factory=list)
 
 
-def shipped_profiles(folder: Path = SHIPPED) -> dict[str, Path]:
+def shipped_profiles(folder: Path | None = None) -> dict[str, Path]:
+    folder = folder or SHIPPED
     return {p.stem: p for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
 
 
@@ -49,7 +50,7 @@ def _read(path: Path) -> Profile | None:
 
 
 def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
-                 folder: Path = SHIPPED) -> tuple[Profile | None, str]:
+                 folder: Path | None = None) -> tuple[Profile | None, str]:
     """The shipped profile closest to the request, with the reason; (None, why) if none fits."""
     found = [(name, prof) for name, path in shipped_profiles(folder).items()
              if (prof := _read(path)) is not None and prof.model.name == spec.name]
@@ -72,7 +73,7 @@ def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
     return prof, why
 
 
-def load_named_profile(arg: str, folder: Path = SHIPPED) -> Profile:
+def load_named_profile(arg: str, folder: Path | None = None) -> Profile:
     """`--profile FILE` or the name of a shipped profile."""
     path = Path(arg)
     if path.suffix == ".json" or path.exists():
@@ -98,7 +99,7 @@ def auto_tp(spec: ModelSpec, gpu: GPUSpec, workload: Workload, target: int) -> i
 
 
 def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: str | None,
-            workload: Workload, dense_batch: str, folder: Path = SHIPPED) -> Choice:
+            workload: Workload, dense_batch: str, folder: Path | None = None) -> Choice:
     """Decide tp, profile (None means: build a synthetic one) and dense batch."""
     gpu = get_gpu(gpu_name or "h100")
     msgs: list[str] = []
@@ -106,6 +107,9 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
         raise ConfigError(f"--dense-batch must be a number of tokens or 'auto', got "
                           f"{dense_batch!r}")
     target = int(dense_batch) if dense_batch != "auto" else 1024
+    if target < 2 * TOKEN_QUANTUM or target % TOKEN_QUANTUM:
+        raise ConfigError(f"--dense-batch must be a multiple of {TOKEN_QUANTUM} of at least "
+                          f"{2 * TOKEN_QUANTUM} (two nano-batches), got {target}")
     if profile_arg:
         prof: Profile | None = load_named_profile(profile_arg, folder)
         msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")

@@ -1,11 +1,10 @@
 """Assemble the schedule from stage I's structure and stage II's allocation; pure Python.
 
 Besides the data and prompt dependencies of the op graph, the schedule carries resource
-dependencies: two nano-ops on different streams whose shares cannot run together (sum > 1) are
-kept in the order the solver placed them — nano-op x waits for the last such nano-op of each
-other stream that the solver finished before x started — so that a replay that starts every
-nano-op as soon as possible does not run them at once. The solver's placement is then
-compacted to the least period these dependencies allow, kept if the GPU capacity still holds.
+dependencies that keep the solver's cross-stream order (`resource_deps`), so that a replay that
+starts every nano-op as soon as possible runs together only what the solver ran together.
+The solver's placement is then compacted to the least period these dependencies allow, kept
+if the GPU capacity still holds.
 """
 
 from __future__ import annotations
@@ -35,7 +34,14 @@ from nanosched.schedules.validate import check_capacity
 
 
 def resource_deps(structure: Structure, alloc: Allocation) -> dict[str, list[tuple[str, int]]]:
-    """Nano-op id -> [(id, layer shift)] it must wait for to keep the GPU within capacity."""
+    """Nano-op id -> [(id, layer shift)] that keep the solver's cross-stream order.
+
+    For each nano-op x and each other stream, x waits for the last nano-op y of that stream
+    (of the previous, same or next layer: shift 1, 0 or -1) that the solver finished before x
+    started. Every pair the solver kept apart then stays apart in any placement that honours
+    these dependencies, so nano-ops run together only where the solver let them: the GPU
+    capacity holds and an as-soon-as-possible replay is never slower than the solver's period.
+    """
     starts, durs, period = alloc.starts, alloc.durations, alloc.period
     out: dict[str, list[tuple[str, int]]] = {x: [] for x in starts}
     for x in starts:
@@ -44,12 +50,10 @@ def resource_deps(structure: Structure, alloc: Allocation) -> dict[str, list[tup
                 continue
             best: tuple[int, str, int] | None = None
             for y in chain:
-                if alloc.choice[x].share + alloc.choice[y].share <= FULL_SHARE:
-                    continue
-                for copy, shift in ((0, 0), (-1, 1)):
+                for copy in (-1, 0, 1):
                     end = starts[y] + durs[y] + copy * period
                     if end <= starts[x] and (best is None or end > best[0]):
-                        best = (end, y, shift)
+                        best = (end, y, -copy)
             if best is not None:
                 out[x].append((best[1], best[2]))
     return out

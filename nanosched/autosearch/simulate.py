@@ -85,7 +85,8 @@ def replay(s: Schedule, durations: dict[str, float], num_layers: int
         for sn, queue in queues.items():
             if heads[sn] < len(queue):
                 x, layer = queue[heads[sn]]
-                need = [(d.id, layer - d.shift) for d in by_id[x].deps if layer - d.shift >= 0]
+                need = [(d.id, layer - d.shift) for d in by_id[x].deps
+                        if 0 <= layer - d.shift < num_layers]
                 if all(k in done for k in need):
                     ready.append((max([free[sn]] + [done[k][1] for k in need]), sn, x, layer))
         if not ready:

@@ -10,10 +10,11 @@ Pure Python: a server loads schedules without OR-Tools. Contents (DESIGN.md, "Th
 - `streams`: name, resource class, the mechanisms and SM / CTA counts its nano-ops use.
 - `nano_ops`: id `op.index`, its range, stream, issue `order` on that stream within a period,
   `layer_offset` k (in period p the stream issues this nano-op of layer p - k, so layer l + 1's
-  first nano-ops can overlap layer l's last), `deps` (id, layer shift 0 or 1, kind data /
-  prompt / resource), the allocation (share of the GPU, P, mechanism, SMs or CTAs,
-  implementation), predicted `start_us` and `duration_us` of layer 0, whose copies repeat every
-  `prediction.solver_period_us` (start_us // period = layer_offset).
+  first nano-ops can overlap layer l's last), `deps` (id, layer shift: 1 = previous layer,
+  0 = same, -1 = next layer (resource deps only); kind data / prompt / resource; a nano-op of
+  layer l waits for nano-op `id` of layer l - shift), the allocation (share of the GPU, P,
+  mechanism, SMs or CTAs, implementation), predicted `start_us` and `duration_us` of layer 0,
+  whose copies repeat every `prediction.solver_period_us` (start_us // period = layer_offset).
 - `prediction`: layer period, iteration time, tokens/s per GPU, the optimal tokens/s per GPU,
   the sequential baseline; `stages`: solver status, objective, bound, gap, wall time per stage.
 """
@@ -65,7 +66,7 @@ class Alloc:
 @dataclass(frozen=True)
 class Dep:
     id: str
-    shift: int = 0  # 1: on the nano-op of the previous layer
+    shift: int = 0  # 1: on the previous layer's nano-op; -1 (resource deps only): the next's
     kind: str = "data"  # "data" | "prompt" | "resource"
 
 

@@ -132,9 +132,10 @@ def _check_deps(s: Schedule, where: str) -> None:
         for d in n.deps:
             if d.id not in ids:
                 raise _fail(where, f"nano_ops[{n.id}].deps", f"{d.id!r} does not exist")
-            if d.shift not in (0, 1) or d.kind not in DEP_KINDS:
-                raise _fail(where, f"nano_ops[{n.id}].deps[{d.id}]", f"shift must be 0 or 1 "
-                            f"and kind one of {DEP_KINDS}, got {d.shift}/{d.kind!r}")
+            shifts = (-1, 0, 1) if d.kind == "resource" else (0, 1)
+            if d.shift not in shifts or d.kind not in DEP_KINDS:
+                raise _fail(where, f"nano_ops[{n.id}].deps[{d.id}]", f"kind must be one of "
+                            f"{DEP_KINDS} and shift one of {shifts}, got {d.kind!r}/{d.shift}")
             lag = d.shift + n.layer_offset - ids[d.id].layer_offset
             if lag < 0:
                 raise _fail(where, f"nano_ops[{n.id}].deps[{d.id}]", "waits on a nano-op "

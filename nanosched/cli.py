@@ -330,6 +330,57 @@ def profile_show(
         typer.echo(f"wrote {plot_profile(prof, plot)}")
 
 
+@app.command()
+@reports_errors
+def search(
+    model: str = typer.Option(..., "--model", "-m", help="Model name or HF config.json."),
+    tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree; default: the "
+                                  "profile's, or the smallest that fits the dense batch."),
+    profile: str | None = typer.Option(None, "--profile", help="Profile FILE or shipped NAME; "
+                                       "default: the closest shipped one, else synthetic."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU for a synthetic profile and the "
+                                   "memory fit (default h100)."),
+    input_len: float | None = typer.Option(None, "--input-len", help="Mean prompt tokens p."),
+    output_len: float | None = typer.Option(None, "--output-len", help="Mean output tokens d."),
+    workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise."),
+    dense_batch: str = typer.Option("auto", "--dense-batch", help="Tokens per iteration "
+                                    "(multiple of 128) or 'auto'."),
+    time_limit: float = typer.Option(60.0, "--time-limit", help="Solver seconds, both stages."),
+    workers: int = typer.Option(2, "--workers", help="CP-SAT worker threads."),
+    max_nano_ops: int = typer.Option(4, "--max-nano-ops", help="Most nano-ops per op."),
+    max_period_us: float | None = typer.Option(None, "--max-period-us", help="Refuse layer "
+                                               "periods above this."),
+    out: str | None = typer.Option(None, "--out", "-o", help="Schedule file to write."),
+) -> None:
+    """Search a nano-batch pipeline (two-stage CP-SAT) and write the JSON schedule."""
+    from nanosched.autosearch.search import search_and_save
+
+    search_and_save(model=model, tp=tp, profile=profile, gpu=gpu, workload=workload,
+                    input_len=input_len, output_len=output_len, dense_batch=dense_batch,
+                    time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
+                    max_period_us=max_period_us, out=out, echo=typer.echo,
+                    print_table=print_table, command=" ".join(["nanosched", *sys.argv[1:]]))
+
+
+@app.command()
+@reports_errors
+def show(
+    file: str = typer.Argument(..., help="Schedule JSON written by `nanosched search`."),
+    plot: str | None = typer.Option(None, "--plot", help="Also draw a Gantt chart (PNG)."),
+) -> None:
+    """Print a schedule's pipeline and prediction; optionally draw it per stream."""
+    from nanosched.schedules.format import load_schedule
+    from nanosched.schedules.show import PIPELINE_COLUMNS, pipeline_rows, plot_gantt, summary_lines
+
+    sched = load_schedule(file)
+    print_table(pipeline_rows(sched), PIPELINE_COLUMNS)
+    for line in summary_lines(sched):
+        typer.echo(line)
+    if plot:
+        plot_gantt(sched, plot)
+        typer.echo(f"chart written to {plot}")
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="nanosched")

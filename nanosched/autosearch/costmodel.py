@@ -77,8 +77,19 @@ class OpCost:
         return max(times, key=times.__getitem__)
 
 
-def _op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str) -> tuple[float, float, float]:
-    """(FLOPs, bytes loaded, network bytes) of op `name` for one layer, logical tensors."""
+def nano_mix(tokens: int, num_decode: float, decode_context: float,
+             prefill_context: float) -> BatchMix:
+    """The mix of one nano-batch of `tokens` tokens, `num_decode` of them decode tokens."""
+    return BatchMix(tokens, num_decode, tokens - num_decode, decode_context, prefill_context,
+                    num_decode)
+
+
+def op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str) -> tuple[float, float, float]:
+    """(FLOPs, bytes loaded, network bytes) of op `name` for one layer, logical tensors.
+
+    `mix` may be a whole dense batch or one nano-batch (`nano_mix`): the formulas hold for any
+    token count. `rs_*`/`ag_*` (reduce-scatter, all-gather) each move half an all-reduce's bytes.
+    """
     B, D, S = mix.dense_batch, spec.hidden_size, spec.dtype_bytes
     q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
     qkv = q + 2 * kv
@@ -102,6 +113,9 @@ def _op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str) -> tuple[flo
     if name in ("ar_attn", "ar_ffn"):
         sent = 2 * (tp - 1) * B * D * S
         return (tp - 1) * B * D, sent, sent
+    if name in ("rs_attn", "rs_ffn", "ag_attn", "ag_ffn"):
+        sent = (tp - 1) * B * D * S
+        return ((tp - 1) * B * D if name.startswith("rs") else 0.0), sent, sent
     if name in ("add_norm_ffn", "add_norm_attn"):
         return 5 * B * D, (4 * B * D + D) * S, 0.0
     if name in ("ug", "experts_ug"):
@@ -128,7 +142,7 @@ def op_costs(spec: ModelSpec, gpu: GPUSpec, tp: int, mix: BatchMix) -> list[OpCo
     """Every op of the layer, times L, then the LM head over the sampled tokens."""
     costs = []
     for op in layer_ops(spec, tp):
-        f, m, x = _op_demands(spec, tp, mix, op.name)
+        f, m, x = op_demands(spec, tp, mix, op.name)
         L = spec.num_layers
         costs.append(_timed(op.name, op.resource, f * L, m * L, x * L, gpu, tp))
     sampled = mix.num_sampled
@@ -254,4 +268,5 @@ def analyze(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
 
 
 __all__ = ["Analysis", "BatchMix", "OpCost", "analyze", "batch_mix", "choose_tp",
-           "max_dense_batch", "op_costs", "optimal_tokens_per_s_per_gpu", "TOKEN_QUANTUM"]
+           "max_dense_batch", "nano_mix", "op_costs", "op_demands",
+           "optimal_tokens_per_s_per_gpu", "TOKEN_QUANTUM"]

@@ -44,3 +44,14 @@ def layer_ops(spec: ModelSpec, tp: int = 1) -> list[OpDef]:
     if tp == 1:
         ops = [op for op in ops if op.resource != NETWORK]
     return ops
+
+
+# Alternative form of each all-reduce (tp > 1): reduce-scatter after the producing GEMM, the
+# norm on the scattered shard, all-gather before the consuming GEMM (NanoFlow §4.1.2,
+# "operation transformations"). The search picks one form per collective.
+COLLECTIVE_FORMS: dict[str, tuple[OpDef, OpDef]] = {
+    "ar_attn": (OpDef("rs_attn", NETWORK, "reduce-scatter of [T, D] after o"),
+                OpDef("ag_attn", NETWORK, "all-gather of [T, D] before the FFN")),
+    "ar_ffn": (OpDef("rs_ffn", NETWORK, "reduce-scatter of [T, D] after d"),
+               OpDef("ag_ffn", NETWORK, "all-gather of [T, D] before the next kqv")),
+}

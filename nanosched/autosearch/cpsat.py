@@ -1,0 +1,78 @@
+"""Shared CP-SAT plumbing: solving with limits, a progress callback, the stage report.
+
+OR-Tools is imported inside the functions, so importing this module never needs it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nanosched.autosearch.durations import TICKS_PER_US
+from nanosched.schedules.format import StageReport
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Wall-clock limit and worker count of one solve."""
+
+    time_limit_s: float
+    num_workers: int
+    deterministic: bool = False  # stop on CP-SAT's deterministic time: reproducible runs
+
+
+def gap(objective: float, bound: float) -> float:
+    return 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
+
+
+def _callback_class() -> type:
+    from ortools.sat.python import cp_model
+
+    class ProgressCallback(cp_model.CpSolverSolutionCallback):
+        """Prints each improving solution: incumbent, bound, gap and elapsed time."""
+
+        def __init__(self, stage: str, progress: Progress | None) -> None:
+            super().__init__()
+            self.stage, self.progress, self.count = stage, progress, 0
+            self.last_shown, self.last_time = float("inf"), -1.0
+
+        def on_solution_callback(self) -> None:
+            self.count += 1
+            obj, bound = self.objective_value, self.best_objective_bound
+            if self.progress is None or (obj > 0.99 * self.last_shown
+                                         and self.wall_time < self.last_time + 2):
+                return
+            self.last_shown, self.last_time = obj, self.wall_time
+            self.progress(f"  {self.stage}: solution {self.count}: period "
+                          f"{obj / TICKS_PER_US:.1f} us, bound {bound / TICKS_PER_US:.1f} us, "
+                          f"gap {100 * gap(obj, bound):.1f}%, {self.wall_time:.1f} s")
+
+    return ProgressCallback
+
+
+def solve(model: Any, stage: str, limits: Limits, progress: Progress | None
+          ) -> tuple[Any, StageReport, bool]:
+    """Solve `model`; returns (solver, report, whether a solution was found)."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = limits.num_workers
+    if limits.deterministic:
+        solver.parameters.max_deterministic_time = max(0.01, limits.time_limit_s)
+        solver.parameters.interleave_search = limits.num_workers > 1
+    else:
+        solver.parameters.max_time_in_seconds = max(0.01, limits.time_limit_s)
+    start = time.perf_counter()
+    status = solver.solve(model, _callback_class()(stage, progress))
+    wall = time.perf_counter() - start
+    name = solver.status_name(status)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    obj = solver.objective_value / TICKS_PER_US if found else float("nan")
+    bound = solver.best_objective_bound / TICKS_PER_US if found else float("nan")
+    report = StageReport(stage, name, obj, bound, gap(obj, bound) if found else float("nan"),
+                         round(wall, 3), limits.time_limit_s, limits.num_workers)
+    return solver, report, found

@@ -1,0 +1,216 @@
+r"""The nano-op graph of one decoder layer (DESIGN.md, "The op graph"); pure Python.
+
+Ops. Each op A has a resource class, a token domain D_A and candidate streams. The dense batch
+holds B tokens, decode tokens first: D = [0, n_d) for `attn_decode`, [n_d, B) for
+`attn_prefill`, [0, B) for every other op. With tp > 1 each all-reduce has an alternative form,
+reduce-scatter + all-gather (group `attn` or `ffn`, form `ar` or `rs_ag`); exactly one form of
+each group is present.
+
+Nano-ops. A split gives op A ranges r_A^i = [a_i, a_{i+1}), 0 = a_0 < ... < a_n = B, multiples
+of 128. Nano-op i works on w_A^i = r_A^i ∩ D_A; one with an empty work range does not exist.
+
+Edges. An edge (A → B, δ) says: nano-op j of B in layer l + δ depends on nano-op i of A in
+layer l iff w_A^i ∩ w_B^j ≠ ∅ (δ = 1 is the periodic edge into the next layer's `kqv`). Only
+direct data dependencies are listed; dependencies on earlier ops follow token by token by
+transitivity. An edge with a condition (group, form) holds only when that form is chosen.
+Prompt edges: causal prefill attention of work range [u, v) also needs the K/V of the earlier
+tokens of the same prompt, written by `rope_append`: it depends on every `rope_append`
+nano-op whose work range meets [ps(u), u), ps(u) = n_d + ⌊(u − n_d) / p⌋ p with p the prompt
+length (the prefill part is modelled as prompts of the mean length; p ≥ B − n_d means one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanosched.errors import ConfigError
+from nanosched.models.ops import COLLECTIVE_FORMS, COMPUTE, MEMORY, NETWORK, OTHER, layer_ops
+from nanosched.models.spec import ModelSpec
+
+QUANTUM = 128
+STREAMS = (COMPUTE, MEMORY, NETWORK)
+GROUPS = {"ar_attn": "attn", "ar_ffn": "ffn"}  # all-reduce -> its collective group
+
+
+@dataclass(frozen=True)
+class GraphOp:
+    name: str
+    resource: str
+    domain: str = "all"  # "all" | "decode" | "prefill"
+    group: str | None = None  # collective group with alternative forms
+    form: str | None = None  # "ar" | "rs_ag"
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """Streams the op may run on: its class's, or compute/memory for `other` ops."""
+        return (COMPUTE, MEMORY) if self.resource == OTHER else (self.resource,)
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str
+    shift: int = 0  # 1: src in layer l, dst in layer l + 1
+    kind: str = "data"  # "data" | "prompt"
+    cond: tuple[str, str] | None = None  # (group, form) that must be chosen
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    ops: tuple[GraphOp, ...]
+    edges: tuple[Edge, ...]
+
+    def op(self, name: str) -> GraphOp:
+        for o in self.ops:
+            if o.name == name:
+                return o
+        raise ConfigError(f"op {name!r} is not in the layer; ops: {[o.name for o in self.ops]}")
+
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """Collective group -> its forms."""
+        out: dict[str, list[str]] = {}
+        for o in self.ops:
+            if o.group and o.form not in out.setdefault(o.group, []):
+                out[o.group].append(o.form or "")
+        return {g: tuple(f) for g, f in out.items()}
+
+    def active_ops(self, forms: dict[str, str]) -> list[GraphOp]:
+        return [o for o in self.ops if o.group is None or forms.get(o.group) == o.form]
+
+    def active_edges(self, forms: dict[str, str]) -> list[Edge]:
+        names = {o.name for o in self.active_ops(forms)}
+        return [e for e in self.edges if e.src in names and e.dst in names
+                and (e.cond is None or forms.get(e.cond[0]) == e.cond[1])]
+
+
+@dataclass(frozen=True)
+class TokenMix:
+    """Where decode tokens end and how long prompts are, for domains and prompt edges."""
+
+    dense_batch: int
+    num_decode: int
+    prompt_len: int  # tokens per prompt in the prefill part
+
+    def domain(self, kind: str) -> tuple[int, int]:
+        return {"all": (0, self.dense_batch), "decode": (0, self.num_decode),
+                "prefill": (self.num_decode, self.dense_batch)}[kind]
+
+    def prompt_start(self, u: int) -> int:
+        return self.num_decode + (u - self.num_decode) // self.prompt_len * self.prompt_len
+
+
+def layer_graph(spec: ModelSpec, tp: int) -> OpGraph:
+    """The op graph of one layer; with tp > 1 both forms of each collective are present."""
+    ops: list[GraphOp] = []
+    for od in layer_ops(spec, tp):
+        domain = {"attn_decode": "decode", "attn_prefill": "prefill"}.get(od.name, "all")
+        if od.name in GROUPS:
+            rs = COLLECTIVE_FORMS[od.name][0]
+            ops.append(GraphOp(od.name, od.resource, domain, GROUPS[od.name], "ar"))
+            ops.append(GraphOp(rs.name, rs.resource, "all", GROUPS[od.name], "rs_ag"))
+        else:
+            ops.append(GraphOp(od.name, od.resource, domain))
+        if od.name in ("add_norm_ffn", "add_norm_attn") and tp > 1:
+            ar = "ar_attn" if od.name == "add_norm_ffn" else "ar_ffn"
+            ag = COLLECTIVE_FORMS[ar][1]
+            ops.append(GraphOp(ag.name, ag.resource, "all", GROUPS[ar], "rs_ag"))
+    ug, d = ("experts_ug", "experts_d") if spec.is_moe else ("ug", "d")
+    edges = [Edge("kqv", "rope_append"), Edge("rope_append", "attn_decode"),
+             Edge("rope_append", "attn_prefill"), Edge("rope_append", "attn_prefill", 0, "prompt"),
+             Edge("attn_decode", "o"), Edge("attn_prefill", "o"), Edge(ug, "act"), Edge("act", d)]
+    if tp == 1:
+        edges += [Edge("o", "add_norm_ffn"), Edge("add_norm_ffn", ug), Edge(d, "add_norm_attn"),
+                  Edge("add_norm_attn", "kqv", 1)]
+    else:
+        for src, group, nxt, shift in (("o", "attn", ug, 0), (d, "ffn", "kqv", 1)):
+            ar, rs, ag = (f"ar_{group}", f"rs_{group}", f"ag_{group}")
+            norm = "add_norm_ffn" if group == "attn" else "add_norm_attn"
+            edges += [Edge(src, ar), Edge(src, rs), Edge(ar, norm), Edge(rs, norm),
+                      Edge(norm, ag), Edge(ag, nxt, shift),
+                      Edge(norm, nxt, shift, cond=(group, "ar"))]
+    return OpGraph(tuple(ops), tuple(edges))
+
+
+@dataclass(frozen=True)
+class NanoOpDef:
+    """Nano-op `index` of `op`: token range [start, end), work range [work_start, work_end)."""
+
+    op: str
+    index: int
+    resource: str
+    start: int
+    end: int
+    work_start: int
+    work_end: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}.{self.index}"
+
+    @property
+    def work_tokens(self) -> int:
+        return self.work_end - self.work_start
+
+
+def check_split(split: dict[str, list[tuple[int, int]]], ops: list[GraphOp],
+                dense_batch: int) -> None:
+    """Every op's ranges are consecutive multiples of 128 covering [0, B)."""
+    for o in ops:
+        ranges = split.get(o.name)
+        if not ranges:
+            raise ConfigError(f"split: op {o.name!r} has no ranges")
+        pos = 0
+        for s, e in ranges:
+            if s != pos or e <= s or s % QUANTUM or e % QUANTUM:
+                raise ConfigError(f"split: op {o.name!r} ranges {ranges} must be consecutive "
+                                  f"multiples of {QUANTUM} covering [0, {dense_batch})")
+            pos = e
+        if pos != dense_batch:
+            raise ConfigError(f"split: op {o.name!r} ranges end at {pos}, not {dense_batch}")
+
+
+def expand(graph: OpGraph, split: dict[str, list[tuple[int, int]]], mix: TokenMix,
+           forms: dict[str, str]) -> list[NanoOpDef]:
+    """The nano-ops of one layer: each op's ranges clipped to its domain, empty ones dropped."""
+    ops = graph.active_ops(forms)
+    check_split(split, ops, mix.dense_batch)
+    out = []
+    for o in ops:
+        lo, hi = mix.domain(o.domain)
+        index = 0
+        for s, e in split[o.name]:
+            ws, we = max(s, lo), min(e, hi)
+            if we > ws:
+                out.append(NanoOpDef(o.name, index, o.resource, s, e, ws, we))
+                index += 1
+    return out
+
+
+def nano_deps(graph: OpGraph, nanos: list[NanoOpDef], mix: TokenMix,
+              forms: dict[str, str]) -> dict[str, list[tuple[str, int, str]]]:
+    """Nano-op id -> [(id it depends on, layer shift, kind)] from the graph's edges."""
+    by_op: dict[str, list[NanoOpDef]] = {}
+    for n in nanos:
+        by_op.setdefault(n.op, []).append(n)
+    deps: dict[str, list[tuple[str, int, str]]] = {n.id: [] for n in nanos}
+    for edge in graph.active_edges(forms):
+        for y in by_op.get(edge.dst, []):
+            lo, hi = y.work_start, y.work_end
+            if edge.kind == "prompt":
+                lo, hi = mix.prompt_start(y.work_start), y.work_start
+            have = {(d[0], d[1]) for d in deps[y.id]}
+            for x in by_op.get(edge.src, []):
+                if lo < hi and x.work_start < hi and lo < x.work_end \
+                        and (x.id, edge.shift) not in have:
+                    deps[y.id].append((x.id, edge.shift, edge.kind))
+    return deps
+
+
+def even_split(dense_batch: int, count: int) -> list[tuple[int, int]]:
+    """`count` ranges of nearly equal size in multiples of 128."""
+    quanta = dense_batch // QUANTUM
+    if not 1 <= count <= quanta:
+        raise ConfigError(f"cannot split {dense_batch} tokens into {count} nano-batches of at "
+                          f"least {QUANTUM}")
+    cuts = [round(i * quanta / count) * QUANTUM for i in range(count + 1)]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))

@@ -1,0 +1,134 @@
+"""Turn `nanosched search` flags into a SearchConfig: profile, tp and dense batch choices.
+
+Profile: `--profile FILE` or the NAME of a shipped profile (`nanosched/profiler/profiles/`);
+without one, the shipped profile closest to the request — same model required, then same tp,
+then same GPU, then the largest measured batch — and failing that a synthetic profile for
+`--gpu`, announced loudly. tp: `--tp`, else the profile's, else the smallest power of two that
+leaves room for the dense batch's KV cache. Dense batch: `auto` is the largest multiple of 128
+that fits (costmodel.max_dense_batch), capped at 2048 and at the profile's largest batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nanosched.autosearch.costmodel import DEFAULT_MAX_DENSE_BATCH, TOKEN_QUANTUM, max_dense_batch
+from nanosched.errors import ConfigError, NanoschedError
+from nanosched.hardware import GPUSpec, get_gpu
+from nanosched.models.spec import ModelSpec
+from nanosched.profiler.format import Profile, load_profile
+from nanosched.workloads import Workload
+
+SHIPPED = Path(__file__).resolve().parent.parent / "profiler" / "profiles"
+SYNTHETIC_BANNER = ("*** SYNTHETIC PROFILE: no measured profile for this request; kernel times "
+                    "are a roofline model and NanoFlow's Table 3, NOT measurements. Run "
+                    "`nanosched profile` on the GPU and search again. ***")
+
+
+@dataclass
+class Choice:
+    """What the request resolved to, and why (messages for the user)."""
+
+    tp: int
+    profile: Profile | None
+    dense_batch: int
+    messages: list[str] = field(default_factory=list)
+
+
+def shipped_profiles(folder: Path | None = None) -> dict[str, Path]:
+    folder = folder or SHIPPED
+    return {p.stem: p for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
+
+
+def _read(path: Path) -> Profile | None:
+    try:
+        return load_profile(path)
+    except (NanoschedError, json.JSONDecodeError):
+        return None
+
+
+def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
+                 folder: Path | None = None) -> tuple[Profile | None, str]:
+    """The shipped profile closest to the request, with the reason; (None, why) if none fits."""
+    found = [(name, prof) for name, path in shipped_profiles(folder).items()
+             if (prof := _read(path)) is not None and prof.model.name == spec.name]
+    if not found:
+        return None, f"no shipped profile for {spec.name}"
+
+    def rank(item: tuple[str, Profile]) -> tuple[bool, bool, int]:
+        prof = item[1]
+        return (tp is None or prof.tp == tp, gpu is None or gpu in prof.identity.gpu_name.lower(),
+                prof.dense_batch)
+
+    name, prof = max(found, key=rank)
+    if tp is not None and prof.tp != tp:
+        tps = sorted({p.tp for _, p in found})
+        return None, f"shipped profiles for {spec.name} are for tp {tps}, not {tp}"
+    same_gpu = gpu is None or gpu in prof.identity.gpu_name.lower()
+    why = (f"shipped profile {name!r}: same model{' and tp' if tp else ''}"
+           f"{', same GPU' if gpu and same_gpu else ''} ({prof.identity.gpu_name}, "
+           f"tp {prof.tp}, batches up to {prof.dense_batch})")
+    return prof, why
+
+
+def load_named_profile(arg: str, folder: Path | None = None) -> Profile:
+    """`--profile FILE` or the name of a shipped profile."""
+    path = Path(arg)
+    if path.suffix == ".json" or path.exists():
+        return load_profile(path)
+    names = shipped_profiles(folder)
+    if arg not in names:
+        raise ConfigError(f"--profile {arg!r} is neither a file nor a shipped profile; shipped: "
+                          f"{', '.join(names) or 'none'}")
+    return load_profile(names[arg])
+
+
+def auto_tp(spec: ModelSpec, gpu: GPUSpec, workload: Workload, target: int) -> int:
+    """Smallest tp (1, 2, 4, 8) whose GPUs hold the weights and a `target`-token batch's KV."""
+    for tp in (1, 2, 4, 8):
+        try:
+            spec.check_tp(tp)
+            if max_dense_batch(spec, gpu, tp, workload) >= target:
+                return tp
+        except ConfigError:
+            continue
+    raise ConfigError(f"{spec.name} does not fit a {target}-token batch on up to 8 x {gpu.name}; "
+                      f"give --tp and --dense-batch")
+
+
+def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: str | None,
+            workload: Workload, dense_batch: str, folder: Path | None = None) -> Choice:
+    """Decide tp, profile (None means: build a synthetic one) and dense batch."""
+    gpu = get_gpu(gpu_name or "h100")
+    msgs: list[str] = []
+    if dense_batch != "auto" and not dense_batch.isdigit():
+        raise ConfigError(f"--dense-batch must be a number of tokens or 'auto', got "
+                          f"{dense_batch!r}")
+    target = int(dense_batch) if dense_batch != "auto" else 1024
+    if target < 2 * TOKEN_QUANTUM or target % TOKEN_QUANTUM:
+        raise ConfigError(f"--dense-batch must be a multiple of {TOKEN_QUANTUM} of at least "
+                          f"{2 * TOKEN_QUANTUM} (two nano-batches), got {target}")
+    if profile_arg:
+        prof: Profile | None = load_named_profile(profile_arg, folder)
+        msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")
+    else:
+        prof, why = pick_shipped(spec, tp, gpu_name, folder)
+        msgs.append(f"profile: {why}")
+    if tp is None:
+        tp = prof.tp if prof else auto_tp(spec, gpu, workload, target)
+        msgs.append(f"tp: {tp} (" + ("the profile's" if prof else
+                    f"smallest that fits a {target}-token batch's KV cache") + ")")
+    spec.check_tp(tp)
+    if prof is None:
+        msgs.append(SYNTHETIC_BANNER)
+    if dense_batch == "auto":
+        fit = max_dense_batch(spec, gpu, tp, workload)
+        b = min(fit, DEFAULT_MAX_DENSE_BATCH, prof.dense_batch if prof else fit)
+        b = b // TOKEN_QUANTUM * TOKEN_QUANTUM
+        msgs.append(f"dense batch: {b} (auto: fits {fit} tokens, capped at "
+                    f"{DEFAULT_MAX_DENSE_BATCH}{' and the profile' if prof else ''})")
+    else:
+        b = int(dense_batch)
+    return Choice(tp, prof, b, msgs)

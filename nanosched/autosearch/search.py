@@ -1,0 +1,226 @@
+"""The search entry point: stage I (growing nano-op counts near compute bubbles), stage II,
+the schedule, and the independent check. `run_search(SearchConfig)` returns a checked Schedule.
+
+Nano-op counts start at 2 per op. After each stage I solve, the largest gap on the compute
+stream (within one period, wrapping around) marks a bubble; the ops next to it — the compute
+nano-ops before and after it and whatever other streams run during it — are candidates, and
+each in turn is tried with one more nano-op (at most `max_nano_ops`). A try that shortens the
+period by at least 0.5% is kept; the search stops when none does or the time is spent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from nanosched.autosearch.cpsat import Limits, Progress
+from nanosched.autosearch.durations import (
+    TICKS_PER_US,
+    alloc_options,
+    op_context,
+    tick_table,
+)
+from nanosched.autosearch.opgraph import QUANTUM, OpGraph, TokenMix, expand, layer_graph, nano_deps
+from nanosched.autosearch.stage1 import Stage1Problem, Structure, solve_stage1
+from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
+from nanosched.errors import ConfigError, ScheduleError
+from nanosched.models.ops import COMPUTE
+from nanosched.models.spec import ModelSpec
+from nanosched.profiler.format import Profile
+from nanosched.schedules.format import BatchInfo, Schedule, StageReport
+from nanosched.workloads import Workload
+
+STAGE1_SHARE = 0.65
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    spec: ModelSpec
+    tp: int
+    profile: Profile
+    workload: Workload
+    dense_batch: int
+    time_limit_s: float = 60.0
+    num_workers: int = 2
+    max_nano_ops: int = 4
+    max_period_us: float | None = None
+    command: str = ""
+    deterministic: bool = False  # time limit in CP-SAT deterministic units: reproducible (tests)
+
+
+def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
+    """The steady-state mix, the decode/prefill boundary placed on the 128-token grid."""
+    from nanosched.autosearch.costmodel import batch_mix
+
+    mix = batch_mix(workload, dense_batch)
+    num_decode = min(dense_batch, round(mix.num_decode / QUANTUM) * QUANTUM)
+    return BatchInfo(dense_batch, num_decode, max(1, round(workload.input_len)),
+                     mix.decode_context, mix.prefill_context, workload.name)
+
+
+def _check_config(cfg: SearchConfig) -> None:
+    b = cfg.dense_batch
+    if b < 2 * QUANTUM or b % QUANTUM:
+        raise ConfigError(f"--dense-batch must be a multiple of {QUANTUM} of at least "
+                          f"{2 * QUANTUM} (two nano-batches), got {b}")
+    if b > cfg.profile.dense_batch:
+        raise ConfigError(f"--dense-batch {b} exceeds the profile's largest measured batch "
+                          f"{cfg.profile.dense_batch}")
+    if not cfg.time_limit_s > 0 or cfg.num_workers < 1 or cfg.max_nano_ops < 2:
+        raise ConfigError("--time-limit must be > 0, --workers >= 1 and --max-nano-ops >= 2; "
+                          f"got {cfg.time_limit_s}, {cfg.num_workers}, {cfg.max_nano_ops}")
+    if cfg.profile.model.name != cfg.spec.name or cfg.profile.tp != cfg.tp:
+        raise ConfigError(f"profile is for {cfg.profile.model.name} tp={cfg.profile.tp}, the "
+                          f"search for {cfg.spec.name} tp={cfg.tp}")
+
+
+def _tables(cfg: SearchConfig, graph: OpGraph, batch: BatchInfo) -> dict[str, list[int]]:
+    return {o.name: tick_table(cfg.profile, o.name, batch.dense_batch,
+                               op_context(o.name, batch.decode_context, batch.prefill_context))
+            for o in graph.ops}
+
+
+def bubble_candidates(st: Structure, prob: Stage1Problem) -> list[str]:
+    """Ops next to the largest gap on the compute stream, nearest first."""
+    tau, durs = st.period, {}
+    for n in expand(prob.graph, st.split, prob.mix, st.forms):
+        durs[n.id] = prob.tables[n.op][n.work_tokens // QUANTUM]
+    chain = st.orders.get(COMPUTE, [])
+    if not chain:
+        return []
+    phase = {x: st.starts[x] % tau for x in st.starts}
+    gaps = [((phase[b] - phase[a] - durs[a]) % tau if b != a else tau - durs[a], a, b)
+            for a, b in zip(chain, chain[1:] + chain[:1], strict=True)]
+    size, before, after = max(gaps)
+    if size <= 0.01 * tau:
+        return []
+    lo, hi = phase[before] + durs[before], phase[before] + durs[before] + size
+    during = [x for x in st.starts if st.streams[x] != COMPUTE
+              and phase[x] < hi and phase[x] + durs[x] > lo]
+    out: list[str] = []
+    for x in [after, before, *during]:
+        op = x.rsplit(".", 1)[0]
+        if op not in out:
+            out.append(op)
+    return out
+
+
+def search_structure(prob: Stage1Problem, budget_s: float, workers: int, max_nano: int,
+                     progress: Progress | None, deterministic: bool = False
+                     ) -> tuple[Structure | None, StageReport]:
+    """Stage I from two nano-ops per op, growing counts near compute bubbles."""
+    deadline = time.perf_counter() + budget_s
+    best, report = solve_stage1(prob, Limits(0.5 * budget_s, workers, deterministic), progress)
+    if best is None:
+        return None, report
+    q = prob.mix.dense_batch // QUANTUM
+    tries = 0
+    while (tries < 2 if deterministic else time.perf_counter() < deadline - 0.5):
+        tries += 1
+        improved = False
+        for op in bubble_candidates(best, prob):
+            left = deadline - time.perf_counter()
+            if prob.counts[op] >= min(max_nano, q) or (left < 0.5 and not deterministic):
+                continue
+            counts = {**prob.counts, op: prob.counts[op] + 1}
+            if progress:
+                progress(f"stage I: trying {counts[op]} nano-ops for {op}")
+            trial = replace(prob, counts=counts, max_period_ticks=best.period)
+            step = 0.25 * budget_s if deterministic else min(left, 0.25 * budget_s)
+            st, rep = solve_stage1(trial, Limits(step, workers, deterministic), progress)
+            if st is not None and st.period < 0.995 * best.period:
+                best, report, prob, improved = st, rep, trial, True
+                break
+        if not improved:
+            break
+    return best, report
+
+
+def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
+    """Stage I, stage II, build, check. ScheduleError when no schedule was found."""
+    from nanosched.autosearch.build import build_schedule
+    from nanosched.autosearch.check import check_schedule
+
+    _check_config(cfg)
+    deadline = time.perf_counter() + cfg.time_limit_s
+    batch = batch_info(cfg.workload, cfg.dense_batch)
+    mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
+    graph = layer_graph(cfg.spec, cfg.tp)
+    cap = round(cfg.max_period_us * TICKS_PER_US) if cfg.max_period_us else None
+    prob = Stage1Problem(graph, mix, _tables(cfg, graph, batch),
+                         dict.fromkeys((o.name for o in graph.ops), 2), cap)
+    structure, rep1 = search_structure(prob, STAGE1_SHARE * cfg.time_limit_s, cfg.num_workers,
+                                       cfg.max_nano_ops, progress, cfg.deterministic)
+    if structure is None:
+        raise ScheduleError(_no_solution("stage I", rep1))
+    nanos = expand(graph, structure.split, mix, structure.forms)
+    ctx = {n.id: op_context(n.op, batch.decode_context, batch.prefill_context) for n in nanos}
+    p2 = Stage2Problem(
+        {n.id: cfg.profile.kernel_time_us(n.op, n.work_tokens, None, ctx[n.id]) for n in nanos},
+        {n.id: alloc_options(cfg.profile, n.resource) for n in nanos},
+        structure.orders, structure.offsets,
+        [(x, y, s) for y, ds in nano_deps(graph, nanos, mix, structure.forms).items()
+         for x, s, _ in ds], cap)
+    left = max(deadline - time.perf_counter(), 0.1 * cfg.time_limit_s)
+    if cfg.deterministic:
+        left = (1 - STAGE1_SHARE) * cfg.time_limit_s
+    alloc, rep2 = solve_stage2(p2, Limits(left, cfg.num_workers, cfg.deterministic), progress)
+    if alloc is None:
+        raise ScheduleError(_no_solution("stage II", rep2))
+    sched = build_schedule(cfg.spec, cfg.tp, cfg.profile, graph, mix, batch, structure, alloc,
+                           (rep1, rep2), cfg.command)
+    check_schedule(sched, cfg.profile)
+    return sched
+
+
+def _no_solution(stage: str, rep: StageReport) -> str:
+    why = ("the problem is infeasible (is --max-period-us below what the GPU can do?)"
+           if rep.status == "INFEASIBLE" else
+           f"no solution within the time limit of {rep.time_limit_s:g} s (raise --time-limit)")
+    return f"search found no schedule: {stage} ended {rep.status}: {why}; no file written"
+
+
+def default_out(spec: ModelSpec, tp: int, gpu: str, workload: Workload, batch: int) -> str:
+    """e.g. `llama3-70b_tp8_h100_in1024-out512_b2048.schedule.json`."""
+    gpu_key = gpu.lower().removeprefix("synthetic-").replace(" ", "-")
+    return f"{spec.name}_tp{tp}_{gpu_key}_{workload.name}_b{batch}.schedule.json"
+
+
+def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str | None,
+                    workload: str | None, input_len: float | None, output_len: float | None,
+                    dense_batch: str, time_limit: float, workers: int, max_nano_ops: int,
+                    max_period_us: float | None, out: str | None, echo: Progress,
+                    print_table: object, command: str = "") -> Schedule:
+    """What `nanosched search` does: resolve, search with live progress, report, write."""
+    from nanosched.autosearch.request import resolve
+    from nanosched.autosearch.synthetic import context_grid, synthetic_profile
+    from nanosched.hardware import get_gpu
+    from nanosched.models.spec import load_spec
+    from nanosched.schedules.format import save_schedule
+    from nanosched.schedules.show import PIPELINE_COLUMNS, pipeline_rows, summary_lines
+    from nanosched.workloads import resolve_workload
+
+    spec = load_spec(model)
+    wl = resolve_workload(workload, input_len, output_len)
+    choice = resolve(spec, tp, profile, gpu, wl, dense_batch)
+    for msg in choice.messages:
+        echo(msg)
+    prof = choice.profile
+    if prof is None:
+        b = batch_info(wl, choice.dense_batch)
+        prof = synthetic_profile(spec, get_gpu(gpu or "h100"), choice.tp, choice.dense_batch,
+                                 context_grid(b.decode_context, b.prefill_context))
+    cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, time_limit, workers,
+                       max_nano_ops, max_period_us, command)
+    echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, "
+         f"{time_limit:g} s, {workers} workers")
+    sched = run_search(cfg, echo)
+    print_table(pipeline_rows(sched), PIPELINE_COLUMNS)  # type: ignore[operator]
+    for line in summary_lines(sched):
+        echo(line)
+    if choice.profile is None:
+        echo("WARNING: predicted from a SYNTHETIC profile, not measurements")
+    path = out or default_out(spec, choice.tp, prof.identity.gpu_name, wl, choice.dense_batch)
+    save_schedule(sched, path)
+    echo(f"schedule written to {path}")
+    return sched

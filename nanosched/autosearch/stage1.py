@@ -1,0 +1,285 @@
+r"""Stage I: pipeline structure without interference (NanoFlow §4.1.2), in CP-SAT.
+
+Given op counts n_A (nano-ops per op), choose ranges, streams, order and the period τ.
+Time is in ticks of 1 us, tokens in quanta q of 128, B = Q q; t_A(w) is op A's profiled time
+alone on the full GPU at w quanta (t_A(0) = 0).
+
+Variables, per op A: cuts 0 = c_{A,0} < c_{A,1} < ... < c_{A,n_A} = Q; per nano-op x = (A, i):
+work range [ws_x, we_x) = [c_{A,i}, c_{A,i+1}) ∩ D_A, w_x = max(0, we_x − ws_x);
+presence p_x ⇔ (w_x ≥ 1 ∧ form of A chosen); duration d_x = t_A(w_x) (element constraint);
+start s_x ≥ 0, end e_x = s_x + d_x; stream literal q_{x,σ} for σ ∈ streams(A), Σ_σ q_{x,σ} = p_x.
+Per collective group g: exactly one form literal f_{g,φ}.
+
+Constraints
+  no-overlap per stream σ:   intervals [s_x, e_x) with q_{x,σ} pairwise disjoint (one class
+                             per stream, so same-class nano-ops never overlap)
+  periodicity:               layer l runs at s_x + l τ; e_x ≤ 2 τ (a layer spans at most two
+                             periods), so the no-overlap above is imposed on the union of two
+                             unrolled layers {[s_x, e_x)} ∪ {[s_x + τ, e_x + τ)}: every pair of
+                             layers that can meet in the steady state. Nano-op x is issued in
+                             period ⌊s_x / τ⌋ after its layer's (its layer offset), at phase
+                             s_x mod τ on its stream.
+  dependencies (A → B, δ):   for x ∈ A, y ∈ B a literal a_{xy}: a_{xy} ⇒ s_y + δ τ ≥ e_x, and
+                             a_{xy} ∨ ¬p_x ∨ ¬p_y ∨ ¬f_cond ∨ (we_x ≤ ws_y) ∨ (we_y ≤ ws_x)
+                             (prompt edges: the range [ps(ws_y), ws_y) in place of [ws_y, we_y))
+  bounds:                    τ ≥ Σ_{x of compute (memory) ops} d_x; τ ≥ Σ_A min_split t_A over
+                             compute ops A on the whole batch (a constant lower bound)
+Objective: minimise τ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanosched.autosearch.cpsat import Limits, Progress, solve
+from nanosched.autosearch.opgraph import QUANTUM, GraphOp, OpGraph, TokenMix, expand
+from nanosched.errors import ConfigError
+from nanosched.models.ops import COMPUTE, MEMORY
+from nanosched.schedules.format import StageReport
+
+
+@dataclass(frozen=True)
+class Stage1Problem:
+    graph: OpGraph
+    mix: TokenMix
+    tables: dict[str, list[int]]  # op -> ticks alone at 0, 1, ..., Q quanta
+    counts: dict[str, int]  # op -> number of nano-ops
+    max_period_ticks: int | None = None
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Stage I's answer: ranges, forms, stream and issue order of every nano-op."""
+
+    split: dict[str, list[tuple[int, int]]]
+    forms: dict[str, str]
+    streams: dict[str, str]  # nano-op id -> stream
+    orders: dict[str, list[str]]  # stream -> nano-op ids in issue order (by phase)
+    offsets: dict[str, int]  # nano-op id -> layer offset k = start // period
+    starts: dict[str, int]  # ticks
+    period: int  # ticks
+    counts: dict[str, int]
+
+
+def make_structure(split: dict[str, list[tuple[int, int]]], forms: dict[str, str],
+                   streams: dict[str, str], starts: dict[str, int], period: int,
+                   counts: dict[str, int]) -> Structure:
+    """Orders by phase (start mod period) and layer offsets follow from the starts."""
+    orders: dict[str, list[str]] = {}
+    for nid in sorted(starts, key=lambda i: (starts[i] % period, i)):
+        orders.setdefault(streams[nid], []).append(nid)
+    offsets = {nid: s // period for nid, s in starts.items()}
+    return Structure(split, forms, streams, orders, offsets, starts, period, dict(counts))
+
+
+def min_split_ticks(table: list[int], count: int, q: int | None = None) -> int:
+    """Least total time of `count` nano-ops that together cover q quanta (default: all)."""
+    q = len(table) - 1 if q is None else q
+    best = [0] + [10**12] * q
+    for _ in range(count):
+        best = [min((best[j] + table[k - j] for j in range(k)), default=10**12)
+                for k in range(q + 1)]
+    return best[q]
+
+
+def _add_cuts(m: Any, op: str, count: int, q: int) -> list[Any]:
+    if not 1 <= count <= q:
+        raise ConfigError(f"op {op!r}: {count} nano-ops need at least {count * QUANTUM} tokens")
+    cuts = [m.new_constant(0)]
+    for i in range(1, count):
+        cuts.append(m.new_int_var(i, q - count + i, f"cut_{op}_{i}"))
+    cuts.append(m.new_constant(q))
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        m.add(b >= a + 1)
+    return cuts
+
+
+def _add_nano(m: Any, op: GraphOp, i: int, cuts: list[Any], dom: tuple[int, int],
+              table: list[int], form_lit: Any, horizon: int) -> dict[str, Any]:
+    name, q = f"{op.name}_{i}", len(table) - 1
+    ws, we = cuts[i], cuts[i + 1]
+    w = m.new_int_var(0, q, f"w_{name}")
+    if op.domain != "all":
+        ws, we = m.new_int_var(0, q, f"ws_{name}"), m.new_int_var(0, q, f"we_{name}")
+        m.add_max_equality(ws, [cuts[i], dom[0]])
+        m.add_min_equality(we, [cuts[i + 1], dom[1]])
+        m.add_max_equality(w, [we - ws, 0])
+        p = m.new_bool_var(f"present_{name}")
+        m.add(w >= 1).only_enforce_if(p)
+        m.add(w == 0).only_enforce_if(~p)
+    else:
+        m.add(w == we - ws)
+        p = form_lit if form_lit is not None else m.new_constant(1)
+    d = m.new_int_var(0, max(table), f"dur_{name}")
+    m.add_element(w, table, d)
+    s = m.new_int_var(0, horizon, f"start_{name}")
+    e = m.new_int_var(0, horizon, f"end_{name}")
+    m.add(e == s + d)
+    return {"id": (op.name, i), "op": op, "ws": ws, "we": we, "w": w, "p": p, "d": d, "s": s,
+            "e": e, "q": {}, "cut_end": cuts[i + 1]}
+
+
+def _add_streams(m: Any, nanos: list[dict[str, Any]], tau: Any, horizon: int) -> None:
+    """Stream choice; no-overlap per stream over two unrolled layers (shift τ)."""
+    by_stream: dict[str, list[Any]] = {}
+    for x in nanos:
+        name = f"{x['op'].name}_{x['id'][1]}"
+        streams = x["op"].streams
+        lits = [x["p"]] if len(streams) == 1 else [m.new_bool_var(f"on_{sn}_{name}")
+                                                     for sn in streams]
+        if len(streams) > 1:
+            m.add(sum(lits) == x["p"])
+        s1 = m.new_int_var(0, 2 * horizon, f"start1_{name}")
+        e1 = m.new_int_var(0, 2 * horizon, f"end1_{name}")
+        m.add(s1 == x["s"] + tau)
+        m.add(e1 == x["e"] + tau)
+        for sn, lit in zip(streams, lits, strict=True):
+            x["q"][sn] = lit
+            by_stream.setdefault(sn, []).extend([
+                m.new_optional_interval_var(x["s"], x["d"], x["e"], lit, f"iv_{sn}_{name}"),
+                m.new_optional_interval_var(s1, x["d"], e1, lit, f"iv1_{sn}_{name}")])
+        m.add(x["e"] <= 2 * tau)
+    for intervals in by_stream.values():
+        m.add_no_overlap(intervals)
+
+
+def _add_deps(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
+              forms: dict[str, dict[str, Any]], tau: Any) -> None:
+    nd, plen, b = prob.mix.num_decode, prob.mix.prompt_len, prob.mix.dense_batch
+    for edge in prob.graph.edges:
+        cond = [~forms[edge.cond[0]][edge.cond[1]]] if edge.cond else []
+        for y in by_op[edge.dst]:
+            lo, hi = y["ws"], y["we"]
+            if edge.kind == "prompt":
+                lo, hi = _prompt_start(m, y, nd, plen, b), y["ws"]
+            for x in by_op[edge.src]:
+                tag = f"{x['op'].name}_{x['id'][1]}_{y['op'].name}_{y['id'][1]}_{edge.kind}"
+                dep = m.new_bool_var(f"dep_{tag}")
+                m.add(y["s"] + edge.shift * tau >= x["e"]).only_enforce_if(dep)
+                before, after = m.new_bool_var(f"before_{tag}"), m.new_bool_var(f"after_{tag}")
+                scale = QUANTUM if edge.kind == "prompt" else 1
+                m.add(scale * x["we"] <= lo).only_enforce_if(before)
+                m.add(x["ws"] >= hi).only_enforce_if(after)
+                m.add_bool_or([dep, ~x["p"], ~y["p"], before, after, *cond])
+
+
+def _prompt_start(m: Any, y: dict[str, Any], nd: int, plen: int, b: int) -> Any:
+    """ps(ws_y) in tokens: the first token of the prompt that work range y starts in."""
+    if plen >= b - nd:
+        return nd
+    name = f"{y['op'].name}_{y['id'][1]}"
+    num = m.new_int_var(0, b, f"psnum_{name}")
+    m.add(num == QUANTUM * y["ws"] - nd)
+    k = m.new_int_var(0, b // plen + 1, f"prompt_{name}")
+    m.add_division_equality(k, num, plen)
+    return nd + plen * k
+
+
+def build_model(prob: Stage1Problem) -> tuple[Any, dict[str, Any]]:
+    """The CP-SAT model of stage I for fixed op counts."""
+    from ortools.sat.python import cp_model
+
+    m = cp_model.CpModel()
+    q = prob.mix.dense_batch // QUANTUM
+    nd = prob.mix.num_decode // QUANTUM
+    horizon = sum(prob.counts[o.name] * max(prob.tables[o.name]) for o in prob.graph.ops)
+    tau = m.new_int_var(1, prob.max_period_ticks or horizon, "tau")
+    forms = {g: {f: m.new_bool_var(f"form_{g}_{f}") for f in fs}
+             for g, fs in prob.graph.groups().items()}
+    for lits in forms.values():
+        m.add_exactly_one(lits.values())
+    by_op: dict[str, list[dict[str, Any]]] = {}
+    for op in prob.graph.ops:
+        cuts = _add_cuts(m, op.name, prob.counts[op.name], q)
+        dom = {"all": (0, q), "decode": (0, nd), "prefill": (nd, q)}[op.domain]
+        lit = forms[op.group][op.form or ""] if op.group else None
+        by_op[op.name] = [_add_nano(m, op, i, cuts, dom, prob.tables[op.name], lit, horizon)
+                          for i in range(prob.counts[op.name])]
+    nanos = [x for xs in by_op.values() for x in xs]
+    _add_streams(m, nanos, tau, horizon)
+    _add_deps(m, prob, by_op, forms, tau)
+    fixed = [o for o in prob.graph.ops if o.resource in (COMPUTE, MEMORY) and o.group is None]
+    for cls in (COMPUTE, MEMORY):
+        m.add(tau >= sum(x["d"] for o in fixed if o.resource == cls for x in by_op[o.name]))
+    m.add(tau >= sum(min_split_ticks(prob.tables[o.name], prob.counts[o.name], q)
+                     for o in fixed if o.resource == COMPUTE and o.domain == "all"))
+    m.minimize(tau)
+    return m, {"tau": tau, "forms": forms, "by_op": by_op}
+
+
+def solve_stage1(prob: Stage1Problem, limits: Limits, progress: Progress | None = None
+                 ) -> tuple[Structure | None, StageReport]:
+    """Solve stage I for fixed counts; (None, report) when no solution was found."""
+    m, v = build_model(prob)
+    hint = heuristic_structure(prob)
+    if hint is not None:
+        add_hint(prob, m, v, hint)
+    solver, report, found = solve(m, "stage I", limits, progress)
+    if not found:
+        return None, report
+    return extract(prob, solver, v), report
+
+
+def extract(prob: Stage1Problem, solver: Any, v: dict[str, Any]) -> Structure:
+    forms = {g: next(f for f, lit in lits.items() if solver.boolean_value(lit))
+             for g, lits in v["forms"].items()}
+    split, placed = {}, {}
+    for op, xs in v["by_op"].items():
+        cuts = [0] + [QUANTUM * solver.value(x["cut_end"]) for x in xs]
+        split[op] = list(zip(cuts[:-1], cuts[1:], strict=True))
+        for x in xs:
+            if solver.boolean_value(x["p"]):
+                stream = next(sn for sn, lit in x["q"].items() if solver.boolean_value(lit))
+                placed[(op, QUANTUM * solver.value(x["ws"]))] = (stream, solver.value(x["s"]))
+    nanos = expand(prob.graph, split, prob.mix, forms)
+    streams, starts = {}, {}
+    for n in nanos:
+        streams[n.id], starts[n.id] = placed[(n.op, n.work_start)]
+    return make_structure(split, forms, streams, starts, solver.value(v["tau"]), prob.counts)
+
+
+def heuristic_structure(prob: Stage1Problem) -> Structure | None:
+    """Even splits, all-reduce forms, the best of a few simple orders: a hint and a fallback."""
+    from nanosched.autosearch.opgraph import even_split, nano_deps
+    from nanosched.autosearch.periodic import min_period
+
+    forms = {g: fs[0] for g, fs in prob.graph.groups().items()}
+    split = {o.name: even_split(prob.mix.dense_batch, prob.counts[o.name])
+             for o in prob.graph.ops}
+    nanos = expand(prob.graph, split, prob.mix, forms)
+    pos = {o.name: i for i, o in enumerate(prob.graph.ops)}
+    durations = {n.id: prob.tables[n.op][n.work_tokens // QUANTUM] for n in nanos}
+    deps = [(x, y, shift) for y, ds in nano_deps(prob.graph, nanos, prob.mix, forms).items()
+            for x, shift, _ in ds]
+    best: Structure | None = None
+    for other in (MEMORY, COMPUTE):
+        streams = {n.id: other if n.resource == "other" else n.resource for n in nanos}
+        for key in ((lambda n: (pos[n.op], n.start)), (lambda n: (n.start, pos[n.op]))):
+            orders: dict[str, list[str]] = {}
+            for n in sorted(nanos, key=key):
+                orders.setdefault(streams[n.id], []).append(n.id)
+            found = min_period(durations, orders, deps)
+            if found and (best is None or found[0] < best.period):
+                best = make_structure(split, forms, streams, found[1], found[0], prob.counts)
+    return best
+
+
+def add_hint(prob: Stage1Problem, m: Any, v: dict[str, Any], hint: Structure) -> None:
+    """Hint the solver with a known structure (cuts, forms, streams, starts, period)."""
+    m.add_hint(v["tau"], hint.period)
+    for g, lits in v["forms"].items():
+        for f, lit in lits.items():
+            m.add_hint(lit, hint.forms[g] == f)
+    nanos = {(n.op, n.start): n for n in expand(prob.graph, hint.split, prob.mix, hint.forms)}
+    for op, xs in v["by_op"].items():
+        for x, (s, e) in zip(xs, hint.split[op], strict=True):
+            if not isinstance(x["cut_end"], int) and e < prob.mix.dense_batch:
+                m.add_hint(x["cut_end"], e // QUANTUM)
+            n = nanos.get((op, s))
+            if n is None:
+                continue
+            m.add_hint(x["s"], hint.starts[n.id])
+            for sn, lit in x["q"].items():
+                if len(x["q"]) > 1:
+                    m.add_hint(lit, hint.streams[n.id] == sn)

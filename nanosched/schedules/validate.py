@@ -1,0 +1,199 @@
+"""Self-consistency of a schedule, checked on every load and save; pure Python.
+
+Checked, in this order, naming the first problem (field + why): the batch mix; per op the
+ranges cover the op's token domain without overlap (decode part for `attn_decode`, prefill part
+for `attn_prefill`, [0, B) otherwise); every nano-op sits on one range, a known stream whose
+class fits its op, with a valid allocation; issue orders are a permutation per stream; every
+dependency exists, none waits on a nano-op issued in a later period, and the dependencies within
+a period plus the stream orders are acyclic (else the replay deadlocks); the
+allocations of nano-ops running at the same instant (predicted starts, layers repeating every
+`solver_period_us`) sum to at most the whole GPU, and their green-context SMs to at most its SMs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from nanosched.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from nanosched.schedules.format import NanoOp, Schedule
+
+QUANTUM = 128
+EPS_US = 1e-6
+RESOURCES = ("compute", "memory", "network", "other")
+DEP_KINDS = ("data", "prompt", "resource")
+
+
+def op_domain(op: str, dense_batch: int, num_decode: int) -> tuple[int, int]:
+    if op == "attn_decode":
+        return 0, num_decode
+    if op == "attn_prefill":
+        return num_decode, dense_batch
+    return 0, dense_batch
+
+
+def validate(s: Schedule, where: str = "schedule") -> None:
+    """Raise ScheduleError naming the first inconsistency of `s`."""
+    validate_structure(s, where)
+    check_capacity(s, where)
+
+
+def validate_structure(s: Schedule, where: str = "schedule") -> None:
+    """Everything `validate` checks except the timing-based GPU capacity."""
+    _check_batch(s, where)
+    _check_ranges(s, where)
+    _check_nano_ops(s, where)
+    _check_orders(s, where)
+    _check_deps(s, where)
+
+
+def _fail(where: str, field: str, why: str) -> ScheduleError:
+    return ScheduleError(f"{where}: {field}: {why}")
+
+
+def _check_batch(s: Schedule, where: str) -> None:
+    b = s.batch
+    if s.tp < 1 or s.num_sms < 1:
+        raise _fail(where, "tp/num_sms", f"must be positive, got {s.tp}/{s.num_sms}")
+    if b.dense_batch < QUANTUM or b.dense_batch % QUANTUM:
+        raise _fail(where, "batch.dense_batch", f"must be a positive multiple of {QUANTUM}, "
+                    f"got {b.dense_batch}")
+    if not 0 <= b.num_decode <= b.dense_batch or b.prompt_len < 1:
+        raise _fail(where, "batch", f"num_decode {b.num_decode} must be in 0..{b.dense_batch} "
+                    f"and prompt_len {b.prompt_len} positive")
+    if not s.prediction.solver_period_us > 0:
+        raise _fail(where, "prediction.solver_period_us", "must be positive")
+
+
+def _check_ranges(s: Schedule, where: str) -> None:
+    for op, ranges in s.ranges.items():
+        lo, hi = op_domain(op, s.batch.dense_batch, s.batch.num_decode)
+        pos = lo
+        for r in ranges:
+            if len(r) != 2 or r[0] != pos or r[1] <= r[0]:
+                raise _fail(where, f"ranges[{op}]", f"{[list(x) for x in ranges]} must be "
+                            f"consecutive non-empty ranges covering [{lo}, {hi}) without overlap")
+            pos = r[1]
+        if pos != hi:
+            raise _fail(where, f"ranges[{op}]", f"end at {pos}, the op's tokens end at {hi}")
+
+
+def _check_nano_ops(s: Schedule, where: str) -> None:
+    streams = {st.name: st for st in s.streams}
+    if len(streams) != len(s.streams):
+        raise _fail(where, "streams", "stream names must be unique")
+    seen: dict[str, NanoOp] = {}
+    covered: set[tuple[str, int, int]] = set()
+    for n in s.nano_ops:
+        here = f"nano_ops[{n.id}]"
+        if n.id in seen:
+            raise _fail(where, here, "duplicate id")
+        seen[n.id] = n
+        if (n.start, n.end) not in s.ranges.get(n.op, ()):
+            raise _fail(where, here, f"range [{n.start}, {n.end}) is not one of ranges[{n.op}]")
+        if (n.op, n.start, n.end) in covered:
+            raise _fail(where, here, f"a second nano-op on range [{n.start}, {n.end})")
+        covered.add((n.op, n.start, n.end))
+        st = streams.get(n.stream)
+        if st is None:
+            raise _fail(where, here, f"stream {n.stream!r} is not one of {sorted(streams)}")
+        if n.resource not in RESOURCES or n.resource not in ("other", st.resource):
+            raise _fail(where, here, f"a {n.resource} op cannot run on the {st.resource} stream")
+        a = n.alloc
+        if not (0 < a.share <= 1 and 0 < a.p <= 1.5 and a.units >= 1):
+            raise _fail(where, f"{here}.alloc", f"share {a.share} must be in (0, 1], p {a.p} "
+                        f"in (0, 1.5], units {a.units} positive")
+        if not (n.duration_us > 0 and n.start_us >= 0):
+            raise _fail(where, here, "duration_us must be positive and start_us >= 0")
+    for op, ranges in s.ranges.items():
+        for r in ranges:
+            if (op, r[0], r[1]) not in covered:
+                raise _fail(where, f"ranges[{op}]", f"range {list(r)} has no nano-op")
+
+
+def _check_orders(s: Schedule, where: str) -> None:
+    for st in s.streams:
+        orders = sorted(n.order for n in s.nano_ops if n.stream == st.name)
+        if orders != list(range(len(orders))):
+            raise _fail(where, f"streams[{st.name}]", f"issue orders {orders} are not a "
+                        f"permutation of 0..{len(orders) - 1}")
+
+
+def _check_deps(s: Schedule, where: str) -> None:
+    """Deps exist; none waits on a later period; same-period deps + stream orders acyclic."""
+    ids = {n.id: n for n in s.nano_ops}
+    succ: dict[str, list[str]] = {i: [] for i in ids}
+    for n in s.nano_ops:
+        if n.layer_offset not in (0, 1):
+            raise _fail(where, f"nano_ops[{n.id}].layer_offset", f"must be 0 or 1, got "
+                        f"{n.layer_offset}")
+        for d in n.deps:
+            if d.id not in ids:
+                raise _fail(where, f"nano_ops[{n.id}].deps", f"{d.id!r} does not exist")
+            shifts = (-1, 0, 1) if d.kind == "resource" else (0, 1)
+            if d.shift not in shifts or d.kind not in DEP_KINDS:
+                raise _fail(where, f"nano_ops[{n.id}].deps[{d.id}]", f"kind must be one of "
+                            f"{DEP_KINDS} and shift one of {shifts}, got {d.kind!r}/{d.shift}")
+            lag = d.shift + n.layer_offset - ids[d.id].layer_offset
+            if lag < 0:
+                raise _fail(where, f"nano_ops[{n.id}].deps[{d.id}]", "waits on a nano-op "
+                            "issued in a later period (layer offsets)")
+            if lag == 0:
+                succ[d.id].append(n.id)
+    for st in s.streams:
+        chain = sorted((n for n in s.nano_ops if n.stream == st.name), key=lambda n: n.order)
+        for a, b in zip(chain, chain[1:], strict=False):
+            succ[a.id].append(b.id)
+    cycle = find_cycle(succ)
+    if cycle:
+        raise _fail(where, "nano_ops.deps", "dependencies and stream orders form a cycle "
+                    f"within a period: {' -> '.join(cycle)}")
+
+
+def find_cycle(succ: dict[str, list[str]]) -> list[str]:
+    """A cycle of the directed graph, or [] when it is acyclic."""
+    state: dict[str, int] = {}
+    for root in sorted(succ):
+        if state.get(root):
+            continue
+        stack, path = [(root, iter(succ[root]))], [root]
+        state[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                stack.append((nxt, iter(succ[nxt])))
+                path.append(nxt)
+    return []
+
+
+def unrolled(s: Schedule) -> list[tuple[float, float, NanoOp, int]]:
+    """(start, end, nano-op, layer) of enough layer copies to see every steady-state overlap."""
+    period = s.prediction.solver_period_us
+    last = max((n.end_us for n in s.nano_ops), default=0.0)
+    copies = math.ceil(last / period) + 2
+    return [(n.start_us + k * period, n.end_us + k * period, n, k)
+            for k in range(copies) for n in s.nano_ops]
+
+
+def check_capacity(s: Schedule, where: str = "schedule") -> None:
+    """Shares of concurrently-running nano-ops <= 1, green-context SMs <= the GPU's."""
+    spans = unrolled(s)
+    for t in sorted({a for a, _, _, _ in spans}):
+        running = [(n, k) for a, b, n, k in spans if a <= t + EPS_US and b > t + EPS_US]
+        share = sum(n.alloc.share for n, _ in running)
+        sms = sum(n.alloc.units for n, _ in running if n.alloc.mechanism == "green_ctx")
+        if share > 1 + 1e-6 or sms > s.num_sms:
+            names = ", ".join(f"{n.id}@L{k} ({n.alloc.share:g})" for n, k in running)
+            raise _fail(where, "nano_ops.alloc", f"GPU capacity exceeded at {t:.1f} us: "
+                        f"shares sum to {share:.3f} > 1 or green-context SMs {sms} > "
+                        f"{s.num_sms} ({names})")

@@ -1,0 +1,94 @@
+import json
+
+from search_fixtures import small_profile
+from typer.testing import CliRunner
+
+from nanosched.autosearch import request
+from nanosched.cli import app
+from nanosched.models.spec import load_spec
+from nanosched.profiler.format import save_profile
+from nanosched.workloads import fixed
+
+runner = CliRunner()
+SMALL = ["--model", "llama3-8b", "--dense-batch", "256", "--input-len", "512",
+         "--output-len", "512", "--time-limit", "2", "--workers", "1"]
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
+    out = tmp_path / "s.json"
+    r = run("search", *SMALL, "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "SYNTHETIC PROFILE" in r.output and "tp: 1 (smallest that fits" in r.output
+    assert "stage I:" in r.output and "stage II:" in r.output and "predicted speedup" in r.output
+    assert "% of optimal" in r.output
+    data = json.loads(out.read_text())
+    assert data["format"] == "nanosched.schedule/1" and data["tp"] == 1
+    png = tmp_path / "s.png"
+    r = run("show", str(out), "--plot", str(png))
+    assert r.exit_code == 0, r.output
+    assert "kqv.0" in r.output and png.stat().st_size > 1000
+
+
+def test_infeasible_search_says_so_and_writes_nothing(tmp_path):
+    out = tmp_path / "s.json"
+    r = run("search", *SMALL, "--max-period-us", "5", "--out", str(out))
+    assert r.exit_code == 2
+    assert "search found no schedule: stage I ended INFEASIBLE" in r.output
+    assert "no file written" in r.output and not out.exists()
+
+
+def test_timed_out_search_says_so_and_writes_nothing(tmp_path, monkeypatch):
+    from nanosched.autosearch import stage1
+    from nanosched.schedules.format import StageReport
+
+    def no_solution(prob, limits, progress=None):
+        return None, StageReport("stage I", "UNKNOWN", float("nan"), float("nan"),
+                                 float("nan"), 2.0, limits.time_limit_s, 1)
+
+    monkeypatch.setattr("nanosched.autosearch.search.solve_stage1", no_solution)
+    assert stage1.solve_stage1 is not no_solution
+    out = tmp_path / "s.json"
+    r = run("search", *SMALL, "--out", str(out))
+    assert r.exit_code == 2
+    assert "stage I ended UNKNOWN: no solution within the time limit" in r.output
+    assert not out.exists()
+
+
+def test_bad_inputs_exit_2_with_the_reason(tmp_path):
+    for changes, message in [
+        ({"--dense-batch": "200"}, "--dense-batch must be a multiple of 128"),
+        ({"--dense-batch": "lots"}, "--dense-batch must be a number of tokens or 'auto'"),
+        ({"--profile": "nosuch"}, "--profile 'nosuch' is neither a file nor a shipped profile"),
+        ({"--time-limit": "0"}, "--time-limit must be > 0"),
+        ({"--tp": "3"}, "--tp 3 does not divide"),
+        ({"--model": "llama9"}, "--model 'llama9' is neither a known model"),
+    ]:
+        flags = dict(zip(SMALL[::2], SMALL[1::2], strict=True)) | changes
+        args = [x for kv in flags.items() for x in kv]
+        r = run("search", *args, "--out", str(tmp_path / "x.json"))
+        assert r.exit_code == 2, (changes, r.output)
+        assert message in r.output, (changes, r.output)
+        assert not (tmp_path / "x.json").exists()
+    r = run("show", str(tmp_path / "missing.json"))
+    assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_shipped_profile_closest_to_the_request_is_chosen(tmp_path, monkeypatch):
+    save_profile(small_profile(1, 256), tmp_path / "llama3-8b-tp1.json")
+    save_profile(small_profile(2, 256), tmp_path / "llama3-8b-tp2.json")
+    spec, wl = load_spec("llama3-8b"), fixed(512, 512)
+    choice = request.resolve(spec, 2, None, None, wl, "auto", folder=tmp_path)
+    assert choice.profile is not None and choice.profile.tp == 2 and choice.dense_batch == 256
+    assert "shipped profile 'llama3-8b-tp2': same model and tp" in choice.messages[0]
+    choice = request.resolve(load_spec("llama3-70b"), None, None, None, wl, "auto",
+                             folder=tmp_path)
+    assert choice.profile is None and request.SYNTHETIC_BANNER in choice.messages
+    assert choice.tp == 4 or choice.tp == 8
+    monkeypatch.setattr(request, "SHIPPED", tmp_path)
+    r = run("search", *SMALL, "--profile", "llama3-8b-tp1", "--out", str(tmp_path / "s.json"))
+    assert r.exit_code == 0, r.output
+    assert "profile: llama3-8b-tp1" in r.output and "SYNTHETIC PROFILE" not in r.output

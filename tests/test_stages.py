@@ -1,0 +1,98 @@
+"""Stage I and stage II against brute force on instances small enough to enumerate."""
+
+import itertools
+
+from nanosched.autosearch.cpsat import Limits
+from nanosched.autosearch.durations import AllocOption
+from nanosched.autosearch.opgraph import Edge, GraphOp, OpGraph, TokenMix, expand, nano_deps
+from nanosched.autosearch.periodic import min_period
+from nanosched.autosearch.stage1 import Stage1Problem, min_split_ticks, solve_stage1
+from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
+
+# A (compute) -> M (memory) -> C (compute) -> next layer's A
+GRAPH = OpGraph((GraphOp("a", "compute"), GraphOp("m", "memory"), GraphOp("c", "compute")),
+                (Edge("a", "m"), Edge("m", "c"), Edge("c", "a", 1)))
+TABLES = {"a": [0, 5, 8, 11], "m": [0, 9, 12, 16], "c": [0, 4, 7, 9]}
+
+
+def brute_force_stage1(batch: int) -> int:
+    """Least period over every split, per-stream order and layer offsets."""
+    mix, q, best = TokenMix(batch, 0, batch), batch // 128, 10**9
+    cuts = range(1, q)
+    for ca, cm, cc in itertools.product(cuts, cuts, cuts):
+        split = {op: [(0, 128 * c), (128 * c, batch)]
+                 for op, c in zip("amc", (ca, cm, cc), strict=True)}
+        nanos = expand(GRAPH, split, mix, {})
+        durs = {n.id: TABLES[n.op][n.work_tokens // 128] for n in nanos}
+        deps = [(x, y, s) for y, ds in nano_deps(GRAPH, nanos, mix, {}).items() for x, s, _ in ds]
+        compute = [n.id for n in nanos if n.resource == "compute"]
+        memory = [n.id for n in nanos if n.resource == "memory"]
+        for corder in itertools.permutations(compute):
+            for morder in itertools.permutations(memory):
+                for ks in itertools.product((0, 1), repeat=len(nanos)):
+                    offsets = dict(zip(durs, ks, strict=True))
+                    found = min_period(durs, {"compute": list(corder), "memory": list(morder)},
+                                       deps, offsets)
+                    if found:
+                        best = min(best, found[0])
+    return best
+
+
+def test_stage1_matches_brute_force():
+    for batch in (256, 384):
+        prob = Stage1Problem(GRAPH, TokenMix(batch, 0, batch), TABLES, {"a": 2, "m": 2, "c": 2})
+        st, rep = solve_stage1(prob, Limits(10, 2))
+        assert rep.status == "OPTIMAL"
+        assert st is not None and st.period == brute_force_stage1(batch)
+
+
+def test_min_split_is_the_cheapest_split():
+    table = [0, 5, 8, 11, 15]
+    assert min_split_ticks(table, 2) == min(table[k] + table[4 - k] for k in range(1, 4))
+    assert min_split_ticks(table, 4) == 20
+
+
+def brute_force_stage2(prob: Stage2Problem) -> int:
+    """Least period on the integer grid: options, starts, two unrolled layers of capacity."""
+    ids = list(prob.alone)
+    for tau in range(1, 60):
+        for choice in itertools.product(*(prob.options[x] for x in ids)):
+            d = {x: o.ticks(prob.alone[x]) for x, o in zip(ids, choice, strict=True)}
+            share = {x: o.share for x, o in zip(ids, choice, strict=True)}
+            for starts in itertools.product(range(tau), repeat=len(ids)):
+                s = dict(zip(ids, starts, strict=True))
+                if any(s[x] + d[x] > 2 * tau or d[x] > tau for x in ids):
+                    continue
+                if any(s[y] + k * tau < s[x] + d[x] for x, y, k in prob.deps):
+                    continue
+                spans = [(s[x] + k * tau, s[x] + d[x] + k * tau, share[x])
+                         for x in ids for k in (0, 1, 2)]
+                if all(sum(r for a, b, r in spans if a <= t < b) <= 1000
+                       for t in range(3 * tau)):
+                    return tau
+    raise AssertionError("no period below 60")
+
+
+def test_stage2_matches_brute_force():
+    full = AllocOption(1000, 1.0, "full", 132)
+    options = {"x": [full, AllocOption(600, 0.6, "green_ctx", 80)],
+               "y": [full, AllocOption(400, 0.8, "green_ctx", 52),
+                     AllocOption(200, 0.3, "green_ctx", 26)]}
+    for deps in ([], [("x", "y", 1)], [("x", "y", 0)]):
+        prob = Stage2Problem({"x": 10.0, "y": 8.0}, options, {"compute": ["x"], "memory": ["y"]},
+                             {"x": 0, "y": 0}, deps)
+        alloc, rep = solve_stage2(prob, Limits(10, 2))
+        assert rep.status == "OPTIMAL" and alloc is not None
+        assert alloc.period == brute_force_stage2(prob)
+    assert alloc.period == 18  # x then y, each alone: overlap cannot pay within one layer
+
+
+def test_stage2_overlaps_when_it_pays():
+    full = AllocOption(1000, 1.0, "full", 132)
+    prob = Stage2Problem({"x": 10.0, "y": 8.0},
+                         {"x": [full, AllocOption(600, 0.6, "green_ctx", 80)],
+                          "y": [full, AllocOption(400, 0.8, "green_ctx", 52)]},
+                         {"compute": ["x"], "memory": ["y"]}, {"x": 0, "y": 0}, [])
+    alloc, _ = solve_stage2(prob, Limits(10, 2))
+    assert alloc is not None and alloc.period == 17  # 10 / 0.6 beside 8 / 0.8
+    assert {x: o.share for x, o in alloc.choice.items()} == {"x": 600, "y": 400}

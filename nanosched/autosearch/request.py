@@ -14,9 +14,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanosched.autosearch.costmodel import DEFAULT_MAX_DENSE_BATCH, TOKEN_QUANTUM, max_dense_batch
+from nanosched.autosearch.costmodel import (
+    DEFAULT_MAX_DENSE_BATCH,
+    TOKEN_QUANTUM,
+    choose_tp,
+    max_dense_batch,
+)
 from nanosched.errors import ConfigError, NanoschedError
-from nanosched.hardware import GPUSpec, get_gpu
+from nanosched.hardware import get_gpu
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile, load_profile
 from nanosched.workloads import Workload
@@ -85,19 +90,6 @@ def load_named_profile(arg: str, folder: Path | None = None) -> Profile:
     return load_profile(names[arg])
 
 
-def auto_tp(spec: ModelSpec, gpu: GPUSpec, workload: Workload, target: int) -> int:
-    """Smallest tp (1, 2, 4, 8) whose GPUs hold the weights and a `target`-token batch's KV."""
-    for tp in (1, 2, 4, 8):
-        try:
-            spec.check_tp(tp)
-            if max_dense_batch(spec, gpu, tp, workload) >= target:
-                return tp
-        except ConfigError:
-            continue
-    raise ConfigError(f"{spec.name} does not fit a {target}-token batch on up to 8 x {gpu.name}; "
-                      f"give --tp and --dense-batch")
-
-
 def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: str | None,
             workload: Workload, dense_batch: str, folder: Path | None = None) -> Choice:
     """Decide tp, profile (None means: build a synthetic one) and dense batch."""
@@ -117,7 +109,7 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
         prof, why = pick_shipped(spec, tp, gpu_name, folder)
         msgs.append(f"profile: {why}")
     if tp is None:
-        tp = prof.tp if prof else auto_tp(spec, gpu, workload, target)
+        tp = prof.tp if prof else choose_tp(spec, gpu, workload, target, max_tp=8)
         msgs.append(f"tp: {tp} (" + ("the profile's" if prof else
                     f"smallest that fits a {target}-token batch's KV cache") + ")")
     spec.check_tp(tp)

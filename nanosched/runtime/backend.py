@@ -43,10 +43,12 @@ class Backend:
 
     def launch(self, stream_name: str, fn: Callable[[], None],
                reads: list[tuple[Access, tuple[int, int]]],
-               writes: list[tuple[Access, tuple[int, int]]]) -> None:
-        """Run `fn` on `stream_name` after the cross-stream accesses it conflicts with."""
+               writes: list[tuple[Access, tuple[int, int]]],
+               after: list[tuple[str, Any]] = ()) -> Any:
+        """Run `fn` on `stream_name` after the cross-stream accesses it conflicts with and after
+        the (stream, event) launches in `after`; returns the event recorded behind it."""
         stream = self.device.stream(stream_name)
-        waits: list[Any] = []
+        waits: list[Any] = [ev for name, ev in after if name != stream_name]
         for acc, rows in reads:
             waits += self._conflicts(acc.buffer, rows, stream_name, with_reads=False)
         for acc, rows in writes:
@@ -66,6 +68,7 @@ class Backend:
             self._forget_covered(acc.buffer, rows, stream_name)
             self._touches.setdefault(acc.buffer, []).append(_Touch(rows, stream_name, event,
                                                                    True))
+        return event
 
     def _conflicts(self, buffer: str, rows: tuple[int, int], stream: str,
                    with_reads: bool) -> list[Any]:

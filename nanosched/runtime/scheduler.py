@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.backend import Backend
@@ -69,6 +70,7 @@ class SchedContext:
         self._cands = _cross_candidates(program)
         self.ranges: list[tuple[int, int]] = []
         self._cursor: list[int] = []
+        self._events: dict[tuple[int, int], tuple[str, Any]] = {}
 
     # ---- the API ---------------------------------------------------------------------------
     def split(self, sizes: Sequence[int]) -> None:
@@ -93,25 +95,31 @@ class SchedContext:
         return [nano] if self._blocker(nano) is None else []
 
     def execute(self, ops: NanoOp | Sequence[NanoOp], stream: str | None = None,
-                replace_func: Callable[[Sequence[NanoOp]], None] | None = None) -> None:
+                replace_func: Callable[[Sequence[NanoOp]], None] | None = None,
+                launch: LaunchConfig | None = None, after: Sequence[NanoOp] = ()) -> None:
+        """Dispatch ready nano-ops on `stream`. Beyond DynaFlow's API: `launch` overrides the
+        stream's launch config, and `after` orders this launch behind earlier dispatched
+        nano-ops with no data dependency (a schedule keeping two kernels apart)."""
         ops = (ops,) if isinstance(ops, NanoOp) else tuple(ops)
         if not ops:
             raise ScheduleError("execute() needs at least one nano-op")
         for nano in ops:
             self._check_ready(nano, ops)
         name = stream or MAIN_STREAM
-        cfg = self.stream_configs.get(name, DEFAULT_LAUNCH)
+        cfg = launch or self.stream_configs.get(name, DEFAULT_LAUNCH)
+        waits = [self._events[(n.index, n.mb)] for n in after if (n.index, n.mb) in self._events]
         if replace_func is not None:
-            self._launch(ops, name, lambda: replace_func(ops))
+            self._launch(ops, name, lambda: replace_func(ops), waits)
         elif len({n.index for n in ops}) == 1:
             for group in _adjacent_groups(ops):
                 op = self.program.ops[group[0].index]
                 lo, hi = group[0].start, group[-1].end
-                self._launch(group, name, lambda op=op, lo=lo, hi=hi: op.run(lo, hi, cfg))
+                self._launch(group, name, lambda op=op, lo=lo, hi=hi: op.run(lo, hi, cfg), waits)
         else:
             for nano in ops:
                 op = self.program.ops[nano.index]
-                self._launch((nano,), name, lambda op=op, n=nano: op.run(n.start, n.end, cfg))
+                self._launch((nano,), name, lambda op=op, n=nano: op.run(n.start, n.end, cfg),
+                             waits)
         for nano in ops:
             self._cursor[nano.mb] += 1
 
@@ -120,13 +128,16 @@ class SchedContext:
         return all(self._cursor[j] >= len(self.program.ops) for j in idx)
 
     # ---- internals -------------------------------------------------------------------------
-    def _launch(self, group: Sequence[NanoOp], stream: str, fn: Callable[[], None]) -> None:
+    def _launch(self, group: Sequence[NanoOp], stream: str, fn: Callable[[], None],
+                after: list[tuple[str, Any]]) -> None:
         reads, writes = [], []
         for n in group:
             op = self.program.ops[n.index]
             reads += [(a, a.rows(n.start, n.end)) for a in op.reads]
             writes += [(a, a.rows(n.start, n.end)) for a in op.writes]
-        self.backend.launch(stream, fn, reads, writes)
+        event = self.backend.launch(stream, fn, reads, writes, after)
+        for n in group:
+            self._events[(n.index, n.mb)] = (stream, event)
 
     def _check_ready(self, nano: NanoOp, batch: Sequence[NanoOp]) -> None:
         if nano.index != self._cursor[nano.mb] or (nano.start, nano.end) != \

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from nanosched.errors import ProfileError
+from nanosched.kernels.impls import check_op_impl, family_of
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import load_spec
 from nanosched.profiler.fake import FakeBackend
@@ -45,6 +46,13 @@ def test_every_op_token_sm_impl_row_is_present_and_best_is_marked(tmp_path):
     assert {k.impl for k in prof.kernels if k.op == "kqv"} == {
         "cublas", "cublaslt", "triton_persistent_128x128", "triton_persistent_128x256"}
     assert {k.context for k in prof.kernels if k.op == "attn_decode"} == {512, 1024, 1280, 1536}
+    # row impls are the runtime's names, so a schedule naming one launches what was measured
+    assert {k.impl for k in prof.kernels if k.op == "attn_decode"} == {"triton_paged", "torch"}
+    assert {k.impl for k in prof.kernels if k.op == "rope_append"} == {"triton", "torch"}
+    for k in prof.kernels:
+        if family_of(k.op):
+            assert check_op_impl(k.op, k.impl) == k.impl
+    assert {p.other_impl for p in backend.pair_calls} == {"triton_paged"}
     assert {k.sms for k in prof.kernels if k.mechanism == "cta_bound"} == \
         {8, 16, 32, 48, 64, 96, 128}
     # exactly one best row per (op, tokens, context, sms), and it is the fastest
@@ -94,13 +102,13 @@ def test_resume_refuses_partial_of_another_gpu_or_model(tmp_path):
 
 def test_busy_gpu_drift_and_unsupported_rows_are_reported(tmp_path):
     backend = FakeBackend(busy_reasons=["1 other process(es) on GPU 0"], drift=0.2,
-                          unsupported={"torch_sdpa"})
+                          unsupported={"torch"})
     prof, logs = run(tmp_path, backend, settings(quick=False, dense=128))
     notes = " | ".join(prof.notes)
     assert "GPU busy: 1 other process(es)" in notes
     assert "+20% from 200.0 us" in notes
-    assert "rows not measured: torch_sdpa refuses" in notes
-    assert not [k for k in prof.kernels if k.impl == "torch_sdpa"]
+    assert "rows not measured: torch refuses" in notes
+    assert not [k for k in prof.kernels if k.impl == "torch"]
     assert any("warning: GPU busy" in line for line in logs)
 
 

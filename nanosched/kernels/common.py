@@ -11,6 +11,7 @@ import os
 import torch
 
 INTERPRET_NUM_SMS = 4  # stand-in SM count under TRITON_INTERPRET=1 (CPU tensors)
+CTAS_PER_SM = 4  # default grid of a persistent memory-bound kernel, per SM
 
 
 def is_interpret() -> bool:
@@ -31,8 +32,8 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_num_ctas(device: torch.device) -> int:
-    """Default bound on a persistent kernel's programs: four per SM."""
-    return 4 * num_sms(device)
+    """Default bound on a persistent kernel's programs: CTAS_PER_SM per SM."""
+    return CTAS_PER_SM * num_sms(device)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -1,10 +1,12 @@
-"""Kernel dispatch: the one place that chooses the torch reference or the Triton kernel.
+"""Kernel dispatch: the one place that chooses an op's implementation.
 
-Models call only these functions. `KernelOptions.backend` is "auto" (Triton for CUDA tensors
-when triton imports, torch otherwise), "torch" or "triton" (Triton even for CPU tensors, which
-needs TRITON_INTERPRET=1). GEMMs use torch (cuBLAS) unless `gemm="triton"` picks the persistent
-Triton GEMM. Per-launch arguments (`launch` dicts) carry SM-footprint knobs from the runtime:
-`max_ctas` / `num_splits` for decode attention, `num_sms` (and tiles) for the Triton GEMM.
+Models call only these functions. Each takes an optional `launch` dict (impls.py: the launch
+contract and the implementation names); its `impl` picks the implementation, and without one
+`KernelOptions` does: `backend` is "auto" (Triton for CUDA tensors when triton imports, torch
+otherwise), "torch" or "triton" (Triton even for CPU tensors, which needs TRITON_INTERPRET=1);
+`gemm` is "torch" (= `cublas`), "triton" (= `triton_persistent_128x128`) or any GEMM name.
+A Triton implementation on CPU tensors needs TRITON_INTERPRET=1; `cublaslt` on CPU tensors is
+the torch reference (there is no SM target to set).
 
 triton is imported lazily, the first time a Triton kernel is used, so `import nanosched.models`
 works on machines without it.
@@ -13,31 +15,40 @@ works on machines without it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nanosched.errors import ConfigError
+from nanosched.kernels import impls
 from nanosched.kernels import reference as ref
-from nanosched.kernels.common import is_interpret
+from nanosched.kernels.common import is_interpret, num_sms
 
 BACKENDS = ("auto", "torch", "triton")
-GEMM_IMPLS = ("torch", "triton")
+GEMM_ALIASES = {"torch": "cublas", "triton": impls.persistent_name(128, 128)}
+Launch = Mapping[str, Any] | None
 
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """Which implementation the models' ops launch."""
+    """Which implementation the models' ops launch when a launch dict names none."""
 
     backend: str = "auto"  # auto | torch | triton
-    gemm: str = "torch"  # torch (cuBLAS/CPU BLAS) | triton (persistent GEMM)
+    gemm: str = "torch"  # torch (cuBLAS/CPU BLAS) | triton (persistent GEMM) | a GEMM impl name
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"kernel backend {self.backend!r} is not one of {BACKENDS}")
-        if self.gemm not in GEMM_IMPLS:
-            raise ConfigError(f"gemm implementation {self.gemm!r} is not one of {GEMM_IMPLS}")
+        if self.gemm not in GEMM_ALIASES and not impls.is_known(self.gemm, impls.GEMM):
+            raise ConfigError(f"gemm implementation {self.gemm!r} is not one of "
+                              f"{tuple(GEMM_ALIASES)} or {impls.known_names(impls.GEMM)}")
+
+    @property
+    def gemm_impl(self) -> str:
+        """The GEMM implementation name this option stands for."""
+        return GEMM_ALIASES.get(self.gemm, self.gemm)
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,22 +75,54 @@ def use_triton(opts: KernelOptions, x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and triton_available()
 
 
+def _chosen(launch: dict[str, Any], family: str, default: Callable[[], str]) -> str:
+    """The launch's impl (checked against `family`), or `default()` when it names none."""
+    name = launch["impl"]
+    return default() if name is None else impls.check_impl(name, family)
+
+
+def _triton_ok(x: torch.Tensor) -> None:
+    """Refuse a Triton implementation that cannot run on `x` here."""
+    use_triton(KernelOptions("triton"), x)
+
+
+def _elementwise(opts: KernelOptions, x: torch.Tensor, launch: Launch) -> bool:
+    """Whether an elementwise op runs its Triton kernel."""
+    name = _chosen(impls.read_launch(launch), impls.ELEMENTWISE,
+                   lambda: "triton" if use_triton(opts, x) else "torch")
+    if name == "triton":
+        _triton_ok(x)
+    return name == "triton"
+
+
+def _torch_only(launch: Launch) -> None:
+    """Check the launch of an op whose only implementation is `torch`."""
+    _chosen(impls.read_launch(launch), impls.TORCH_ONLY, lambda: "torch")
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           opts: KernelOptions, launch: dict[str, Any] | None = None) -> None:
-    """out = x @ w.T (+ bias). x [n, K], w [N, K], out [n, N]."""
-    if opts.gemm == "triton" and use_triton(KernelOptions("triton"), x):
+           opts: KernelOptions, launch: Launch = None) -> None:
+    """out = x @ w.T (+ bias). x [n, K], w [N, K], out [n, N]; launch: impl, num_sms."""
+    args = impls.read_launch(launch)
+    impl = impls.parse_gemm(_chosen(args, impls.GEMM, lambda: opts.gemm_impl))
+    if impl.kind == impls.PERSISTENT:
+        _triton_ok(x)
         from nanosched.kernels.gemm import GemmConfig, persistent_linear
 
-        persistent_linear(x, w, bias, out, GemmConfig(**(launch or {})))
+        cfg = GemmConfig(num_sms=args["num_sms"], block_m=impl.block_m, block_n=impl.block_n)
+        persistent_linear(x, w, bias, out, cfg)
+    elif impl.kind == "cublaslt" and x.device.type == "cuda":
+        with impls.cublaslt_sm_target(args["num_sms"], num_sms(x.device)):
+            ref.linear(x, w, bias, out)
     else:
         ref.linear(x, w, bias, out)
 
 
 def rms_norm_add(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, out: torch.Tensor, residual_out: torch.Tensor,
-                 opts: KernelOptions) -> None:
+                 opts: KernelOptions, launch: Launch = None) -> None:
     """residual_out = x (+ residual); out = RMSNorm(residual_out) * weight. All [n, D]."""
-    if use_triton(opts, x):
+    if _elementwise(opts, x, launch):
         from nanosched.kernels.elementwise import rms_norm_add as kernel
 
         kernel(x, residual, weight, eps, out, residual_out)
@@ -87,9 +130,10 @@ def rms_norm_add(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         ref.rms_norm_add(x, residual, weight, eps, out, residual_out)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, opts: KernelOptions) -> None:
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, opts: KernelOptions,
+             launch: Launch = None) -> None:
     """out [n, I] = SiLU(gate_up[:, :I]) * gate_up[:, I:]."""
-    if use_triton(opts, gate_up):
+    if _elementwise(opts, gate_up, launch):
         from nanosched.kernels.elementwise import silu_mul as kernel
 
         kernel(gate_up, out)
@@ -99,9 +143,10 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, opts: KernelOptions) -> N
 
 def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                 sin_table: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, q_out: torch.Tensor, opts: KernelOptions) -> None:
+                v_cache: torch.Tensor, q_out: torch.Tensor, opts: KernelOptions,
+                launch: Launch = None) -> None:
     """Rotary embedding of q and k; q → q_out [n, Hq, d], k and v → the paged cache."""
-    if use_triton(opts, qkv):
+    if _elementwise(opts, qkv, launch):
         from nanosched.kernels.elementwise import rope_append as kernel
 
         kernel(qkv, positions, cos_table, sin_table, slot_mapping, k_cache, v_cache, q_out)
@@ -113,13 +158,18 @@ def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Ten
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
-                     opts: KernelOptions, launch: dict[str, Any] | None = None) -> None:
-    """Paged GQA decode attention. q, out [n, Hq, d]; launch: max_ctas, num_splits."""
-    if use_triton(opts, q):
+                     opts: KernelOptions, launch: Launch = None) -> None:
+    """Paged GQA decode attention. q, out [n, Hq, d]; launch: impl, max_ctas or num_sms,
+    num_splits."""
+    args = impls.read_launch(launch)
+    name = _chosen(args, impls.DECODE, lambda: "triton_paged" if use_triton(opts, q) else "torch")
+    if name == "triton_paged":
+        _triton_ok(q)
         from nanosched.kernels.decode_attn import decode_attention as kernel
 
         kernel(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
-               **(launch or {}))
+               max_ctas=impls.decode_ctas(args["max_ctas"], args["num_sms"]),
+               num_splits=args["num_splits"])
     else:
         ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
                              scale, out)
@@ -127,12 +177,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, segments: list[tuple[int, int, int]],
-                      scale: float, out: torch.Tensor) -> None:
-    """Chunked causal prefill attention (torch SDPA on every device)."""
+                      scale: float, out: torch.Tensor, launch: Launch = None) -> None:
+    """Chunked causal prefill attention (torch SDPA on every device; impl `torch`)."""
+    _torch_only(launch)
     ref.prefill_attention(q, k_cache, v_cache, block_tables, segments, scale, out)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,
-                   x_rows: torch.Tensor | None, out: torch.Tensor) -> None:
-    """MoE grouped GEMM: out[i] = x[x_rows[i]] @ w[expert_ids[i]].T (torch loop over experts)."""
+                   x_rows: torch.Tensor | None, out: torch.Tensor,
+                   launch: Launch = None) -> None:
+    """MoE grouped GEMM: out[i] = x[x_rows[i]] @ w[expert_ids[i]].T (torch loop; impl `torch`)."""
+    _torch_only(launch)
     ref.grouped_linear(x, w, expert_ids, x_rows, out)

@@ -16,9 +16,10 @@ Every op reads and writes only rows [start, end) of the workspace buffers, for a
 dense batch, using `meta.slice(start, end)` (memoised) as that range's attention metadata. So
 a runtime may call each op on nano-batches in any order that respects the op graph (same rows:
 earlier op first; `attn_prefill` of a range that cuts a prompt after `rope_append` of the
-prompt's earlier ranges) and on any stream. `launch` passes SM-footprint knobs to the kernel:
-`{"max_ctas": 32, "num_splits": 4}` for `attn_decode`, `{"num_sms": 100, "block_m": ...}` for
-GEMM ops when `KernelOptions(gemm="triton")`. `ar_attn` / `ar_ffn` are no-ops at tp = 1.
+prompt's earlier ranges) and on any stream. `launch` is the runtime's launch dict
+(nanosched/kernels/impls.py), e.g. `{"impl": "triton_paged", "max_ctas": 32}` for `attn_decode`
+or `{"impl": "cublaslt", "num_sms": 100}` for a GEMM op; without one, `KernelOptions` decides.
+`ar_attn` / `ar_ffn` are no-ops at tp = 1.
 `forward(ws, meta, rows)` is the sequential reference: every op over the whole batch.
 
 Model code knows nothing of schedules. Weights live in local (tp-sharded) shapes; see

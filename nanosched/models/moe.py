@@ -41,7 +41,8 @@ def experts_ug(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: i
     ws.expert_ids[rows] = ids.flatten()
     ws.expert_weights[rows] = weights.flatten()
     x_rows = torch.arange(e - s, device=x.device).repeat_interleave(k)  # [n k]
-    K.grouped_linear(x, layer.w_gate_up, ws.expert_ids[rows], x_rows, ws.gate_up[rows])
+    K.grouped_linear(x, layer.w_gate_up, ws.expert_ids[rows], x_rows, ws.gate_up[rows],
+                     launch)
 
 
 def experts_d(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -49,6 +50,6 @@ def experts_d(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: in
     """Down-project rows [s*k, e*k) and combine them into ffn_out[s:e] by router weight."""
     k, rows = ws.experts_per_token, ws.rows(s, e)
     out = ws.expert_out[rows]  # [n k, D]
-    K.grouped_linear(ws.act[rows], m.layers[i].w_down, ws.expert_ids[rows], None, out)
+    K.grouped_linear(ws.act[rows], m.layers[i].w_down, ws.expert_ids[rows], None, out, launch)
     weighted = out.view(e - s, k, -1).float() * ws.expert_weights[rows].view(e - s, k, 1)
     ws.ffn_out[s:e] = weighted.sum(dim=1).to(ws.ffn_out.dtype)

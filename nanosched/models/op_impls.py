@@ -1,8 +1,10 @@
 """The named ops of a decoder layer, each on a token range [start, end) of the dense batch.
 
 Signature of every op: `op(model, layer, ws, meta, start, end, launch) -> None`, called through
-`CausalLM.run_op`. An op reads and writes only rows [start, end) of the workspace (see
-`model.py` for the contract); `meta` is the full batch's metadata and the op slices it.
+`CausalLM.run_op`. `launch` is the runtime's launch dict (kernels/impls.py: `impl`, `num_sms`,
+`max_ctas`, `num_splits`), handed to every kernel the op launches. An op reads and writes only
+rows [start, end) of the workspace (see `model.py` for the contract); `meta` is the full
+batch's metadata and the op slices it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def rope_append(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: 
     """Rotate q → q[s:e]; rotate k and write k, v into layer i's pages."""
     r = meta.slice(s, e)
     K.rope_append(ws.qkv[s:e], r.positions, m.rope_cos, m.rope_sin, r.slot_mapping,
-                  ws.kv.k[i], ws.kv.v[i], ws.q[s:e], m.kernels)
+                  ws.kv.k[i], ws.kv.v[i], ws.q[s:e], m.kernels, launch)
 
 
 def attn_decode(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -56,7 +58,7 @@ def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e:
     if nd == e - s:
         return
     K.prefill_attention(ws.q[s + nd:e], ws.kv.k[i], ws.kv.v[i], r.block_tables[nd:],
-                        r.prefill_segments(), m.scale, ws.attn[s + nd:e])
+                        r.prefill_segments(), m.scale, ws.attn[s + nd:e], launch)
 
 
 def o(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -75,7 +77,7 @@ def add_norm_ffn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e:
                  launch: Launch) -> None:
     """residual += o_out; normed = RMSNorm_ffn(residual)."""
     K.rms_norm_add(ws.o_out[s:e], ws.residual[s:e], m.layers[i].ffn_norm, m.spec.rms_norm_eps,
-                   ws.normed[s:e], ws.residual[s:e], m.kernels)
+                   ws.normed[s:e], ws.residual[s:e], m.kernels, launch)
 
 
 def ug(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -88,7 +90,7 @@ def act(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
         launch: Launch) -> None:
     """act = SiLU(gate) * up on the range's rows (k rows per token for MoE)."""
     rows = ws.rows(s, e)
-    K.silu_mul(ws.gate_up[rows], ws.act[rows], m.kernels)
+    K.silu_mul(ws.gate_up[rows], ws.act[rows], m.kernels, launch)
 
 
 def d(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -107,7 +109,7 @@ def add_norm_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e
                   launch: Launch) -> None:
     """residual += ffn_out; normed = the next layer's input RMSNorm (final norm at the end)."""
     K.rms_norm_add(ws.ffn_out[s:e], ws.residual[s:e], m.norm_before(i + 1),
-                   m.spec.rms_norm_eps, ws.normed[s:e], ws.residual[s:e], m.kernels)
+                   m.spec.rms_norm_eps, ws.normed[s:e], ws.residual[s:e], m.kernels, launch)
 
 
 OPS: dict[str, Callable[..., None]] = {

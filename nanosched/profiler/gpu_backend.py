@@ -125,15 +125,19 @@ class GPUBackend:
         call = impls.OpCall(settings.model, settings.tp, op, tokens, context, sms, mechanism,
                             self.num_sms, self.ws, settings.dense_batch)
         try:
-            return impls.get(op, impl).setup(call)
+            return impls.get(op, impl).kernel(call)
         except torch.cuda.OutOfMemoryError as exc:
             self.ws.clear()
             raise Unsupported(f"{op}/{impl} at {tokens} tokens: out of memory") from exc
 
     # ---- measurements --------------------------------------------------------------------
     def _bench(self, kernel: impls.Kernel, stream: Any, rep_ms: float | None = None) -> float:
-        with kernel.scope(), torch.cuda.stream(stream):
-            return timing.bench_us(kernel.fn, self.device, rep_ms or self.rep_ms)
+        try:
+            with kernel.scope(), torch.cuda.stream(stream):
+                return timing.bench_us(kernel.fn, self.device, rep_ms or self.rep_ms)
+        except torch.cuda.OutOfMemoryError as exc:
+            self.ws.clear()
+            raise Unsupported(f"out of memory while timing: {exc}") from exc
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
         ws = impls.Workspace(self.device)

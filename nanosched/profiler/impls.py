@@ -1,19 +1,18 @@
 """The implementation registry: per op, the named ways to run it that the profiler measures.
 
-An `Impl` says which SM-allocation mechanisms it supports and how to launch it:
-`setup(call: OpCall) -> Kernel`, where `OpCall` gives the model, tp, op, tokens, context, the
+Names are those of nanosched/kernels/impls.py (the runtime's vocabulary), and every
+implementation launches the model's own kernels through `nanosched.kernels.dispatch` with the
+launch dict the runtime would pass for the row (`launch_of`): `{"impl", "num_sms"}` on the whole
+GPU or a green-context partition, `{"impl", "max_ctas"}` for `cta_bound`. So a schedule that
+names a row's implementation is launched exactly as it was measured.
+
+An `Impl` says which SM-allocation mechanisms it supports and how to set it up:
+`kernel(call: OpCall) -> Kernel`, where `OpCall` gives the model, tp, op, tokens, context, the
 SMs (or CTAs, for `cta_bound`) it may use, the GPU's SM count and a `Workspace` of cached random
 tensors; `Kernel.fn()` launches the op once on the current stream, inside `Kernel.scope()`
-(global settings such as cuBLASLt's SM target). setup allocates; fn only launches.
-
-Plug point for the model's Triton kernels (nanosched/kernels/, another branch): after the merge,
-add a module beside `impls_torch.py` whose `register_all()` calls `register(op, Impl(...))`, and
-call it from `_ensure_registered()` below, e.g. the persistent GEMM as
-`Impl("kernels_gemm", ("full", "green_ctx"), setup, targets_sms=True)` for every GEMM op, the
-paged decode attention with a CTA bound as `Impl("kernels_decode", ("full", "green_ctx",
-"cta_bound"), setup)` for `attn_decode`. The profiler then measures them beside the ones here,
-marks the fastest per (op, tokens, context, SMs) `best`, and the runtime launches what the
-schedule names. Set `quick=False` on variants that `--quick` may leave out.
+(global settings around the timing loop, if any). setup allocates; fn only launches.
+The implementations live in `impls_kernels.py`; set `quick=False` on variants that `--quick`
+may leave out.
 
 torch is imported here (it is installed everywhere); triton and torch.cuda only inside setup.
 """
@@ -21,12 +20,13 @@ torch is imported here (it is installed everywhere); triton and torch.cuda only 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nanosched.kernels import impls as kernel_impls
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.backend import Unsupported
 from nanosched.profiler.plan import ImplInfo
@@ -86,11 +86,21 @@ class Kernel:
     scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
+def launch_of(call: OpCall, impl: str) -> dict[str, Any]:
+    """The launch dict the runtime passes for a row of `call` with implementation `impl`."""
+    if call.mechanism == "cta_bound":
+        return {"impl": impl, "max_ctas": call.sms}
+    return {"impl": impl, "num_sms": call.sms}
+
+
+Setup = Callable[[OpCall, dict[str, Any]], Kernel]
+
+
 @dataclass(frozen=True)
 class Impl:
-    name: str
+    name: str  # a name of nanosched/kernels/impls.py
     mechanisms: tuple[str, ...]
-    setup: Callable[[OpCall], Kernel]
+    setup: Setup  # (call, launch dict) -> Kernel
     quick: bool = True
     targets_sms: bool = False
     requires: Callable[[], str | None] = lambda: None  # why it cannot run here, or None
@@ -98,12 +108,18 @@ class Impl:
     def info(self) -> ImplInfo:
         return ImplInfo(self.name, self.mechanisms, self.quick, self.targets_sms)
 
+    def kernel(self, call: OpCall) -> Kernel:
+        """Set up this implementation for `call`, launched with the runtime's launch dict."""
+        return self.setup(call, launch_of(call, self.name))
+
 
 REGISTRY: dict[str, list[Impl]] = {}
 
 
 def register(op: str, impl: Impl) -> None:
-    """Add an implementation of `op` (replacing one of the same name)."""
+    """Add an implementation of `op` (replacing one of the same name); the name must be one of
+    the op's in nanosched/kernels/impls.py."""
+    kernel_impls.check_op_impl(op, impl.name)
     impls = [i for i in REGISTRY.setdefault(op, []) if i.name != impl.name]
     REGISTRY[op] = impls + [impl]
 
@@ -131,28 +147,6 @@ def get(op: str, name: str) -> Impl:
     raise KeyError(f"no implementation {name!r} of op {op!r}")
 
 
-@contextlib.contextmanager
-def cublaslt_sm_target(sms: int, num_sms: int) -> Iterator[None]:
-    """cuBLASLt as torch's BLAS, told to use `sms` SMs (carve-out = the others)."""
-    prev_lib = torch.backends.cuda.preferred_blas_library()
-    prev_carve = torch._C._get_sm_carveout_experimental()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch._C._set_sm_carveout_experimental(num_sms - sms if sms < num_sms else None)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(prev_carve)
-        torch.backends.cuda.preferred_blas_library(prev_lib)
-
-
-def cublaslt_missing() -> str | None:
-    if not hasattr(torch.backends.cuda, "preferred_blas_library"):
-        return "torch.backends.cuda.preferred_blas_library is missing in this torch"
-    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        return "torch._C._set_sm_carveout_experimental is missing in this torch"
-    return None
-
-
 def triton_missing() -> str | None:
     try:
         import triton  # noqa: F401
@@ -168,6 +162,6 @@ def _ensure_registered() -> None:
     global _registered
     if not _registered:
         _registered = True
-        from nanosched.profiler import impls_torch
+        from nanosched.profiler import impls_kernels
 
-        impls_torch.register_all()
+        impls_kernels.register_all()

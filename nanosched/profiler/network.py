@@ -157,7 +157,7 @@ def _pair(settings: ProfileSettings, task: PairTask, groups: dict[int, Any],
     def kernel(impl: str, sms: int) -> impls.Kernel:
         call = impls.OpCall(settings.model, settings.tp, task.compute_op, task.tokens, 0, sms,
                             "full", num_sms, ws, settings.dense_batch)
-        return impls.get(task.compute_op, impl).setup(call)
+        return impls.get(task.compute_op, impl).kernel(call)
 
     alone_c = timing.bench_us(kernel("cublas", num_sms).fn, device, rep_ms)
     alone_o = min(us for (k, t, _), us in times.items() if k == "all_reduce" and

@@ -33,7 +33,7 @@ SAVE_EVERY = 100  # rows, or
 SAVE_EVERY_S = 15.0  # seconds, whichever comes first
 DRIFT_EVERY = 200
 DRIFT_LIMIT = 0.05
-MEMORY_PAIR_IMPL = "triton_decode"
+MEMORY_PAIR_IMPL = "triton_paged"
 
 
 class ProfileInterrupted(NanoschedError):

@@ -52,10 +52,9 @@ def prefill_span(segments: Sequence[tuple[int, int, bool]]):
     return span
 
 
-def _launch_dict(cfg: LaunchConfig) -> dict[str, Any] | None:
-    out = {k: v for k, v in (("max_ctas", cfg.max_ctas), ("num_sms", cfg.num_sms),
-                             ("impl", cfg.impl)) if v is not None}
-    return out or None
+def _launch_dict(cfg: LaunchConfig, op: str) -> dict[str, Any] | None:
+    """What op `op` receives as `launch` (see nanosched/kernels/impls.py for the contract)."""
+    return cfg.launch_dict(op)
 
 
 def model_program(model: Any, ws: Any, meta: Any,
@@ -78,7 +77,7 @@ def model_program(model: Any, ws: Any, meta: Any,
 
             def run(s: int, e: int, cfg: LaunchConfig, layer: int = layer,
                     name: str = name) -> None:
-                model.run_op(layer, name, ws, meta, s, e, launch=_launch_dict(cfg))
+                model.run_op(layer, name, ws, meta, s, e, launch=_launch_dict(cfg, name))
 
             ops.append(ProgramOp(name, layer, resources.get(name, COMPUTE), run,
                                  tuple(access(b) for b in reads),

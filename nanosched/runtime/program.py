@@ -14,19 +14,50 @@ carries what the schedule chose for that nano-op (SM or CTA bound, implementatio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from nanosched.kernels import impls
 
 Span = Callable[[int, int], tuple[int, int]]
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How one launch is resourced: CTA bound for bounded kernels, implementation name."""
+    """How one stream's launches are resourced, and which implementations they use.
+
+    `num_sms`: SMs of the stream's partition (GEMM SM target / programs); `max_ctas`: CTA bound
+    of bounded kernels; `num_splits`: split-K of decode attention; `impl`: one implementation
+    name, applied to the ops whose vocabulary has it, or a mapping op name -> name. Names are
+    those of nanosched/kernels/impls.py and are checked here.
+    """
 
     max_ctas: int | None = None
     num_sms: int | None = None
-    impl: str | None = None
+    impl: str | Mapping[str, str] | None = None
+    num_splits: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.impl, str):
+            impls.check_any(self.impl)
+        elif self.impl is not None:
+            for op, name in self.impl.items():
+                impls.check_op_impl(op, name)
+
+    def impl_for(self, op: str) -> str | None:
+        """The implementation op `op` launches under this config (None: the model's default)."""
+        if self.impl is None:
+            return None
+        if isinstance(self.impl, str):
+            return self.impl if impls.applies(op, self.impl) else None
+        return self.impl.get(op)
+
+    def launch_dict(self, op: str) -> dict[str, Any] | None:
+        """The launch dict of op `op` (kernels/impls.py contract), None when it says nothing."""
+        out = {"impl": self.impl_for(op), "num_sms": self.num_sms, "max_ctas": self.max_ctas,
+               "num_splits": self.num_splits}
+        return {k: v for k, v in out.items() if v is not None} or None
 
 
 DEFAULT_LAUNCH = LaunchConfig()

@@ -1,4 +1,5 @@
-"""Green-context partitions and the profiler's GPU backend, on a real GPU (`pytest -m gpu`)."""
+"""Green-context partitions and the profiler's GPU backend (timing the model's kernels through
+nanosched.kernels.dispatch), on a real GPU (`pytest -m gpu`)."""
 
 import pytest
 
@@ -41,34 +42,6 @@ def test_gemm_on_a_partition_stream_is_right():
         pair.close()
 
 
-def test_cublaslt_scope_sets_and_restores_the_sm_target():
-    from nanosched.profiler import impls
-
-    if impls.cublaslt_missing():
-        pytest.skip(impls.cublaslt_missing())
-    before = torch._C._get_sm_carveout_experimental()
-    with impls.cublaslt_sm_target(100, 132):
-        assert torch._C._get_sm_carveout_experimental() == 32
-    assert torch._C._get_sm_carveout_experimental() == before
-
-
-def test_triton_kernels_match_torch_in_bf16():
-    from nanosched.profiler.triton_kernels import decode_attention, persistent_linear
-
-    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
-    out = torch.empty(300, 768, device="cuda", dtype=torch.bfloat16)
-    persistent_linear(x, w, out, num_sms=37)
-    torch.testing.assert_close(out, x @ w.T, rtol=2e-2, atol=2e-2)
-    q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(64, 8, 700, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    o = decode_attention(q, k, v, torch.empty_like(q), num_ctas=16)
-    ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v,
-                                                           enable_gqa=True).squeeze(2)
-    torch.testing.assert_close(o, ref, rtol=2e-2, atol=2e-2)
-
-
 def test_gpu_backend_times_a_row_and_a_pair():
     from nanosched.models.spec import load_spec
     from nanosched.profiler.gpu_backend import GPUBackend
@@ -84,10 +57,14 @@ def test_gpu_backend_times_a_row_and_a_pair():
         part = backend.time_kernel(s, KernelTask("ug", 512, 0, rest, "green_ctx",
                                                  "triton_persistent_128x128"))
         attn = backend.time_kernel(s, KernelTask("attn_decode", 512, 1024, n, "full",
-                                                 "triton_decode"))
+                                                 "triton_paged"))
+        bound = backend.time_kernel(s, KernelTask("attn_decode", 512, 1024, 16, "cta_bound",
+                                                  "triton_paged"))
+        norm = backend.time_kernel(s, KernelTask("add_norm_ffn", 512, 0, n, "full", "triton"))
+        assert attn < bound and 0 < norm < attn
         assert 0 < full < part < 10 * full
         task = PairTask("ug", 512, "attn_decode", "memory", 1024, "green_ctx", "cublas", rest,
-                        small, "triton_decode")
+                        small, "triton_paged")
         c_us, o_us = backend.time_pair(s, task, (full, attn))
         assert c_us > 0.9 * full and o_us > 0.9 * attn
     finally:

@@ -1,0 +1,182 @@
+"""The one vocabulary of implementation names, and the launch-dict contract.
+
+Profile rows, schedules and the runtime name an op's implementation with these strings, so a
+schedule that names one is launched exactly as it was measured.
+
+Families (ops → names):
+- gemm (kqv, o, ug, d): `cublas` (torch.matmul), `cublaslt` (cuBLASLt with an SM-count
+  target), `triton_persistent_<BM>x<BN>` (kernels/gemm.py on `num_sms` programs).
+- decode (attn_decode): `triton_paged` (kernels/decode_attn.py), `torch` (reference).
+- elementwise (rope_append, add_norm_ffn, add_norm_attn, act): `triton`
+  (kernels/elementwise.py), `torch` (reference).
+- torch_only (attn_prefill, experts_ug, experts_d): `torch` (SDPA per prompt, grouped loop).
+
+A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits": int?}`
+(`LAUNCH_KEYS`); every key is optional and each op reads only what concerns it:
+- gemm: `num_sms` = the SM target of `cublaslt` (carve-out = the device's other SMs) and the
+  program count of `triton_persistent_*`; `cublas` ignores it.
+- decode: `max_ctas` bounds the grid; absent, it is `CTAS_PER_SM * num_sms` (or per device SM
+  when `num_sms` is absent too); `num_splits` fixes split-K (absent: the kernel's planner).
+- elementwise and torch_only: only `impl`.
+An absent `impl` means the `KernelOptions` default (dispatch.py). torch and torch.cuda only:
+no triton import here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanosched.errors import ConfigError
+from nanosched.kernels.common import CTAS_PER_SM
+
+GEMM, DECODE, ELEMENTWISE, TORCH_ONLY = "gemm", "decode", "elementwise", "torch_only"
+OP_FAMILY = {
+    "kqv": GEMM, "o": GEMM, "ug": GEMM, "d": GEMM,
+    "attn_decode": DECODE,
+    "rope_append": ELEMENTWISE, "add_norm_ffn": ELEMENTWISE, "add_norm_attn": ELEMENTWISE,
+    "act": ELEMENTWISE,
+    "attn_prefill": TORCH_ONLY, "experts_ug": TORCH_ONLY, "experts_d": TORCH_ONLY,
+}
+FIXED_NAMES = {
+    GEMM: ("cublas", "cublaslt"),
+    DECODE: ("triton_paged", "torch"),
+    ELEMENTWISE: ("triton", "torch"),
+    TORCH_ONLY: ("torch",),
+}
+PERSISTENT = "triton_persistent"
+PERSISTENT_PATTERN = re.compile(r"triton_persistent_(\d+)x(\d+)")
+TILE_SIZES = (16, 32, 64, 128, 256)
+LAUNCH_KEYS = ("impl", "num_sms", "max_ctas", "num_splits")
+
+
+@dataclass(frozen=True)
+class GemmImpl:
+    """A parsed GEMM implementation name: kind, and tiles for the persistent Triton GEMM."""
+
+    kind: str  # cublas | cublaslt | triton_persistent
+    block_m: int = 0
+    block_n: int = 0
+
+
+def persistent_name(block_m: int, block_n: int) -> str:
+    """The name of the persistent Triton GEMM with BLOCK_M x BLOCK_N tiles."""
+    return f"{PERSISTENT}_{block_m}x{block_n}"
+
+
+def known_names(family: str) -> str:
+    """The names of a family, for error messages."""
+    names = list(FIXED_NAMES[family])
+    if family == GEMM:
+        names.append(f"{PERSISTENT}_<BM>x<BN> (BM, BN in {TILE_SIZES})")
+    return ", ".join(names)
+
+
+def parse_gemm(name: str) -> GemmImpl:
+    """Parse a GEMM implementation name; ConfigError names it and the known ones."""
+    if name in FIXED_NAMES[GEMM]:
+        return GemmImpl(name)
+    match = PERSISTENT_PATTERN.fullmatch(name)
+    if match:
+        bm, bn = int(match[1]), int(match[2])
+        if bm in TILE_SIZES and bn in TILE_SIZES:
+            return GemmImpl(PERSISTENT, bm, bn)
+    raise ConfigError(f"GEMM implementation {name!r} is unknown; known: {known_names(GEMM)}")
+
+
+def is_known(name: str, family: str) -> bool:
+    """Whether `name` is an implementation of `family`."""
+    if family == GEMM:
+        try:
+            parse_gemm(name)
+        except ConfigError:
+            return False
+        return True
+    return name in FIXED_NAMES[family]
+
+
+def check_impl(name: str, family: str, what: str = "") -> str:
+    """`name` if it belongs to `family`, else a ConfigError naming it and the known names."""
+    if family not in FIXED_NAMES:
+        raise ConfigError(f"implementation family {family!r} is not one of {tuple(FIXED_NAMES)}")
+    if not is_known(name, family):
+        raise ConfigError(f"implementation {name!r} is unknown for {what or family}; known: "
+                          f"{known_names(family)}")
+    return name
+
+
+def family_of(op: str) -> str | None:
+    """The implementation family of layer op `op` (None for ops without one, e.g. all-reduce)."""
+    return OP_FAMILY.get(op)
+
+
+def check_op_impl(op: str, name: str) -> str:
+    """`name` if it is an implementation of layer op `op`, else ConfigError."""
+    family = family_of(op)
+    if family is None:
+        raise ConfigError(f"op {op!r} has no implementations to choose; ops that have: "
+                          f"{', '.join(OP_FAMILY)}")
+    return check_impl(name, family, f"op {op!r}")
+
+
+def check_any(name: str) -> str:
+    """`name` if some family has it, else ConfigError listing every family's names."""
+    if not any(is_known(name, f) for f in FIXED_NAMES):
+        known = "; ".join(f"{f}: {known_names(f)}" for f in FIXED_NAMES)
+        raise ConfigError(f"implementation {name!r} is unknown; known: {known}")
+    return name
+
+
+def applies(op: str, name: str) -> bool:
+    """Whether implementation `name` is one of layer op `op`'s."""
+    family = family_of(op)
+    return family is not None and is_known(name, family)
+
+
+def read_launch(launch: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The launch dict with every key of `LAUNCH_KEYS` (None when absent); rejects others."""
+    launch = launch or {}
+    bad = [k for k in launch if k not in LAUNCH_KEYS]
+    if bad:
+        raise ConfigError(f"launch key(s) {bad} not allowed; launch keys: {LAUNCH_KEYS}")
+    out = {k: launch.get(k) for k in LAUNCH_KEYS}
+    for key in ("num_sms", "max_ctas", "num_splits"):
+        if out[key] is not None and (not isinstance(out[key], int) or out[key] < 1):
+            raise ConfigError(f"launch {key}={out[key]!r} must be a positive integer")
+    return out
+
+
+def decode_ctas(max_ctas: int | None, num_sms: int | None) -> int | None:
+    """The decode-attention grid bound: `max_ctas`, else CTAS_PER_SM per SM of `num_sms`."""
+    if max_ctas is not None:
+        return max_ctas
+    return None if num_sms is None else CTAS_PER_SM * num_sms
+
+
+def cublaslt_missing() -> str | None:
+    """Why this torch cannot give cuBLASLt an SM target, or None."""
+    if not hasattr(torch.backends.cuda, "preferred_blas_library"):
+        return "torch.backends.cuda.preferred_blas_library is missing in this torch"
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        return "torch._C._set_sm_carveout_experimental is missing in this torch"
+    return None
+
+
+@contextlib.contextmanager
+def cublaslt_sm_target(sms: int | None, total_sms: int) -> Iterator[None]:
+    """cuBLASLt as torch's BLAS, told to use `sms` of `total_sms` SMs; restored on exit."""
+    prev_lib = torch.backends.cuda.preferred_blas_library()
+    prev_carve = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    carve = total_sms - sms if sms is not None and sms < total_sms else None
+    torch._C._set_sm_carveout_experimental(carve)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(prev_carve)
+        torch.backends.cuda.preferred_blas_library(prev_lib)

@@ -1,0 +1,170 @@
+"""The registered implementations: the model's kernels, launched through nanosched.kernels.dispatch.
+
+Each setup builds the op's inputs and outputs at the row's shape in the workspace (outputs are
+named `y_<op>`, `y_norm`, `q_rope`, ...) and returns a `Kernel` whose fn calls the dispatch
+function the model's op calls, with the runtime's launch dict (impls.launch_of).
+Names (nanosched/kernels/impls.py):
+- kqv, o, ug, d: `cublas`, `cublaslt` (SM target = the SMs given), `triton_persistent_128x128`
+  and `triton_persistent_128x256` (NUM_SMS = the SMs given).
+- attn_decode: `triton_paged` and `torch` over a paged cache of T requests of context C (page
+  size 16, pages in random order). The grid bound is the row's CTAs for `cta_bound`, and
+  otherwise CTAS_PER_SM per SM of the partition (the dispatcher's rule for `num_sms`, the same
+  at run time). Split-K is left to the kernel's planner (enough work items for two per CTA:
+  small T at long context splits), which is what the runtime launches when a schedule gives
+  no `num_splits`.
+- attn_prefill: `torch` (SDPA per prompt; T tokens cut into prompts of `context` tokens).
+- experts_ug, experts_d: `torch` (grouped loop, uniform routing; routing itself not timed).
+- rope_append, add_norm_ffn, add_norm_attn, act: `triton` and `torch`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nanosched.kernels import dispatch
+from nanosched.kernels.impls import cublaslt_missing, persistent_name
+from nanosched.profiler.backend import Unsupported
+from nanosched.profiler.impls import Impl, Kernel, OpCall, register, triton_missing
+from nanosched.profiler.shapes import gemm_dims, gemm_rows, heads
+
+SM_MECHANISMS = ("full", "green_ctx")
+PAGE_SIZE = 16
+OPTS = dispatch.KernelOptions()  # every launch names its impl; this is never consulted
+Launch = dict[str, Any]
+
+
+def _rows(call: OpCall) -> int:
+    return max(call.max_tokens, call.tokens)
+
+
+def _linear(call: OpCall, launch: Launch) -> Kernel:
+    k, n = gemm_dims(call.spec, call.tp, call.op)
+    x = call.ws.tensor("x_" + call.op, (_rows(call), k))[:call.tokens]  # [T, K]
+    w = call.ws.tensor("w_" + call.op, (n, k), scale=k ** -0.5)  # [N, K]
+    bias = call.ws.tensor("b_kqv", (n,)) if call.op == "kqv" and call.spec.qkv_bias else None
+    out = call.ws.tensor("y_" + call.op, (_rows(call), n))[:call.tokens]  # [T, N]
+    return Kernel(lambda: dispatch.linear(x, w, bias, out, OPTS, launch))
+
+
+def _grouped(call: OpCall, launch: Launch) -> Kernel:
+    k, n = gemm_dims(call.spec, call.tp, call.op)
+    e = call.spec.num_experts
+    rows = gemm_rows(call.spec, call.op, call.tokens)
+    x = call.ws.tensor("x_" + call.op, (rows, k))  # [T k, K]
+    w = call.ws.tensor("w_" + call.op, (e, n, k), scale=k ** -0.5)  # [E, N, K]
+    out = call.ws.tensor("y_" + call.op, (rows, n))
+    ids = torch.arange(rows, device=x.device) % e  # uniform routing
+    return Kernel(lambda: dispatch.grouped_linear(x, w, ids, None, out, launch))
+
+
+def _paged_cache(call: OpCall, requests: int, context: int,
+                 prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K, V pages [P, S, Hkv, d] and block tables [requests, pages per request] (int32) of
+    `requests` requests of `context` tokens, their pages in random order."""
+    h = heads(call.spec, call.tp)
+    per = math.ceil(context / PAGE_SIZE)
+    shape = (requests * per, PAGE_SIZE, h.num_kv_heads, h.head_dim)
+    k = call.ws.tensor(prefix + "k_pages", shape)
+    v = call.ws.tensor(prefix + "v_pages", shape)
+    tables = torch.randperm(requests * per, device=k.device).view(requests, per).int()
+    return k, v, tables
+
+
+def _check_gather(call: OpCall, context: int) -> None:
+    """Refuse the torch decode reference where its fp32 gather of K and V would not fit."""
+    h = heads(call.spec, call.tp)
+    size = 2 * call.tokens * context * h.num_kv_heads * h.head_dim * (4 + call.ws.dtype.itemsize)
+    if size > call.ws.max_bytes:
+        raise Unsupported(f"attn_decode/torch at {call.tokens} x {context} gathers "
+                          f"{size / 2**30:.1f} GiB, more than the {call.ws.max_bytes / 2**30:.1f}"
+                          f" GiB free")
+
+
+def _decode(call: OpCall, launch: Launch) -> Kernel:
+    if launch["impl"] == "torch":
+        _check_gather(call, call.context)
+    h = heads(call.spec, call.tp)
+    k, v, tables = _paged_cache(call, _rows(call), call.context, "decode_")
+    tables = tables[:call.tokens]
+    lens = torch.full((call.tokens,), call.context, dtype=torch.int32, device=k.device)
+    q = call.ws.tensor("q_decode", (_rows(call), h.num_heads, h.head_dim))[:call.tokens]
+    out = call.ws.tensor("y_decode", (_rows(call), h.num_heads, h.head_dim))[:call.tokens]
+    scale = h.head_dim ** -0.5
+    return Kernel(lambda: dispatch.decode_attention(q, k, v, tables, lens, call.context, scale,
+                                                    out, OPTS, launch))
+
+
+def _prefill(call: OpCall, launch: Launch) -> Kernel:
+    h = heads(call.spec, call.tp)
+    length = min(call.context, call.tokens)
+    starts = list(range(0, call.tokens, length))
+    segments = [(s, min(s + length, call.tokens), 0) for s in starts]  # fresh prompts
+    k, v, tables = _paged_cache(call, len(segments), length, "prefill_")
+    q = call.ws.tensor("q_prefill", (call.tokens, h.num_heads, h.head_dim))
+    out = call.ws.tensor("y_prefill", (call.tokens, h.num_heads, h.head_dim))
+    scale = h.head_dim ** -0.5
+    return Kernel(lambda: dispatch.prefill_attention(q, k, v, tables, segments, scale, out,
+                                                     launch))
+
+
+def _rope_append(call: OpCall, launch: Launch) -> Kernel:
+    h = heads(call.spec, call.tp)
+    t, d, rows = call.tokens, h.head_dim, _rows(call)
+    qkv = call.ws.tensor("qkv_rope", (rows, (h.num_heads + 2 * h.num_kv_heads) * d))[:t]
+    max_pos = call.spec.max_position_embeddings
+    cos = call.ws.tensor("rope_cos", (max_pos, d // 2), dtype=torch.float32)
+    sin = call.ws.tensor("rope_sin", (max_pos, d // 2), dtype=torch.float32)
+    positions = torch.randint(0, max_pos, (t,), device=qkv.device)
+    pages = math.ceil(4 * rows / PAGE_SIZE)  # the batch's new tokens land on 1/4 of the slots
+    k_cache = call.ws.tensor("rope_k_pages", (pages, PAGE_SIZE, h.num_kv_heads, d))
+    v_cache = call.ws.tensor("rope_v_pages", (pages, PAGE_SIZE, h.num_kv_heads, d))
+    slots = torch.randperm(pages * PAGE_SIZE, device=qkv.device)[:t]
+    q_out = call.ws.tensor("q_rope", (rows, h.num_heads, d))[:t]
+    return Kernel(lambda: dispatch.rope_append(qkv, positions, cos, sin, slots, k_cache, v_cache,
+                                               q_out, OPTS, launch))
+
+
+def _add_norm(call: OpCall, launch: Launch) -> Kernel:
+    dim, rows, t = call.spec.hidden_size, _rows(call), call.tokens
+    x = call.ws.tensor("x_norm", (rows, dim))[:t]
+    res = call.ws.tensor("res_norm", (rows, dim))[:t]
+    weight = call.ws.tensor("w_norm", (dim,))
+    out = call.ws.tensor("y_norm", (rows, dim))[:t]
+    res_out = call.ws.tensor("res_out_norm", (rows, dim))[:t]  # not in place: values stay put
+    eps = call.spec.rms_norm_eps
+    return Kernel(lambda: dispatch.rms_norm_add(x, res, weight, eps, out, res_out, OPTS,
+                                                launch))
+
+
+def _act(call: OpCall, launch: Launch) -> Kernel:
+    inter = call.spec.intermediate_size // call.tp
+    ug = "experts_ug" if call.spec.is_moe else "ug"
+    rows, most = gemm_rows(call.spec, ug, call.tokens), gemm_rows(call.spec, ug, _rows(call))
+    gate_up = call.ws.tensor("gate_up", (most, 2 * inter))[:rows]
+    out = call.ws.tensor("act_out", (most, inter))[:rows]
+    return Kernel(lambda: dispatch.silu_mul(gate_up, out, OPTS, launch))
+
+
+def register_all() -> None:
+    """Register every implementation above under its runtime name."""
+    for op in ("kqv", "o", "ug", "d"):
+        register(op, Impl("cublas", SM_MECHANISMS, _linear))
+        register(op, Impl("cublaslt", SM_MECHANISMS, _linear, quick=False, targets_sms=True,
+                          requires=cublaslt_missing))
+        register(op, Impl(persistent_name(128, 128), SM_MECHANISMS, _linear, targets_sms=True,
+                          requires=triton_missing))
+        register(op, Impl(persistent_name(128, 256), SM_MECHANISMS, _linear, quick=False,
+                          targets_sms=True, requires=triton_missing))
+    for op in ("experts_ug", "experts_d"):
+        register(op, Impl("torch", SM_MECHANISMS, _grouped))
+    register("attn_decode", Impl("triton_paged", ("full", "green_ctx", "cta_bound"), _decode,
+                                 requires=triton_missing))
+    register("attn_decode", Impl("torch", SM_MECHANISMS, _decode, quick=False))
+    register("attn_prefill", Impl("torch", SM_MECHANISMS, _prefill))
+    for op, setup in (("rope_append", _rope_append), ("add_norm_ffn", _add_norm),
+                      ("add_norm_attn", _add_norm), ("act", _act)):
+        register(op, Impl("triton", SM_MECHANISMS, setup, requires=triton_missing))
+        register(op, Impl("torch", SM_MECHANISMS, setup))

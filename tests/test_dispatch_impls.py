@@ -1,0 +1,162 @@
+"""Implementation names and launch dicts: dispatch honours `impl`, refuses bad names and keys,
+and what the runtime's LaunchConfig hands each op is accepted by every op of a model.
+
+Triton runs in the interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without a GPU) in
+fp32 at tiny shapes; the torch path is the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nanosched.errors import ConfigError
+from nanosched.kernels import dispatch as K
+from nanosched.kernels import impls
+from nanosched.models.model import CausalLM
+from nanosched.models.spec import ModelSpec
+from nanosched.models.weights import init_random
+from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.program import DEFAULT_LAUNCH, LaunchConfig
+
+needs_interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                     reason="needs TRITON_INTERPRET=1 (tests/conftest.py)")
+TORCH = K.KernelOptions("torch")
+LLAMA = ModelSpec("tiny", "llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=96, vocab_size=50, max_position_embeddings=64)
+MIXTRAL = ModelSpec("tiny-moe", "mixtral", hidden_size=64, num_layers=1, num_heads=4,
+                    num_kv_heads=2, head_dim=16, intermediate_size=96, vocab_size=50,
+                    max_position_embeddings=64, num_experts=4, num_experts_per_tok=2)
+
+
+def test_names_parse_and_bad_names_are_refused_with_the_known_ones():
+    assert impls.parse_gemm("triton_persistent_64x256") == impls.GemmImpl("triton_persistent",
+                                                                          64, 256)
+    assert impls.parse_gemm("cublaslt") == impls.GemmImpl("cublaslt")
+    with pytest.raises(ConfigError, match=r"'triton_persistent_100x128' is unknown; known: "
+                                          r"cublas, cublaslt, triton_persistent_<BM>x<BN>"):
+        impls.parse_gemm("triton_persistent_100x128")
+    with pytest.raises(ConfigError, match=r"'triton' is unknown for op 'kqv'; known: cublas"):
+        impls.check_op_impl("kqv", "triton")
+    with pytest.raises(ConfigError, match=r"'cublas' is unknown for op 'act'; known: triton, "
+                                          r"torch"):
+        impls.check_op_impl("act", "cublas")
+    with pytest.raises(ConfigError, match=r"op 'ar_ffn' has no implementations"):
+        impls.check_op_impl("ar_ffn", "torch")
+    assert impls.decode_ctas(None, 5) == 5 * impls.CTAS_PER_SM
+    assert impls.decode_ctas(7, 5) == 7 and impls.decode_ctas(None, None) is None
+
+
+def test_dispatch_rejects_wrong_impls_and_launch_keys():
+    x, w, out = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    with pytest.raises(ConfigError, match=r"implementation 'triton_paged' is unknown for gemm"):
+        K.linear(x, w, None, out, TORCH, {"impl": "triton_paged"})
+    with pytest.raises(ConfigError, match=r"launch key\(s\) \['block_m'\] not allowed"):
+        K.linear(x, w, None, out, TORCH, {"num_sms": 4, "block_m": 64})
+    with pytest.raises(ConfigError, match=r"launch num_sms=0 must be a positive integer"):
+        K.linear(x, w, None, out, TORCH, {"num_sms": 0})
+    with pytest.raises(ConfigError, match=r"'cublas' is unknown for torch_only"):
+        K.prefill_attention(x, x, x, x, [], 1.0, out, {"impl": "cublas"})
+    with pytest.raises(ConfigError, match=r"gemm implementation 'cutlass' is not one of"):
+        K.KernelOptions(gemm="cutlass")
+    assert K.KernelOptions(gemm="triton").gemm_impl == "triton_persistent_128x128"
+    assert K.KernelOptions(gemm="cublaslt").gemm_impl == "cublaslt"
+
+
+@needs_interpret
+def test_linear_honours_impl():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(37, 40, generator=gen), torch.randn(50, 40, generator=gen), None
+    want = x @ w.T
+    for launch in ({"impl": "cublas"}, {"impl": "cublaslt", "num_sms": 2},
+                   {"impl": "triton_persistent_16x32", "num_sms": 3, "max_ctas": 9},
+                   {"impl": "triton_persistent_32x16"}):
+        out = torch.full_like(want, float("nan"))
+        K.linear(x, w, b, out, TORCH, launch)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=str(launch))
+
+
+@needs_interpret
+def test_decode_attention_honours_impl_and_its_bounds():
+    gen = torch.Generator().manual_seed(1)
+    pages, page, hkv, d = 15, 16, 2, 16
+    kc, vc = (torch.randn(pages, page, hkv, d, generator=gen) for _ in range(2))
+    lens = torch.tensor([5, 40, 70], dtype=torch.int32)
+    tables = torch.randperm(pages, generator=gen).view(3, 5).int()  # 5 pages hold 70 tokens
+    q = torch.randn(3, 4 * hkv, d, generator=gen)
+    want = torch.empty_like(q)
+    K.decode_attention(q, kc, vc, tables, lens, 70, d ** -0.5, want, TORCH, {"impl": "torch"})
+    for launch in ({"impl": "triton_paged", "max_ctas": 2, "num_splits": 3},
+                   {"impl": "triton_paged", "num_sms": 1}, {"impl": "triton_paged"}):
+        got = torch.full_like(q, float("nan"))
+        K.decode_attention(q, kc, vc, tables, lens, 70, d ** -0.5, got, TORCH, launch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(launch))
+
+
+@needs_interpret
+def test_elementwise_ops_honour_impl_over_the_options():
+    gen = torch.Generator().manual_seed(2)
+    x, r = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    weight = torch.rand(48, generator=gen) + 0.5
+    outs = []
+    for impl in ("torch", "triton"):
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        K.rms_norm_add(x, r, weight, 1e-6, out, res_out, TORCH, {"impl": impl, "num_sms": 8})
+        act = torch.empty(5, 24)
+        K.silu_mul(x, act, TORCH, {"impl": impl})
+        outs.append((out, res_out, act))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_launch_config_hands_each_op_only_what_applies():
+    cfg = LaunchConfig(max_ctas=8, num_sms=2, impl="triton_persistent_16x32", num_splits=2)
+    assert cfg.launch_dict("ug") == {"impl": "triton_persistent_16x32", "num_sms": 2,
+                                     "max_ctas": 8, "num_splits": 2}
+    assert cfg.launch_dict("act") == {"num_sms": 2, "max_ctas": 8, "num_splits": 2}
+    per_op = LaunchConfig(impl={"act": "triton", "kqv": "cublaslt"})
+    assert per_op.launch_dict("act") == {"impl": "triton"} and per_op.launch_dict("o") is None
+    assert LaunchConfig(impl="torch").launch_dict("attn_decode") == {"impl": "torch"}
+    assert DEFAULT_LAUNCH.launch_dict("kqv") is None
+    with pytest.raises(ConfigError, match=r"implementation 'cuda_graph' is unknown; known: "
+                                          r"gemm: cublas"):
+        LaunchConfig(impl="cuda_graph")
+    with pytest.raises(ConfigError, match=r"'triton' is unknown for op 'kqv'"):
+        LaunchConfig(impl={"kqv": "triton"})
+
+
+def run_forward(model: CausalLM, cfg: LaunchConfig) -> torch.Tensor:
+    """One forward (1 decode + 8 prefill tokens) through the model's Program, every op under
+    `cfg`; the final normed rows."""
+    ws = model.new_workspace(16, 8)
+    ws.kv.plan([(0, 6, False)])
+    segments = [(0, 1, True), (1, 9, False)]
+    meta = ws.kv.plan([(0, 1, True), (1, 8, False)])
+    ws.kv.k.normal_(generator=torch.Generator().manual_seed(6))
+    ws.kv.v.normal_(generator=torch.Generator().manual_seed(7))
+    ws.token_ids[:9] = torch.arange(9) * 5
+    program = model_program(model, ws, meta, segments)
+    with torch.inference_mode():
+        for op in program.ops:
+            op.run(0, 9, cfg)
+    return ws.normed[:9].clone()
+
+
+@needs_interpret
+@pytest.mark.parametrize("spec", [LLAMA, MIXTRAL])
+def test_every_op_accepts_the_runtime_launch_dict(spec):
+    model = CausalLM(spec)
+    init_random(model, seed=3)
+    want = run_forward(model, DEFAULT_LAUNCH)
+    per_op = {"kqv": "cublaslt", "o": "triton_persistent_16x16", "ug": "cublas",
+              "d": "triton_persistent_32x16", "attn_decode": "triton_paged",
+              "rope_append": "triton", "add_norm_ffn": "triton", "add_norm_attn": "torch",
+              "act": "triton", "attn_prefill": "torch", "experts_ug": "torch"}
+    for cfg in (LaunchConfig(max_ctas=3, num_sms=2, impl="triton_persistent_16x32"),
+                LaunchConfig(max_ctas=2, num_sms=3, impl="triton_paged", num_splits=2),
+                LaunchConfig(num_sms=1, impl="triton"),
+                LaunchConfig(max_ctas=5, num_sms=2, impl=per_op)):
+        got = run_forward(model, cfg)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(cfg))

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from runtime_helpers import ShuffledDevice
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.backend import Backend
@@ -16,42 +17,6 @@ from nanosched.runtime.device import SerialDevice
 from nanosched.runtime.program import Access, Program, ProgramOp
 from nanosched.runtime.scheduler import OpScheduler, SchedContext, run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap, wave_aware_split
-
-
-class ShuffledDevice:
-    def __init__(self, seed):
-        self.rng = random.Random(seed)
-        self.queues = {}
-        self.done_events = set()
-        self.num_events = 0
-
-    def stream(self, name):
-        self.queues.setdefault(name, [])
-        return name
-
-    def launch(self, stream, fn):
-        self.queues[stream].append(("run", fn))
-
-    def record(self, stream):
-        self.num_events += 1
-        ev = self.num_events
-        self.queues[stream].append(("record", ev))
-        return ev
-
-    def wait(self, stream, event):
-        self.queues[stream].append(("wait", event))
-
-    def join(self):
-        while any(self.queues.values()):
-            runnable = [s for s, q in self.queues.items()
-                        if q and (q[0][0] != "wait" or q[0][1] in self.done_events)]
-            assert runnable, "deadlock: every stream waits for an event never recorded"
-            kind, item = self.queues[self.rng.choice(runnable)].pop(0)
-            if kind == "run":
-                item()
-            elif kind == "record":
-                self.done_events.add(item)
-
 
 PROMPTS = [(0, 3), (3, 10), (10, 16)]  # token ranges of three requests' prompts
 

@@ -76,9 +76,11 @@ def _sm_rows(op: str, resource: str, tokens: int, context: int, t_full: float,
         return rows
     for sms in (s for s in (100, 68, 32) if s < num_sms):
         if resource == COMPUTE:
-            t, impl = t_full * num_sms / (0.97 * sms), "cublaslt_sm_target"
+            t = t_full * num_sms / (0.97 * sms)
+            impl = "torch" if op == "attn_prefill" else "cublaslt"
         else:
-            t, impl = LAUNCH_US + (t_full - LAUNCH_US) / min(1.0, sms / (0.75 * num_sms)), "triton"
+            t = LAUNCH_US + (t_full - LAUNCH_US) / min(1.0, sms / (0.75 * num_sms))
+            impl = "triton_paged" if op == "attn_decode" else "triton"
         rows.append(KernelRow(op, tokens, round(t, 3), sms, "green_ctx", impl, context, True,
                               True))
     return rows
@@ -86,7 +88,7 @@ def _sm_rows(op: str, resource: str, tokens: int, context: int, t_full: float,
 
 def _rp_tables(num_sms: int) -> dict[str, tuple[RPPoint, ...]]:
     mem = tuple(RPPoint(r, p, round(1 - r - 0.02, 3), "green_ctx", num_sms - round(r * num_sms),
-                        round(r * num_sms), "cublaslt_sm_target") for r, p in MEMORY_RP)
+                        round(r * num_sms), "cublaslt") for r, p in MEMORY_RP)
     net = tuple(RPPoint(r, p, round(1 - r - 0.02, 3), "cta_bound", num_sms,
                         max(2, round(r * 32)), "cublas") for r, p in NETWORK_RP)
     return {MEMORY: mem, NETWORK: net}

@@ -1,0 +1,150 @@
+"""`Replay(schedule)`: run a searched `nanosched.schedule/1` through the scheduling API.
+
+The batch is split at every boundary of every op's nano-batch ranges; a scheduled nano-op is
+the merged execution of the micro-batches its range covers (one launch, no copy). Layer l's
+copy of nano-op n is issued in period l + layer_offset at its predicted start, so the CPU walks
+all (layer, nano-op) pairs in order of (l + k) * period + start_us and dispatches each as soon
+as its micro-batches reach it; ties or rounding that would dispatch an op early are resolved by
+taking the next one in that order that is ready. Data dependencies become events in the backend;
+the schedule's `resource` dependencies (kernels the solver kept apart to respect SM capacity)
+become `after=` waits. Attention ops cover only the decode (or prefill) part of the batch in the
+schedule; their other micro-batches run, as cheap no-ops, right after the op's last scheduled
+nano-op. The stream of a nano-op is its schedule stream plus its SM mechanism (`@gc<SMs>` for a
+green-context partition, `@prio` for a prioritised stream); its launch config carries the
+implementation, SM target or CTA bound the profile measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanosched.errors import ScheduleError
+from nanosched.runtime.program import LaunchConfig, Program
+from nanosched.runtime.scheduler import MAIN_STREAM, NanoOp, OpScheduler, SchedContext
+from nanosched.schedules.format import NanoOp as ScheduledOp
+from nanosched.schedules.format import Schedule
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: float
+    order: int
+    layer: int
+    op: str
+    lo: int
+    hi: int
+    stream: str
+    launch: LaunchConfig | None
+    waits: tuple[tuple[str, int, int, int], ...] = ()  # (op, layer, lo, hi) to follow
+
+
+def stream_key(n: ScheduledOp) -> str:
+    mech = n.alloc.mechanism
+    if mech == "green_ctx":
+        return f"{n.stream}@gc{n.alloc.units}"
+    if mech == "stream_priority":
+        return f"{n.stream}@prio"
+    return n.stream
+
+
+def launch_config(n: ScheduledOp) -> LaunchConfig | None:
+    # a compute point's implementation is a GEMM's; LaunchConfig applies it where it fits
+    impl = None if n.alloc.impl in ("", "default") else n.alloc.impl
+    mech, units = n.alloc.mechanism, n.alloc.units
+    if mech == "green_ctx":
+        return LaunchConfig(num_sms=units, impl=impl)
+    if mech == "cta_bound":
+        return LaunchConfig(max_ctas=units, impl=impl) if n.resource != "compute" else \
+            LaunchConfig(num_sms=units, impl=impl)
+    return LaunchConfig(impl=impl) if impl else None
+
+
+class Replay(OpScheduler):
+    name = "replay"
+
+    def __init__(self, schedule: Schedule, num_layers: int, resource_waits: bool = True) -> None:
+        bad = {g: f for g, f in schedule.forms.items() if f != "ar"}
+        if bad:
+            raise ScheduleError(f"schedule uses collective forms {bad}; the runtime replays "
+                                f"all-reduce ('ar') only: search again without reduce-scatter")
+        self.sched = schedule
+        self.num_layers = num_layers
+        self.resource_waits = resource_waits
+        self.dense_batch = schedule.batch.dense_batch
+        bounds = {0, self.dense_batch}
+        for ranges in schedule.ranges.values():
+            for lo, hi in ranges:
+                bounds |= {lo, hi}
+        self.bounds = sorted(bounds)
+        self._mb_at = {b: i for i, b in enumerate(self.bounds)}
+        self.entries = self._entries()
+
+    @property
+    def streams(self) -> set[str]:
+        return {e.stream for e in self.entries}
+
+    def accepts(self, program: Program) -> bool:
+        return program.num_tokens == self.dense_batch
+
+    def _entries(self) -> list[_Entry]:
+        s, period = self.sched, self.sched.prediction.solver_period_us
+        by_id = {n.id: n for n in s.nano_ops}
+        out = []
+        for layer in range(self.num_layers):
+            for n in s.nano_ops:
+                waits = tuple((by_id[d.id].op, layer - d.shift, by_id[d.id].start,
+                               by_id[d.id].end) for d in n.deps
+                              if d.kind == "resource" and self.resource_waits
+                              and 0 <= layer - d.shift < self.num_layers)
+                out.append(_Entry((layer + n.layer_offset) * period + n.start_us, n.order, layer,
+                                  n.op, n.start, n.end, stream_key(n), launch_config(n), waits))
+        out += self._fillers(out)
+        return sorted(out, key=lambda e: (e.key, e.order))
+
+    def _fillers(self, entries: list[_Entry]) -> list[_Entry]:
+        """Entries for the micro-batches an op's scheduled ranges leave out."""
+        fill = []
+        for op, ranges in self.sched.ranges.items():
+            covered = sorted(ranges)
+            gaps, at = [], 0
+            for lo, hi in covered:
+                if lo > at:
+                    gaps.append((at, lo))
+                at = max(at, hi)
+            if at < self.dense_batch:
+                gaps.append((at, self.dense_batch))
+            for layer in range(self.num_layers):
+                mine = [e for e in entries if e.op == op and e.layer == layer]
+                last = max(mine, key=lambda e: e.key) if mine else None
+                key = last.key + 1e-3 if last else layer * self.sched.prediction.period_us
+                stream = last.stream if last else MAIN_STREAM
+                fill += [_Entry(key, 0, layer, op, lo, hi, stream, None) for lo, hi in gaps]
+        return fill
+
+    def schedule(self, ctx: SchedContext) -> None:
+        ctx.split([b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)])
+        index = {(op.op, op.layer): k for k, op in enumerate(ctx.program.ops)}
+        embed = [n for i in range(ctx.num_micro_batches) for n in ctx.get_ready_ops(i)]
+        ctx.execute(embed, stream=MAIN_STREAM)
+        pending = list(self.entries)
+        while pending:
+            e = pending.pop(self._first_ready(ctx, pending, index))
+            group = [NanoOp(index[(e.op, e.layer)], i, *ctx.ranges[i])
+                     for i in self._mbs(e.lo, e.hi)]
+            after = [NanoOp(index[(op, layer)], i, *ctx.ranges[i])
+                     for op, layer, lo, hi in e.waits for i in self._mbs(lo, hi)]
+            ctx.execute(group, stream=e.stream, launch=e.launch, after=after)
+
+    def _mbs(self, lo: int, hi: int) -> range:
+        return range(self._mb_at[lo], self._mb_at[hi])
+
+    def _first_ready(self, ctx: SchedContext, pending: list[_Entry],
+                     index: dict[tuple[str, int], int]) -> int:
+        for k, e in enumerate(pending):
+            want = index[(e.op, e.layer)]
+            if all(any(n.index == want for n in ctx.get_ready_ops(i))
+                   for i in self._mbs(e.lo, e.hi)):
+                return k
+        raise ScheduleError(f"replay is stuck: none of {len(pending)} remaining nano-ops is "
+                            f"ready (first: {pending[0].op} of layer {pending[0].layer}); the "
+                            f"schedule does not match this model's program")

@@ -1,0 +1,106 @@
+"""Replay of a searched schedule on a tiny Llama: equal to Sequential, on a reordering device."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import ShuffledDevice
+
+from nanosched.errors import ScheduleError
+from nanosched.models.model import CausalLM
+from nanosched.models.spec import load_spec
+from nanosched.models.weights import init_random
+from nanosched.runtime.backend import Backend
+from nanosched.runtime.device import SerialDevice
+from nanosched.runtime.engine import Engine
+from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.requests import Request, SamplingParams
+from nanosched.runtime.scheduler import run_program
+from nanosched.runtime.strategies import Sequential
+from nanosched.runtime.strategies.replay import Replay
+from nanosched.schedules.format import load_schedule
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "config.json").write_text((DATA / "tiny_llama_config.json").read_text())
+    m = CausalLM(load_spec(str(folder)))
+    init_random(m, seed=1)
+    return m
+
+
+@pytest.fixture(scope="module")
+def schedule():
+    return load_schedule(DATA / "tiny_llama_schedule.json")
+
+
+def forward(model, strategy, device, n_decode):
+    """A full 256-token batch: decode tokens with cached context, then two prompt chunks."""
+    ws = model.new_workspace(max_tokens=256, num_pages=600)
+    g = torch.Generator().manual_seed(0)
+    for r in range(n_decode):
+        ws.kv.plan([(r, 20, False)])
+    ws.kv.k.normal_(generator=g)
+    ws.kv.v.normal_(generator=g)
+    rest = 256 - n_decode
+    chunks = [(r, 1, True) for r in range(n_decode)] + [(900, rest // 2, False),
+                                                         (901, rest - rest // 2, False)]
+    meta = ws.kv.plan(chunks)
+    ws.token_ids[:256].copy_(torch.randint(0, 100, (256,), generator=g))
+    segments, row = [], 0
+    for _, n, is_decode in chunks:
+        segments.append((row, row + n, is_decode))
+        row += n
+    program = model_program(model, ws, meta, segments)
+    run_program(program, strategy, Backend(device))
+    return model.logits(ws, torch.arange(256))
+
+
+@pytest.mark.parametrize("n_decode", [0, 40, 128, 200])
+def test_replay_equals_sequential_on_a_reordering_device(model, schedule, n_decode):
+    """Whatever the batch's decode/prefill mix (the schedule assumed one), replay is exact."""
+    expected = forward(model, Sequential(), SerialDevice(), n_decode)
+    for seed in range(3):
+        replay = Replay(schedule, model.spec.num_layers)
+        got = forward(model, replay, ShuffledDevice(seed), n_decode)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_replay_uses_the_schedules_streams_and_merges(model, schedule):
+    replay = Replay(schedule, model.spec.num_layers)
+    assert {s.split("@")[0] for s in replay.streams} <= {s.name for s in schedule.streams}
+    backend = Backend(SerialDevice())
+    ws = model.new_workspace(max_tokens=256, num_pages=64)
+    meta = ws.kv.plan([(0, 256, False)])
+    run_program(model_program(model, ws, meta, [(0, 256, False)]), replay, backend)
+    per_layer = len(schedule.nano_ops)
+    # one launch per scheduled nano-op and layer (+ embedding + no-op fillers of attention)
+    assert per_layer * model.spec.num_layers < backend.num_launches <= \
+        (per_layer + 4) * model.spec.num_layers + 1
+
+
+def test_engine_replays_full_batches_and_falls_back_on_small_ones(model, schedule):
+    def run(strategy):
+        reqs = [Request(i, list(range(1 + i, 60 + i)), SamplingParams(max_tokens=12))
+                for i in range(12)]
+        eng = Engine(model, dense_batch=256, num_pages=200, strategy=strategy)
+        for r in reqs:
+            eng.add_request(r)
+        eng.run_to_completion()
+        return [r.output_ids for r in reqs], eng.stats
+
+    expected, _ = run(Sequential())
+    got, stats = run(Replay(schedule, model.spec.num_layers))
+    assert got == expected
+    assert 0 < stats.fallbacks < stats.iterations  # the first full batches replay, tails fall back
+
+
+def test_collective_forms_other_than_all_reduce_are_refused(schedule):
+    import dataclasses
+
+    rs = dataclasses.replace(schedule, forms={"attn": "rs_ag"})
+    with pytest.raises(ScheduleError, match="all-reduce \\('ar'\\) only"):
+        Replay(rs, 2)

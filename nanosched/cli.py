@@ -201,6 +201,29 @@ def generate(
                    else " ".join(map(str, result.output_ids)))
 
 
+def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> None:
+    res = run["results"]
+    typer.echo(f"[{name}] strategy {run['strategy']}: {run['iterations']} iterations "
+               f"({run['fallbacks']} fell back to sequential), {res['requests']} requests, "
+               f"{res['prompt_tokens']} prompt + {res['output_tokens']} output tokens in "
+               f"{res['elapsed_s']:.2f} s")
+    typer.echo(f"  throughput {res['tokens_per_s']:.1f} tokens/s "
+               f"({res['tokens_per_s_per_gpu']:.1f} per GPU), output "
+               f"{res['output_tokens_per_s']:.1f} tokens/s")
+    if res["percent_of_optimal"] is not None:
+        typer.echo(f"  {res['percent_of_optimal']:.1f}% of optimal "
+                   f"({res['optimal_tokens_per_s_per_gpu']:.0f} tokens/s/GPU at the measured "
+                   f"{gemm_tflops:.0f} TFLOP/s)")
+    typer.echo(f"  latency per output token: mean {res['normalized_latency_s'] * 1e3:.1f} ms, "
+               f"p99 {res['latency_per_output_token_p99_s'] * 1e3:.1f} ms; time to first "
+               f"token mean {res['ttft_mean_s'] * 1e3:.0f} ms")
+    line = f"  full-batch forward {run['forward_ms_full_batch']:.2f} ms = " \
+           f"{run['layer_us_full_batch']:.0f} us per layer"
+    if "predicted_period_us" in run:
+        line += f" (schedule predicted {run['predicted_period_us']:.0f} us)"
+    typer.echo(line)
+
+
 @app.command()
 @reports_errors
 def bench(
@@ -217,8 +240,13 @@ def bench(
     num_prompts: int = typer.Option(100, "--num-prompts", help="Number of requests."),
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
                                            "(default 2048 on a GPU, 256 on the CPU)."),
-    schedule: str = typer.Option("sequential", "--schedule", help="'sequential' or a "
-                                 "schedule JSON file."),
+    schedule: str = typer.Option("sequential", "--schedule", help="'sequential', "
+                                 "'two_batch' (TokenWeave-style overlap) or a schedule JSON "
+                                 "file from `nanosched search`."),
+    compare: bool = typer.Option(False, "--compare", help="Run Sequential first on the same "
+                                 "requests in this process and report the ratio."),
+    force: bool = typer.Option(False, "--force", help="Replay a schedule made for another "
+                               "model, tp or GPU."),
     request_rate: float = typer.Option(float("inf"), "--request-rate", help="Poisson arrivals "
                                        "per second (default: all at once, offline)."),
     seed: int = typer.Option(0, "--seed", help="Seed of lengths, token ids, arrivals, weights."),
@@ -236,26 +264,16 @@ def bench(
 
     cfg = BenchConfig(model=model, tp=tp, weights=weights, input_len=input_len,
                       output_len=output_len, workload=workload, num_prompts=num_prompts,
-                      dense_batch=dense_batch, schedule=schedule, request_rate=request_rate,
-                      seed=seed, device=device)
+                      dense_batch=dense_batch, schedule=schedule, compare=compare, force=force,
+                      request_rate=request_rate, seed=seed, device=device)
     out = run_bench(cfg)
-    res = out["results"]
     env = out["environment"]
-    typer.echo(f"{env['device']}: {out['config']['model']} tp={tp}, strategy "
-               f"{out['strategy']}, dense batch {out['config']['dense_batch']}, "
-               f"{out['iterations']} iterations ({out['fallbacks']} fallbacks)")
-    typer.echo(f"requests {res['requests']}, prompt tokens {res['prompt_tokens']}, output "
-               f"tokens {res['output_tokens']}, {res['elapsed_s']:.2f} s")
-    typer.echo(f"throughput {res['tokens_per_s']:.1f} tokens/s "
-               f"({res['tokens_per_s_per_gpu']:.1f} per GPU), output "
-               f"{res['output_tokens_per_s']:.1f} tokens/s")
-    if res["percent_of_optimal"] is not None:
-        typer.echo(f"optimal {res['optimal_tokens_per_s_per_gpu']:.0f} tokens/s/GPU "
-                   f"(measured GEMM {out['gemm_tflops_8192']:.0f} TFLOP/s): "
-                   f"{res['percent_of_optimal']:.1f}% of optimal")
-    typer.echo(f"latency per output token: mean {res['normalized_latency_s'] * 1e3:.1f} ms, "
-               f"p99 {res['latency_per_output_token_p99_s'] * 1e3:.1f} ms; time to first "
-               f"token mean {res['ttft_mean_s'] * 1e3:.0f} ms")
+    typer.echo(f"{env['device']}: {model} tp={tp}, dense batch {out['config']['dense_batch']}")
+    for name, run in out["runs"].items():
+        _print_run(name, run, out["gemm_tflops_8192"])
+    if "ratio" in out:
+        typer.echo(f"ratio {out['ratio']['of']}: {out['ratio']['tokens_per_s']:.3f}x tokens/s "
+                   f"(same requests, same process)")
     if json_out:
         write_json_atomic(json_out, out)
         typer.echo(f"wrote {json_out}")

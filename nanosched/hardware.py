@@ -87,6 +87,24 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
+def prior_for(device_name: str) -> GPUSpec | None:
+    """The prior whose name a device name contains ("NVIDIA H200" -> h200), if any."""
+    lowered = device_name.lower().replace(" ", "")
+    for key in sorted(GPUS, key=len, reverse=True):  # "a100-40g" before "a100"
+        if key.replace("-", "") in lowered.replace("-", ""):
+            return GPUS[key]
+    return None
+
+
+def measured_gpu(device_name: str, memory_bytes: int, compute_tflops: float,
+                 copy_gbs: float) -> GPUSpec:
+    """A GPUSpec for a measured device: its prior (if known) with measured memory and ceilings."""
+    base = prior_for(device_name) or GPUS["h100"]
+    return replace(base, name=base.name, mem_gib=memory_bytes / GIB,
+                   compute_gflops=compute_tflops * 1e3, mem_bw_gbs=copy_gbs,
+                   source=f"measured on {device_name}")
+
+
 def get_gpu(name: str) -> GPUSpec:
     """A named prior; the error lists the known names."""
     key = name.lower().replace("_", "-")

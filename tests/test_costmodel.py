@@ -136,3 +136,14 @@ def test_choose_tp_is_the_smallest_that_holds_the_batch():
     assert choose_tp(load_spec("llama3-8b"), get_gpu("h200"), wl) == 1
     with pytest.raises(ConfigError, match="no tp in .* fits a 100000-token dense batch"):
         choose_tp(spec, get_gpu("a100-40g"), wl, dense_batch=100000)
+
+
+def test_measured_gpu_keeps_the_prior_but_takes_measurements():
+    from nanosched.hardware import measured_gpu, prior_for
+
+    assert prior_for("NVIDIA H200").name == "h200"
+    assert prior_for("NVIDIA A100-SXM4-40GB").name in ("a100-40g", "a100")
+    assert prior_for("Some TPU") is None
+    g = measured_gpu("NVIDIA H200", 150109880320, 775.0, 4186.0)
+    assert g.name == "h200" and g.mem_gib == pytest.approx(139.8, abs=0.1)
+    assert g.compute_gflops == 775e3 and g.mem_bw_gbs == 4186.0 and g.num_sms == 132

@@ -104,3 +104,27 @@ def test_collective_forms_other_than_all_reduce_are_refused(schedule):
     rs = dataclasses.replace(schedule, forms={"attn": "rs_ag"})
     with pytest.raises(ScheduleError, match="all-reduce \\('ar'\\) only"):
         Replay(rs, 2)
+
+
+def test_bench_compare_on_the_cpu_reports_both_runs_and_the_ratio(tmp_path):
+    from typer.testing import CliRunner
+
+    from nanosched.cli import app
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(DATA / "tiny_llama_config.json"), "--input-len", "64",
+            "--output-len", "8", "--num-prompts", "12", "--schedule",
+            str(DATA / "tiny_llama_schedule.json"), "--compare", "--json", str(out)]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "schedule is for 'synthetic-h100', running on 'cpu'" in \
+        refused.output
+    r = CliRunner().invoke(app, [*args, "--force"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    data = json.loads(out.read_text())
+    assert set(data["runs"]) == {"sequential", "schedule"}
+    assert data["runs"]["schedule"]["fallbacks"] < data["runs"]["schedule"]["iterations"]
+    assert data["ratio"]["tokens_per_s"] > 0
+    seq, sched = (data["runs"][k]["results"]["output_tokens"] for k in ("sequential", "schedule"))
+    assert seq == sched == 12 * 8

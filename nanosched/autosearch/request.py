@@ -21,7 +21,7 @@ from nanosched.autosearch.costmodel import (
     max_dense_batch,
 )
 from nanosched.errors import ConfigError, NanoschedError
-from nanosched.hardware import get_gpu
+from nanosched.hardware import get_gpu, measured_gpu
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile, load_profile
 from nanosched.workloads import Workload
@@ -115,6 +115,9 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
     spec.check_tp(tp)
     if prof is None:
         msgs.append(SYNTHETIC_BANNER)
+    elif gpu_name is None:  # size the batch for the profiled GPU, not a default prior
+        gpu = measured_gpu(prof.identity.gpu_name, prof.identity.memory_bytes,
+                           prof.ceilings.gemm_tflops_model, prof.ceilings.copy_gbs)
     if dense_batch == "auto":
         fit = max_dense_batch(spec, gpu, tp, workload)
         b = min(fit, DEFAULT_MAX_DENSE_BATCH, prof.dense_batch if prof else fit)

@@ -15,6 +15,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
@@ -114,20 +115,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     first_pos.. attend to the request's cached tokens 0..own position (earlier chunks from the
     cache, this chunk causally). block_tables [num_segments, max_pages]; q, out [n, Hq, d].
     """
+    group = q.shape[1] // k_cache.shape[2]
     for i, (start, end, first_pos) in enumerate(segments):
-        length = first_pos + end - start
-        k = gather_kv(k_cache, block_tables[i], length).transpose(0, 1)  # [Hkv, L, d]
-        v = gather_kv(v_cache, block_tables[i], length).transpose(0, 1)
-        qs = q[start:end].transpose(0, 1)  # [Hq, m, d]
-        if first_pos == 0:
-            res = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
-        else:
-            pos = torch.arange(first_pos, length, device=q.device)
-            mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [m, L]
-            res = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
-        out[start:end].copy_(res.transpose(0, 1))
+        length, m = first_pos + end - start, end - start
+        # [1, Hq, L, d]: K/V repeated over each KV head's query heads, so SDPA picks its fused
+        # (flash / memory-efficient) kernels, which take a lower-right causal mask natively
+        k = gather_kv(k_cache, block_tables[i], length).repeat_interleave(group, 1)
+        v = gather_kv(v_cache, block_tables[i], length).repeat_interleave(group, 1)
+        qs = q[start:end].transpose(0, 1)[None]  # [1, Hq, m, d]
+        res = F.scaled_dot_product_attention(qs, k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None],
+                                             attn_mask=causal_lower_right(m, length),
+                                             scale=scale)
+        out[start:end].copy_(res[0].transpose(0, 1))
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,

@@ -13,7 +13,7 @@ import datetime
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.requests import Request, make_requests, poisson_arrivals
+from nanosched.runtime.scheduler import OpScheduler
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,9 @@ class BenchConfig:
     workload: str | None = None
     num_prompts: int = 100
     dense_batch: int | None = None  # None: auto
-    schedule: str = "sequential"
+    schedule: str = "sequential"  # sequential | two_batch | a schedule JSON file
+    compare: bool = False  # also run Sequential first, on the same requests, in this process
+    force: bool = False  # replay a schedule made for another model, tp or GPU
     request_rate: float = float("inf")
     seed: int = 0
     device: str = "auto"
@@ -133,43 +136,162 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    """Build the model and engine, serve every request, return the figures as a dict."""
-    from nanosched.runtime.engine import Engine
-    from nanosched.runtime.strategies import Sequential
+def synthetic_batch(ws: Any, dense: int, num_decode: int, context: int, prompt: int,
+                    first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
+    """Plan a full batch into `ws`: `num_decode` decode tokens with `context` cached tokens
+    each, then prompt chunks of at most `prompt` tokens. Returns (meta, segments, request ids)."""
+    for r in range(num_decode):
+        ws.kv.plan([(first_id + r, context - 1, False)])
+    chunks = [(first_id + r, 1, True) for r in range(num_decode)]
+    left, p = dense - num_decode, 0
+    while left:
+        n = min(prompt, left)
+        chunks.append((first_id + 10**6 + p, n, False))
+        left, p = left - n, p + 1
+    meta = ws.kv.plan(chunks)
+    segments, row = [], 0
+    for _, n, is_decode in chunks:
+        segments.append((row, row + n, is_decode))
+        row += n
+    ws.token_ids[:dense].random_(0, 1000)
+    return meta, segments, [c[0] for c in chunks]
 
+
+def forward_ms(model: Any, strategy: OpScheduler, device: Any, dense: int, num_decode: int,
+               context: int, prompt: int, reps: int = 5) -> float:
+    """Median time of one forward over a full synthetic batch (synchronised each time)."""
+    from nanosched.runtime.backend import Backend
+    from nanosched.runtime.modelprogram import model_program
+    from nanosched.runtime.scheduler import run_program
+
+    ws = model.new_workspace(dense, num_pages=(num_decode * context + dense) // 16 + 64)
+    times = []
+    for rep in range(reps + 1):
+        meta, segments, ids = synthetic_batch(ws, dense, num_decode, context, prompt,
+                                              rep * 10**7)
+        program = model_program(model, ws, meta, segments)
+        t0 = time.perf_counter()
+        run_program(program, strategy, Backend(device))
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        if rep:
+            times.append((time.perf_counter() - t0) * 1e3)
+        for r in ids:
+            ws.kv.release(r)
+    del ws
+    return float(np.median(times))
+
+
+@dataclass
+class _Run:
+    name: str
+    strategy: OpScheduler
+    device: Any = None
+    closer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _strategies(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> list[_Run]:
+    from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
+
+    runs = [_Run("sequential", Sequential())] if cfg.compare or cfg.schedule == "sequential" \
+        else []
+    if cfg.schedule == "two_batch":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 132
+        runs.append(_Run("two_batch", TwoBatchOverlap(num_sms=sms)))
+    elif cfg.schedule != "sequential":
+        runs.append(_replay_run(cfg, spec, device))
+    return runs
+
+
+def _replay_run(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> _Run:
+    from nanosched.runtime.strategies.replay import Replay
+    from nanosched.schedules.format import check_compatible, load_schedule
+
+    sched = load_schedule(cfg.schedule)
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    forced = check_compatible(sched, spec, cfg.tp, gpu_name, force=cfg.force)
+    replay = Replay(sched, spec.num_layers)
+    run = _Run("schedule", replay, info={
+        "schedule": cfg.schedule, "forced_past": forced, "dense_batch": sched.batch.dense_batch,
+        "num_decode": sched.batch.num_decode, "predicted_period_us": sched.prediction.period_us,
+        "predicted_tokens_per_s_per_gpu": sched.prediction.tokens_per_s,
+        "predicted_speedup": sched.prediction.speedup})
+    if device.type == "cuda":
+        from nanosched.runtime.streams import ReplayStreams
+
+        streams = ReplayStreams(replay.streams, device.index or 0)
+        run.device, run.closer = streams.device, streams
+    return run
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Build the model; serve every request with each strategy asked for (the same requests,
+    one after another in this process); return the figures as a dict."""
     if cfg.tp != 1:
         raise ConfigError("--tp > 1 is not benchmarked yet: run with --tp 1")
-    if cfg.schedule != "sequential":
-        raise ConfigError(f"--schedule {cfg.schedule!r}: only 'sequential' is supported until "
-                          f"schedule replay lands")
     spec = load_spec(cfg.model)
     device = _device(cfg)
+    runs = _strategies(cfg, spec, device)
+    dense = cfg.dense_batch or next((r.info["dense_batch"] for r in runs if r.info),
+                                    2048 if device.type == "cuda" else 256)
+    for r in runs:
+        if r.info and r.info["dense_batch"] != dense:
+            raise ConfigError(f"--dense-batch {dense} differs from the schedule's "
+                              f"{r.info['dense_batch']}: omit it or search for {dense}")
+    model = build_model(spec, cfg.weights, device, cfg.seed)
+    gemm = measured_gemm_tflops(device)
+    out: dict[str, Any] = {"config": asdict(cfg) | {"dense_batch": dense},
+                           "environment": environment(device), "model_params": spec.num_params(),
+                           "gemm_tflops_8192": gemm, "runs": {}}
+    try:
+        for r in runs:
+            out["runs"][r.name] = _serve(cfg, spec, model, dense, gemm, r, progress)
+    finally:
+        for r in runs:
+            if r.closer is not None:
+                r.closer.close()
+    names = list(out["runs"])
+    if len(names) == 2:
+        a, b = (out["runs"][n]["results"]["tokens_per_s"] for n in names)
+        out["ratio"] = {"of": f"{names[1]} / {names[0]}", "tokens_per_s": b / a}
+    return out
+
+
+def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: float | None,
+           run: _Run, progress: bool) -> dict[str, Any]:
+    from nanosched.runtime.engine import Engine
+
     reqs = make_requests(cfg.workload, cfg.input_len, cfg.output_len, cfg.num_prompts,
                          spec.vocab_size, spec.max_position_embeddings, cfg.seed)
     poisson_arrivals(reqs, cfg.request_rate, cfg.seed)
-    dense = cfg.dense_batch or (2048 if device.type == "cuda" else 256)
-    model = build_model(spec, cfg.weights, device, cfg.seed)
-    gemm = measured_gemm_tflops(device)
     pages = kv_pages(model, dense, cfg.page_size, cfg.mem_util, reqs)
     engine = Engine(model, dense_batch=dense, num_pages=pages, page_size=cfg.page_size,
-                    strategy=Sequential(), seed=cfg.seed)
+                    strategy=run.strategy, seed=cfg.seed, device=run.device)
     for r in reqs:
         engine.add_request(r)
     bar = _progress(len(reqs), progress)
-    start = time.perf_counter()
-    engine.t0 = start
     with torch.inference_mode():
+        start = time.perf_counter()
+        engine.t0 = start
         while engine.batcher.has_work or engine._in_flight:
             bar.update(len(engine.step()))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
-    bar.close()
-    return {"config": asdict(cfg) | {"dense_batch": dense, "kv_pages": pages},
-            "environment": environment(device), "model_params": spec.num_params(),
-            "gemm_tflops_8192": gemm, "strategy": engine.strategy.name,
-            "fallbacks": engine.stats.fallbacks, "iterations": engine.stats.iterations,
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        elapsed = time.perf_counter() - start
+        bar.close()
+        n_dec = run.info.get("num_decode", dense // 3)
+        fwd = forward_ms(model, run.strategy, engine.backend.device, dense, n_dec,
+                         cfg.input_len or 1024, cfg.input_len or 1024)
+    stats = engine.stats
+    del engine
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"strategy": run.strategy.name, **run.info, "kv_pages": pages,
+            "iterations": stats.iterations, "fallbacks": stats.fallbacks,
+            "forward_ms_full_batch": fwd,
+            "layer_us_full_batch": fwd * 1e3 / spec.num_layers,
             "results": summarize(reqs, elapsed, cfg.tp, spec.num_params(active=True), gemm)}
 
 

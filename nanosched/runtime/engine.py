@@ -35,6 +35,8 @@ class EngineStats:
     tokens: int = 0  # prompt + decode tokens processed
     fallbacks: int = 0  # iterations the main strategy did not accept
     batch_sizes: list[int] = field(default_factory=list)
+    # with time_forwards: (strategy name, forward time in ms) per iteration
+    forward_ms: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -52,7 +54,8 @@ class Engine:
                  strategy: OpScheduler | None = None, fallback: OpScheduler | None = None,
                  stream_configs: dict[str, LaunchConfig] | None = None,
                  eos_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 async_loop: bool | None = None) -> None:
+                 async_loop: bool | None = None, device: Any = None,
+                 time_forwards: bool = False) -> None:
         self.model = model
         self.is_cuda = model.device.type == "cuda"
         self.ws = model.new_workspace(dense_batch, num_pages, page_size)
@@ -61,7 +64,8 @@ class Engine:
         self.strategy = strategy or Sequential()
         self.fallback = fallback or Sequential()
         self.stream_configs = stream_configs
-        self.backend = Backend(CudaDevice() if self.is_cuda else SerialDevice())
+        self.backend = Backend(device or (CudaDevice() if self.is_cuda else SerialDevice()))
+        self.time_forwards = time_forwards
         self.eos_ids = frozenset(eos_ids)
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         # default: asynchronous on a GPU; on the CPU it runs the same code with no overlap
@@ -125,7 +129,10 @@ class Engine:
         program = model_program(self.model, ws, meta, segments)
         strategy = self.strategy if self.strategy.accepts(program) else self.fallback
         self.stats.fallbacks += strategy is not self.strategy
+        timer = _ForwardTimer(self.is_cuda) if self.time_forwards else None
         run_program(program, strategy, self.backend, self.stream_configs)
+        if timer:
+            self.stats.forward_ms.append((strategy.name, timer.stop()))
         return self._sample(batch, rows)
 
     def _sample(self, batch: Batch, rows: list[int]) -> _Launched:
@@ -183,3 +190,24 @@ class Engine:
         self.finished += ended
         return ended
 
+
+
+class _ForwardTimer:
+    """GPU time of one forward (CUDA events; wall time on the CPU). Reading it synchronises,
+    so timed runs measure the forward, not the pipelined loop."""
+
+    def __init__(self, is_cuda: bool) -> None:
+        self.is_cuda = is_cuda
+        if is_cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.is_cuda:
+            return (time.perf_counter() - self.t0) * 1e3
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self.start.elapsed_time(end)

@@ -1,0 +1,62 @@
+"""Where the CPU time of launching one forward goes (cProfile), with the GPU kept busy.
+
+    PYTHONPATH=. python bench/profile_launch.py [--tokens 2048] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from overhead import batch  # noqa: E402
+
+from nanosched.models.model import CausalLM  # noqa: E402
+from nanosched.models.spec import REGISTRY  # noqa: E402
+from nanosched.models.weights import init_random  # noqa: E402
+from nanosched.runtime.backend import Backend  # noqa: E402
+from nanosched.runtime.device import CudaDevice  # noqa: E402
+from nanosched.runtime.modelprogram import model_program  # noqa: E402
+from nanosched.runtime.scheduler import run_program  # noqa: E402
+from nanosched.runtime.strategies import Sequential  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=32)
+    args = ap.parse_args()
+    spec = REGISTRY["llama3-8b"]
+    spec = spec.__class__(**{**spec.to_json(), "num_layers": args.layers})
+    model = CausalLM(spec, dtype=torch.bfloat16, device="cuda")
+    init_random(model)
+    ws = model.new_workspace(args.tokens, num_pages=60_000)
+    with torch.inference_mode():
+        for rep in range(3):
+            meta, segments, ids, _ = batch(ws, args.tokens, first_id=rep * 1_000_000)
+            program = model_program(model, ws, meta, segments)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(5e8))
+            prof = cProfile.Profile() if rep == 2 else None
+            t = time.perf_counter()
+            if prof:
+                prof.enable()
+            run_program(program, Sequential(), Backend(CudaDevice()))
+            if prof:
+                prof.disable()
+            print(f"launch {1e3 * (time.perf_counter() - t):.1f} ms")
+            torch.cuda.synchronize()
+            for r in ids:
+                ws.kv.release(r)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()

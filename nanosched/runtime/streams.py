@@ -1,0 +1,51 @@
+"""CUDA streams for a replayed schedule: plain, prioritised, or green-context partitions.
+
+Replay names a stream by its schedule stream and SM mechanism: `compute`, `memory@prio`,
+`compute@gc100`, `memory@gc32`. A `@gc<N>` stream is one side of a disjoint split of the GPU
+made with the driver's SM-resource split (nanosched/profiler/partitions.py): N SMs on one side,
+the rest on the other, so the two nano-ops that the profile measured side by side on a 100/32
+split run on the same pair here. A `@prio` stream gets the highest CUDA priority, as the
+profile's `stream_priority` rows did. GPU-only module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nanosched.runtime.device import CudaDevice
+
+
+def _gc_units(key: str) -> int | None:
+    _, _, mech = key.partition("@")
+    return int(mech[2:]) if mech.startswith("gc") else None
+
+
+class ReplayStreams:
+    """Builds (and later closes) the streams and partitions a set of stream keys needs."""
+
+    def __init__(self, keys: set[str], device_index: int = 0) -> None:
+        import torch
+
+        from nanosched.profiler.partitions import split_sms
+
+        self.total = torch.cuda.get_device_properties(device_index).multi_processor_count
+        self.pairs: dict[int, Any] = {}
+        streams: dict[str, Any] = {}
+        priorities: dict[str, int] = {}
+        urgent = min(torch.cuda.Stream.priority_range())  # lower numbers run first
+        for key in sorted(keys):
+            units = _gc_units(key)
+            if units is not None:
+                small = min(units, self.total - units)
+                if small not in self.pairs:
+                    self.pairs[small] = split_sms(device_index, small)
+                pair = self.pairs[small]
+                streams[key] = (pair.small if units == small else pair.rest).stream
+            elif key.endswith("@prio"):
+                priorities[key] = urgent
+        self.device = CudaDevice(streams, priorities)
+
+    def close(self) -> None:
+        for pair in self.pairs.values():
+            pair.close()
+        self.pairs.clear()

@@ -140,7 +140,7 @@ def synthetic_batch(ws: Any, dense: int, num_decode: int, context: int, prompt: 
                     first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
     """Plan a full batch into `ws`: `num_decode` decode tokens with `context` cached tokens
     each, then prompt chunks of at most `prompt` tokens. Returns (meta, segments, request ids)."""
-    for r in range(num_decode):
+    for r in range(num_decode if context > 1 else 0):
         ws.kv.plan([(first_id + r, context - 1, False)])
     chunks = [(first_id + r, 1, True) for r in range(num_decode)]
     left, p = dense - num_decode, 0

@@ -158,17 +158,19 @@ def synthetic_batch(ws: Any, dense: int, num_decode: int, context: int, prompt: 
 
 
 def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: int,
-               num_decode: int, context: int, prompt: int, reps: int = 5) -> tuple[float, int]:
+               num_decode: int, context: int, prompt: int, reps: int = 5
+               ) -> tuple[float, int, int]:
     """Median time of one forward over a full synthetic batch (synchronised each time), in
-    the workspace `ws` of a finished run; the decode context shrinks to what its cache holds.
-    Returns (ms, context used)."""
+    the workspace `ws` of a finished run; decode tokens and their context shrink to what its
+    cache holds. Returns (ms, decode tokens, decode context)."""
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.modelprogram import model_program
     from nanosched.runtime.scheduler import run_program
 
     page = ws.kv.page_size
-    free_tokens = (ws.kv.allocator.num_free - 2 * (dense // page + 2)) * page
-    context = max(1, min(context, free_tokens // max(1, num_decode) - page))
+    avail = ws.kv.allocator.num_free - (dense - num_decode) // page - 8  # pages for decodes
+    num_decode = max(0, min(num_decode, avail))
+    context = max(1, min(context, avail // max(1, num_decode) * page - 1))
     times = []
     for rep in range(reps + 1):
         meta, segments, ids = synthetic_batch(ws, dense, num_decode, context, prompt,
@@ -182,7 +184,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
             times.append((time.perf_counter() - t0) * 1e3)
         for r in ids:
             ws.kv.release(r)
-    return float(np.median(times)), context
+    return float(np.median(times)), num_decode, context
 
 
 @dataclass
@@ -286,15 +288,16 @@ def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: floa
         bar.close()
         n_dec = run.info.get("num_decode", dense // 3)
         prompt = cfg.input_len or 1024
-        fwd, ctx = forward_ms(model, engine.ws, run.strategy, engine.backend.device, dense,
-                              n_dec, prompt + (cfg.output_len or 512) // 2, prompt)
+        fwd, n_dec, ctx = forward_ms(model, engine.ws, run.strategy, engine.backend.device,
+                                     dense, n_dec, prompt + (cfg.output_len or 512) // 2, prompt)
     stats = engine.stats
     del engine
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
     return {"strategy": run.strategy.name, **run.info, "kv_pages": pages,
             "iterations": stats.iterations, "fallbacks": stats.fallbacks,
-            "forward_ms_full_batch": fwd, "forward_decode_context": ctx,
+            "forward_ms_full_batch": fwd, "forward_decode_tokens": n_dec,
+            "forward_decode_context": ctx,
             "layer_us_full_batch": fwd * 1e3 / spec.num_layers,
             "results": summarize(reqs, elapsed, cfg.tp, spec.num_params(active=True), gemm)}
 

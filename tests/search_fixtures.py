@@ -18,7 +18,7 @@ def small_profile(tp: int = 1, batch: int = 768) -> Profile:
     spec = load_spec("llama3-8b")
     b = batch_info(fixed(512, 512), batch)
     return synthetic_profile(spec, get_gpu("h100"), tp, batch,
-                             context_grid(b.decode_context, b.prefill_context))
+                             context_grid(b.decode_context, b.prompt_len))
 
 
 @functools.cache

@@ -142,7 +142,7 @@ def test_simulator_and_sequential_baseline():
     assert (s.batch.dense_batch, s.batch.num_decode) == (768, 384)
     want = sum(prof.kernel_time_us(op, 384 if op.startswith("attn") else 768, None,
                                    s.batch.decode_context if op == "attn_decode"
-                                   else s.batch.prefill_context) for op in ops)
+                                   else s.batch.prompt_len) for op in ops)
     assert seq == pytest.approx(want)
     # 384 decode + 384 / 512 finishing prompts = 384.75 sampled tokens -> 512-token row
     assert lm_head_us(prof, s.batch) == prof.kernel_time_us("lm_head", 512)

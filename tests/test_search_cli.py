@@ -22,7 +22,8 @@ def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     out = tmp_path / "s.json"
     r = run("search", *SMALL, "--out", str(out))
     assert r.exit_code == 0, r.output
-    assert "SYNTHETIC PROFILE" in r.output and "tp: 1 (smallest that fits" in r.output
+    assert "profile: shipped profile 'llama3-8b-tp1-h200': same model" in r.output
+    assert "tp: 1 (the profile's)" in r.output and "SYNTHETIC" not in r.output
     assert "stage I:" in r.output and "stage II:" in r.output and "predicted speedup" in r.output
     assert "% of optimal" in r.output
     data = json.loads(out.read_text())
@@ -31,6 +32,13 @@ def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     r = run("show", str(out), "--plot", str(png))
     assert r.exit_code == 0, r.output
     assert "kqv.0" in r.output and png.stat().st_size > 1000
+
+
+def test_without_a_shipped_profile_the_search_says_it_is_synthetic(tmp_path):
+    args = [a if a != "llama3-8b" else "qwen2.5-72b" for a in SMALL]
+    r = run("search", *args, "--gpu", "h200", "--out", str(tmp_path / "q.json"))
+    assert r.exit_code == 0, r.output
+    assert "SYNTHETIC PROFILE" in r.output and "tp: 2 (smallest that fits" in r.output
 
 
 def test_infeasible_search_says_so_and_writes_nothing(tmp_path):

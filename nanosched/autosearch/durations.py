@@ -21,9 +21,10 @@ def to_ticks(us: float) -> int:
     return max(1, math.ceil(us * TICKS_PER_US - 1e-9))
 
 
-def op_context(op: str, decode_context: float, prefill_context: float) -> float | None:
-    """The KV context an op's profile rows are keyed by (None for non-attention ops)."""
-    return {"attn_decode": decode_context, "attn_prefill": prefill_context}.get(op)
+def op_context(op: str, decode_context: float, prompt_len: float) -> float | None:
+    """The context an attention op's profile rows are keyed by: the decode tokens' mean KV
+    context, or the prompt length of prefill chunks (None for non-attention ops)."""
+    return {"attn_decode": decode_context, "attn_prefill": prompt_len}.get(op)
 
 
 def tick_table(profile: Profile, op: str, max_tokens: int, context: float | None,

@@ -76,7 +76,7 @@ def _check_config(cfg: SearchConfig) -> None:
 
 def _tables(cfg: SearchConfig, graph: OpGraph, batch: BatchInfo) -> dict[str, list[int]]:
     return {o.name: tick_table(cfg.profile, o.name, batch.dense_batch,
-                               op_context(o.name, batch.decode_context, batch.prefill_context))
+                               op_context(o.name, batch.decode_context, batch.prompt_len))
             for o in graph.ops}
 
 
@@ -154,7 +154,7 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
     if structure is None:
         raise ScheduleError(_no_solution("stage I", rep1))
     nanos = expand(graph, structure.split, mix, structure.forms)
-    ctx = {n.id: op_context(n.op, batch.decode_context, batch.prefill_context) for n in nanos}
+    ctx = {n.id: op_context(n.op, batch.decode_context, batch.prompt_len) for n in nanos}
     p2 = Stage2Problem(
         {n.id: cfg.profile.kernel_time_us(n.op, n.work_tokens, None, ctx[n.id]) for n in nanos},
         {n.id: alloc_options(cfg.profile, n.resource) for n in nanos},
@@ -209,7 +209,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
     if prof is None:
         b = batch_info(wl, choice.dense_batch)
         prof = synthetic_profile(spec, get_gpu(gpu or "h100"), choice.tp, choice.dense_batch,
-                                 context_grid(b.decode_context, b.prefill_context))
+                                 context_grid(b.decode_context, b.prompt_len))
     cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, time_limit, workers,
                        max_nano_ops, max_period_us, command)
     echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, "

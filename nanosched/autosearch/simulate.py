@@ -40,7 +40,7 @@ class SimResult:
 
 def nano_time_us(profile: Profile, n: NanoOp, batch: BatchInfo) -> float:
     """t_alone / P of one nano-op, from the profile's kernel table."""
-    ctx = op_context(n.op, batch.decode_context, batch.prefill_context)
+    ctx = op_context(n.op, batch.decode_context, batch.prompt_len)
     return profile.kernel_time_us(n.op, n.end - n.start, None, ctx) / n.alloc.p
 
 
@@ -144,6 +144,6 @@ def sequential_baseline(spec: ModelSpec, tp: int, profile: Profile, batch: Batch
     for op in graph.active_ops({g: "ar" for g in graph.groups()}):
         lo, hi = mix.domain(op.domain)
         if hi > lo:
-            ctx = op_context(op.name, batch.decode_context, batch.prefill_context)
+            ctx = op_context(op.name, batch.decode_context, batch.prompt_len)
             period += profile.kernel_time_us(op.name, hi - lo, None, ctx)
     return period, period * spec.num_layers + lm_head_us(profile, batch)

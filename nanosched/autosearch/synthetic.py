@@ -58,7 +58,9 @@ def _time_us(spec: ModelSpec, tp: int, ceil: Ceilings, op: str, resource: str, t
         x = 0.0
     else:
         num_decode = tokens if op == "attn_decode" else 0
-        mix = nano_mix(tokens, num_decode, context, context)
+        # attention rows are keyed by the decode context or, for prefill, the prompt length,
+        # whose causal mean context is (p + 1) / 2
+        mix = nano_mix(tokens, num_decode, context, (context + 1) / 2)
         f, m, x = op_demands(spec, tp, mix, op)
     if resource == NETWORK:
         return (ceil.allreduce_latency_us or NET_LATENCY_US) + x / tp / (

@@ -25,7 +25,9 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "transformers>=5.0", "ruff>=0.5", "triton>=3.0"],
+        "test": ["pytest>=8", "hypothesis>=6", "transformers>=5.0", "ruff>=0.5", "triton>=3.0",
+                 "fastapi>=0.160", "uvicorn>=0.50", "httpx>=0.27"],
+        "serve": ["fastapi>=0.160", "uvicorn>=0.50"],
         "plot": ["matplotlib>=3.7"],
         "gpu": ["triton>=3.0"],
         "cuda12": ["triton>=3.0", "cupy-cuda12x>=13"],

@@ -399,6 +399,42 @@ def show(
         typer.echo(f"chart written to {plot}")
 
 
+@app.command()
+@reports_errors
+def serve(
+    model: str = typer.Option(..., "--model", "-m", help="Registered model name or HF "
+                              "checkpoint folder / config.json."),
+    weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a "
+                                       "checkpoint folder (default: the --model folder's "
+                                       "weights, else random)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (1 for now)."),
+    schedule: str = typer.Option("auto", "--schedule", help="'auto' (a matching shipped "
+                                 "schedule, else Sequential), 'sequential', or a schedule "
+                                 "JSON file (refused if made for another model, tp or GPU)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    port: int = typer.Option(8000, "--port", help="Port to bind."),
+    dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
+                                           "(default: the schedule's; 2048 GPU, 256 CPU)."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait for "
+                                  "admission; past it requests get 429."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits "
+                                        "for open requests."),
+) -> None:
+    """Serve the model over HTTP with OpenAI's completions and chat completions APIs."""
+    try:
+        from nanosched.runtime.server.app import run_server
+        from nanosched.runtime.server.startup import ServeConfig
+    except ImportError as exc:
+        raise ConfigError(f"serve needs the serve extra ({exc.name} is missing): "
+                          f"pip install -e '.[serve]'") from None
+
+    run_server(ServeConfig(model=model, weights=weights, tp=tp, schedule=schedule, host=host,
+                           port=port, dense_batch=dense_batch, max_queue=max_queue,
+                           device=device, seed=seed, drain_timeout_s=drain_timeout))
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="nanosched")

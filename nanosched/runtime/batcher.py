@@ -143,6 +143,18 @@ class Batcher:
         done = {id(r) for r in finished}
         self.running = [r for r in self.running if id(r) not in done]
 
+    def remove(self, request_id: int) -> Request | None:
+        """Take a request out of the queue or the running set (an abort); None if absent."""
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                return r
+        for r in self.running:
+            if r.request_id == request_id:
+                self.retire([r])
+                return r
+        return None
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

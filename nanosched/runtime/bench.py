@@ -45,14 +45,19 @@ class BenchConfig:
     page_size: int = 16
 
 
-def _device(cfg: BenchConfig) -> torch.device:
-    if cfg.device == "auto":
+def resolve_device(name: str) -> torch.device:
+    """The torch device of `--device auto|cpu|cuda` (auto: CUDA when visible)."""
+    if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    if name not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible")
-    return torch.device(cfg.device)
+    return torch.device(name)
+
+
+def _device(cfg: BenchConfig) -> torch.device:
+    return resolve_device(cfg.device)
 
 
 def build_model(spec: ModelSpec, weights: str, device: torch.device, seed: int) -> Any:
@@ -70,15 +75,20 @@ def build_model(spec: ModelSpec, weights: str, device: torch.device, seed: int) 
 
 
 def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
-             requests: list[Request]) -> int:
+             requests: list[Request] | None) -> int:
     """Pages that fit in the GPU memory left after weights and buffers (CPU: what the
-    requests could ever need, at most 1 GiB)."""
+    requests could ever need, at most 1 GiB). Unknown requests (None, a server): all the GPU
+    memory left, or on the CPU room for 64 requests of the model's full context."""
     spec = model.spec
     page_bytes = 2 * spec.num_layers * page_size * spec.num_kv_heads * spec.head_dim * \
         model.dtype.itemsize
-    need = sum(-(-r.peak_tokens // page_size) + 1 for r in requests)
+    peaks = [r.peak_tokens for r in requests] if requests is not None else \
+        [spec.max_position_embeddings] * 64
+    need = sum(-(-p // page_size) + 1 for p in peaks)
     if model.device.type != "cuda":
         return max(1, min(need, (1 << 30) // page_bytes))
+    if requests is None:
+        need = 1 << 62
     free, total = torch.cuda.mem_get_info(model.device)
     workspace = 64 * dense_batch * (spec.hidden_size + spec.intermediate_size) * 2
     budget = free - (1 - mem_util) * total - workspace

@@ -8,11 +8,18 @@ Asynchronous loop. With `async_loop=True` the CPU forms and launches batch i+1 b
 back batch i's tokens: a decode whose previous token is still on the device takes it from the
 device tensor of the last iteration, and a request that ended with EOS in batch i is seen one
 iteration late (its extra token is dropped). Without a GPU both loops give the same tokens.
+
+Serving hooks. `on_token(request, token)`, when given, is called once for every token appended
+to a request's output, in order, during post-processing. `abort(request_id)` ends a request
+wherever it is: a waiting one leaves the queue; a running one is retired and its KV pages are
+freed at once. A token of it still in flight (async loop) is dropped when read back, as a token
+past EOS is. Aborted requests end with `finish_reason == "abort"` and are not in `finished`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +62,8 @@ class Engine:
                  stream_configs: dict[str, LaunchConfig] | None = None,
                  eos_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
                  async_loop: bool | None = None, device: Any = None,
-                 time_forwards: bool = False) -> None:
+                 time_forwards: bool = False,
+                 on_token: Callable[[Request, int], None] | None = None) -> None:
         self.model = model
         self.is_cuda = model.device.type == "cuda"
         self.ws = model.new_workspace(dense_batch, num_pages, page_size)
@@ -66,6 +74,7 @@ class Engine:
         self.stream_configs = stream_configs
         self.backend = Backend(device or (CudaDevice() if self.is_cuda else SerialDevice()))
         self.time_forwards = time_forwards
+        self.on_token = on_token
         self.eos_ids = frozenset(eos_ids)
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         # default: asynchronous on a GPU; on the CPU it runs the same code with no overlap
@@ -93,9 +102,25 @@ class Engine:
             previous, self._in_flight = launched, None
         return self._post_process(previous) if previous is not None else []
 
+    @property
+    def has_work(self) -> bool:
+        """Whether a request is waiting, running, or has a token in flight."""
+        return self.batcher.has_work or self._in_flight is not None
+
+    def abort(self, request_id: int) -> Request | None:
+        """End a waiting or running request and free its KV pages; returns it (None when no
+        such request is waiting or running)."""
+        req = self.batcher.remove(request_id)
+        if req is None:
+            return None
+        self.ws.kv.release(request_id)
+        self._pending_row.pop(request_id, None)
+        req.finished, req.finish_reason, req.finish_s = True, "abort", self.clock() - self.t0
+        return req
+
     def run_to_completion(self, max_steps: int = 10**9) -> list[Request]:
         for _ in range(max_steps):
-            if not (self.batcher.has_work or self._in_flight):
+            if not self.has_work:
                 break
             self.step()
         return self.finished
@@ -173,6 +198,8 @@ class Engine:
             if r.finished:
                 continue  # ended with EOS one iteration ago; this token is past the end
             r.output_ids.append(tok)
+            if self.on_token is not None:
+                self.on_token(r, tok)
             if r.first_token_s is None:
                 r.first_token_s = now
             if len(r.output_ids) >= r.params.max_tokens:
@@ -189,7 +216,6 @@ class Engine:
         self.batcher.retire(ended)
         self.finished += ended
         return ended
-
 
 
 class _ForwardTimer:

@@ -1,0 +1,198 @@
+"""`nanosched serve`: the FastAPI app and the uvicorn server around an `EngineWorker`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
+`"stream": true`, ending with `data: [DONE]`), GET /v1/models, /health (503 once the engine
+failed), /metrics (Prometheus text). Every error body is OpenAI's `{"error": {...}}`.
+
+A client that goes away mid-request gets its request aborted (KV pages freed) - a stream when
+Starlette cancels its generator, a whole response when a poll sees the disconnect. SIGTERM:
+uvicorn stops accepting, waits for open requests (at most `drain_timeout_s`), then the worker
+drains and stops (bounded by the same time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from nanosched.runtime.server.protocol import ApiError, Job, Limits, parse_chat, parse_completion
+from nanosched.runtime.server.responses import chunk_event, completion_body, render_metrics, sse
+from nanosched.runtime.server.startup import ServeConfig, Served, prepare
+from nanosched.runtime.server.text import Detokenizer
+from nanosched.runtime.server.worker import EngineWorker, QueueFull, Unavailable, Update
+
+log = logging.getLogger("nanosched.serve")
+DISCONNECT_POLL_S = 0.5
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})",
+                       code="invalid_json") from None
+
+
+class Handler:
+    """Turns validated jobs into engine requests and their answers."""
+
+    def __init__(self, served: Served, worker: EngineWorker) -> None:
+        self.served, self.worker = served, worker
+        spec = served.spec
+        self.limits = Limits(served.name, spec.vocab_size, spec.max_position_embeddings)
+
+    def submit(self, job: Job) -> tuple[int, asyncio.Queue]:
+        try:  # a request longer than the whole KV cache can never run
+            self.served.engine.batcher.check_fits(_probe(job))
+        except ValueError as exc:
+            raise ApiError(400, f"max_tokens: {exc}", param="max_tokens",
+                           code="invalid_value") from None
+        try:
+            return self.worker.submit(job.prompt_ids, job.params, asyncio.get_running_loop())
+        except QueueFull as exc:
+            raise ApiError(429, f"the server is busy: {exc}; retry later",
+                           code="rate_limit_exceeded", kind="rate_limit_error") from None
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), code="unavailable", kind="server_error") from None
+
+    async def whole(self, request: Request, job: Job) -> JSONResponse:
+        rid, queue = self.submit(job)
+        ids, reason = [], None
+        try:
+            while reason is None:
+                try:
+                    update = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    continue
+                _raise_error(update)
+                ids += update.tokens
+                reason = update.finish_reason
+        finally:
+            if reason is None:
+                self.worker.abort(rid)
+        text = self.served.codec.decode(ids)
+        return JSONResponse(completion_body(_name(rid, job), self.served.name, job.is_chat,
+                                            text, ids, reason, len(job.prompt_ids)))
+
+    def stream(self, job: Job) -> StreamingResponse:
+        rid, queue = self.submit(job)
+        return StreamingResponse(self._events(rid, queue, job), media_type="text/event-stream")
+
+    async def _events(self, rid: int, queue: asyncio.Queue, job: Job) -> AsyncIterator[str]:
+        name, model, detok, done = _name(rid, job), self.served.name, \
+            Detokenizer(self.served.codec), False
+        try:
+            if job.is_chat:
+                yield chunk_event(name, model, True, None, [], None)
+            while not done:
+                update: Update = await queue.get()
+                if update.error:
+                    yield sse(ApiError(500, update.error, kind="server_error").body())
+                    break
+                done = update.finish_reason is not None
+                text = detok.push(update.tokens, final=done)
+                yield chunk_event(name, model, job.is_chat, text, update.tokens,
+                                  update.finish_reason)
+            yield sse("[DONE]")
+        finally:
+            if not done:
+                self.worker.abort(rid)
+
+
+def _probe(job: Job) -> Any:
+    from nanosched.runtime.requests import Request as EngineRequest
+
+    return EngineRequest(-1, job.prompt_ids, job.params)
+
+
+def _name(rid: int, job: Job) -> str:
+    return f"{'chatcmpl' if job.is_chat else 'cmpl'}-{rid}"
+
+
+def _raise_error(update: Update) -> None:
+    if update.error:
+        raise ApiError(500, update.error, code="engine_failed", kind="server_error")
+
+
+def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30.0) -> FastAPI:
+    """The app; its lifespan starts the worker and, at shutdown, drains and stops it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.stop, drain_timeout_s)
+        if served.closer is not None:
+            served.closer.close()
+
+    app = FastAPI(title="nanosched", lifespan=lifespan)
+    handler = Handler(served, worker)
+    app.add_exception_handler(ApiError, lambda _, exc: _error(exc))
+    app.add_exception_handler(HTTPException, lambda _, exc: _error(
+        ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
+                 else None)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        job = parse_completion(await _json_body(request), served.codec, handler.limits)
+        return handler.stream(job) if job.stream else await handler.whole(request, job)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        job = parse_chat(await _json_body(request), served.codec, handler.limits)
+        return handler.stream(job) if job.stream else await handler.whole(request, job)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": served.name, "object": "model", "created": 0, "owned_by": "nanosched",
+            "max_model_len": handler.limits.context, "strategy": served.strategy}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if worker.failed:
+            return JSONResponse({"status": "failed", "reason": worker.failed}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(render_metrics(worker.snapshot()),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def build_server(cfg: ServeConfig) -> Any:
+    """Prepare the model and return a `uvicorn.Server` (not started) serving it."""
+    import uvicorn
+
+    served = prepare(cfg)
+    worker = EngineWorker(served.engine, cfg.max_queue)
+    app = create_app(served, worker, cfg.drain_timeout_s)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
+                            timeout_graceful_shutdown=int(cfg.drain_timeout_s))
+    server = uvicorn.Server(config)
+    server.nanosched_worker = worker  # for tests and the bench: the engine behind the app
+    return server
+
+
+def run_server(cfg: ServeConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then drain."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="nanosched: %(message)s")
+    build_server(cfg).run()

@@ -1,0 +1,185 @@
+"""OpenAI request bodies → validated jobs, and OpenAI-style errors.
+
+Every refusal is an `ApiError` whose body is `{"error": {"message", "type", "param", "code"}}`
+and whose message names the field, the value found and what is allowed. Accepted:
+- completions: `prompt` as text (needs a tokenizer) or a list of token ids (also wrapped in a
+  one-element list); `max_tokens` (default 16);
+- chat: `messages` of `{"role", "content"}` strings; `max_tokens` or `max_completion_tokens`
+  (default: the rest of the context);
+- both: `model` (must be the served one), `temperature` (>= 0, default 1), `top_p` in (0, 1],
+  `stream`, `ignore_eos` (vLLM's extension). Fields this server cannot honour (`n` > 1,
+  `best_of` > 1, `echo`, `logprobs`, `stop`, a per-request `seed`) are refused, not ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanosched.errors import ConfigError
+from nanosched.runtime.requests import SamplingParams
+from nanosched.runtime.server.text import TextCodec
+
+# field -> the values accepted (anything else is refused as unsupported)
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+               "logprobs": (None, False), "top_logprobs": (None, 0), "stop": (None, []),
+               "seed": (None,), "suffix": (None, "")}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, the field at fault and a code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = \
+            status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request: prompt ids, sampling settings, and how to answer."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    is_chat: bool
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model accepts."""
+
+    name: str
+    vocab_size: int
+    context: int
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _number(body: dict, key: str, default: float) -> float:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(key, f"must be a number, got {v!r}")
+    return float(v)
+
+
+def _int(body: dict, key: str, default: int | None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise _bad(key, f"must be a positive integer, got {v!r}")
+    return v
+
+
+def _bool(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(key, f"must be true or false, got {v!r}")
+    return v
+
+
+def _check_common(body: Any, limits: Limits) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got "
+                            f"{type(body).__name__}", code="invalid_body")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("model", f"must be the model's name as a string ({limits.name!r}), "
+                            f"got {model!r}")
+    if model != limits.name:
+        raise ApiError(404, f"model: {model!r} is not served here; the served model is "
+                            f"{limits.name!r}", param="model", code="model_not_found")
+    for key, allowed in UNSUPPORTED.items():
+        if key in body and body[key] not in allowed:
+            raise _bad(key, f"{body[key]!r} is not supported by this server (allowed: "
+                            f"{', '.join(map(repr, allowed))})")
+
+
+def _params(body: dict, max_tokens: int, prompt_len: int, limits: Limits) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0)
+    if not temperature >= 0:
+        raise _bad("temperature", f"must be >= 0, got {temperature}")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise _bad("top_p", f"must be in (0, 1], got {top_p}")
+    if prompt_len + max_tokens > limits.context:
+        raise _bad("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
+                                 f"exceeds the model's context of {limits.context} tokens")
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                              ignore_eos=_bool(body, "ignore_eos"))
+    except ConfigError as exc:  # unreachable after the checks above; kept as a guard
+        raise _bad("params", str(exc)) from None
+
+
+def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a batch of one
+    if isinstance(prompt, str):
+        if not codec.has_tokenizer:
+            raise _bad("prompt", f"model {limits.name!r} has no tokenizer: send the prompt as "
+                                 f"a list of token ids")
+        ids = codec.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in prompt):
+        ids = prompt
+    else:
+        raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
+    if not ids:
+        raise _bad("prompt", "is empty")
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise _bad("prompt", f"token {bad[0]} is outside the vocabulary "
+                             f"0..{limits.vocab_size - 1}")
+    if len(ids) >= limits.context:
+        raise _bad("prompt", f"{len(ids)} tokens leave no room in the model's context of "
+                             f"{limits.context} tokens")
+    return ids
+
+
+def parse_completion(body: Any, codec: TextCodec, limits: Limits) -> Job:
+    """Validate a /v1/completions body."""
+    _check_common(body, limits)
+    if "prompt" not in body:
+        raise _bad("prompt", "is required")
+    ids = _prompt_ids(body["prompt"], codec, limits)
+    max_tokens = _int(body, "max_tokens", 16)
+    return Job(ids, _params(body, max_tokens, len(ids), limits), _bool(body, "stream"), False)
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", f"must be a non-empty list of {{role, content}} objects, got "
+                               f"{msgs!r}")
+    for i, m in enumerate(msgs):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise _bad(f"messages[{i}]", f"must be an object with string role and content, "
+                                         f"got {m!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:
+    """Validate a /v1/chat/completions body."""
+    _check_common(body, limits)
+    msgs = _messages(body)
+    if not codec.has_tokenizer:
+        raise _bad("messages", f"model {limits.name!r} has no tokenizer, so chat is not "
+                               f"available: use /v1/completions with token-id prompts")
+    ids = _prompt_ids(codec.chat_prompt(msgs), codec, limits)
+    given = _int(body, "max_completion_tokens", None) or _int(body, "max_tokens", None)
+    max_tokens = given or limits.context - len(ids)
+    return Job(ids, _params(body, max_tokens, len(ids), limits), _bool(body, "stream"), True)

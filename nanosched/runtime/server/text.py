@@ -1,0 +1,87 @@
+"""Text in and out of the server: tokenizer, chat template, and streamed detokenization.
+
+With a tokenizer (the checkpoint folder has one) prompts may be text, chat messages go through
+the tokenizer's `apply_chat_template` when it has a template, and outputs are decoded text.
+Chat without a template uses the plain fallback: each message as "role: content\\n", joined,
+then "assistant: ". Without a tokenizer only token-id prompts work, and the text of a token is
+" <id>" (so streamed pieces concatenate to the non-streamed text: " 5 9 2").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
+    """The fallback chat template: "role: content\\n" per message, then "assistant: "."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def model_folder(model: str) -> Path | None:
+    """The folder `--model` points into (a folder, or a config.json's parent), if any."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    return path.parent if path.is_file() else None
+
+
+class TextCodec:
+    """Encodes prompts and decodes outputs for one served model."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def for_model(cls, model: str) -> TextCodec:
+        """The checkpoint folder's tokenizer, or none (token-id prompts only)."""
+        folder = model_folder(model)
+        if folder is None or not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            return cls(None)
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(folder)))
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.tokenizer is not None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation, ending where the assistant's reply begins."""
+        if self.has_chat_template:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.encode(plain_chat_prompt(messages))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return "".join(f" {t}" for t in ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Streamed text: each `push` returns the new text since the last one. A piece that ends
+    in an incomplete character (U+FFFD) is held back until the next tokens complete it."""
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, tokens: list[int], final: bool = False) -> str:
+        self.ids += tokens
+        text = self.codec.decode(self.ids)
+        if (text.endswith("\ufffd") and not final) or not text.startswith(self.text):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta

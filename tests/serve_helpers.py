@@ -1,0 +1,61 @@
+"""Test helpers for `nanosched serve`: a tiny random Llama folder and an in-thread server."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+from nanosched.runtime.server.app import build_server
+from nanosched.runtime.server.startup import ServeConfig
+
+DATA = Path(__file__).with_name("data")
+
+
+def tiny_folder(root: Path, tokenizer: bool = True) -> Path:
+    """config.json of tests/data (no safetensors: random weights) and a word tokenizer
+    (w0..w99, one word per token id) without a chat template."""
+    folder = root / "tiny"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(DATA / "tiny_llama_config.json", folder / "config.json")
+    if tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        raw = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(folder)
+    return folder
+
+
+class ThreadServer:
+    """`nanosched serve` in a background thread on a free loopback port."""
+
+    def __init__(self, **kw) -> None:
+        self.model = kw["model"]
+        self.server = build_server(ServeConfig(device="cpu", **kw))
+        self.worker = self.server.nanosched_worker
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start in 30 s"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def metrics(client, url: str) -> dict[str, float]:
+    """/metrics as {name: value}."""
+    text = client.get(f"{url}/metrics").text
+    return {k: float(v) for k, v in (line.split() for line in text.splitlines()
+                                     if line and not line.startswith("#"))}

@@ -1,0 +1,88 @@
+"""`nanosched serve` as a process: the schedule is checked before the port opens (exit 2),
+`auto` picks a shipped schedule or says why not, and SIGTERM drains open requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from serve_helpers import DATA
+from typer.testing import CliRunner
+
+from nanosched.cli import app
+from nanosched.models.spec import load_spec
+from nanosched.schedules.shipped import pick_shipped, shipped_schedules
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(DATA / "tiny_llama_config.json")
+
+
+def test_a_schedule_for_another_model_stops_the_server_with_exit_2():
+    sched = shipped_schedules()[0]
+    r = CliRunner().invoke(app, ["serve", "--model", CONFIG, "--schedule", str(sched),
+                                 "--device", "cpu", "--port", "1"])
+    assert r.exit_code == 2, r.output
+    assert "schedule does not match this setup: model:" in r.output
+    r = CliRunner().invoke(app, ["serve", "--model", CONFIG, "--tp", "2"])
+    assert r.exit_code == 2 and "--tp 2" in r.output
+
+
+def test_auto_picks_the_shipped_schedule_of_the_model_tp_and_gpu():
+    spec = load_spec("llama3-8b")
+    pick = pick_shipped(spec, 1, "NVIDIA H200")
+    assert pick.path is not None and pick.path.name.startswith("llama3-8b-tp1-h200")
+    none = pick_shipped(spec, 1, "NVIDIA H100 80GB HBM3")
+    assert none.schedule is None and "no shipped schedule is for llama3-8b tp=1 on NVIDIA " \
+        "H100" in none.reason and pick.path.name in none.reason
+    assert pick_shipped(spec, 2, "NVIDIA H200").schedule is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_the_open_stream_then_exits():
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "nanosched.cli", "serve", "--model", CONFIG,
+                             "--port", str(port), "--device", "cpu", "--dense-batch", "16"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": CONFIG, "prompt": [3, 1, 4], "max_tokens": 300, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        ids, reason = [], None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if not ids:
+                    proc.send_signal(signal.SIGTERM)  # while 299 tokens are still to come
+                ids += choice["token_ids"]
+                reason = choice["finish_reason"] or reason
+        assert len(ids) == 300 and reason == "length"
+        # uvicorn re-raises the SIGTERM it caught once it has shut down gracefully
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate(timeout=10)[0]
+    assert "Shutting down" in out and "Application shutdown complete" in out, out

@@ -169,3 +169,21 @@ def load_weights(model: CausalLM, source: SafetensorsFolder | StateDictSource,
 def load_checkpoint(model: CausalLM, folder: str | Path) -> None:
     """Load the safetensors checkpoint in `folder` into `model` (this rank's shards)."""
     load_weights(model, SafetensorsFolder(folder), where=f"checkpoint {folder}")
+
+
+def model_folder(model: str) -> Path | None:
+    """The folder `--model` points into (a folder, or a config.json's parent), if any."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    return path.parent if path.is_file() else None
+
+
+def eos_ids(model: str) -> set[int]:
+    """`eos_token_id` of the config.json beside the model (none for registered names)."""
+    folder = model_folder(model)
+    config = folder / "config.json" if folder else None
+    if config is None or not config.is_file():
+        return set()
+    eos = json.loads(config.read_text()).get("eos_token_id")
+    return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())

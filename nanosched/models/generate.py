@@ -9,7 +9,6 @@ runs one process per rank (gloo on CPU, NCCL on CUDA) and returns rank 0's resul
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import cuda_available
 from nanosched.kernels.dispatch import KernelOptions
-from nanosched.models.checkpoint import load_checkpoint
+from nanosched.models.checkpoint import eos_ids, load_checkpoint
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel, launch
 from nanosched.models.spec import REGISTRY, ModelSpec, load_spec
@@ -95,21 +94,12 @@ def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> i
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def _eos_ids(model: str) -> set[int]:
-    folder = checkpoint_folder(model)
-    config = folder / "config.json" if folder else None
-    if config is None or not config.is_file():
-        return set()
-    eos = json.loads(config.read_text()).get("eos_token_id")
-    return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
-
-
 def _run_rank(tp: TensorParallel, cfg: GenerateConfig, prompt: list[int]) -> GenerateResult:
     model, is_random = build_model(cfg, tp)
     total = len(prompt) + cfg.max_tokens
     ws = model.new_workspace(max_tokens=len(prompt), num_pages=-(-total // 16) + 1)
     gen = torch.Generator().manual_seed(cfg.seed)
-    eos, out = _eos_ids(cfg.model), []
+    eos, out = eos_ids(cfg.model), []
     logits = step(model, ws, [(0, prompt, False)])[0]
     while len(out) < cfg.max_tokens:
         out.append(_sample(logits, cfg.temperature, gen))

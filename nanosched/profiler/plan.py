@@ -24,6 +24,7 @@ from nanosched.autosearch.costmodel import TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
 from nanosched.models.spec import ModelSpec
+from nanosched.profiler.shapes import GEMM_OPS
 from nanosched.workloads import Workload
 
 PARTITION_SMALL = (16, 32, 48, 64)
@@ -32,7 +33,7 @@ MEMORY_CTAS = (8, 16, 32, 48, 64, 96, 128)
 MEMORY_CTAS_QUICK = (16, 64)
 NCCL_CTAS = (2, 4, 8, 16, 32)
 NCCL_CTAS_QUICK = (2, 8)
-PAIR_COMPUTE_OPS = ("kqv", "o", "ug", "d", "experts_ug", "experts_d")
+PAIR_COMPUTE_OPS = GEMM_OPS  # the compute kernels co-run with memory and network kernels
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ Batches the chosen strategy does not accept fall back to Sequential (`EngineStat
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +19,12 @@ from typing import Any
 import torch
 
 from nanosched.errors import ConfigError
+from nanosched.models.checkpoint import eos_ids
 from nanosched.models.generate import checkpoint_folder
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.bench import build_model, kv_pages, resolve_device
 from nanosched.runtime.engine import Engine
-from nanosched.runtime.server.text import TextCodec, model_folder
+from nanosched.runtime.server.text import TextCodec
 
 log = logging.getLogger("nanosched.serve")
 
@@ -116,16 +116,6 @@ def _dense_batch(cfg: ServeConfig, choice: _Choice, device: torch.device) -> int
         raise ConfigError(f"--dense-batch {cfg.dense_batch} differs from the schedule's "
                           f"{choice.dense_batch}: omit it or search a schedule for it")
     return choice.dense_batch
-
-
-def eos_ids(model: str) -> set[int]:
-    """`eos_token_id` of the config.json beside the model (none for registered names)."""
-    folder = model_folder(model)
-    config = folder / "config.json" if folder else None
-    if config is None or not config.is_file():
-        return set()
-    eos = json.loads(config.read_text()).get("eos_token_id")
-    return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
 
 
 def prepare(cfg: ServeConfig) -> Served:

@@ -9,8 +9,9 @@ then "assistant: ". Without a tokenizer only token-id prompts work, and the text
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
+
+from nanosched.models.checkpoint import model_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -18,14 +19,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
     """The fallback chat template: "role: content\\n" per message, then "assistant: "."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-
-
-def model_folder(model: str) -> Path | None:
-    """The folder `--model` points into (a folder, or a config.json's parent), if any."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    return path.parent if path.is_file() else None
 
 
 class TextCodec:

@@ -34,14 +34,25 @@ def test_a_schedule_for_another_model_stops_the_server_with_exit_2():
     assert r.exit_code == 2 and "--tp 2" in r.output
 
 
-def test_auto_picks_the_shipped_schedule_of_the_model_tp_and_gpu():
+def test_auto_picks_a_matching_schedule_only_when_it_predicts_a_gain(tmp_path):
+    import json
+
     spec = load_spec("llama3-8b")
-    pick = pick_shipped(spec, 1, "NVIDIA H200")
-    assert pick.path is not None and pick.path.name.startswith("llama3-8b-tp1-h200")
-    none = pick_shipped(spec, 1, "NVIDIA H100 80GB HBM3")
+    shipped = next(p for p in shipped_schedules() if p.name.startswith("llama3-8b-tp1-h200"))
+    data = json.loads(shipped.read_text())
+    (tmp_path / "a-weak.json").write_text(json.dumps(data))
+    weak = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
+    assert weak.schedule is None and "a-weak.json predicts only" in weak.reason
+    assert "running Sequential" in weak.reason
+    pred = data["prediction"]
+    pred["sequential_iteration_us"] = 1.2 * pred["iteration_us"]  # a schedule worth replaying
+    (tmp_path / "b-strong.json").write_text(json.dumps(data))
+    pick = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
+    assert pick.path == tmp_path / "b-strong.json"
+    none = pick_shipped(spec, 1, "NVIDIA H100 80GB HBM3", tmp_path)
     assert none.schedule is None and "no shipped schedule is for llama3-8b tp=1 on NVIDIA " \
-        "H100" in none.reason and pick.path.name in none.reason
-    assert pick_shipped(spec, 2, "NVIDIA H200").schedule is None
+        "H100" in none.reason and "b-strong.json" in none.reason
+    assert pick_shipped(spec, 2, "NVIDIA H200", tmp_path).schedule is None
 
 
 def _free_port() -> int:

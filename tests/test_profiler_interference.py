@@ -82,3 +82,19 @@ def test_ring_formulas_and_fit_round_trip():
         fit_ring("all_gather", 2, [1e6, 2e6], [50.0, 40.0])
     with pytest.raises(ProfileError, match="at least 2 GPUs"):
         ring_time_us("all_reduce", 1e6, 1, 200.0, 7.0)
+
+
+def test_fit_caps_a_latency_bound_bandwidth_at_the_link():
+    # the two-H200 all-reduce of [T, 8192] bf16, T = 128..768: flat, 58-62 us
+    sizes = [t * 8192 * 2 for t in (128, 256, 384, 512, 640, 768)]
+    times = [61.2, 58.4, 58.2, 59.0, 57.8, 61.7]
+    free_bw, _ = fit_ring("all_reduce", 2, sizes, [t + s / 1.6e6 for s, t in
+                                                   zip(sizes, times, strict=True)])
+    assert free_bw > 1000  # what the uncapped fit believes
+    bw, lat = fit_ring("all_reduce", 2, sizes, [t + s / 1.6e6 for s, t in
+                                                 zip(sizes, times, strict=True)], 450.0)
+    assert bw == pytest.approx(450.0) and lat > 0
+    # under the cap the model still explains the measurements to within their own spread
+    for s, t in zip(sizes, times, strict=True):
+        assert ring_time_us("all_reduce", s, 2, bw, lat) == pytest.approx(t + s / 1.6e6,
+                                                                           abs=8.0)

@@ -85,12 +85,13 @@ def network_rows(settings: ProfileSettings, state: RunState, num_sms: int
         for kind, t, c, us in state.network["times"]:
             series[(kind, c)].append((t, us))
         modelled = world < tp
-        bw, lat = fit_ring("all_reduce", world, *_xy(series[("all_reduce", 0)], size))
+        cap = _prior_busbw(state.identity.gpu_name)  # the link's one-way bandwidth
+        bw, lat = fit_ring("all_reduce", world, *_xy(series[("all_reduce", 0)], size), cap)
         ceil = {"allreduce_busbw_gbs": bw, "allreduce_latency_us": lat}
     rows = []
     for (kind, ctas), points in sorted(series.items()):
         if modelled and state.network is not None:
-            bw_k, lat_k = fit_ring(kind, world, *_xy(points, size))
+            bw_k, lat_k = fit_ring(kind, world, *_xy(points, size), cap)
             points = [(t, ring_time_us(kind, t * size, tp, bw_k, lat_k)) for t, _ in points]
         for op in OPS_OF_KIND[kind]:
             rows += [_net_row(op, t, us, ctas, num_sms, modelled) for t, us in points]

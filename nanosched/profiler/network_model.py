@@ -44,8 +44,14 @@ def ring_time_us(kind: str, size_bytes: float, world: int, busbw_gbs: float,
 
 
 def fit_ring(kind: str, world: int, sizes_bytes: Sequence[float],
-             times_us: Sequence[float]) -> tuple[float, float]:
-    """(busbw GB/s, latency us) fitting measured times of `kind` on `world` GPUs."""
+             times_us: Sequence[float], max_busbw_gbs: float | None = None
+             ) -> tuple[float, float]:
+    """(busbw GB/s, latency us) fitting measured times of `kind` on `world` GPUs.
+
+    Over sizes where latency dominates, the slope is nearly flat and the fitted bandwidth can
+    exceed what the link carries (two H200s: 1,601 GB/s from 58-71 us at 2-15 MB); with
+    `max_busbw_gbs` the bandwidth is capped there and the latency refitted under the cap.
+    """
     if len(sizes_bytes) != len(times_us) or len(sizes_bytes) < 2:
         raise ProfileError(f"fitting {kind} needs at least two sizes, got {len(sizes_bytes)}")
     volume, steps = _factors(kind, world)
@@ -59,6 +65,8 @@ def fit_ring(kind: str, world: int, sizes_bytes: Sequence[float],
     if slope <= 0:
         raise ProfileError(f"{kind} times do not grow with size ({list(times_us)} us): "
                            f"the measurement is noise; re-run the profile on an idle machine")
+    if max_busbw_gbs is not None and 1e-3 / slope > max_busbw_gbs:
+        slope = 1e-3 / max_busbw_gbs
     intercept = max(my - slope * mx, 0.0)
     return 1e-3 / slope, intercept / steps
 

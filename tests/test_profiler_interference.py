@@ -95,3 +95,6 @@ def test_fit_caps_a_latency_bound_bandwidth_at_the_link():
     # a 64 MiB all-reduce on 8 GPUs now costs at least the link's time for its bytes
     big = 64 * 2 ** 20
     assert ring_time_us("all_reduce", big, 8, bw, lat) >= 1.75 * big / 450e3
+    # times that even fall with size (noise around a flat latency) take the link's bandwidth
+    bw, lat = fit_ring("all_gather", 2, [1e6, 2e6], [50.0, 40.0], 450.0)
+    assert bw == pytest.approx(450.0) and lat > 0

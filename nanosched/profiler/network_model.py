@@ -62,6 +62,8 @@ def fit_ring(kind: str, world: int, sizes_bytes: Sequence[float],
     if sxx == 0:
         raise ProfileError(f"fitting {kind} needs different sizes")
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, times_us, strict=True)) / sxx
+    if slope <= 0 and max_busbw_gbs is not None:
+        slope = 1e-3 / max_busbw_gbs  # flat within noise: latency-bound, the link's bandwidth
     if slope <= 0:
         raise ProfileError(f"{kind} times do not grow with size ({list(times_us)} us): "
                            f"the measurement is noise; re-run the profile on an idle machine")

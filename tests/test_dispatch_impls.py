@@ -160,3 +160,16 @@ def test_every_op_accepts_the_runtime_launch_dict(spec):
                 LaunchConfig(max_ctas=5, num_sms=2, impl=per_op)):
         got = run_forward(model, cfg)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(cfg))
+
+
+def test_sm_target_is_the_partition_itself_on_a_green_context():
+    from nanosched.kernels import impls
+    from nanosched.runtime.program import LaunchConfig
+
+    whole = impls.read_launch(LaunchConfig(num_sms=100, impl="cublaslt").launch_dict("kqv"))
+    assert impls.sm_target(whole) == 100
+    part = impls.read_launch(LaunchConfig(num_sms=100, impl="cublaslt",
+                                          partition=True).launch_dict("kqv"))
+    assert part["partition"] is True and impls.sm_target(part) is None
+    with pytest.raises(ConfigError, match="partition='yes' must be true or false"):
+        impls.read_launch({"partition": "yes"})

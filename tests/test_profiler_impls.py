@@ -46,7 +46,9 @@ def test_rows_get_the_runtime_launch_dict():
     assert impls.launch_of(call(TINY, "attn_decode", ws, "cta_bound", 16), "triton_paged") == \
         {"impl": "triton_paged", "max_ctas": 16}
     assert impls.launch_of(call(TINY, "ug", ws, "green_ctx", 100), "cublaslt") == \
-        {"impl": "cublaslt", "num_sms": 100}
+        {"impl": "cublaslt", "num_sms": 100, "partition": True}
+    assert impls.launch_of(call(TINY, "ug", ws, "full", 132), "cublas") == \
+        {"impl": "cublas", "num_sms": 132}
 
 
 @needs_interpret

@@ -112,7 +112,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: tor
         cfg = GemmConfig(num_sms=args["num_sms"], block_m=impl.block_m, block_n=impl.block_n)
         persistent_linear(x, w, bias, out, cfg)
     elif impl.kind == "cublaslt" and x.device.type == "cuda":
-        with impls.cublaslt_sm_target(args["num_sms"], num_sms(x.device)):
+        with impls.cublaslt_sm_target(impls.sm_target(args), num_sms(x.device)):
             ref.linear(x, w, bias, out)
     else:
         ref.linear(x, w, bias, out)

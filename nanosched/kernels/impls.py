@@ -52,7 +52,9 @@ FIXED_NAMES = {
 PERSISTENT = "triton_persistent"
 PERSISTENT_PATTERN = re.compile(r"triton_persistent_(\d+)x(\d+)")
 TILE_SIZES = (16, 32, 64, 128, 256)
-LAUNCH_KEYS = ("impl", "num_sms", "max_ctas", "num_splits")
+# partition: the launch runs on a green-context partition of `num_sms` SMs, so an SM target
+# (cuBLASLt's carve-out) must not shrink it again
+LAUNCH_KEYS = ("impl", "num_sms", "max_ctas", "num_splits", "partition")
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,14 @@ def read_launch(launch: Mapping[str, Any] | None) -> dict[str, Any]:
     for key in ("num_sms", "max_ctas", "num_splits"):
         if out[key] is not None and (not isinstance(out[key], int) or out[key] < 1):
             raise ConfigError(f"launch {key}={out[key]!r} must be a positive integer")
+    if out["partition"] is not None and not isinstance(out["partition"], bool):
+        raise ConfigError(f"launch partition={out['partition']!r} must be true or false")
     return out
+
+
+def sm_target(args: Mapping[str, Any]) -> int | None:
+    """The SM count cuBLASLt is told to use: none on a partition (the partition bounds it)."""
+    return None if args.get("partition") else args.get("num_sms")
 
 
 def decode_ctas(max_ctas: int | None, num_sms: int | None) -> int | None:

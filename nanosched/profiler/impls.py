@@ -90,6 +90,8 @@ def launch_of(call: OpCall, impl: str) -> dict[str, Any]:
     """The launch dict the runtime passes for a row of `call` with implementation `impl`."""
     if call.mechanism == "cta_bound":
         return {"impl": impl, "max_ctas": call.sms}
+    if call.mechanism == "green_ctx":
+        return {"impl": impl, "num_sms": call.sms, "partition": True}
     return {"impl": impl, "num_sms": call.sms}
 
 

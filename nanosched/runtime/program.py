@@ -37,6 +37,7 @@ class LaunchConfig:
     num_sms: int | None = None
     impl: str | Mapping[str, str] | None = None
     num_splits: int | None = None
+    partition: bool = False  # the stream is a green-context partition of `num_sms` SMs
 
     def __post_init__(self) -> None:
         if isinstance(self.impl, str):
@@ -56,7 +57,7 @@ class LaunchConfig:
     def launch_dict(self, op: str) -> dict[str, Any] | None:
         """The launch dict of op `op` (kernels/impls.py contract), None when it says nothing."""
         out = {"impl": self.impl_for(op), "num_sms": self.num_sms, "max_ctas": self.max_ctas,
-               "num_splits": self.num_splits}
+               "num_splits": self.num_splits, "partition": self.partition or None}
         return {k: v for k, v in out.items() if v is not None} or None
 
 

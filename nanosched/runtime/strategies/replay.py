@@ -52,7 +52,7 @@ def launch_config(n: ScheduledOp) -> LaunchConfig | None:
     impl = None if n.alloc.impl in ("", "default") else n.alloc.impl
     mech, units = n.alloc.mechanism, n.alloc.units
     if mech == "green_ctx":
-        return LaunchConfig(num_sms=units, impl=impl)
+        return LaunchConfig(num_sms=units, impl=impl, partition=True)
     if mech == "cta_bound":
         return LaunchConfig(max_ctas=units, impl=impl) if n.resource != "compute" else \
             LaunchConfig(num_sms=units, impl=impl)

@@ -73,12 +73,9 @@ def graphed(model, ws, meta, segments, strategy, device, reps=10):
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        device._origin = side
-        with torch.cuda.graph(graph, stream=side):
-            run_program(program, strategy, Backend(device))
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        run_program(program, strategy, Backend(device))  # forks from and joins to `side`
     torch.cuda.current_stream().wait_stream(side)
-    device._origin = torch.cuda.current_stream()
     graph.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

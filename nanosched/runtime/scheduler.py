@@ -201,11 +201,15 @@ class OpScheduler(ABC):
 
 def run_program(program: Program, strategy: OpScheduler, backend: Backend,
                 stream_configs: dict[str, LaunchConfig] | None = None) -> SchedContext:
-    """Run one forward: the strategy dispatches everything, then streams join."""
+    """Run one forward: the strategy dispatches everything, then streams join (also when the
+    strategy fails, so the caller's stream is current again)."""
     ctx = SchedContext(program, backend, stream_configs)
-    strategy.schedule(ctx)
-    if not ctx.ranges or not ctx.done():
-        raise ScheduleError(f"strategy {strategy.name!r} returned before dispatching every op")
-    backend.device.join()
-    backend.reset()
+    try:
+        strategy.schedule(ctx)
+        if not ctx.ranges or not ctx.done():
+            raise ScheduleError(f"strategy {strategy.name!r} returned before dispatching every "
+                                f"op")
+    finally:
+        backend.device.join()
+        backend.reset()
     return ctx

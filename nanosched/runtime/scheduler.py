@@ -71,6 +71,9 @@ class SchedContext:
         self.ranges: list[tuple[int, int]] = []
         self._cursor: list[int] = []
         self._events: dict[tuple[int, int], tuple[str, Any]] = {}
+        # (op, micro-batch) pairs found free of cross-micro-batch blockers: cursors only
+        # advance, so a pair once unblocked stays so
+        self._unblocked: set[tuple[int, int]] = set()
 
     # ---- the API ---------------------------------------------------------------------------
     def split(self, sizes: Sequence[int]) -> None:
@@ -82,6 +85,7 @@ class SchedContext:
             bounds.append(bounds[-1] + s)
         self.ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
         self._cursor = [0] * len(sizes)
+        self._unblocked.clear()
 
     @property
     def num_micro_batches(self) -> int:
@@ -93,6 +97,12 @@ class SchedContext:
             return []
         nano = NanoOp(k, i, *self.ranges[i])
         return [nano] if self._blocker(nano) is None else []
+
+    def is_ready(self, index: int, i: int) -> bool:
+        """Whether op `index` of micro-batch `i` is ready (cheaper than get_ready_ops)."""
+        if self._cursor[i] != index:
+            return False
+        return self._blocker(NanoOp(index, i, *self.ranges[i])) is None
 
     def execute(self, ops: NanoOp | Sequence[NanoOp], stream: str | None = None,
                 replace_func: Callable[[Sequence[NanoOp]], None] | None = None,
@@ -153,6 +163,8 @@ class SchedContext:
 
     def _blocker(self, nano: NanoOp, also_done: set[tuple[int, int]] = frozenset()
                  ) -> tuple[int, int] | None:
+        if (nano.index, nano.mb) in self._unblocked:
+            return None
         op = self.program.ops[nano.index]
         for k2 in self._cands[nano.index]:
             other = self.program.ops[k2]
@@ -161,6 +173,8 @@ class SchedContext:
                     continue
                 if _conflict(op, nano.start, nano.end, other, lo, hi):
                     return k2, j
+        if not also_done:
+            self._unblocked.add((nano.index, nano.mb))
         return None
 
 

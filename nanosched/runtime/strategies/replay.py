@@ -142,8 +142,7 @@ class Replay(OpScheduler):
                      index: dict[tuple[str, int], int]) -> int:
         for k, e in enumerate(pending):
             want = index[(e.op, e.layer)]
-            if all(any(n.index == want for n in ctx.get_ready_ops(i))
-                   for i in self._mbs(e.lo, e.hi)):
+            if all(ctx.is_ready(want, i) for i in self._mbs(e.lo, e.hi)):
                 return k
         raise ScheduleError(f"replay is stuck: none of {len(pending)} remaining nano-ops is "
                             f"ready (first: {pending[0].op} of layer {pending[0].layer}); the "

@@ -19,6 +19,7 @@ backend adds the cross-stream events.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,12 +43,21 @@ class NanoOp:
 
 
 def _cross_candidates(program: Program) -> list[list[int]]:
-    """Per op k, the earlier ops that may conflict with it across micro-batches."""
+    """Per op k, the earlier ops that may conflict with it across micro-batches.
+
+    Depends only on each op's (buffer, is_write, has_span) accesses, which every forward of a
+    model repeats, so it is computed once per access structure."""
+    return _candidates_of(tuple(
+        tuple((a.buffer, False, a.span is not None) for a in op.reads) +
+        tuple((a.buffer, True, a.span is not None) for a in op.writes) for op in program.ops))
+
+
+@functools.lru_cache(maxsize=16)
+def _candidates_of(structure: tuple[tuple[tuple[str, bool, bool], ...], ...]
+                   ) -> list[list[int]]:
     touched: dict[str, list[tuple[int, bool, bool]]] = {}  # buffer -> (op, is_write, has_span)
     result: list[list[int]] = []
-    for k, op in enumerate(program.ops):
-        mine = [(a.buffer, False, a.span is not None) for a in op.reads] + \
-               [(a.buffer, True, a.span is not None) for a in op.writes]
+    for k, mine in enumerate(structure):
         cands: set[int] = set()
         for buf, is_write, has_span in mine:
             for k2, w2, s2 in touched.get(buf, ()):

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from nanosched.errors import ProfileError
-from nanosched.hardware import GPUS
+from nanosched.hardware import GPUS, prior_for
 from nanosched.models.ops import NETWORK
 from nanosched.profiler.backend import Backend, NetworkRequest, NetworkResult
 from nanosched.profiler.format import Ceilings, KernelRow, PairRow, Profile
@@ -106,11 +106,8 @@ def _xy(points: list[tuple[int, float]], size: int) -> tuple[list[float], list[f
 
 
 def _prior_busbw(gpu_name: str) -> float:
-    name = gpu_name.lower()
-    for key in ("h200", "h100", "a100", "b200", "b100"):
-        if key in name:
-            return GPUS[key].net_bw_one_way_gbs
-    return GPUS["h100"].net_bw_one_way_gbs
+    """One-way link bandwidth of the GPU's prior (the H100's when the GPU is unknown)."""
+    return (prior_for(gpu_name) or GPUS["h100"]).net_bw_one_way_gbs
 
 
 def mark_best(rows: list[KernelRow]) -> list[KernelRow]:

@@ -39,12 +39,12 @@ import bisect
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nanosched.errors import ProfileError
-from nanosched.fileio import write_json_atomic
+from nanosched.fileio import check_fields, write_json_atomic
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
 
@@ -270,16 +270,8 @@ def _build_list(cls: type, data: dict[str, Any], key: str, where: str,
 
 
 def _make(cls: type, item: Any, where: str) -> Any:
-    if not isinstance(item, dict):
-        raise ProfileError(f"{where}: expected an object, got {item!r}")
-    names = {f.name for f in fields(cls)}
-    unknown = set(item) - names
-    if unknown:
-        raise ProfileError(f"{where}: unknown field(s) {sorted(unknown)}")
-    try:
-        return cls(**item)
-    except TypeError as exc:
-        raise ProfileError(f"{where}: {exc}") from exc
+    check_fields(cls, item, where, ProfileError)
+    return cls(**item)
 
 
 def validate(prof: Profile, where: str = "profile") -> None:

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from nanosched.errors import ScheduleError
-from nanosched.fileio import write_json_atomic
+from nanosched.fileio import check_fields, write_json_atomic
 
 FORMAT = "nanosched.schedule/1"
 MODEL_FIELDS = ("name", "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -167,16 +167,7 @@ class Schedule:
 
 
 def _make(cls: type, data: Any, where: str, nested: dict[str, type]) -> Any:
-    if not isinstance(data, dict):
-        raise ScheduleError(f"{where}: expected an object, got {data!r}")
-    names = {f.name for f in fields(cls)}
-    unknown = set(data) - names
-    if unknown:
-        raise ScheduleError(f"{where}: unknown field(s) {sorted(unknown)}")
-    missing = {f.name for f in fields(cls)
-               if f.default is MISSING and f.default_factory is MISSING} - set(data)
-    if missing:
-        raise ScheduleError(f"{where}: missing field(s) {sorted(missing)}")
+    check_fields(cls, data, where, ScheduleError)
     kw = dict(data)
     for key, sub in nested.items():
         if key not in kw:

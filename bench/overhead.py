@@ -30,7 +30,7 @@ from nanosched.models.model import CausalLM  # noqa: E402
 from nanosched.models.spec import REGISTRY  # noqa: E402
 from nanosched.models.weights import init_random  # noqa: E402
 from nanosched.runtime.backend import Backend  # noqa: E402
-from nanosched.runtime.bench import environment  # noqa: E402
+from nanosched.runtime.bench import cache_context, environment, plan_batch  # noqa: E402
 from nanosched.runtime.device import CudaDevice  # noqa: E402
 from nanosched.runtime.modelprogram import model_program  # noqa: E402
 from nanosched.runtime.scheduler import run_program  # noqa: E402
@@ -38,25 +38,13 @@ from nanosched.runtime.strategies import Sequential, TwoBatchOverlap  # noqa: E4
 
 
 def batch(ws, dense: int, first_id: int):
-    """Plan a mixed batch; returns (meta, segments, ids to release)."""
+    """Plan a mixed batch (a third decode tokens with 1,280 tokens of context, then 1,024-token
+    prompt chunks); returns (meta, segments, ids to release, seconds the batch's plan took)."""
     n_dec = dense // 3
-    for r in range(n_dec):  # cached context of the decode requests
-        ws.kv.plan([(first_id + r, 1279, False)])
-    chunks = [(first_id + r, 1, True) for r in range(n_dec)]
-    left, p = dense - n_dec, 0
-    while left:
-        n = min(1024, left)
-        chunks.append((first_id + 100_000 + p, n, False))
-        left, p = left - n, p + 1
+    cache_context(ws, n_dec, 1280, first_id)
     t = time.perf_counter()
-    meta = ws.kv.plan(chunks)
-    plan_s = time.perf_counter() - t
-    segments, row = [], 0
-    for _, n, is_dec in chunks:
-        segments.append((row, row + n, is_dec))
-        row += n
-    ws.token_ids[:dense].random_(0, 1000)
-    return meta, segments, [c[0] for c in chunks], plan_s
+    meta, segments, ids = plan_batch(ws, dense, n_dec, 1024, first_id)
+    return meta, segments, ids, time.perf_counter() - t
 
 
 def per_op_gpu_ms(program) -> dict[str, float]:

@@ -146,12 +146,23 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
+def cache_context(ws: Any, num_decode: int, context: int, first_id: int) -> None:
+    """Give `num_decode` requests (ids from `first_id`) `context - 1` cached tokens each."""
+    for r in range(num_decode if context > 1 else 0):
+        ws.kv.plan([(first_id + r, context - 1, False)])
+
+
 def synthetic_batch(ws: Any, dense: int, num_decode: int, context: int, prompt: int,
                     first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
     """Plan a full batch into `ws`: `num_decode` decode tokens with `context` cached tokens
     each, then prompt chunks of at most `prompt` tokens. Returns (meta, segments, request ids)."""
-    for r in range(num_decode if context > 1 else 0):
-        ws.kv.plan([(first_id + r, context - 1, False)])
+    cache_context(ws, num_decode, context, first_id)
+    return plan_batch(ws, dense, num_decode, prompt, first_id)
+
+
+def plan_batch(ws: Any, dense: int, num_decode: int, prompt: int,
+               first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
+    """Plan the batch itself (decode requests already cached by `cache_context`)."""
     chunks = [(first_id + r, 1, True) for r in range(num_decode)]
     left, p = dense - num_decode, 0
     while left:

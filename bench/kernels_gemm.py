@@ -1,14 +1,17 @@
 """Persistent Triton GEMM vs torch (cuBLAS) at Llama-3-8B GEMM shapes, 128..2048 tokens.
 
     python bench/kernels_gemm.py [--tokens 128,256,512,1024,2048] [--num-sms N]
+                                 [--partition-sms 100,68]
 
 Shapes (out = x[T, K] @ w[N, K].T, bf16): kqv N=6144 K=4096, o N=4096 K=4096, ug N=28672
 K=4096, d N=4096 K=14336. The Triton GEMM runs with NUM_SMS = all SMs (or --num-sms) for a few
 tile configurations; the best is reported beside cuBLAS, in TFLOP/s and as a ratio. Random data,
 warm-up, medians (triton.testing.do_bench); GEMMs are compute-bound, so inputs are not rotated.
 
-`bench_shape(..., stream=...)` is the hook for SM partitions: pass a stream created on a
-green-context partition (and num_sms = its SM count) to time the same GEMMs there.
+With `--partition-sms`, the same GEMMs are timed again on a disjoint green-context partition of
+each size (nanosched.profiler.partitions.split_sms; the Triton GEMM then runs NUM_SMS = the
+partition's SMs), and each row also gives its speed relative to cuBLAS on the whole GPU
+(`vs_full_cublas`; ideal = partition SMs / all SMs).
 JSON to $OUT or bench/results/; a table last.
 """
 
@@ -65,18 +68,42 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="128,256,512,1024,2048")
     ap.add_argument("--num-sms", type=int, default=None, help="Triton programs (default: all)")
+    ap.add_argument("--partition-sms", default="",
+                    help="comma-separated SM counts of green-context partitions to time too")
     args = ap.parse_args()
     env = environment()
     num_sms = args.num_sms or env["num_sms"]
+    tokens_list = [int(t) for t in args.tokens.split(",")]
     rows = []
-    for tokens in map(int, args.tokens.split(",")):
+    for tokens in tokens_list:
         for op, (n, k) in SHAPES.items():
-            rows.append({"op": op, **bench_shape(tokens, n, k, num_sms)})
+            rows.append({"op": op, "partition_sms": env["num_sms"],
+                         **bench_shape(tokens, n, k, num_sms)})
+    full = {(r["op"], r["tokens"]): r["cublas_ms"] for r in rows}
+    for sms in [int(s) for s in args.partition_sms.split(",") if s]:
+        from nanosched.profiler.partitions import split_sms
+
+        pair = split_sms(0, sms)
+        try:
+            for tokens in tokens_list:
+                for op, (n, k) in SHAPES.items():
+                    r = bench_shape(tokens, n, k, pair.small.sms, stream=pair.small.stream)
+                    rows.append({"op": op, "partition_sms": pair.small.sms, **r})
+        finally:
+            torch.cuda.synchronize()
+            pair.close()
+    for r in rows:
+        ref = full[(r["op"], r["tokens"])]
+        r["cublas_vs_full"] = ref / r["cublas_ms"]
+        r["triton_vs_full"] = ref / r["triton_ms"]
     path = write_result("kernels_gemm", {"env": env, "dtype": "bfloat16", "tiles": TILES,
                                          "rows": rows})
     print(f"{env['device']} ({env['num_sms']} SMs), Triton NUM_SMS = {num_sms}; results in "
           f"{path}")
-    print_table(rows, [("op", "op", ""), ("tokens", "T", ""), ("cublas_tflops", "cuBLAS TF/s",
+    print_table(rows, [("op", "op", ""), ("tokens", "T", ""), ("partition_sms", "SMs", ""),
+                       ("cublas_vs_full", "cuBLAS/full", ".2f"),
+                       ("triton_vs_full", "Triton/full", ".2f"),
+                       ("cublas_tflops", "cuBLAS TF/s",
                                                                 ".0f"),
                        ("triton_tflops", "Triton TF/s", ".0f"), ("ratio", "Triton/cuBLAS",
                                                                  ".2f"),

@@ -173,3 +173,16 @@ def test_sm_target_is_the_partition_itself_on_a_green_context():
     assert part["partition"] is True and impls.sm_target(part) is None
     with pytest.raises(ConfigError, match="partition='yes' must be true or false"):
         impls.read_launch({"partition": "yes"})
+
+
+def test_bind_device_gives_torch_an_index_for_a_bare_cuda_device(monkeypatch):
+    """`--device cuda` has no index; torch.cuda.set_device refuses that (server thread bug)."""
+    from nanosched.kernels.common import bind_device
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    bind_device(torch.device("cuda"))
+    bind_device(torch.device("cuda", 1))
+    bind_device(torch.device("cpu"))
+    assert calls == [3, 1]

@@ -47,6 +47,10 @@ def cuda_available() -> bool:
 
 
 def bind_device(device: torch.device) -> None:
-    """Make `device` the current CUDA device of this process (Triton launches there)."""
+    """Make `device` the current CUDA device of this thread (Triton launches there).
+
+    A bare "cuda" (no index) means the current device; torch.cuda.set_device refuses it.
+    """
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(torch.cuda.current_device() if device.index is None
+                              else device.index)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from nanosched.kernels.common import bind_device
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.requests import Request, SamplingParams
 
@@ -151,8 +152,7 @@ class EngineWorker:
         self._tokens.setdefault(req.request_id, []).append(token)
 
     def _main(self) -> None:
-        if self.engine.is_cuda:
-            torch.cuda.set_device(self.engine.model.device)
+        bind_device(self.engine.model.device)  # this thread launches the engine's kernels
         try:
             with torch.inference_mode():
                 while self._turn():

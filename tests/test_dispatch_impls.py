@@ -111,6 +111,40 @@ def test_elementwise_ops_honour_impl_over_the_options():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+
+def test_grouped_programs_follow_the_launch_bounds():
+    args = impls.read_launch
+    assert impls.grouped_programs(args(None), 132) is None  # one program per tile
+    assert impls.grouped_programs(args({"num_sms": 132}), 132) is None  # the whole GPU
+    assert impls.grouped_programs(args({"num_sms": 100}), 132) == 100  # persistent
+    assert impls.grouped_programs(args({"num_sms": 100, "partition": True}), 132) is None
+    assert impls.grouped_programs(args({"num_sms": 100, "max_ctas": 16}), 132) == 16
+    assert impls.grouped_programs(args({"num_sms": 132, "max_ctas": 200}), 132) == 200
+    with pytest.raises(ConfigError, match=r"'cublas' is unknown for op 'experts_d'; known: "
+                                          r"triton, torch"):
+        impls.check_op_impl("experts_d", "cublas")
+    x, w, ids = torch.randn(4, 8), torch.randn(2, 6, 8), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(ConfigError, match=r"'cublas' is unknown for grouped"):
+        K.grouped_linear(x, w, ids, None, torch.empty(4, 6), TORCH, {"impl": "cublas"})
+
+
+@needs_interpret
+def test_grouped_linear_honours_impl_and_its_bounds():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 40, generator=gen), torch.randn(3, 50, 40, generator=gen)
+    ids = torch.tensor([2, 0, 2, 2, 0, 0, 2, 2, 0, 2, 2, 0, 2, 2, 0, 2, 2, 0])  # expert 1: none
+    x_rows = torch.arange(9).repeat_interleave(2)
+    want = torch.empty(18, 50)
+    K.grouped_linear(x, w, ids, x_rows, want, TORCH, {"impl": "torch"})
+    cases = [(TORCH, {"impl": "triton"}), (TORCH, {"impl": "triton", "num_sms": 2}),
+             (TORCH, {"impl": "triton", "num_sms": 2, "max_ctas": 1}),
+             (TORCH, {"impl": "triton", "num_sms": 2, "partition": True}),
+             (K.KernelOptions("triton"), None)]
+    for opts, launch in cases:
+        got = torch.full_like(want, float("nan"))
+        K.grouped_linear(x, w, ids, x_rows, got, opts, launch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(launch))
+
 def test_launch_config_hands_each_op_only_what_applies():
     cfg = LaunchConfig(max_ctas=8, num_sms=2, impl="triton_persistent_16x32", num_splits=2)
     assert cfg.launch_dict("ug") == {"impl": "triton_persistent_16x32", "num_sms": 2,
@@ -153,7 +187,8 @@ def test_every_op_accepts_the_runtime_launch_dict(spec):
     per_op = {"kqv": "cublaslt", "o": "triton_persistent_16x16", "ug": "cublas",
               "d": "triton_persistent_32x16", "attn_decode": "triton_paged",
               "rope_append": "triton", "add_norm_ffn": "triton", "add_norm_attn": "torch",
-              "act": "triton", "attn_prefill": "torch", "experts_ug": "torch"}
+              "act": "triton", "attn_prefill": "torch", "experts_ug": "torch",
+              "experts_d": "triton"}
     for cfg in (LaunchConfig(max_ctas=3, num_sms=2, impl="triton_persistent_16x32"),
                 LaunchConfig(max_ctas=2, num_sms=3, impl="triton_paged", num_splits=2),
                 LaunchConfig(num_sms=1, impl="triton"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hf_models import make_hf
 
+from nanosched.errors import ConfigError
 from nanosched.kernels import reference as ref
 from nanosched.kernels.dispatch import KernelOptions, triton_available
 
@@ -112,6 +113,68 @@ def test_persistent_gemm(dtype, num_sms, bias):
     persistent_linear(x, w, b, out, cfg)
     assert rel_err(out, want) < tol(dtype)
 
+
+
+def test_grouped_tile_schedule_is_sorted_rows_and_tile_counts():
+    from nanosched.kernels.grouped_gemm import tile_schedule
+
+    sched = tile_schedule(torch.tensor([2, 0, 2, 2, 4, 0]), num_experts=5, block_m=2)
+    assert sched.perm.tolist() == [1, 5, 0, 2, 3, 4]  # stable: ties keep their order
+    assert sched.offsets.tolist() == [0, 2, 2, 5, 5, 6]  # experts 1 and 3 have no rows
+    assert sched.tile_end.tolist() == [1, 1, 3, 3, 4]  # ceil(count / 2) tiles each
+    assert sched.max_m_tiles == 6 // 2 + 5
+
+
+def top2_routing(num_tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """Expert ids [num_tokens * 2] of a skewed top-2 over 5 experts: expert 0 takes more than two
+    16-row tiles, expert 3 none."""
+    scores = torch.randn(num_tokens, 5, generator=gen) + torch.tensor([3.0, 0, 0, -1e9, 0])
+    ids = scores.topk(2, dim=-1).indices.flatten()
+    counts = torch.bincount(ids, minlength=5)
+    assert counts[3] == 0 and counts[0] > 32 and counts.tolist() != sorted(counts.tolist())
+    return ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles, num_programs", [((16, 32, 16, 2), None), ((16, 16, 32, 1), 3),
+                                                 ((32, 64, 16, 8), 1)])
+def test_grouped_gemm(dtype, tiles, num_programs):
+    from nanosched.kernels.grouped_gemm import GroupedGemmConfig, grouped_linear
+
+    gen = torch.Generator().manual_seed(7)
+    tokens, k_in, n_out = 37, 40, 50
+    ids = top2_routing(tokens, gen)
+    x = torch.randn(tokens, 2 * k_in, generator=gen).to(dtype)[:, 3:3 + k_in]  # strided view
+    w = torch.randn(5, n_out, k_in, generator=gen).to(dtype)
+    bm, bn, bk, gm = tiles
+    cfg = GroupedGemmConfig(num_programs=num_programs, block_m=bm, block_n=bn, block_k=bk,
+                            group_m=gm)
+    for x_rows in (torch.arange(tokens).repeat_interleave(2), None):  # gate_up, then down
+        rows_x = x if x_rows is not None else torch.randn(2 * tokens, k_in, generator=gen).to(dtype)
+        want = torch.empty(2 * tokens, n_out)
+        ref.grouped_linear(rows_x.float(), w.float(), ids, x_rows, want)
+        buf = torch.full((2 * tokens + 4, n_out + 9), float("nan"), dtype=dtype)
+        out = buf[3:3 + 2 * tokens, 5:5 + n_out]  # a strided slice of a larger buffer
+        grouped_linear(rows_x, w, ids, x_rows, out, cfg)
+        assert rel_err(out, want) < tol(dtype)
+        outside = buf.clone()
+        outside[3:3 + 2 * tokens, 5:5 + n_out] = float("nan")
+        assert outside.isnan().all()  # nothing written outside the slice
+
+
+def test_grouped_gemm_with_fewer_rows_than_experts_and_none():
+    from nanosched.kernels.grouped_gemm import GroupedGemmConfig, grouped_linear
+
+    gen = torch.Generator().manual_seed(8)
+    x, w = torch.randn(3, 16, generator=gen), torch.randn(6, 24, 16, generator=gen)
+    ids = torch.tensor([5, 1])
+    want, got = torch.empty(2, 24), torch.full((2, 24), float("nan"))
+    ref.grouped_linear(x, w, ids, torch.tensor([2, 2]), want)
+    grouped_linear(x, w, ids, torch.tensor([2, 2]), got, GroupedGemmConfig(block_m=16))
+    assert rel_err(got, want) < 1e-5
+    grouped_linear(x, w, ids[:0], None, got[:0])  # no rows: nothing to launch
+    with pytest.raises(ConfigError, match=r"out \[2, 23\] do not fit"):
+        grouped_linear(x, w, ids, None, torch.empty(2, 23))
 
 def test_model_on_triton_kernels_matches_torch(tmp_path):
     """The whole tiny model through the Triton kernels (interpreted) equals the torch path."""

@@ -4,15 +4,19 @@ Three prompts of different lengths are prefilled in one mixed batch (one prompt 
 iterations, its second chunk next to decode tokens), then every request decodes 16 greedy steps
 through the paged cache. HF then runs each full sequence once; every logit nanosched produced
 must match HF's at the same position (fp32, 1e-4 relative) and every greedy token must be HF's
-argmax.
+argmax. Mixtral also runs on the Triton kernels (grouped expert GEMM included) under
+TRITON_INTERPRET=1, with 2 decode steps to keep the interpreter's time short.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from hf_models import make_hf
 
+from nanosched.kernels.dispatch import KernelOptions, triton_available
 from nanosched.models.checkpoint import load_checkpoint
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import load_spec
@@ -21,8 +25,8 @@ PROMPTS = {0: [3, 17, 5, 99, 42], 1: list(range(20, 31)), 2: [7, 7, 8, 200, 1, 6
 DECODE_STEPS = 16
 
 
-def load(folder) -> CausalLM:
-    model = CausalLM(load_spec(str(folder)))
+def load(folder, kernels: KernelOptions | None = None) -> CausalLM:
+    model = CausalLM(load_spec(str(folder)), kernels=kernels)
     load_checkpoint(model, folder)
     return model
 
@@ -42,7 +46,7 @@ def run_batch(model, ws, chunks, logits_of):
             row += 1
 
 
-def generate_mixed(model):
+def generate_mixed(model, decode_steps: int = DECODE_STEPS):
     """The schedule of the module docstring; returns (sequences, logits by request)."""
     ws = model.new_workspace(max_tokens=32, num_pages=16)
     seqs = {r: list(p) for r, p in PROMPTS.items()}
@@ -58,8 +62,8 @@ def generate_mixed(model):
                           (1, seqs[1][6:], False)], logits_of)
     for r in PROMPTS:
         next_token(r)
-    while min(len(seqs[r]) - len(PROMPTS[r]) for r in PROMPTS) <= DECODE_STEPS:
-        todo = [r for r in PROMPTS if len(seqs[r]) - len(PROMPTS[r]) <= DECODE_STEPS]
+    while min(len(seqs[r]) - len(PROMPTS[r]) for r in PROMPTS) <= decode_steps:
+        todo = [r for r in PROMPTS if len(seqs[r]) - len(PROMPTS[r]) <= decode_steps]
         run_batch(model, ws, [(r, seqs[r][-1:], True) for r in todo], logits_of)
         for r in todo:
             next_token(r)
@@ -73,7 +77,19 @@ def generate_mixed(model):
 ])
 def test_prefill_and_decode_match_hf(tmp_path, arch, overrides):
     hf = make_hf(arch, tmp_path, seed=1, **overrides)
-    seqs, logits_of = generate_mixed(load(tmp_path))
+    check_against_hf(hf, *generate_mixed(load(tmp_path)), arch, DECODE_STEPS)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
+                    reason="needs triton and TRITON_INTERPRET=1 (set by tests/conftest.py)")
+def test_mixtral_on_triton_kernels_matches_hf(tmp_path):
+    hf = make_hf("mixtral", tmp_path, seed=1)
+    model = load(tmp_path, KernelOptions("triton"))
+    check_against_hf(hf, *generate_mixed(model, decode_steps=2), "mixtral/triton", 2)
+
+
+def check_against_hf(hf, seqs, logits_of, arch: str, decode_steps: int) -> None:
+    """Every logit of every request equals HF's at its position; greedy tokens are HF's."""
     for r, seq in seqs.items():
         with torch.no_grad():
             ref = hf(torch.tensor([seq[:-1]])).logits[0]  # [len - 1, V]
@@ -84,7 +100,7 @@ def test_prefill_and_decode_match_hf(tmp_path, arch, overrides):
         assert err < 1e-4, f"{arch} request {r}: relative logit error {err:.2e}"
         first_new = len(PROMPTS[r])
         assert seq[first_new:] == ref[first_new - 1:].argmax(-1).tolist()
-        assert len(seq) - first_new == DECODE_STEPS + 1
+        assert len(seq) - first_new == decode_steps + 1
 
 
 def test_tied_embeddings_match_hf(tmp_path):

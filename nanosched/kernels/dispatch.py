@@ -184,8 +184,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,
-                   x_rows: torch.Tensor | None, out: torch.Tensor,
+                   x_rows: torch.Tensor | None, out: torch.Tensor, opts: KernelOptions,
                    launch: Launch = None) -> None:
-    """MoE grouped GEMM: out[i] = x[x_rows[i]] @ w[expert_ids[i]].T (torch loop; impl `torch`)."""
-    _torch_only(launch)
-    ref.grouped_linear(x, w, expert_ids, x_rows, out)
+    """MoE grouped GEMM: out[i] = x[x_rows[i]] @ w[expert_ids[i]].T. x [m0, K], w [E, N, K],
+    expert_ids [m], x_rows [m] or None, out [m, N]; launch: impl (`triton` | `torch`),
+    num_sms, max_ctas (impls.grouped_programs)."""
+    args = impls.read_launch(launch)
+    name = _chosen(args, impls.GROUPED, lambda: "triton" if use_triton(opts, x) else "torch")
+    if name == "triton":
+        _triton_ok(x)
+        from nanosched.kernels.grouped_gemm import GroupedGemmConfig
+        from nanosched.kernels.grouped_gemm import grouped_linear as kernel
+
+        programs = impls.grouped_programs(args, num_sms(x.device))
+        kernel(x, w, expert_ids, x_rows, out, GroupedGemmConfig(num_programs=programs))
+    else:
+        ref.grouped_linear(x, w, expert_ids, x_rows, out)

@@ -9,7 +9,9 @@ Families (ops → names):
 - decode (attn_decode): `triton_paged` (kernels/decode_attn.py), `torch` (reference).
 - elementwise (rope_append, add_norm_ffn, add_norm_attn, act): `triton`
   (kernels/elementwise.py), `torch` (reference).
-- torch_only (attn_prefill, experts_ug, experts_d): `torch` (SDPA per prompt, grouped loop).
+- grouped (experts_ug, experts_d): `triton` (kernels/grouped_gemm.py), `torch` (a loop over
+  experts, reference.grouped_linear).
+- torch_only (attn_prefill): `torch` (SDPA per prompt).
 
 A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits": int?}`
 (`LAUNCH_KEYS`); every key is optional and each op reads only what concerns it:
@@ -17,6 +19,9 @@ A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits
   program count of `triton_persistent_*`; `cublas` ignores it.
 - decode: `max_ctas` bounds the grid; absent, it is `CTAS_PER_SM * num_sms` (or per device SM
   when `num_sms` is absent too); `num_splits` fixes split-K (absent: the kernel's planner).
+- grouped: `max_ctas`, and `num_sms` when it is fewer than the device's SMs outside a
+  partition, bound the Triton programs (persistent, the smaller bound wins); otherwise the grid is
+  one program per upper-bound tile (on a partition the partition itself bounds the SMs).
 - elementwise and torch_only: only `impl`.
 An absent `impl` means the `KernelOptions` default (dispatch.py). torch and torch.cuda only:
 no triton import here.
@@ -35,18 +40,21 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import CTAS_PER_SM
 
-GEMM, DECODE, ELEMENTWISE, TORCH_ONLY = "gemm", "decode", "elementwise", "torch_only"
+GEMM, DECODE, ELEMENTWISE, GROUPED, TORCH_ONLY = ("gemm", "decode", "elementwise", "grouped",
+                                                  "torch_only")
 OP_FAMILY = {
     "kqv": GEMM, "o": GEMM, "ug": GEMM, "d": GEMM,
     "attn_decode": DECODE,
     "rope_append": ELEMENTWISE, "add_norm_ffn": ELEMENTWISE, "add_norm_attn": ELEMENTWISE,
     "act": ELEMENTWISE,
-    "attn_prefill": TORCH_ONLY, "experts_ug": TORCH_ONLY, "experts_d": TORCH_ONLY,
+    "experts_ug": GROUPED, "experts_d": GROUPED,
+    "attn_prefill": TORCH_ONLY,
 }
 FIXED_NAMES = {
     GEMM: ("cublas", "cublaslt"),
     DECODE: ("triton_paged", "torch"),
     ELEMENTWISE: ("triton", "torch"),
+    GROUPED: ("triton", "torch"),
     TORCH_ONLY: ("torch",),
 }
 PERSISTENT = "triton_persistent"
@@ -165,6 +173,15 @@ def decode_ctas(max_ctas: int | None, num_sms: int | None) -> int | None:
     if max_ctas is not None:
         return max_ctas
     return None if num_sms is None else CTAS_PER_SM * num_sms
+
+
+def grouped_programs(args: Mapping[str, Any], total_sms: int) -> int | None:
+    """The program bound of the grouped Triton GEMM (None: one program per upper-bound tile)."""
+    bounds = [] if args.get("max_ctas") is None else [args["max_ctas"]]
+    sms = args.get("num_sms")
+    if sms is not None and not args.get("partition") and sms < total_sms:
+        bounds.append(sms)
+    return min(bounds) if bounds else None
 
 
 def cublaslt_missing() -> str | None:

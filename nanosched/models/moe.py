@@ -4,8 +4,9 @@ Rows are token-major: (token t, choice j) is row t*k + j of `gate_up`, `act`, `e
 `expert_ids` and `expert_weights`, so a token range [s, e) owns rows [s*k, e*k) and MoE ops run
 on nano-batches like dense ones. `experts_ug` routes (softmax over E in fp32, top-k, renormalise,
 as HF) and runs the grouped gate/up GEMM; `experts_d` runs the grouped down GEMM and sums each
-token's k outputs weighted by the router. Both GEMMs go through `dispatch.grouped_linear`, whose
-contract (row i uses expert expert_ids[i]) a grouped Triton kernel can take over.
+token's k outputs weighted by the router. Both GEMMs go through `dispatch.grouped_linear` (row i
+uses expert expert_ids[i]): the Triton grouped GEMM (kernels/grouped_gemm.py, no host sync) or
+the torch loop over experts, as the launch's `impl` or the model's `KernelOptions` say.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def experts_ug(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: i
     ws.expert_weights[rows] = weights.flatten()
     x_rows = torch.arange(e - s, device=x.device).repeat_interleave(k)  # [n k]
     K.grouped_linear(x, layer.w_gate_up, ws.expert_ids[rows], x_rows, ws.gate_up[rows],
-                     launch)
+                     m.kernels, launch)
 
 
 def experts_d(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -50,6 +51,7 @@ def experts_d(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: in
     """Down-project rows [s*k, e*k) and combine them into ffn_out[s:e] by router weight."""
     k, rows = ws.experts_per_token, ws.rows(s, e)
     out = ws.expert_out[rows]  # [n k, D]
-    K.grouped_linear(ws.act[rows], m.layers[i].w_down, ws.expert_ids[rows], None, out, launch)
+    K.grouped_linear(ws.act[rows], m.layers[i].w_down, ws.expert_ids[rows], None, out,
+                     m.kernels, launch)
     weighted = out.view(e - s, k, -1).float() * ws.expert_weights[rows].view(e - s, k, 1)
     ws.ffn_out[s:e] = weighted.sum(dim=1).to(ws.ffn_out.dtype)

@@ -13,7 +13,9 @@ Names (nanosched/kernels/impls.py):
   small T at long context splits), which is what the runtime launches when a schedule gives
   no `num_splits`.
 - attn_prefill: `torch` (SDPA per prompt; T tokens cut into prompts of `context` tokens).
-- experts_ug, experts_d: `torch` (grouped loop, uniform routing; routing itself not timed).
+- experts_ug, experts_d: `triton` (grouped GEMM; bounded to the SMs given when they are fewer
+  than the GPU's outside a partition, impls.grouped_programs) and `torch` (loop over experts),
+  over the T·k rows, uniform routing (row i → expert i mod E; routing itself not timed).
 - rope_append, add_norm_ffn, add_norm_attn, act: `triton` and `torch`.
 """
 
@@ -57,7 +59,7 @@ def _grouped(call: OpCall, launch: Launch) -> Kernel:
     w = call.ws.tensor("w_" + call.op, (e, n, k), scale=k ** -0.5)  # [E, N, K]
     out = call.ws.tensor("y_" + call.op, (rows, n))
     ids = torch.arange(rows, device=x.device) % e  # uniform routing
-    return Kernel(lambda: dispatch.grouped_linear(x, w, ids, None, out, launch))
+    return Kernel(lambda: dispatch.grouped_linear(x, w, ids, None, out, OPTS, launch))
 
 
 def _paged_cache(call: OpCall, requests: int, context: int,
@@ -159,6 +161,8 @@ def register_all() -> None:
         register(op, Impl(persistent_name(128, 256), SM_MECHANISMS, _linear, quick=False,
                           targets_sms=True, requires=triton_missing))
     for op in ("experts_ug", "experts_d"):
+        register(op, Impl("triton", SM_MECHANISMS, _grouped, targets_sms=True,
+                          requires=triton_missing))
         register(op, Impl("torch", SM_MECHANISMS, _grouped))
     register("attn_decode", Impl("triton_paged", ("full", "green_ctx", "cta_bound"), _decode,
                                  requires=triton_missing))

@@ -138,3 +138,80 @@ def test_persistent_gemm_fp32_with_bias():
     persistent_linear(x, w, b, out, GemmConfig(num_sms=66, num_stages=2))
     want = torch.addmm(b.double(), x.double(), w.double().t())
     assert rel_err(out, want) <= 1e-4
+
+
+# Mixtral-8x7B experts (tp=1): hidden 4096, intermediate 14336, 8 experts, top-2
+MOE_D, MOE_I, MOE_E, MOE_K = 4096, 14336, 8, 2
+
+
+def top2_ids(tokens: int, seed: int) -> torch.Tensor:
+    """Expert ids [tokens * 2] of a random top-2 routing (uneven counts), token-major."""
+    logits = randn(tokens, MOE_E, dtype=torch.float32, seed=seed)
+    return logits.topk(MOE_K, dim=-1).indices.flatten()
+
+
+@pytest.mark.parametrize("num_programs", [None, 132, 100])
+@pytest.mark.parametrize("op", ["gate_up", "down"])
+def test_grouped_gemm_bf16_mixtral(op, num_programs):
+    from nanosched.kernels.grouped_gemm import GroupedGemmConfig, grouped_linear
+
+    tokens = 1024
+    ids = top2_ids(tokens, seed=17)
+    if op == "gate_up":  # x [T, D], each token's row read twice (x_rows)
+        n_out, k_in, x_rows = 2 * MOE_I, MOE_D, torch.arange(tokens, device="cuda")
+        x, x_rows = randn(tokens, k_in, dtype=torch.bfloat16, seed=18), x_rows.repeat_interleave(2)
+    else:  # x [T k, I], one row per (token, choice)
+        n_out, k_in, x_rows = MOE_D, MOE_I, None
+        x = randn(MOE_K * tokens, k_in, dtype=torch.bfloat16, seed=18)
+    w = randn(MOE_E, n_out, k_in, dtype=torch.bfloat16, seed=19) * k_in ** -0.5
+    want = torch.empty(MOE_K * tokens, n_out, device="cuda")
+    ref.grouped_linear(x.float(), w.float(), ids, x_rows, want)
+    buf = torch.full((MOE_K * tokens, n_out + 64), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    out = buf[:, 32:32 + n_out]  # a strided column slice
+    grouped_linear(x, w, ids, x_rows, out, GroupedGemmConfig(num_programs=num_programs))
+    assert rel_err(out, want) <= 1e-2
+    assert buf[:, :32].isnan().all() and buf[:, 32 + n_out:].isnan().all()
+
+
+def test_grouped_gemm_fp32():
+    from nanosched.kernels.grouped_gemm import GroupedGemmConfig, grouped_linear
+
+    ids = top2_ids(300, seed=20)
+    x = randn(300, 1024, dtype=torch.float32, seed=21)
+    w = randn(MOE_E, 2048, 1024, dtype=torch.float32, seed=22)
+    x_rows = torch.arange(300, device="cuda").repeat_interleave(2)
+    want = torch.empty(600, 2048, dtype=torch.float64, device="cuda")
+    ref.grouped_linear(x.double(), w.double(), ids, x_rows, want)
+    out = torch.empty(600, 2048, device="cuda")
+    grouped_linear(x, w, ids, x_rows, out, GroupedGemmConfig(num_stages=2))
+    assert rel_err(out, want) <= 1e-4
+
+
+def test_grouped_gemm_is_captured_in_a_cuda_graph():
+    """Sort, tile schedule and kernel replay from a graph: new routing, same graph, right rows."""
+    from nanosched.kernels import dispatch
+
+    tokens = 256
+    x = randn(tokens, MOE_D, dtype=torch.bfloat16, seed=23)
+    w = randn(MOE_E, 2 * MOE_I, MOE_D, dtype=torch.bfloat16, seed=24) * MOE_D ** -0.5
+    ids = top2_ids(tokens, seed=25)
+    x_rows = torch.arange(tokens, device="cuda").repeat_interleave(2)
+    out = torch.empty(MOE_K * tokens, 2 * MOE_I, dtype=torch.bfloat16, device="cuda")
+    opts, launch = dispatch.KernelOptions(), {"impl": "triton"}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile) outside the capture
+        dispatch.grouped_linear(x, w, ids, x_rows, out, opts, launch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dispatch.grouped_linear(x, w, ids, x_rows, out, opts, launch)
+    for seed in (26, 27):
+        ids.copy_(top2_ids(tokens, seed=seed))
+        ids[:MOE_K * 64] = 3  # a crowded expert: its tiles grow, others shrink
+        out.fill_(float("nan"))
+        graph.replay()
+        want = torch.empty(MOE_K * tokens, 2 * MOE_I, device="cuda")
+        ref.grouped_linear(x.float(), w.float(), ids, x_rows, want)
+        assert rel_err(out, want) <= 1e-2

@@ -1,0 +1,146 @@
+"""Triton grouped GEMM for MoE experts, with a device-side tile schedule (no host sync).
+
+`grouped_linear(x, w, expert_ids, x_rows, out, config)` computes
+out[i] = x[x_rows[i]] @ w[expert_ids[i]].T (x_rows None: row i reads x[i]); the contract of
+`reference.grouped_linear`. Legend: m = rows, E = experts, N = output features, K = input
+features, BM/BN = tile sizes.
+
+Schedule, built on the device with torch ops only (no `.item()`, no loop over experts, so the
+launch can be captured in a CUDA graph):
+1. `perm` = the rows sorted by expert (stable); `offsets[e]` = first sorted row of expert e
+   (searchsorted over the sorted ids), so expert e owns sorted rows offsets[e]..offsets[e+1].
+2. expert e has ceil(count_e / BM) M-tiles; `tile_end` = their running sum, so M-tiles
+   tile_end[e-1]..tile_end[e] are expert e's and the real M-tiles are 0..tile_end[E-1].
+3. The grid is fixed by host-known sizes: at most m // BM + min(E, m) M-tiles (every expert's
+   last tile may be partial) times ceil(N / BN) N-tiles, GROUP_M-swizzled as in gemm.py. A program
+   finds its tile's expert by counting the `tile_end` entries ≤ its M-tile; programs past the
+   real tiles do nothing.
+Each program gathers its BM rows of A through `perm` (and `x_rows`) inside the kernel (x is
+never copied), multiplies them with its expert's [BN, K] weight slice (fp32 accumulation), and
+stores to the rows' original positions in `out` (any strides: a slice of a larger buffer works).
+
+With `num_programs` set, the kernel is persistent: that many programs stride over the tiles
+(pid, pid + num_programs, ...), which bounds the SMs it occupies. Reference:
+`reference.grouped_linear`.
+
+Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanosched.errors import ConfigError
+from nanosched.kernels.common import dot_precision
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Launch arguments: tiles, and `num_programs` (None: one program per upper-bound tile)."""
+
+    num_programs: int | None = None
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class TileSchedule:
+    """The device-side schedule of one launch (module docstring): tensors only, no host sync."""
+
+    perm: torch.Tensor  # [m] int64: original row of each sorted row
+    offsets: torch.Tensor  # [E + 1] int64: first sorted row of each expert
+    tile_end: torch.Tensor  # [E] int64: running sum of the experts' M-tiles
+    max_m_tiles: int  # host-known upper bound of tile_end[E - 1]
+
+
+def tile_schedule(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> TileSchedule:
+    """Sort rows by expert and count each expert's M-tiles, on the device (graph-capturable)."""
+    sorted_ids, perm = torch.sort(expert_ids, stable=True)
+    bounds = torch.arange(num_experts + 1, device=expert_ids.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds)  # [E + 1]
+    tile_end = torch.cumsum(torch.div(offsets.diff() + block_m - 1, block_m,
+                                      rounding_mode="floor"), 0)  # [E]
+    m = expert_ids.shape[0]
+    return TileSchedule(perm, offsets, tile_end, m // block_m + min(num_experts, m))
+
+
+@triton.jit
+def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, perm_ptr, offsets_ptr, tile_end_ptr,
+                         N, K, E, MAX_M_TILES,
+                         s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on,
+                         HAS_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         DOT_PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    tile_ends = tl.load(tile_end_ptr + offs_e, mask=offs_e < E, other=MAX_M_TILES)  # [BE]
+    num_pid_m = tl.max(tl.where(offs_e < E, tile_ends, 0), axis=0)  # real M-tiles
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * num_pid_n
+    offs_k0 = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_pid_m * num_pid_n, tl.num_programs(0)):
+        first_m = (tile // tiles_per_group) * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % tiles_per_group) % group_size
+        pid_n = (tile % tiles_per_group) // group_size
+        is_before = tile_ends <= pid_m  # [BE]: experts whose tiles all precede pid_m
+        expert = tl.sum(is_before.to(tl.int32), axis=0)
+        first_tile = tl.max(tl.where(is_before, tile_ends, 0), axis=0)  # tile_end[expert - 1]
+        row_lo = tl.load(offsets_ptr + expert)
+        row_hi = tl.load(offsets_ptr + expert + 1)
+        offs_s = row_lo + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)  # sorted rows
+        m_mask = offs_s < row_hi
+        rows = tl.load(perm_ptr + offs_s, mask=m_mask, other=0)  # [BM] rows of out
+        a_rows = rows  # [BM] rows of x
+        if HAS_ROWS:
+            a_rows = tl.load(rows_ptr + rows, mask=m_mask, other=0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        a_base = x_ptr + a_rows[:, None].to(tl.int64) * s_xm
+        b_base = w_ptr + expert.to(tl.int64) * s_we + offs_n[None, :].to(tl.int64) * s_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + offs_k0
+            k_mask = offs_k < K
+            a = tl.load(a_base + offs_k[None, :] * s_xk, mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # [BM, BK]
+            b = tl.load(b_base + offs_k[:, None] * s_wk, mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)  # [BK, BN]
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        c = out_ptr + rows[:, None].to(tl.int64) * s_om + offs_n[None, :] * s_on
+        tl.store(c, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,
+                   x_rows: torch.Tensor | None, out: torch.Tensor,
+                   config: GroupedGemmConfig | None = None) -> None:
+    """out[i] = x[x_rows[i]] @ w[expert_ids[i]].T. x [m0, K]; w [E, N, K]; expert_ids [m]
+    (values in 0..E-1); x_rows [m] or None (identity); out [m, N], any strides."""
+    cfg = config or GroupedGemmConfig()
+    m, (num_experts, n, k) = expert_ids.shape[0], w.shape
+    if out.shape != (m, n) or x.shape[1] != k or (x_rows is not None and x_rows.shape != (m,)):
+        raise ConfigError(f"grouped_linear: x {list(x.shape)}, w {list(w.shape)}, expert_ids "
+                          f"[{m}], x_rows {None if x_rows is None else list(x_rows.shape)} and "
+                          f"out {list(out.shape)} do not fit out[i] = x[x_rows[i]] @ "
+                          f"w[expert_ids[i]].T")
+    if m == 0:
+        return
+    sched = tile_schedule(expert_ids, num_experts, cfg.block_m)
+    tiles = sched.max_m_tiles * triton.cdiv(n, cfg.block_n)
+    programs = tiles if cfg.num_programs is None else min(cfg.num_programs, tiles)
+    _grouped_gemm_kernel[(programs,)](
+        x, w, out, x_rows if x_rows is not None else sched.perm, sched.perm, sched.offsets,
+        sched.tile_end, n, k, num_experts, sched.max_m_tiles,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1),
+        HAS_ROWS=x_rows is not None, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        DOT_PREC=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -128,3 +128,18 @@ def test_bench_compare_on_the_cpu_reports_both_runs_and_the_ratio(tmp_path):
     assert data["ratio"]["tokens_per_s"] > 0
     seq, sched = (data["runs"][k]["results"]["output_tokens"] for k in ("sequential", "schedule"))
     assert seq == sched == 12 * 8
+
+
+def test_partition_sides_never_put_two_schedule_streams_on_one_side():
+    """compute@gc64 beside memory@gc64 (the shipped H200 schedule): compute takes the complement
+    of the 64/68 split instead of queueing behind the attention on the 64-SM side."""
+    from nanosched.runtime.streams import partition_sides
+
+    sides = partition_sides({"compute", "compute@gc64", "compute@gc68", "memory@gc64",
+                             "memory@gc32", "memory"}, 132)
+    assert sides == {"memory@gc64": (64, "small"), "memory@gc32": (32, "small"),
+                     "compute@gc64": (64, "rest"), "compute@gc68": (64, "rest")}
+    # alone, a stream gets exactly the side it asked for
+    assert partition_sides({"compute@gc100", "memory@gc32"}, 132) == {
+        "compute@gc100": (32, "rest"), "memory@gc32": (32, "small")}
+    assert partition_sides({"compute@gc64"}, 132) == {"compute@gc64": (64, "small")}

@@ -161,3 +161,32 @@ def test_bad_splits_and_incomplete_strategies():
 ])
 def test_wave_aware_split(tokens, tiles, sms, expected):
     assert wave_aware_split(tokens, tiles, sms) == expected
+
+
+class LabelledDevice(SerialDevice):
+    """A device that asks for labels, as the GPU timeline device does."""
+
+    wants_labels = True
+
+    def __init__(self):
+        super().__init__()
+        self.labels = []
+
+    def launch(self, stream, fn, label=""):
+        self.labels.append((stream, label))
+        fn()
+
+
+def test_launch_labels_name_layer_op_and_rows_for_devices_that_want_them():
+    dev = LabelledDevice()
+    assert torch.equal(run(Sequential(), dev), run(Sequential(), SerialDevice()))
+    labels = [lab for _, lab in dev.labels]
+    assert len(labels) == len(set(labels))  # every launch its own label
+    assert labels[:4] == ["L0.proj[0:16]", "L0.mix[0:16]", "L0.net[0:16]", "L0.add[0:16]"]
+    program, _ = toy_program(layers=1)
+    backend = Backend(dev)
+    ctx = SchedContext(program, backend)
+    ctx.split([4, 4, 8])
+    ctx.execute([ctx.get_ready_ops(i)[0] for i in range(3)])  # one merged launch
+    assert dev.labels[-1][1] == "L0.proj[0:4]+L0.proj[4:8]+L0.proj[8:16]"
+    assert not Backend(SerialDevice()).wants_labels

@@ -135,15 +135,22 @@ def simulate(s: Schedule, profile: Profile, num_layers: int | None = None) -> Si
                      max_concurrent_share(s, spans))
 
 
-def sequential_baseline(spec: ModelSpec, tp: int, profile: Profile, batch: BatchInfo
-                        ) -> tuple[float, float]:
-    """(layer time, iteration time) in us: one stream, no split, full GPU."""
+def sequential_op_times(spec: ModelSpec, tp: int, profile: Profile, batch: BatchInfo
+                        ) -> dict[str, float]:
+    """Each op of one layer over its whole token domain, alone on the full GPU, in us."""
     mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
     graph = layer_graph(spec, tp)
-    period = 0.0
+    times = {}
     for op in graph.active_ops({g: "ar" for g in graph.groups()}):
         lo, hi = mix.domain(op.domain)
         if hi > lo:
             ctx = op_context(op.name, batch.decode_context, batch.prompt_len)
-            period += profile.kernel_time_us(op.name, hi - lo, None, ctx)
+            times[op.name] = profile.kernel_time_us(op.name, hi - lo, None, ctx)
+    return times
+
+
+def sequential_baseline(spec: ModelSpec, tp: int, profile: Profile, batch: BatchInfo
+                        ) -> tuple[float, float]:
+    """(layer time, iteration time) in us: one stream, no split, full GPU."""
+    period = sum(sequential_op_times(spec, tp, profile, batch).values())
     return period, period * spec.num_layers + lm_head_us(profile, batch)

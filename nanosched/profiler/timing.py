@@ -1,7 +1,11 @@
 """CUDA-event timing of one kernel alone and of two kernels co-running (GPU-only).
 
 `bench_us(fn)`: warm-up, then as many launches as fit `rep_ms` (5..`max_iters`), each between
-two events with the L2 cache flushed before it; the median, in us.
+two events with the L2 cache flushed before it; the median, in us. The timed launches are queued
+behind a `torch.cuda._sleep` long enough for the CPU to queue all of them first, so an op that
+launches several kernels from Python (prefill attention: a few per prompt) is timed by its GPU
+work, not by the CPU's launch gaps between its kernels (a CUDA graph or a runtime that runs
+ahead of the GPU has none).
 
 `co_run_us(a, b)`: both streams are held behind a `torch.cuda._sleep` on the launching stream
 while every launch is queued (so the CPU never starves a stream), then released together. Each
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +26,8 @@ import torch
 
 L2_FLUSH_BYTES = 128 << 20  # over twice the L2 of an H100/H200 (50 MB)
 SLEEP_CYCLES_PER_LAUNCH = 40_000  # about 20 us at 2 GHz: more than one launch costs the CPU
+SLEEP_CYCLES_PER_US = 2_000  # an H100/H200 SM clock is at most about 2 GHz
+MAX_SLEEP_US = 200_000.0
 
 _flush: dict[str, torch.Tensor] = {}
 
@@ -40,7 +47,9 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
+    t0 = time.perf_counter()
     fn()
+    cpu_us = (time.perf_counter() - t0) * 1e6  # what one launch costs the CPU
     end.record(stream)
     end.synchronize()
     estimate_ms = max(start.elapsed_time(end), 1e-3)
@@ -48,6 +57,8 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
     buf = _flush_buffer(device) if flush else None
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(n)]
+    # hold the GPU while every launch is queued (twice the CPU's estimate, plus the flushes)
+    torch.cuda._sleep(int(SLEEP_CYCLES_PER_US * min(MAX_SLEEP_US, 2 * n * (cpu_us + 20))))
     for a, b in events:
         if buf is not None:
             buf.zero_()

@@ -36,6 +36,9 @@ class Backend:
         self.device = device
         self._touches: dict[str, list[_Touch]] = {}
         self.num_launches = 0
+        # a device that keeps a per-launch timeline gets each launch's label (building the
+        # label costs Python time, so only then)
+        self.wants_labels = bool(getattr(device, "wants_labels", False))
 
     def reset(self) -> None:
         """Forget all accesses (between forwards, after `device.join()`)."""
@@ -44,9 +47,10 @@ class Backend:
     def launch(self, stream_name: str, fn: Callable[[], None],
                reads: list[tuple[Access, tuple[int, int]]],
                writes: list[tuple[Access, tuple[int, int]]],
-               after: list[tuple[str, Any]] = ()) -> Any:
+               after: list[tuple[str, Any]] = (), label: str = "") -> Any:
         """Run `fn` on `stream_name` after the cross-stream accesses it conflicts with and after
-        the (stream, event) launches in `after`; returns the event recorded behind it."""
+        the (stream, event) launches in `after`; returns the event recorded behind it. `label`
+        (what the launch runs) goes to devices that want labels."""
         stream = self.device.stream(stream_name)
         waits: list[Any] = [ev for name, ev in after if name != stream_name]
         for acc, rows in reads:
@@ -58,7 +62,10 @@ class Backend:
             if id(event) not in seen:
                 seen.add(id(event))
                 self.device.wait(stream, event)
-        self.device.launch(stream, fn)
+        if self.wants_labels:
+            self.device.launch(stream, fn, label)
+        else:
+            self.device.launch(stream, fn)
         self.num_launches += 1
         event = self.device.record(stream)
         for acc, rows in reads:

@@ -3,12 +3,16 @@
 `CudaDevice` maps the schedule's streams to CUDA streams (plain, prioritised, or a green-context
 partition's stream given by the caller) and orders them with CUDA events. `SerialDevice` runs
 every launch at once on the CPU: it has one real order, so events are recorded only to be counted.
-Tests use a device that delays and reorders launches to catch a missing event.
+`TimedCudaDevice` also records a CUDA event pair around every launch: the per-nano-op timeline
+(which nano-op ran when, on which stream) that bench/nanoop_timeline.py compares with a
+schedule's prediction. Tests use a device that delays and reorders launches to catch a missing
+event.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -103,3 +107,45 @@ class CudaDevice:
         for name in self._used:
             self._origin.wait_stream(self._streams[name])
         self._used.clear()
+
+
+@dataclass(frozen=True)
+class Span:
+    """One launch of a timed forward: what ran (the scheduler's label), where, and when."""
+
+    label: str
+    stream: str
+    start_ms: float  # from the first launch's start
+    end_ms: float
+
+
+class TimedCudaDevice(CudaDevice):
+    """A CudaDevice that brackets every launch with timing events (after the launch's waits, so
+    a span is the launch's own time on its stream, plus any launch gap the CPU leaves)."""
+
+    wants_labels = True
+
+    def __init__(self, streams: dict[str, Any] | None = None,
+                 priorities: dict[str, int] | None = None) -> None:
+        super().__init__(streams, priorities)
+        self._events: list[tuple[str, Any, Any, Any]] = []
+
+    def launch(self, stream: Any, fn: Callable[[], None], label: str = "") -> None:
+        start = self._torch.cuda.Event(enable_timing=True)
+        end = self._torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        super().launch(stream, fn)
+        end.record(stream)
+        self._events.append((label, stream, start, end))
+
+    def spans(self) -> list[Span]:
+        """The launches so far, in launch order (synchronises the GPU); clears the record."""
+        self._torch.cuda.synchronize()
+        names = {id(s): n for n, s in self._streams.items()}
+        if not self._events:
+            return []
+        t0 = self._events[0][2]
+        out = [Span(label, names.get(id(stream), str(stream)), t0.elapsed_time(a),
+                    t0.elapsed_time(b)) for label, stream, a, b in self._events]
+        self._events.clear()
+        return out

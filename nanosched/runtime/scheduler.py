@@ -155,7 +155,11 @@ class SchedContext:
             op = self.program.ops[n.index]
             reads += [(a, a.rows(n.start, n.end)) for a in op.reads]
             writes += [(a, a.rows(n.start, n.end)) for a in op.writes]
-        event = self.backend.launch(stream, fn, reads, writes, after)
+        label = ""
+        if self.backend.wants_labels:  # e.g. "L3.kqv[0:1024]+L3.kqv[1024:2048]"
+            label = "+".join(f"{self.program.ops[n.index].name}[{n.start}:{n.end}]"
+                             for n in group)
+        event = self.backend.launch(stream, fn, reads, writes, after, label)
         for n in group:
             self._events[(n.index, n.mb)] = (stream, event)
 

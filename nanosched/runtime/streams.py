@@ -5,7 +5,14 @@ Replay names a stream by its schedule stream and SM mechanism: `compute`, `memor
 made with the driver's SM-resource split (nanosched/profiler/partitions.py): N SMs on one side,
 the rest on the other, so the two nano-ops that the profile measured side by side on a 100/32
 split run on the same pair here. A `@prio` stream gets the highest CUDA priority, as the
-profile's `stream_priority` rows did. GPU-only module.
+profile's `stream_priority` rows did. GPU-only module (`partition_sides` is plain Python).
+
+Two schedule streams never share a side of a split. The search allocates shares, not SM sets:
+`compute@gc64` beside `memory@gc64` means 64 SMs each, side by side; were both put on the
+64-SM side, the compute nano-op would queue behind the attention on one CUDA stream (measured:
+bench/nanoop_timeline.py, 3,053 us per layer instead of 2,374 predicted). So the non-compute
+streams claim their sides first and a stream whose side is taken by another stream runs on the
+complement (68 SMs here: a few more than asked, never shared).
 """
 
 from __future__ import annotations
@@ -18,6 +25,23 @@ from nanosched.runtime.device import CudaDevice
 def _gc_units(key: str) -> int | None:
     _, _, mech = key.partition("@")
     return int(mech[2:]) if mech.startswith("gc") else None
+
+
+def partition_sides(keys: set[str], total: int) -> dict[str, tuple[int, str]]:
+    """`@gc` key -> (the split's small side in SMs, "small" or "rest"), as the module says."""
+    gc = [k for k in keys if _gc_units(k) is not None]
+    gc.sort(key=lambda k: (k.partition("@")[0] == "compute", k))  # compute claims last
+    owner: dict[tuple[int, str], str] = {}
+    sides: dict[str, tuple[int, str]] = {}
+    for key in gc:
+        units, stream = _gc_units(key), key.partition("@")[0]
+        small = min(units, total - units)
+        side = "small" if units == small else "rest"
+        if owner.get((small, side), stream) != stream:
+            side = "rest" if side == "small" else "small"
+        owner.setdefault((small, side), stream)
+        sides[key] = (small, side)
+    return sides
 
 
 class ReplayStreams:
@@ -33,14 +57,13 @@ class ReplayStreams:
         streams: dict[str, Any] = {}
         priorities: dict[str, int] = {}
         urgent = min(torch.cuda.Stream.priority_range())  # lower numbers run first
+        sides = partition_sides(keys, self.total)
         for key in sorted(keys):
-            units = _gc_units(key)
-            if units is not None:
-                small = min(units, self.total - units)
+            if key in sides:
+                small, side = sides[key]
                 if small not in self.pairs:
                     self.pairs[small] = split_sms(device_index, small)
-                pair = self.pairs[small]
-                streams[key] = (pair.small if units == small else pair.rest).stream
+                streams[key] = getattr(self.pairs[small], side).stream
             elif key.endswith("@prio"):
                 priorities[key] = urgent
         self.device = CudaDevice(streams, priorities)

@@ -1,8 +1,10 @@
 """Search quality on CPU: wall time, status, objective, bound, gap, predicted speedup.
 
 Cases: llama3-70b tp=8 and llama3-8b tp=1 on H100, and llama2-70b tp=8 on A100 (NanoFlow's
-Figure 6 setting). Profiles are synthetic unless `--profile FILE` gives a measured one for a
-case's model and tp. Target: <= 60 s and stage gaps <= 5%. Writes bench/results/*.json.
+Figure 6 setting), from synthetic profiles (unless `--profile FILE` gives a measured one for a
+case's model and tp); then the measured profiles shipped in the package for llama3-8b tp=1
+(H100, H200) and llama3-70b tp=8 (H200, quick grid), each at its largest measured batch
+(`--no-shipped` skips them). Target: <= 60 s and stage gaps <= 5%. Writes bench/results/*.json.
 
     PYTHONPATH=. python bench/search_quality.py [--time-limit 60] [--workers 2] [--profile F]
 """
@@ -31,6 +33,7 @@ from nanosched.workloads import fixed  # noqa: E402
 
 CASES = [("llama3-70b", 8, "h100", 2048), ("llama3-8b", 1, "h100", 1024),
          ("llama2-70b", 8, "a100", 2048)]
+SHIPPED = ["llama3-8b-tp1-h100", "llama3-8b-tp1-h200", "llama3-70b-tp8-h200-quick"]
 
 
 def _profile(model: str, tp: int, gpu: str, batch: int, given: list[Profile]) -> Profile:
@@ -67,6 +70,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--profile", action="append", default=[], help="measured profile file")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--no-shipped", action="store_true", help="skip the shipped profiles")
     args = ap.parse_args()
     given = [load_profile(p) for p in args.profile]
     import ortools
@@ -77,13 +81,20 @@ def main() -> None:
                            "note": "shared 2-core CPU machine: other jobs ran at the same "
                                    "time, so wall times and reached gaps are noisy"},
                "time_limit_s": args.time_limit, "workers": args.workers, "cases": {}}
-    for model, tp, gpu, batch in CASES:
-        prof = _profile(model, tp, gpu, batch, given)
-        cfg = SearchConfig(load_spec(model), tp, prof, fixed(1024, 512), batch,
+    cases = [(f"{m}-tp{tp}-{gpu}-b{b}", _profile(m, tp, gpu, b, given), b)
+             for m, tp, gpu, b in CASES]
+    if not args.no_shipped:
+        from nanosched.autosearch.request import shipped_profiles
+
+        files = shipped_profiles()
+        for name in SHIPPED:
+            prof = load_profile(files[name])
+            cases.append((f"shipped-{name}-b{prof.dense_batch}", prof, prof.dense_batch))
+    for key, prof, batch in cases:
+        cfg = SearchConfig(load_spec(prof.model.name), prof.tp, prof, fixed(1024, 512), batch,
                            args.time_limit, args.workers)
         start = time.perf_counter()
         sched = run_search(cfg)
-        key = f"{model}-tp{tp}-{gpu}-b{batch}"
         results["cases"][key] = summarize(sched, time.perf_counter() - start)
         save_schedule(sched, Path(args.out) / f"{key}.schedule.json")
         print(key, json.dumps(results["cases"][key]), flush=True)

@@ -22,8 +22,26 @@ Constraints
   dependencies (A → B, δ):   for x ∈ A, y ∈ B a literal a_{xy}: a_{xy} ⇒ s_y + δ τ ≥ e_x, and
                              a_{xy} ∨ ¬p_x ∨ ¬p_y ∨ ¬f_cond ∨ (we_x ≤ ws_y) ∨ (we_y ≤ ws_x)
                              (prompt edges: the range [ps(ws_y), ws_y) in place of [ws_y, we_y))
-  bounds:                    τ ≥ Σ_{x of compute (memory) ops} d_x; τ ≥ Σ_A min_split t_A over
-                             compute ops A on the whole batch (a constant lower bound)
+Redundant constraints (implied by the above; they give the LP and propagation a bound):
+  op work:                   Σ_i d_{A,i} ≥ m_A, m_A the least total time of the op's present
+                             nano-ops covering D_A (n_A pieces of ≥ 1 quantum when D_A is the
+                             batch, 1 to n_A pieces otherwise; dynamic programme over t_A)
+  stream loads:              τ ≥ Σ_x L_{x,σ} per stream σ, L_{x,σ} = d_x if q_{x,σ} else 0
+                             (over two unrolled layers a stream is busy Σ L_{x,σ} per period)
+  constant bound:            τ ≥ LB = max(M_C, M_M, M_N, ⌈(M_C + M_M + M_O) / 2⌉), M_c = Σ m_A
+                             over ops of class c (`other` ops run on compute or memory; a
+                             collective group adds its cheapest form): τ's initial domain
+  lanes:                     the first (last) token lies in nano-op 0 (n_A − 1) of every op
+                             whose domain holds it, so for an edge (A → B, δ) between such
+                             nano-ops x, y: s_y + δ τ ≥ e_x without a literal; a collective
+                             group G between A and B (A → G → B): s_y + δ τ ≥ e_x + Σ_G L_G,
+                             L_G = d_G if p_G else 0 (one form is present)
+Symmetry and search:
+  translation:               some present nano-op starts at 0 (shifting all starts changes no
+                             constraint but s ≥ 0)
+  horizon:                   τ ≤ the period of a heuristic structure (even splits, all-reduce
+                             forms, simple orders, `periodic.min_period`), which also hints
+                             every cut, form, stream and start; s_x, e_x ≤ 2 τ_max
 Objective: minimise τ.
 """
 
@@ -35,7 +53,7 @@ from typing import Any
 from nanosched.autosearch.cpsat import Limits, Progress, solve
 from nanosched.autosearch.opgraph import QUANTUM, GraphOp, OpGraph, TokenMix, expand
 from nanosched.errors import ConfigError
-from nanosched.models.ops import COMPUTE, MEMORY
+from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import StageReport
 
 
@@ -81,6 +99,45 @@ def min_split_ticks(table: list[int], count: int, q: int | None = None) -> int:
         best = [min((best[j] + table[k - j] for j in range(k)), default=10**12)
                 for k in range(q + 1)]
     return best[q]
+
+
+def op_min_ticks(table: list[int], count: int, quanta: int, whole: bool) -> int:
+    """Least Σ_i d_{A,i} of an op with `count` nano-ops over a domain of `quanta` quanta: the
+    present nano-ops (all `count` of them when the domain is the whole batch, else 1 to
+    count), each ≥ 1 quantum, cover the domain exactly."""
+    if quanta <= 0:
+        return 0
+    if whole:
+        return min_split_ticks(table, count, quanta)
+    return min(min_split_ticks(table, k, quanta) for k in range(1, min(count, quanta) + 1))
+
+
+def period_lower_bound(prob: Stage1Problem) -> int:
+    """The constant bound LB of the docstring: stream loads of the cheapest splits."""
+    load = _const_loads(prob)
+    both = load[COMPUTE] + load[MEMORY] + load[OTHER]
+    return max(1, load[COMPUTE], load[MEMORY], load[NETWORK], -(-both // 2))
+
+
+def _const_loads(prob: Stage1Problem) -> dict[str, int]:
+    """Per class (compute, memory, network; `other` ops may go on compute or memory): the least
+    work that must run on it per period, Σ_A m_A; a collective group adds its cheapest form."""
+    q, nd = prob.mix.dense_batch // QUANTUM, prob.mix.num_decode // QUANTUM
+    size = {"all": q, "decode": nd, "prefill": q - nd}
+    load = dict.fromkeys((COMPUTE, MEMORY, NETWORK, OTHER), 0)
+    by_form: dict[str, dict[str, dict[str, int]]] = {}
+    for o in prob.graph.ops:
+        lb = op_min_ticks(prob.tables[o.name], prob.counts[o.name], size[o.domain],
+                          o.domain == "all")
+        if o.group is None:
+            load[o.resource] += lb
+        else:
+            per = by_form.setdefault(o.group, {}).setdefault(o.form or "", {})
+            per[o.resource] = per.get(o.resource, 0) + lb
+    for forms in by_form.values():
+        for cls in load:
+            load[cls] += min(per.get(cls, 0) for per in forms.values())
+    return load
 
 
 def _add_cuts(m: Any, op: str, count: int, q: int) -> list[Any]:
@@ -164,6 +221,92 @@ def _add_deps(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]
                 m.add_bool_or([dep, ~x["p"], ~y["p"], before, after, *cond])
 
 
+def _add_loads(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
+               tau: Any) -> None:
+    """Redundant load bounds: Σ_i d_{A,i} ≥ m_A per op; τ ≥ Σ_{x on σ} d_x per stream σ."""
+    q, nd = prob.mix.dense_batch // QUANTUM, prob.mix.num_decode // QUANTUM
+    size = {"all": q, "decode": nd, "prefill": q - nd}
+    on: dict[str, list[Any]] = {}
+    for o in prob.graph.ops:
+        xs = by_op[o.name]
+        m.add(sum(x["d"] for x in xs) >= op_min_ticks(prob.tables[o.name], len(xs),
+                                                       size[o.domain], o.domain == "all"))
+        for x in xs:
+            for sn, lit in x["q"].items():
+                if len(x["q"]) == 1 and o.group is None:
+                    on.setdefault(sn, []).append(x["d"])  # d_x = 0 when absent (w_x = 0)
+                    continue
+                load = m.new_int_var(0, max(prob.tables[o.name]),
+                                     f"load_{sn}_{o.name}_{x['id'][1]}")
+                m.add(load == x["d"]).only_enforce_if(lit)
+                m.add(load == 0).only_enforce_if(~lit)
+                on.setdefault(sn, []).append(load)
+    for loads in on.values():
+        m.add(tau >= sum(loads))
+
+
+def _add_lanes(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
+               tau: Any) -> None:
+    """Redundant lane precedences, without disjunction: the first (last) token of the batch lies
+    in the first (last) nano-op of every op whose domain holds it, so those nano-ops depend on
+    each other whatever the cuts. A collective group between two ops is bridged by the load
+    L_g of its present form: s_B + δ τ ≥ e_A + Σ_{G: A → G → B} L_G."""
+    q, nd = prob.mix.dense_batch // QUANTUM, prob.mix.num_decode // QUANTUM
+    span = {"all": (0, q), "decode": (0, nd), "prefill": (nd, q)}
+    ops = {o.name: o for o in prob.graph.ops}
+    out: dict[str, list[Any]] = {}
+    into: dict[str, list[Any]] = {}
+    for e in prob.graph.edges:
+        if e.kind == "data":
+            out.setdefault(e.src, []).append(e)
+            into.setdefault(e.dst, []).append(e)
+    for token, pick in ((0, 0), (q - 1, -1)):
+        def lane(name: str, token: int = token, pick: int = pick) -> dict[str, Any] | None:
+            lo, hi = span[ops[name].domain]
+            return by_op[name][pick] if lo <= token < hi else None
+
+        for e in prob.graph.edges:
+            x, y = lane(e.src), lane(e.dst)
+            if e.kind != "data" or x is None or y is None:
+                continue
+            if ops[e.src].group is None and ops[e.dst].group is None and e.cond is None:
+                m.add(y["s"] + e.shift * tau >= x["e"])
+        bridges: dict[tuple[str, str, int], list[Any]] = {}
+        for name, g in ops.items():
+            if g.group is None or lane(name) is None:
+                continue
+            for a in into.get(name, []):
+                for b in out.get(name, []):
+                    if ops[a.src].group is None and ops[b.dst].group is None:
+                        key = (a.src, b.dst, a.shift + b.shift)
+                        bridges.setdefault(key, []).append((g, lane(name)))
+        for (a, b, shift), via in bridges.items():
+            x, y = lane(a), lane(b)
+            if x is None or y is None or len({g.group for g, _ in via}) != 1 \
+                    or len({g.form for g, _ in via}) != len(via):
+                continue
+            loads = []
+            for _, z in via:
+                load = m.new_int_var(0, 10**9, f"bridge_{z['op'].name}_{z['id'][1]}_{token}")
+                m.add(load == z["d"]).only_enforce_if(z["p"])
+                m.add(load == 0).only_enforce_if(~z["p"])
+                loads.append(load)
+            m.add(y["s"] + shift * tau >= x["e"] + sum(loads))
+
+
+def _break_translation(m: Any, by_op: dict[str, list[dict[str, Any]]]) -> None:
+    """Some present nano-op starts at 0 (shifting every start by the same amount changes
+    nothing: dependencies and overlaps are differences, and e_x ≤ 2τ only gets easier)."""
+    zero = []
+    for xs in by_op.values():
+        for x in xs:
+            z = m.new_bool_var(f"first_{x['op'].name}_{x['id'][1]}")
+            m.add(x["s"] == 0).only_enforce_if(z)
+            m.add_implication(z, x["p"])
+            zero.append(z)
+    m.add_bool_or(zero)
+
+
 def _prompt_start(m: Any, y: dict[str, Any], nd: int, plen: int, b: int) -> Any:
     """ps(ws_y) in tokens: the first token of the prompt that work range y starts in."""
     if plen >= b - nd:
@@ -176,15 +319,19 @@ def _prompt_start(m: Any, y: dict[str, Any], nd: int, plen: int, b: int) -> Any:
     return nd + plen * k
 
 
-def build_model(prob: Stage1Problem) -> tuple[Any, dict[str, Any]]:
-    """The CP-SAT model of stage I for fixed op counts."""
+def build_model(prob: Stage1Problem, upper: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """The CP-SAT model of stage I for fixed op counts; `upper`: a known feasible period."""
     from ortools.sat.python import cp_model
 
     m = cp_model.CpModel()
     q = prob.mix.dense_batch // QUANTUM
     nd = prob.mix.num_decode // QUANTUM
-    horizon = sum(prob.counts[o.name] * max(prob.tables[o.name]) for o in prob.graph.ops)
-    tau = m.new_int_var(1, prob.max_period_ticks or horizon, "tau")
+    top = sum(prob.counts[o.name] * max(prob.tables[o.name]) for o in prob.graph.ops)
+    for cap in (prob.max_period_ticks, upper):
+        top = min(top, cap) if cap else top
+    lower = period_lower_bound(prob)
+    tau = m.new_int_var(min(lower, top), top, "tau")
+    horizon = 2 * top
     forms = {g: {f: m.new_bool_var(f"form_{g}_{f}") for f in fs}
              for g, fs in prob.graph.groups().items()}
     for lits in forms.values():
@@ -199,11 +346,9 @@ def build_model(prob: Stage1Problem) -> tuple[Any, dict[str, Any]]:
     nanos = [x for xs in by_op.values() for x in xs]
     _add_streams(m, nanos, tau, horizon)
     _add_deps(m, prob, by_op, forms, tau)
-    fixed = [o for o in prob.graph.ops if o.resource in (COMPUTE, MEMORY) and o.group is None]
-    for cls in (COMPUTE, MEMORY):
-        m.add(tau >= sum(x["d"] for o in fixed if o.resource == cls for x in by_op[o.name]))
-    m.add(tau >= sum(min_split_ticks(prob.tables[o.name], prob.counts[o.name], q)
-                     for o in fixed if o.resource == COMPUTE and o.domain == "all"))
+    _add_loads(m, prob, by_op, tau)
+    _add_lanes(m, prob, by_op, tau)
+    _break_translation(m, by_op)
     m.minimize(tau)
     return m, {"tau": tau, "forms": forms, "by_op": by_op}
 
@@ -211,8 +356,10 @@ def build_model(prob: Stage1Problem) -> tuple[Any, dict[str, Any]]:
 def solve_stage1(prob: Stage1Problem, limits: Limits, progress: Progress | None = None
                  ) -> tuple[Structure | None, StageReport]:
     """Solve stage I for fixed counts; (None, report) when no solution was found."""
-    m, v = build_model(prob)
     hint = heuristic_structure(prob)
+    if hint is not None and prob.max_period_ticks and hint.period > prob.max_period_ticks:
+        hint = None
+    m, v = build_model(prob, hint.period if hint is not None else None)
     if hint is not None:
         add_hint(prob, m, v, hint)
     solver, report, found = solve(m, "stage I", limits, progress)
@@ -272,6 +419,7 @@ def add_hint(prob: Stage1Problem, m: Any, v: dict[str, Any], hint: Structure) ->
         for f, lit in lits.items():
             m.add_hint(lit, hint.forms[g] == f)
     nanos = {(n.op, n.start): n for n in expand(prob.graph, hint.split, prob.mix, hint.forms)}
+    first = min(hint.starts.values())
     for op, xs in v["by_op"].items():
         for x, (s, e) in zip(xs, hint.split[op], strict=True):
             if not isinstance(x["cut_end"], int) and e < prob.mix.dense_batch:
@@ -279,7 +427,7 @@ def add_hint(prob: Stage1Problem, m: Any, v: dict[str, Any], hint: Structure) ->
             n = nanos.get((op, s))
             if n is None:
                 continue
-            m.add_hint(x["s"], hint.starts[n.id])
+            m.add_hint(x["s"], hint.starts[n.id] - first)
             for sn, lit in x["q"].items():
                 if len(x["q"]) > 1:
                     m.add_hint(lit, hint.streams[n.id] == sn)

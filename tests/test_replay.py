@@ -143,3 +143,18 @@ def test_partition_sides_never_put_two_schedule_streams_on_one_side():
     assert partition_sides({"compute@gc100", "memory@gc32"}, 132) == {
         "compute@gc100": (32, "rest"), "memory@gc32": (32, "small")}
     assert partition_sides({"compute@gc64"}, 132) == {"compute@gc64": (64, "small")}
+
+
+def test_a_schedule_stream_split_over_cuda_streams_keeps_its_order():
+    """Nano-ops of one schedule stream with different mechanisms run on different CUDA streams;
+    each still waits for its predecessor in the schedule stream (no overtaking)."""
+    from nanosched.runtime.strategies.replay import _Entry, _keep_lane_order
+
+    es = [_Entry(0.0, 0, 0, "add_norm_ffn", 0, 8, "memory", None, (), "memory", 1),
+          _Entry(5.0, 1, 1, "attn_decode", 0, 4, "memory@prio", None, (), "memory", 1),
+          _Entry(9.0, 2, 1, "act", 0, 4, "memory@prio", None, (), "memory", 1),
+          _Entry(1.0, 0, 1, "kqv", 0, 8, "compute", None, (), "compute", 1)]
+    out = _keep_lane_order(es)
+    assert out[1].waits == (("add_norm_ffn", 0, 0, 8),)  # crossed CUDA streams: waits
+    assert out[2].waits == ()  # same CUDA stream: the stream itself orders it
+    assert out[0].waits == () and out[3].waits == ()

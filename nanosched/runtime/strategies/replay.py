@@ -16,7 +16,7 @@ implementation, SM target or CTA bound the profile measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.program import LaunchConfig, Program
@@ -36,6 +36,8 @@ class _Entry:
     stream: str
     launch: LaunchConfig | None
     waits: tuple[tuple[str, int, int, int], ...] = ()  # (op, layer, lo, hi) to follow
+    lane: str = ""  # the schedule stream (several CUDA streams when mechanisms differ)
+    period: int = 0  # layer + layer offset: the period the stream issues it in
 
 
 def stream_key(n: ScheduledOp) -> str:
@@ -57,6 +59,26 @@ def launch_config(n: ScheduledOp) -> LaunchConfig | None:
         return LaunchConfig(max_ctas=units, impl=impl) if n.resource != "compute" else \
             LaunchConfig(num_sms=units, impl=impl)
     return LaunchConfig(impl=impl) if impl else None
+
+
+def _keep_lane_order(entries: list[_Entry]) -> list[_Entry]:
+    """A schedule stream runs its nano-ops one after another, but it becomes several CUDA
+    streams when its nano-ops use different SM mechanisms (`memory`, `memory@prio`, ...): each
+    entry also waits for the one before it in its schedule stream when that one ran on another
+    CUDA stream. (Without it a small op queued on the plain stream ran beside a prioritised
+    attention, starved for 600 us, and held back the GEMM behind it: bench/nanoop_timeline.py.)
+    Issue order in a stream is by period (layer + offset), then `order`, as the simulator's."""
+    lanes: dict[str, list[int]] = {}
+    for k, e in enumerate(entries):
+        lanes.setdefault(e.lane, []).append(k)
+    out = list(entries)
+    for ks in lanes.values():
+        ks.sort(key=lambda k: (entries[k].period, entries[k].order))
+        for a, b in zip(ks, ks[1:], strict=False):
+            ea, eb = entries[a], out[b]
+            if ea.stream != eb.stream:
+                out[b] = replace(eb, waits=eb.waits + ((ea.op, ea.layer, ea.lo, ea.hi),))
+    return out
 
 
 class Replay(OpScheduler):
@@ -97,7 +119,9 @@ class Replay(OpScheduler):
                               if d.kind == "resource" and self.resource_waits
                               and 0 <= layer - d.shift < self.num_layers)
                 out.append(_Entry((layer + n.layer_offset) * period + n.start_us, n.order, layer,
-                                  n.op, n.start, n.end, stream_key(n), launch_config(n), waits))
+                                  n.op, n.start, n.end, stream_key(n), launch_config(n), waits,
+                                  n.stream, layer + n.layer_offset))
+        out = _keep_lane_order(out)
         out += self._fillers(out)
         return sorted(out, key=lambda e: (e.key, e.order))
 

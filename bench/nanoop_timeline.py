@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import environment, print_table, write_result  # noqa: E402
 
-from nanosched.autosearch.request import shipped_profiles  # noqa: E402
 from nanosched.autosearch.simulate import (  # noqa: E402
     nano_time_us,
     replay,
@@ -46,7 +45,6 @@ from nanosched.autosearch.simulate import (  # noqa: E402
 from nanosched.models.model import CausalLM  # noqa: E402
 from nanosched.models.spec import load_spec  # noqa: E402
 from nanosched.models.weights import init_random  # noqa: E402
-from nanosched.profiler.format import load_profile  # noqa: E402
 from nanosched.runtime.backend import Backend  # noqa: E402
 from nanosched.runtime.bench import synthetic_batch  # noqa: E402
 from nanosched.runtime.device import Span, TimedCudaDevice  # noqa: E402
@@ -55,6 +53,7 @@ from nanosched.runtime.scheduler import run_program  # noqa: E402
 from nanosched.runtime.strategies import Sequential  # noqa: E402
 from nanosched.runtime.strategies.replay import Replay  # noqa: E402
 from nanosched.runtime.streams import ReplayStreams  # noqa: E402
+from nanosched.runtime.timeline import find_profile, with_layers  # noqa: E402
 from nanosched.schedules.format import load_schedule  # noqa: E402
 
 LABEL = re.compile(r"L(\d+)\.(\w+)\[(\d+):(\d+)\]")
@@ -165,16 +164,10 @@ def main() -> None:
     if args.layers < 2:
         ap.error("--layers must be at least 2 (the period needs two layers)")
     sched = load_schedule(args.schedule)
-    if args.profile:
-        profile = load_profile(args.profile)
-    else:
-        named = [load_profile(p) for p in shipped_profiles().values()]
-        match = [p for p in named if p.digest() == sched.profile_digest]
-        if not match:
-            ap.error(f"no shipped profile has digest {sched.profile_digest}: pass --profile")
-        profile = match[0]
-    spec = load_spec(sched.model["name"])
-    spec = spec.__class__(**{**spec.to_json(), "num_layers": args.layers})
+    profile, why = find_profile(sched, args.profile)
+    if profile is None:
+        ap.error(why)
+    spec = with_layers(load_spec(sched.model["name"]), args.layers)
     model = CausalLM(spec, dtype=torch.bfloat16, device="cuda")
     init_random(model)
     b = sched.batch

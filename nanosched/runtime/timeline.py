@@ -38,7 +38,7 @@ from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.models.weights import init_random
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.bench import environment, synthetic_batch
-from nanosched.runtime.device import CudaDevice, SerialDevice
+from nanosched.runtime.device import CudaDevice, SerialDevice, Span, TimedCudaDevice
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.scheduler import run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
@@ -68,40 +68,21 @@ def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     return spec.__class__(**{**spec.to_json(), "num_layers": layers}) if layers else spec
 
 
-class TimedCudaDevice(CudaDevice):
-    """Records an event pair around every launch: (stream name, start, end)."""
-
-    def __init__(self, *a: Any, **k: Any) -> None:
-        super().__init__(*a, **k)
-        self.spans: list[tuple[str, Any, Any]] = []
-
-    def launch(self, stream: Any, fn: Any) -> None:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        super().launch(stream, fn)
-        b.record(stream)
-        name = next((k for k, s in self._streams.items() if s is stream), str(stream))
-        self.spans.append((name, a, b))
-
-    def intervals(self) -> list[tuple[str, float, float]]:
-        t0 = self.spans[0][1]
-        return [(s, t0.elapsed_time(a), t0.elapsed_time(b)) for s, a, b in self.spans]
-
-
 class TimedSerialDevice(SerialDevice):
-    """The CPU's timeline: wall clock around every launch."""
+    """The CPU's timeline: wall clock around every launch (`TimedCudaDevice`'s spans)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.spans: list[tuple[str, float, float]] = []
+        self._spans: list[Span] = []
 
     def launch(self, stream: Any, fn: Any) -> None:
         a = time.perf_counter()
         fn()
-        self.spans.append((str(stream), a * 1e3, time.perf_counter() * 1e3))
+        self._spans.append(Span("", str(stream), a * 1e3, time.perf_counter() * 1e3))
 
-    def intervals(self) -> list[tuple[str, float, float]]:
-        return list(self.spans)
+    def spans(self) -> list[Span]:
+        out, self._spans = self._spans, []
+        return out
 
 
 class _Rank:
@@ -187,10 +168,10 @@ class _Rank:
         self.forward(strategy, timed)
         self.sync()
         per_stream: dict[str, float] = {}
-        spans = timed.intervals()
-        for s, lo, hi in spans:
-            per_stream[s] = per_stream.get(s, 0.0) + hi - lo
-        total = max(hi for _, _, hi in spans) - min(lo for _, lo, _ in spans)
+        spans = timed.spans()
+        for sp in spans:
+            per_stream[sp.stream] = per_stream.get(sp.stream, 0.0) + sp.end_ms - sp.start_ms
+        total = max(sp.end_ms for sp in spans) - min(sp.start_ms for sp in spans)
         return {"span_ms": total, "busy_ms_per_stream": per_stream,
                 "sum_busy_ms": sum(per_stream.values())}
 

@@ -111,6 +111,7 @@ def build_model(prob: Stage2Problem) -> tuple[Any, dict[str, Any]]:
     m.add_cumulative(intervals, demands, FULL_SHARE)
     m.add(sum(energy) <= FULL_SHARE * tau)
     _add_order(m, prob, v, tau)
+    v["end1"] = {}
     v["apart"] = _add_point_consistency(m, prob, v)
     for x, y, shift in prob.deps:
         m.add(v["s"][y] + shift * tau >= v["e"][x])
@@ -140,7 +141,7 @@ def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
                for x in prob.alone}
     ids = list(prob.alone)
     apart: dict[tuple[str, str], Any] = {}
-    ends1: dict[str, Any] = {}
+    ends1: dict[str, Any] = v["end1"]
 
     def end1(z: str) -> Any:
         if z not in ends1:
@@ -242,9 +243,17 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
     if hint is not None:
         m.add_hint(v["tau"], hint[0])
         for x, s in hint[1].items():
+            full = next(t for _, t, share in v["opts"][x] if share == FULL_SHARE)
             m.add_hint(v["s"][x], s)
+            m.add_hint(v["d"][x], full)
+            m.add_hint(v["e"][x], s + full)
+            m.add_hint(v["s1"][x], s + hint[0])
+            if x in v["end1"]:
+                m.add_hint(v["end1"][x], s + hint[0] + full)
             for lit, _, share in v["opts"][x]:
                 m.add_hint(lit, share == FULL_SHARE)
+        for a in v["apart"].values():  # a complete hint: nothing overlaps under full options
+            m.add_hint(a, False)
     solver, report, found = solve(m, "stage II", limits, progress)
     if not found:
         return None, report

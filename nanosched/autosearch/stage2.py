@@ -245,9 +245,10 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
         for x, s in hint[1].items():
             full = next(t for _, t, share in v["opts"][x] if share == FULL_SHARE)
             m.add_hint(v["s"][x], s)
-            m.add_hint(v["d"][x], full)
-            m.add_hint(v["e"][x], s + full)
-            m.add_hint(v["s1"][x], s + hint[0])
+            if v["apart"]:  # with point consistency CP-SAT needs the complete hint to use it
+                m.add_hint(v["d"][x], full)
+                m.add_hint(v["e"][x], s + full)
+                m.add_hint(v["s1"][x], s + hint[0])
             if x in v["end1"]:
                 m.add_hint(v["end1"][x], s + hint[0] + full)
             for lit, _, share in v["opts"][x]:

@@ -60,9 +60,11 @@ def point_alloc(n: NanoOp) -> Alloc:
     """n's allocation with its R->P point identity filled in for schedules written before
     allocations carried one: side from the nano-op's class, point from mechanism and R."""
     a = n.alloc
-    if a.mechanism in ("full", PARTITION) or (a.point and a.side):
+    if a.mechanism == "full" or (a.point and a.side):
         return a
     side = a.side or ("compute" if n.resource == "compute" else "other")
+    if a.mechanism == PARTITION:
+        return dataclasses.replace(a, side=side)
     r = 1 - a.share if side == "compute" else a.share
     return dataclasses.replace(a, point=a.point or f"{a.mechanism}@r={r:.3f}", side=side)
 

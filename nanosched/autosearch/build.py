@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime, timezone
 
+from nanosched.autosearch.check import check_points
 from nanosched.autosearch.durations import FULL_SHARE, TICKS_PER_US
 from nanosched.autosearch.opgraph import NanoOpDef, OpGraph, TokenMix, expand, nano_deps
 from nanosched.autosearch.stage1 import Structure
@@ -102,6 +103,7 @@ def build_schedule(spec: ModelSpec, tp: int, profile: Profile, graph: OpGraph, m
                               stages, command)
         try:
             check_capacity(candidate)
+            check_points(candidate)
             sched = candidate
         except ScheduleError:
             pass
@@ -124,7 +126,8 @@ def _assemble(spec: ModelSpec, tp: int, profile: Profile, nanos: list[NanoOpDef]
         ops.append(NanoOp(
             n.id, n.op, n.resource, n.work_start, n.work_end, structure.streams[n.id],
             rank[n.id], structure.offsets[n.id], _deps(n, data[n.id], res[n.id]),
-            Alloc(opt.share / FULL_SHARE, opt.p, opt.mechanism, opt.units, opt.impl),
+            Alloc(opt.share / FULL_SHARE, opt.p, opt.mechanism, opt.units, opt.impl, opt.point,
+                  opt.side),
             alloc.starts[n.id] / TICKS_PER_US, alloc.durations[n.id] / TICKS_PER_US))
     ranges: dict[str, tuple[tuple[int, int], ...]] = {}
     for n in ops:

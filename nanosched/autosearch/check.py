@@ -14,14 +14,18 @@ runs over [s_x + l P, s_x + d_x + l P). Checked:
   streams       no two nano-ops of one stream overlap, over unrolled layers
   classes       no two compute (memory, network) nano-ops overlap, over unrolled layers
   GPU capacity  shares and green-context SMs of nano-ops running at once fit the GPU
+  point consistency
+                nano-ops running at once have compatible allocations (`durations.compatible`):
+                both green_ctx, or the two sides of one cta_bound / stream_priority point
   durations     d = t_alone / P_alloc (within one tick), the allocation a point of the profile
+                (and, when the schedule names it, that very point and side)
 """
 
 from __future__ import annotations
 
-from nanosched.autosearch.durations import TICKS_PER_US, alloc_options
+from nanosched.autosearch.durations import TICKS_PER_US, alloc_options, compatible, describe
 from nanosched.autosearch.opgraph import NanoOpDef, TokenMix, layer_graph, nano_deps
-from nanosched.autosearch.simulate import nano_time_us
+from nanosched.autosearch.simulate import nano_time_us, point_alloc
 from nanosched.errors import ScheduleError
 from nanosched.profiler.format import Profile
 from nanosched.schedules.format import Schedule
@@ -54,6 +58,7 @@ def check_schedule(s: Schedule, profile: Profile) -> None:
         check_capacity(s)
     except ScheduleError as exc:
         raise _fail("GPU capacity", "schedule", str(exc)) from None
+    check_points(s)
     _check_durations(s, profile)
 
 
@@ -122,15 +127,37 @@ def _check_overlaps(s: Schedule) -> None:
                             f"layer {kx}, both {x.resource}-bound")
 
 
+def check_points(s: Schedule) -> None:
+    """No two nano-ops with allocations never measured together run at once (unrolled)."""
+    allocs = {n.id: point_alloc(n) for n in s.nano_ops}
+    spans = sorted(unrolled(s), key=lambda t: t[0])
+    for i, (_a0, a1, x, kx) in enumerate(spans):
+        for b0, _b1, y, ky in spans[i + 1:]:
+            if b0 >= a1 - TOL_US:
+                break
+            if x.id == y.id:
+                continue
+            ax, ay = allocs[x.id], allocs[y.id]
+            if not compatible(ax, ay):
+                raise _fail("point consistency", y.id, f"layer {ky} overlaps {x.id} of layer "
+                            f"{kx} ({b0:.1f} < {a1:.1f} us), but {y.id}'s {describe(ay)} and "
+                            f"{x.id}'s {describe(ax)} were never measured together (only "
+                            f"green_ctx options mix; a cta_bound / stream_priority point runs "
+                            f"only beside its own other side)")
+
+
 def _check_durations(s: Schedule, profile: Profile) -> None:
     options: dict[str, list] = {}
     tick = 1 / TICKS_PER_US
     for n in s.nano_ops:
         opts = options.setdefault(n.resource, alloc_options(profile, n.resource))
-        if not any(abs(o.share / 1000 - n.alloc.share) < 1e-9 and abs(o.p - n.alloc.p) < 1e-9
-                   for o in opts):
-            raise _fail("durations", n.id, f"allocation share {n.alloc.share:g} / P "
-                        f"{n.alloc.p:g} is not a point of the profile's R->P table")
+        a = n.alloc
+        if not any(abs(o.share / 1000 - a.share) < 1e-9 and abs(o.p - a.p) < 1e-9
+                   and o.mechanism == a.mechanism
+                   and (not a.point or (o.point, o.side) == (a.point, a.side)) for o in opts):
+            where = f" ({a.mechanism} point {a.point}, {a.side} side)" if a.point else ""
+            raise _fail("durations", n.id, f"allocation share {a.share:g} / P {a.p:g}{where} "
+                        f"is not a point of the profile's R->P table")
         want = nano_time_us(profile, n, s.batch)
         if not want - TOL_US <= n.duration_us <= want + tick + TOL_US:
             raise _fail("durations", n.id, f"duration {n.duration_us:.2f} us, the profile "

@@ -3,18 +3,28 @@
 Time is integer ticks of 1 us inside the solvers (`TICKS_PER_US`). A share is the part of
 the GPU, in per-mille, that a nano-op is given (R for a memory or network kernel, 1 - R for the
 compute kernel beside it); its duration is t_alone / P with P from the profile's R->P table.
+
+Point consistency: an R->P point was measured for one PAIR of kernels under one mechanism, so
+only measured combinations may run at once (`compatible`). Two `green_ctx` options may overlap
+whatever points they come from (disjoint SM partitions: each side's P holds beside any
+neighbour within its partition). An option of a non-partition point q (`cta_bound`,
+`stream_priority`: both kernels may use every SM, R is nominal) may overlap only the option of
+the other side of the same point q. A `full` option overlaps nothing.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from nanosched.models.ops import COMPUTE, NETWORK
-from nanosched.profiler.format import Profile
+from nanosched.profiler.format import Profile, RPPoint
 
 TICKS_PER_US = 1
 FULL_SHARE = 1000
+PARTITION = "green_ctx"  # the one mechanism whose shares are physical, disjoint SM fractions
+SIDES = ("compute", "other")
 
 
 def to_ticks(us: float) -> int:
@@ -44,28 +54,87 @@ class AllocOption:
     units: int  # SMs (green_ctx, full) or CTAs (cta_bound)
     impl: str = "default"
     table: str = ""  # R->P table the point came from ("" for full)
+    point: str = ""  # "table:index" of the R->P point in profile.rp ("" for full)
+    side: str = ""  # "compute" | "other": which kernel of the measured pair ("" for full)
 
     def ticks(self, alone_us: float) -> int:
         """Ticks of a nano-op that takes `alone_us` alone, under this option: t / P."""
         return to_ticks(alone_us / self.p)
 
 
+class PointAlloc(Protocol):
+    """What compatibility looks at: an AllocOption, or a schedule's Alloc."""
+
+    mechanism: str
+    point: str
+    side: str
+
+
+def compatible(a: PointAlloc, b: PointAlloc) -> bool:
+    """True when allocations `a` and `b` (anything with `mechanism`, `point`, `side`: an
+    AllocOption or a schedule's Alloc) were measured together, so may run at once."""
+    ma, mb = a.mechanism, b.mechanism
+    if ma == "full" or mb == "full":
+        return False
+    if ma == PARTITION or mb == PARTITION:
+        return ma == mb
+    pa, pb = a.point, b.point
+    return bool(pa) and pa == pb and a.side != b.side
+
+
+def describe(a: PointAlloc) -> str:
+    """An allocation's mechanism, point and side, for messages."""
+    mech = a.mechanism
+    if mech == "full":
+        return "the full GPU"
+    where = f" {a.point}" if a.point else ""
+    return f"{mech} point{where} ({a.side or '?'} side)"
+
+
+def _dominated(pt: RPPoint, i: int, points: tuple[RPPoint, ...]) -> bool:
+    """A non-partition point is useless when another pairing of the same table is at least as
+    fast on both sides: another point, or a green compute share beside a green other share
+    that fit together. (Its two sides only ever run together, filling the GPU.)"""
+    for j, q in enumerate(points):
+        if j == i or q.p_compute < pt.p_compute or q.p_other < pt.p_other:
+            continue
+        if q.mechanism == PARTITION or (q.p_compute, q.p_other) != (pt.p_compute, pt.p_other) \
+                or j < i:
+            return True
+    green = [q for q in points if q.mechanism == PARTITION]
+    return any(c.p_compute >= pt.p_compute and o.p_other >= pt.p_other
+               and round(o.r * FULL_SHARE) <= round(c.r * FULL_SHARE)
+               for c in green for o in green)
+
+
 def alloc_options(profile: Profile, resource: str) -> list[AllocOption]:
-    """Full GPU, plus every R->P point of the class's table (both tables for compute)."""
+    """Full GPU, plus the R->P points of the class's table (both tables for compute).
+
+    `green_ctx` points are kept one per share, the best P (they mix freely). A non-partition
+    point is kept as itself (its identity decides what it may overlap) unless another pairing of
+    its table is at least as fast on both sides (`_dominated`); both sides drop together.
+    """
     full = AllocOption(FULL_SHARE, 1.0, "full", profile.identity.num_sms)
-    out: dict[int, AllocOption] = {FULL_SHARE: full}
+    green: dict[int, AllocOption] = {}
+    points: list[AllocOption] = []
     if resource == COMPUTE:
-        for table, points in sorted(profile.rp.items()):
-            for pt in points:
-                opt = AllocOption(FULL_SHARE - round(pt.r * FULL_SHARE), pt.p_compute,
-                                  pt.mechanism, pt.compute_sms, pt.compute_impl, table)
-                if opt.share not in out or out[opt.share].p < opt.p:
-                    out[opt.share] = opt
+        tables = sorted(profile.rp)
     else:
-        table = "network" if resource == NETWORK else "memory"
-        for pt in profile.rp.get(table, ()):
-            opt = AllocOption(round(pt.r * FULL_SHARE), pt.p_other, pt.mechanism, pt.other_sms,
-                              "default", table)
-            if opt.share not in out or out[opt.share].p < opt.p:
-                out[opt.share] = opt
-    return [out[s] for s in sorted(out, reverse=True)]
+        tables = ["network" if resource == NETWORK else "memory"]
+    for table in tables:
+        pts = profile.rp.get(table, ())
+        for i, pt in enumerate(pts):
+            if resource == COMPUTE:
+                opt = AllocOption(FULL_SHARE - round(pt.r * FULL_SHARE), pt.p_compute,
+                                  pt.mechanism, pt.compute_sms, pt.compute_impl, table,
+                                  f"{table}:{i}", "compute")
+            else:
+                opt = AllocOption(round(pt.r * FULL_SHARE), pt.p_other, pt.mechanism,
+                                  pt.other_sms, "default", table, f"{table}:{i}", "other")
+            if pt.mechanism != PARTITION:
+                if not _dominated(pt, i, pts):
+                    points.append(opt)
+            elif opt.share not in green or green[opt.share].p < opt.p:
+                green[opt.share] = opt
+    out = [full, *green.values(), *points]
+    return sorted(out, key=lambda o: (-o.share, o.mechanism != PARTITION, o.point))

@@ -2,8 +2,10 @@ r"""Replay a schedule against a profile and predict its time; pure Python, no so
 
 The replay does what the runtime does: in period p each stream issues, in its issue order, the
 nano-op x of layer p − k_x (k_x its layer offset); a nano-op starts as soon as its stream is
-free, every dependency (y of layer l − δ) has finished and its share of the GPU fits beside
-the nano-ops running then — as soon as possible, never at the solver's placement.
+free, every dependency (y of layer l − δ) has finished, its share of the GPU fits beside
+the nano-ops running then and its allocation is compatible with each of theirs (point
+consistency, `durations.compatible`: only pairs the profile measured run together) — as soon
+as possible, never at the solver's placement.
 Durations come from the profile: t_alone(op, work tokens, context) / P of its allocation.
 Over L layers:
 
@@ -17,15 +19,16 @@ another on the full GPU (all-reduce form), L times, plus the LM head.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from nanosched.autosearch.durations import op_context
+from nanosched.autosearch.durations import PARTITION, compatible, op_context
 from nanosched.autosearch.opgraph import QUANTUM, TokenMix, layer_graph
 from nanosched.errors import ScheduleError
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile
-from nanosched.schedules.format import BatchInfo, NanoOp, Schedule
+from nanosched.schedules.format import Alloc, BatchInfo, NanoOp, Schedule
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,34 @@ def lm_head_us(profile: Profile, batch: BatchInfo) -> float:
     return profile.kernel_time_us("lm_head", tokens)
 
 
-def _fits(placed: list[tuple[float, float, float]], t: float, dur: float, share: float
+def point_alloc(n: NanoOp) -> Alloc:
+    """n's allocation with its R->P point identity filled in for schedules written before
+    allocations carried one: side from the nano-op's class, point from mechanism and R."""
+    a = n.alloc
+    if a.mechanism == "full" or (a.point and a.side):
+        return a
+    side = a.side or ("compute" if n.resource == "compute" else "other")
+    if a.mechanism == PARTITION:
+        return dataclasses.replace(a, side=side)
+    r = 1 - a.share if side == "compute" else a.share
+    return dataclasses.replace(a, point=a.point or f"{a.mechanism}@r={r:.3f}", side=side)
+
+
+Placed = tuple[float, float, float, Alloc]  # start, end, share, allocation
+
+
+def _fits(placed: list[Placed], t: float, dur: float, share: float, alloc: Alloc | None = None
           ) -> float | None:
-    """None if `share` fits beside `placed` over [t, t + dur), else the next end to retry at."""
-    edges = sorted({t, *(a for a, _, _ in placed if t < a < t + dur)})
+    """None if `share` fits beside `placed` over [t, t + dur) and `alloc` is compatible with
+    every nano-op running then (when given), else the next end to retry at."""
+    if alloc is not None:
+        clash = [b for a, b, _, other in placed
+                 if a < t + dur - 1e-9 and b > t + 1e-9 and not compatible(alloc, other)]
+        if clash:
+            return min(clash)
+    edges = sorted({t, *(a for a, _, _, _ in placed if t < a < t + dur)})
     for u in edges:
-        running = [(b, r) for a, b, r in placed if a <= u + 1e-9 and b > u + 1e-9]
+        running = [(b, r) for a, b, r, _ in placed if a <= u + 1e-9 and b > u + 1e-9]
         if sum(r for _, r in running) + share > 1 + 1e-9:
             return min(b for b, _ in running)
     return None
@@ -69,7 +94,8 @@ def replay(s: Schedule, durations: dict[str, float], num_layers: int
     """(nano-op id, layer) -> (start, end) in us: in issue order, as soon as possible.
 
     A nano-op starts when its stream is free, its dependencies have finished and its share
-    fits beside the nano-ops already running (it waits, rather than oversubscribe the GPU).
+    fits beside the nano-ops already running and its allocation is compatible with theirs (it
+    waits for the next end, rather than oversubscribe the GPU or run an unmeasured pair).
     """
     by_id = {n.id: n for n in s.nano_ops}
     queues: dict[str, list[tuple[str, int]]] = {}
@@ -79,7 +105,8 @@ def replay(s: Schedule, durations: dict[str, float], num_layers: int
                            for n in chain if 0 <= p - n.layer_offset < num_layers]
     done: dict[tuple[str, int], tuple[float, float]] = {}
     heads, free = dict.fromkeys(queues, 0), dict.fromkeys(queues, 0.0)
-    placed: list[tuple[float, float, float]] = []
+    placed: list[Placed] = []
+    allocs = {n.id: point_alloc(n) for n in s.nano_ops}
     while len(done) < len(s.nano_ops) * num_layers:
         ready = []
         for sn, queue in queues.items():
@@ -95,10 +122,11 @@ def replay(s: Schedule, durations: dict[str, float], num_layers: int
         t, sn, x, layer = min(ready)
         floor = min(free[q] for q in queues if heads[q] < len(queues[q]))
         placed = [p for p in placed if p[1] > floor]
-        while (retry := _fits(placed, t, durations[x], by_id[x].alloc.share)) is not None:
+        while (retry := _fits(placed, t, durations[x], by_id[x].alloc.share,
+                              allocs[x])) is not None:
             t = retry
         done[(x, layer)] = (t, t + durations[x])
-        placed.append((t, t + durations[x], by_id[x].alloc.share))
+        placed.append((t, t + durations[x], by_id[x].alloc.share, allocs[x]))
         free[sn] = t + durations[x]
         heads[sn] += 1
     return done

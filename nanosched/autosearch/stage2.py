@@ -16,16 +16,33 @@ Constraints
                              intervals [s_x + lτ, s_x + lτ + ⌈t_x / P_j⌉) with demand r_j and
                              presence o_{x,j}, l ∈ {0, 1}: Σ r ≤ 1000 at every instant
   energy (redundant):        Σ_{x,j} o_{x,j} r_j ⌈t_x / P_j⌉ ≤ 1000 τ
+  point consistency:         only measured combinations run at once (durations.compatible).
+      Per nano-op: F_x = o_{x,full}, G_x = Σ_{j green_ctx} o_{x,j}, and for each option j of a
+      non-partition point q_j (cta_bound, stream_priority) on side σ_j ∈ {compute, other}:
+      N_x = Σ_{j non-partition} o_{x,j}. Two options i (of x) and j (of y) are compatible iff
+      both are green_ctx, or q_i = q_j and σ_i ≠ σ_j. For each pair x, y on different streams
+      where one has a non-partition option and the other a non-full one, a literal A_xy
+      ("apart") with
+          A_xy ≥ N_x + G_y − 1,     A_xy ≥ G_x + N_y − 1,
+          A_xy ≥ o_{x,i} + N_y − o_{y,ī} − 1     for every non-partition option i of x,
+      where ī is y's option of the other side of the same point q_i (0 when y has none): so
+      every incompatible non-full combination forces A_xy. Under A_xy the two copies of x and
+      of y may not meet:
+          A_xy ⇒ (e_x + aτ ≤ s_y + bτ) ∨ (e_y + bτ ≤ s_x + aτ)     for (a, b) ∈ {0, 1}²,
+      posted as one no-overlap over the four optional intervals [s_x + aτ, e_x + aτ),
+      [s_y + bτ, e_y + bτ) present iff A_xy (x's own copies never meet: d_x ≤ τ by the
+      stream load). Full options need nothing here: their share 1000 already keeps them
+      alone. Skipped when no nano-op has a non-partition option, and for pairs of one stream.
 Objective: minimise τ.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nanosched.autosearch.cpsat import Limits, Progress, solve
-from nanosched.autosearch.durations import FULL_SHARE, AllocOption, to_ticks
+from nanosched.autosearch.durations import FULL_SHARE, PARTITION, AllocOption, to_ticks
 from nanosched.autosearch.periodic import min_period
 from nanosched.schedules.format import StageReport
 
@@ -51,9 +68,9 @@ class Allocation:
 
 
 def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int
-              ) -> tuple[Any, Any, list[tuple[Any, int, int]]]:
+              ) -> tuple[Any, Any, Any, list[tuple[Any, int, int]]]:
     opts = prob.options[x]
-    lits = [m.new_bool_var(f"opt_{x}_{o.share}") for o in opts]
+    lits = [m.new_bool_var(f"opt_{x}_{j}") for j in range(len(opts))]
     m.add_exactly_one(lits)
     ticks = [o.ticks(prob.alone[x]) for o in opts]
     s = m.new_int_var(0, horizon, f"start_{x}")
@@ -61,7 +78,7 @@ def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int
     m.add(d == sum(lit * t for lit, t in zip(lits, ticks, strict=True)))
     e = m.new_int_var(0, horizon, f"end_{x}")
     m.add(e == s + d)
-    return s, e, [(lit, t, o.share) for lit, t, o in zip(lits, ticks, opts, strict=True)]
+    return s, e, d, [(lit, t, o.share) for lit, t, o in zip(lits, ticks, opts, strict=True)]
 
 
 def build_model(prob: Stage2Problem) -> tuple[Any, dict[str, Any]]:
@@ -72,13 +89,15 @@ def build_model(prob: Stage2Problem) -> tuple[Any, dict[str, Any]]:
     worst = {x: max(o.ticks(t) for o in prob.options[x]) for x, t in prob.alone.items()}
     horizon = 2 * sum(worst.values()) + 2
     tau = m.new_int_var(1, prob.max_period_ticks or horizon, "tau")
-    v: dict[str, Any] = {"tau": tau, "s": {}, "e": {}, "opts": {}}
+    v: dict[str, Any] = {"tau": tau, "s": {}, "e": {}, "d": {}, "s1": {}, "opts": {},
+                         "horizon": horizon}
     intervals, demands, energy = [], [], []
     for x in prob.alone:
-        s, e, opts = _add_nano(m, x, prob, tau, horizon)
-        v["s"][x], v["e"][x], v["opts"][x] = s, e, opts
+        s, e, d, opts = _add_nano(m, x, prob, tau, horizon)
+        v["s"][x], v["e"][x], v["d"][x], v["opts"][x] = s, e, d, opts
         s1 = m.new_int_var(0, 2 * horizon, f"start1_{x}")
         m.add(s1 == s + tau)
+        v["s1"][x] = s1
         k = prob.offsets.get(x, 0)
         m.add(s >= k * tau)
         m.add(s <= k * tau + tau - 1)
@@ -86,16 +105,77 @@ def build_model(prob: Stage2Problem) -> tuple[Any, dict[str, Any]]:
         for lit, t, share in opts:
             for copy, start in enumerate((s, s1)):
                 intervals.append(m.new_optional_interval_var(
-                    start, t, start + t, lit, f"iv{copy}_{x}_{share}"))
+                    start, t, start + t, lit, f"iv{copy}_{x}_{len(intervals)}"))
                 demands.append(share)
             energy.append(lit * (share * t))
     m.add_cumulative(intervals, demands, FULL_SHARE)
     m.add(sum(energy) <= FULL_SHARE * tau)
     _add_order(m, prob, v, tau)
+    v["end1"] = {}
+    v["apart"] = _add_point_consistency(m, prob, v)
     for x, y, shift in prob.deps:
         m.add(v["s"][y] + shift * tau >= v["e"][x])
     m.minimize(tau)
     return m, v
+
+
+def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
+                           ) -> dict[tuple[str, str], Any]:
+    """A_xy literals and their no-overlaps (see the module docstring); {} when not needed."""
+    def nonpartition(x: str) -> list[int]:
+        return [j for j, o in enumerate(prob.options[x])
+                if o.mechanism not in ("full", PARTITION)]
+
+    npj = {x: nonpartition(x) for x in prob.alone}
+    if not any(npj.values()):
+        return {}
+    stream = {x: sn for sn, chain in prob.orders.items() for x in chain}
+    lits = {x: [lit for lit, _, _ in v["opts"][x]] for x in prob.alone}
+
+    def total(x: str, js: list[int]) -> Any:
+        return sum(lits[x][j] for j in js)
+
+    green = {x: [j for j, o in enumerate(prob.options[x]) if o.mechanism == PARTITION]
+             for x in prob.alone}
+    nonfull = {x: [j for j, o in enumerate(prob.options[x]) if o.mechanism != "full"]
+               for x in prob.alone}
+    ids = list(prob.alone)
+    apart: dict[tuple[str, str], Any] = {}
+    ends1: dict[str, Any] = v["end1"]
+
+    def end1(z: str) -> Any:
+        if z not in ends1:
+            ends1[z] = m.new_int_var(0, 3 * v["horizon"], f"end1_{z}")
+            m.add(ends1[z] == v["s1"][z] + v["d"][z])
+        return ends1[z]
+
+    for i, x in enumerate(ids):
+        for y in ids[i + 1:]:
+            if stream.get(x, x) == stream.get(y, y):
+                continue
+            if not ((npj[x] and nonfull[y]) or (npj[y] and nonfull[x])):
+                continue
+            a = m.new_bool_var(f"apart_{x}_{y}")
+            apart[(x, y)] = a
+            nx, ny = total(x, npj[x]), total(y, npj[y])
+            if npj[x] and green[y]:
+                m.add(a >= nx + total(y, green[y]) - 1)
+            if npj[y] and green[x]:
+                m.add(a >= total(x, green[x]) + ny - 1)
+            if npj[x] and npj[y]:
+                for j in npj[x]:
+                    ox = prob.options[x][j]
+                    mate = [k for k in npj[y] if prob.options[y][k].point == ox.point
+                            and prob.options[y][k].side != ox.side]
+                    m.add(a >= lits[x][j] + ny - total(y, mate) - 1)
+            ivs = []
+            for z in (x, y):
+                ivs.append(m.new_optional_interval_var(v["s"][z], v["d"][z], v["e"][z], a,
+                                                       f"ap0_{z}_{x}_{y}"))
+                ivs.append(m.new_optional_interval_var(v["s1"][z], v["d"][z], end1(z), a,
+                                                       f"ap1_{z}_{x}_{y}"))
+            m.add_no_overlap(ivs)
+    return apart
 
 
 def _add_order(m: Any, prob: Stage2Problem, v: dict[str, Any], tau: Any) -> None:
@@ -133,17 +213,48 @@ def _merge_by_phase(prob: Stage2Problem) -> list[str]:
     return out
 
 
+def paired_options(prob: Stage2Problem) -> Stage2Problem:
+    """Drop the non-partition options whose other side no nano-op of another stream has:
+    such an option may overlap nothing (point consistency), so it is never better than the
+    full GPU, and it would only slow the solver (e.g. the network table's points at tp 1)."""
+    stream = {x: sn for sn, chain in prob.orders.items() for x in chain}
+    have: dict[tuple[str, str], set[str]] = {}
+    for x, opts in prob.options.items():
+        for o in opts:
+            if o.mechanism not in ("full", PARTITION):
+                have.setdefault((o.point, o.side), set()).add(stream.get(x, x))
+
+    def keep(x: str, o: AllocOption) -> bool:
+        if o.mechanism in ("full", PARTITION):
+            return True
+        mate = "other" if o.side == "compute" else "compute"
+        return bool(have.get((o.point, mate), set()) - {stream.get(x, x)})
+
+    options = {x: [o for o in opts if keep(x, o)] for x, opts in prob.options.items()}
+    return replace(prob, options=options)
+
+
 def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None = None
                  ) -> tuple[Allocation | None, StageReport]:
-    """Solve stage II; (None, report) when no solution was found."""
+    """Solve stage II (over `paired_options`); (None, report) when no solution was found."""
+    prob = paired_options(prob)
     m, v = build_model(prob)
     hint = sequential_hint(prob)
     if hint is not None:
         m.add_hint(v["tau"], hint[0])
         for x, s in hint[1].items():
+            full = next(t for _, t, share in v["opts"][x] if share == FULL_SHARE)
             m.add_hint(v["s"][x], s)
+            if v["apart"]:  # with point consistency CP-SAT needs the complete hint to use it
+                m.add_hint(v["d"][x], full)
+                m.add_hint(v["e"][x], s + full)
+                m.add_hint(v["s1"][x], s + hint[0])
+            if x in v["end1"]:
+                m.add_hint(v["end1"][x], s + hint[0] + full)
             for lit, _, share in v["opts"][x]:
                 m.add_hint(lit, share == FULL_SHARE)
+        for a in v["apart"].values():  # a complete hint: nothing overlaps under full options
+            m.add_hint(a, False)
     solver, report, found = solve(m, "stage II", limits, progress)
     if not found:
         return None, report

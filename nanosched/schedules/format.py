@@ -13,8 +13,10 @@ Pure Python: a server loads schedules without OR-Tools. Contents (DESIGN.md, "Th
   first nano-ops can overlap layer l's last), `deps` (id, layer shift: 1 = previous layer,
   0 = same, -1 = next layer (resource deps only); kind data / prompt / resource; a nano-op of
   layer l waits for nano-op `id` of layer l - shift), the allocation (share of the GPU, P,
-  mechanism, SMs or CTAs, implementation), predicted `start_us` and `duration_us` of layer 0,
-  whose copies repeat every `prediction.solver_period_us` (start_us // period = layer_offset).
+  mechanism, SMs or CTAs, implementation, the R->P point and side it comes from: only two sides
+  of one cta_bound / stream_priority point, or green_ctx allocations, may run at once),
+  predicted `start_us` and `duration_us` of layer 0, whose copies repeat every
+  `prediction.solver_period_us` (start_us // period = layer_offset).
 - `prediction`: layer period, iteration time, tokens/s per GPU, the optimal tokens/s per GPU,
   the sequential baseline; `stages`: solver status, objective, bound, gap, wall time per stage.
 """
@@ -61,6 +63,8 @@ class Alloc:
     mechanism: str
     units: int
     impl: str = "default"
+    point: str = ""  # R->P point "table:index" of the profile ("" for full; absent in old files)
+    side: str = ""  # "compute" | "other": which kernel of the point's measured pair it is
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import load_schedule
 
 DATA = Path(__file__).parent / "data"
+SHIPPED_H200 = (Path(__file__).parents[1] / "nanosched" / "schedules" / "shipped" /
+                "llama3-8b-tp1-h200-in1024-out512-b2048.json")
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +160,14 @@ def test_a_schedule_stream_split_over_cuda_streams_keeps_its_order():
     assert out[1].waits == (("add_norm_ffn", 0, 0, 8),)  # crossed CUDA streams: waits
     assert out[2].waits == ()  # same CUDA stream: the stream itself orders it
     assert out[0].waits == () and out[3].waits == ()
+
+
+def test_dispatch_order_is_each_streams_issue_order():
+    """start_us already holds the layer offset: keying by (l + k) * period + start_us counted it
+    twice and queued an offset nano-op behind the next layer's on the same CUDA stream."""
+    sched = load_schedule(SHIPPED_H200)
+    assert any(n.layer_offset for n in sched.nano_ops)
+    replay = Replay(sched, 4)
+    for lane in {n.stream for n in sched.nano_ops}:
+        mine = [e for e in replay.entries if e.lane == lane]
+        assert mine == sorted(mine, key=lambda e: (e.period, e.order))

@@ -2,8 +2,9 @@
 
 The batch is split at every boundary of every op's nano-batch ranges; a scheduled nano-op is
 the merged execution of the micro-batches its range covers (one launch, no copy). Layer l's
-copy of nano-op n is issued in period l + layer_offset at its predicted start, so the CPU walks
-all (layer, nano-op) pairs in order of (l + k) * period + start_us and dispatches each as soon
+copy of nano-op n is issued in period l + layer_offset at its predicted start; start_us already
+lies in [k τ, (k + 1) τ) for layer offset k, so the CPU walks all (layer, nano-op) pairs in order
+of l * period + start_us (per stream, the schedule's issue order) and dispatches each as soon
 as its micro-batches reach it; ties or rounding that would dispatch an op early are resolved by
 taking the next one in that order that is ready. Data dependencies become events in the backend;
 the schedule's `resource` dependencies (kernels the solver kept apart to respect SM capacity)
@@ -118,7 +119,8 @@ class Replay(OpScheduler):
                                by_id[d.id].end) for d in n.deps
                               if d.kind == "resource" and self.resource_waits
                               and 0 <= layer - d.shift < self.num_layers)
-                out.append(_Entry((layer + n.layer_offset) * period + n.start_us, n.order, layer,
+                # start_us already holds the layer offset (it lies in [k τ, (k + 1) τ))
+                out.append(_Entry(layer * period + n.start_us, n.order, layer,
                                   n.op, n.start, n.end, stream_key(n), launch_config(n), waits,
                                   n.stream, layer + n.layer_offset))
         out = _keep_lane_order(out)

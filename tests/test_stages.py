@@ -96,3 +96,11 @@ def test_stage2_overlaps_when_it_pays():
     alloc, _ = solve_stage2(prob, Limits(10, 2))
     assert alloc is not None and alloc.period == 17  # 10 / 0.6 beside 8 / 0.8
     assert {x: o.share for x, o in alloc.choice.items()} == {"x": 600, "y": 400}
+
+
+def test_min_period_keeps_every_start_in_its_offset_period():
+    # y (10 ticks, stream b) feeds x (1 tick, stream a), both of layer offset 0: x cannot
+    # start before 10, so τ = 10 would put it in period 1; the least τ is 11.
+    tau, starts = min_period({"x": 1, "y": 10}, {"a": ["x"], "b": ["y"]}, [("y", "x", 0)],
+                             {"x": 0, "y": 0})
+    assert tau == 11 and starts == {"x": 10, "y": 0}

@@ -44,7 +44,7 @@ def feasible_starts(durations: dict[str, int], orders: dict[str, list[str]],
     k = offsets or {}
     origin, nodes = "<origin>", [*durations, "<origin>"]
     arcs = [(origin, x, k.get(x, 0) * tau) for x in durations]
-    arcs += [(x, origin, min(durations[x] - 2 * tau, 1 - (k.get(x, 0) + 1) * tau))
+    arcs += [(x, origin, max(durations[x] - 2 * tau, 1 - (k.get(x, 0) + 1) * tau))
              for x in durations]
     arcs += [(x, y, durations[x] - shift * tau) for x, y, shift in deps]
     for chain in orders.values():

@@ -16,6 +16,20 @@ Constraints
                              intervals [s_x + lτ, s_x + lτ + ⌈t_x / P_j⌉) with demand r_j and
                              presence o_{x,j}, l ∈ {0, 1}: Σ r ≤ 1000 at every instant
   energy (redundant):        Σ_{x,j} o_{x,j} r_j ⌈t_x / P_j⌉ ≤ 1000 τ
+  effective energy (redundant, only with non-partition options): a non-partition option of
+                             point q runs beside nothing but q's other side (point
+                             consistency below: two options of one side of q are incompatible),
+                             so at any instant the running set is one full option, green
+                             options (Σ r ≤ 1000) or one pair of q's two sides. Any split
+                             e_{q,c} + e_{q,o} = 1000 of the GPU between q's sides is therefore
+                             a valid demand: three more rows Σ o_{x,j} ⌊e_j ⌈t_x / P_j⌉⌋ ≤ 1000 τ
+                             (green and full options keep e_j = r_j) with the fair split
+                             e_{q,σ} = 1000 P_{q,σ} / (P_{q,c} + P_{q,o}) (a unit of alone-time
+                             work costs the same GPU time on either side) and the extremes
+                             e_{q,c} ∈ {1000, 0}. The nominal R of a cta_bound /
+                             stream_priority point says nothing of the GPU its side occupies
+                             (e.g. a compute side at R = 0.03 with P = 0.62), so the nominal
+                             row alone left the bound far below any schedule.
   point consistency:         only measured combinations run at once (durations.compatible).
       Per nano-op: F_x = o_{x,full}, G_x = Σ_{j green_ctx} o_{x,j}, and for each option j of a
       non-partition point q_j (cta_bound, stream_priority) on side σ_j ∈ {compute, other}:
@@ -34,10 +48,22 @@ Constraints
       stream load). Full options need nothing here: their share 1000 already keeps them
       alone. Skipped when no nano-op has a non-partition option, and for pairs of one stream.
 Objective: minimise τ.
+
+Solving: hinted with the all-sequential placement (everything on the full GPU, one nano-op at
+a time in phase order; always feasible). With point consistency a warm start first solves the
+problem restricted to full and green_ctx options (no A_xy literals, a much easier model) for
+`GREEN_SHARE` of the time; its answer is feasible for the whole problem (green options force
+no A_xy) and becomes the whole problem's complete hint. The whole problem gets the rest of the
+time and gives the reported incumbent, bound and gap (the restricted bound is no bound of the
+whole problem); if the whole problem finds nothing in its time (too short to load it), the
+warm start's answer is returned with its own bound and a note saying so. Without the warm
+start CP-SAT's LNS rarely left the sequential hint: every improvement needs two nano-ops to
+change option together and many starts to move.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -110,6 +136,8 @@ def build_model(prob: Stage2Problem) -> tuple[Any, dict[str, Any]]:
             energy.append(lit * (share * t))
     m.add_cumulative(intervals, demands, FULL_SHARE)
     m.add(sum(energy) <= FULL_SHARE * tau)
+    for fair in _fair_energies(prob, v):
+        m.add(sum(fair) <= FULL_SHARE * tau)
     _add_order(m, prob, v, tau)
     v["end1"] = {}
     v["apart"] = _add_point_consistency(m, prob, v)
@@ -178,6 +206,36 @@ def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
     return apart
 
 
+def _fair_energies(prob: Stage2Problem, v: dict[str, Any]) -> list[list[Any]]:
+    """The energy rows with effective shares of non-partition options (module docstring):
+    a non-partition option only ever runs beside the other side of its own point, so any
+    split e_c + e_o = 1000 of the GPU between the two sides is a valid demand. Rows for the
+    fair split e_σ = 1000 P_σ / (P_c + P_o) (each unit of work costs the same GPU time
+    whichever side does it) and for the two extremes (compute side 1000 or 0); [] when no
+    nano-op has a non-partition option."""
+    pts: dict[str, dict[str, float]] = {}
+    for opts in prob.options.values():
+        for o in opts:
+            if o.mechanism not in ("full", PARTITION):
+                pts.setdefault(o.point, {})[o.side] = o.p
+    if not pts:
+        return []
+    rows: list[list[Any]] = [[], [], []]
+    for x, opts in v["opts"].items():
+        for (lit, t, share), o in zip(opts, prob.options[x], strict=True):
+            if o.mechanism in ("full", PARTITION):
+                for row in rows:
+                    row.append(lit * (share * t))
+                continue
+            sides = pts[o.point]
+            mate = sides.get("other" if o.side == "compute" else "compute", 0.0)
+            fair = FULL_SHARE * o.p / (o.p + mate) if o.p + mate > 0 else FULL_SHARE
+            for row, e in zip(rows, (fair, FULL_SHARE * (o.side == "compute"),
+                                     FULL_SHARE * (o.side != "compute")), strict=True):
+                row.append(lit * math.floor(e * t))
+    return rows
+
+
 def _add_order(m: Any, prob: Stage2Problem, v: dict[str, Any], tau: Any) -> None:
     k = prob.offsets
     for chain in prob.orders.values():
@@ -234,28 +292,35 @@ def paired_options(prob: Stage2Problem) -> Stage2Problem:
     return replace(prob, options=options)
 
 
-def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None = None
-                 ) -> tuple[Allocation | None, StageReport]:
-    """Solve stage II (over `paired_options`); (None, report) when no solution was found."""
-    prob = paired_options(prob)
+def _set_hint(v: dict[str, Any], m: Any, prob: Stage2Problem, tau: int,
+              starts: dict[str, int], choice: dict[str, AllocOption]) -> None:
+    """The hint: starts, option literals and τ; complete (durations, ends, copies, A_xy = 0)
+    when A_xy literals exist, as CP-SAT then needs it complete to use it (`choice` holds
+    full or green options only, which never force an A_xy)."""
+    for x, s in starts.items():
+        j = prob.options[x].index(choice[x])
+        d = v["opts"][x][j][1]
+        m.add_hint(v["s"][x], s)
+        if v["apart"]:
+            m.add_hint(v["d"][x], d)
+            m.add_hint(v["e"][x], s + d)
+            m.add_hint(v["s1"][x], s + tau)
+        if x in v["end1"]:
+            m.add_hint(v["end1"][x], s + tau + d)
+        for i, (lit, _, _) in enumerate(v["opts"][x]):
+            m.add_hint(lit, i == j)
+    for a in v["apart"].values():
+        m.add_hint(a, False)
+    m.add_hint(v["tau"], tau)
+
+
+def _solve(prob: Stage2Problem, limits: Limits, progress: Progress | None,
+           hint: tuple[int, dict[str, int], dict[str, AllocOption]] | None, stage: str
+           ) -> tuple[Allocation | None, StageReport]:
     m, v = build_model(prob)
-    hint = sequential_hint(prob)
     if hint is not None:
-        m.add_hint(v["tau"], hint[0])
-        for x, s in hint[1].items():
-            full = next(t for _, t, share in v["opts"][x] if share == FULL_SHARE)
-            m.add_hint(v["s"][x], s)
-            if v["apart"]:  # with point consistency CP-SAT needs the complete hint to use it
-                m.add_hint(v["d"][x], full)
-                m.add_hint(v["e"][x], s + full)
-                m.add_hint(v["s1"][x], s + hint[0])
-            if x in v["end1"]:
-                m.add_hint(v["end1"][x], s + hint[0] + full)
-            for lit, _, share in v["opts"][x]:
-                m.add_hint(lit, share == FULL_SHARE)
-        for a in v["apart"].values():  # a complete hint: nothing overlaps under full options
-            m.add_hint(a, False)
-    solver, report, found = solve(m, "stage II", limits, progress)
+        _set_hint(v, m, prob, *hint)
+    solver, report, found = solve(m, stage, limits, progress)
     if not found:
         return None, report
     choice, durations = {}, {}
@@ -264,3 +329,40 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
         choice[x], durations[x] = prob.options[x][j], opts[j][1]
     starts = {x: solver.value(s) for x, s in v["s"].items()}
     return Allocation(choice, durations, starts, solver.value(v["tau"])), report
+
+
+GREEN_SHARE = 0.4  # of stage II's time for the warm start over full and green_ctx options
+
+
+def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None = None
+                 ) -> tuple[Allocation | None, StageReport]:
+    """Solve stage II (over `paired_options`); (None, report) when no solution was found.
+
+    Hinted with the all-sequential placement. When some option is non-partition (point
+    consistency applies), a warm start first solves the problem restricted to full and
+    green_ctx options (no A_xy literals: much easier) for `GREEN_SHARE` of the time; its
+    answer, feasible for the whole problem, is the complete hint of the whole problem, which
+    gets the rest of the time and gives the reported bound."""
+    prob = paired_options(prob)
+    seq = sequential_hint(prob)
+    hint = None
+    if seq is not None:
+        full = {x: next(o for o in opts if o.share == FULL_SHARE)
+                for x, opts in prob.options.items()}
+        hint = (seq[0], seq[1], full)
+    plain = {x: [o for o in opts if o.mechanism in ("full", PARTITION)]
+             for x, opts in prob.options.items()}
+    if plain == prob.options:
+        return _solve(prob, limits, progress, hint, "stage II")
+    warm_limits = replace(limits, time_limit_s=GREEN_SHARE * limits.time_limit_s)
+    warm, warm_rep = _solve(replace(prob, options=plain), warm_limits, progress, hint,
+                     "stage II (full and green_ctx options)")
+    if warm is not None:
+        hint = (warm.period, warm.starts, warm.choice)
+    rest = replace(limits, time_limit_s=(1 - GREEN_SHARE) * limits.time_limit_s)
+    alloc, report = _solve(prob, rest, progress, hint, "stage II")
+    if alloc is None and warm is not None:  # too little time to even load the hint
+        return warm, replace(warm_rep, stage="stage II", note=(
+            "the whole problem found no solution in its time: this is the warm start's "
+            "answer, with the bound and gap of its problem (full and green_ctx options only)"))
+    return alloc, report

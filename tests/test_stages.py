@@ -2,6 +2,8 @@
 
 import itertools
 
+from test_point_consistency import brute_force
+
 from nanosched.autosearch.cpsat import Limits
 from nanosched.autosearch.durations import AllocOption
 from nanosched.autosearch.opgraph import Edge, GraphOp, OpGraph, TokenMix, expand, nano_deps
@@ -52,27 +54,6 @@ def test_min_split_is_the_cheapest_split():
     assert min_split_ticks(table, 4) == 20
 
 
-def brute_force_stage2(prob: Stage2Problem) -> int:
-    """Least period on the integer grid: options, starts, two unrolled layers of capacity."""
-    ids = list(prob.alone)
-    for tau in range(1, 60):
-        for choice in itertools.product(*(prob.options[x] for x in ids)):
-            d = {x: o.ticks(prob.alone[x]) for x, o in zip(ids, choice, strict=True)}
-            share = {x: o.share for x, o in zip(ids, choice, strict=True)}
-            for starts in itertools.product(range(tau), repeat=len(ids)):
-                s = dict(zip(ids, starts, strict=True))
-                if any(s[x] + d[x] > 2 * tau or d[x] > tau for x in ids):
-                    continue
-                if any(s[y] + k * tau < s[x] + d[x] for x, y, k in prob.deps):
-                    continue
-                spans = [(s[x] + k * tau, s[x] + d[x] + k * tau, share[x])
-                         for x in ids for k in (0, 1, 2)]
-                if all(sum(r for a, b, r in spans if a <= t < b) <= 1000
-                       for t in range(3 * tau)):
-                    return tau
-    raise AssertionError("no period below 60")
-
-
 def test_stage2_matches_brute_force():
     full = AllocOption(1000, 1.0, "full", 132)
     options = {"x": [full, AllocOption(600, 0.6, "green_ctx", 80)],
@@ -83,7 +64,7 @@ def test_stage2_matches_brute_force():
                              {"x": 0, "y": 0}, deps)
         alloc, rep = solve_stage2(prob, Limits(10, 2))
         assert rep.status == "OPTIMAL" and alloc is not None
-        assert alloc.period == brute_force_stage2(prob)
+        assert alloc.period == brute_force(prob, consistent=False)[0]
     assert alloc.period == 18  # x then y, each alone: overlap cannot pay within one layer
 
 

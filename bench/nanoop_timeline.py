@@ -178,7 +178,7 @@ def main() -> None:
     strat = Replay(sched, spec.num_layers)
     streams = ReplayStreams(strat.streams)
     cycles = sleep_cycles_per_ms()
-    seq_alone = sequential_op_times(load_spec(sched.model["name"]), sched.tp, profile, b)
+    seq_alone = sequential_op_times(spec, sched.tp, profile, b)  # per layer: layers unused
     out = {"env": environment(), "schedule": args.schedule,
            "profile_digest": profile.digest(), "layers": args.layers, "results": {}}
     tables = {}

@@ -10,7 +10,8 @@ decode segment has one token. `BatchMeta` covers the global token range [start, 
   [num_segments] int32 = the position of the segment's last token in this range + 1, i.e. how
   many cached tokens the segment's last query attends to;
 - per segment (host): local `seg_starts` / `seg_ends`, `seg_first_pos`, `seg_request` (index of
-  the request in the full batch) and `context_lens_cpu`;
+  the request in the full batch) and `context_lens_cpu`; the prefill segments also on the device
+  (`prefill_tensors()`, memoised), as the Triton prefill kernel reads them;
 - `num_decode`: decode tokens in the range (they come first; one segment each).
 
 `meta.slice(start, end)` gives the metadata of a sub-range (memoised), so a runtime can run ops
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanosched.errors import ConfigError
+from nanosched.kernels.common import PrefillSegments
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class BatchMeta:
     seg_request: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
     _slices: dict[tuple[int, int], BatchMeta] = field(default_factory=dict, repr=False)
+    _prefill: PrefillSegments | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +80,13 @@ class BatchMeta:
         return [(s - nd, e - nd, p) for s, e, p in
                 zip(self.seg_starts[nd:], self.seg_ends[nd:], self.seg_first_pos[nd:],
                     strict=True)]
+
+    def prefill_tensors(self) -> PrefillSegments:
+        """`prefill_segments()` as device tensors (one H2D copy, memoised like `slice`: a CUDA
+        graph captured after a first eager run reuses them)."""
+        if self._prefill is None:
+            self._prefill = PrefillSegments.build(self.prefill_segments(), self.positions.device)
+        return self._prefill
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], page_size: int,

@@ -139,9 +139,12 @@ class PrefillConfig:
                               f" and num_stages={self.num_stages} >= 1")
 
 
-def default_config(head_dim: int) -> PrefillConfig:
+def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
     """Hopper defaults: 128x64 tiles; 8 warps and 2 stages at d > 64, 4 warps and 3 stages
-    below (the flash-attention tutorial's choices; bench/kernels_prefill_attn.py sweeps them)."""
+    below (the flash-attention tutorial's choices; bench/kernels_prefill_attn.py sweeps them).
+    fp32 (tests) takes 64-row tiles: its tiles are twice the bytes in shared memory."""
+    if dtype == torch.float32:
+        return PrefillConfig(64, 64, 4, 2)
     if head_dim <= 64:
         return PrefillConfig(128, 64, 4, 3)
     return PrefillConfig(128, 64, 8, 2)
@@ -169,7 +172,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     if n == 0 or segments.num_segments == 0 or segments.max_len == 0:
         return
-    cfg = config or default_config(d)
+    cfg = config or default_config(d, q.dtype)
     group = num_q // num_kv
     _prefill_kernel[grid(segments, num_kv, group, cfg.block_m)](
         q, k_cache, v_cache, block_tables, segments.start, segments.length, segments.first_pos,

@@ -57,8 +57,9 @@ def test_dispatch_rejects_wrong_impls_and_launch_keys():
         K.linear(x, w, None, out, TORCH, {"num_sms": 4, "block_m": 64})
     with pytest.raises(ConfigError, match=r"launch num_sms=0 must be a positive integer"):
         K.linear(x, w, None, out, TORCH, {"num_sms": 0})
-    with pytest.raises(ConfigError, match=r"'cublas' is unknown for torch_only"):
-        K.prefill_attention(x, x, x, x, [], 1.0, out, {"impl": "cublas"})
+    with pytest.raises(ConfigError, match=r"'cublas' is unknown for prefill; known: triton, "
+                                          r"torch"):
+        K.prefill_attention(x, x, x, x, [], 1.0, out, TORCH, {"impl": "cublas"})
     with pytest.raises(ConfigError, match=r"gemm implementation 'cutlass' is not one of"):
         K.KernelOptions(gemm="cutlass")
     assert K.KernelOptions(gemm="triton").gemm_impl == "triton_persistent_128x128"
@@ -110,6 +111,39 @@ def test_elementwise_ops_honour_impl_over_the_options():
     for got, want in zip(outs[1], outs[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
+
+
+@needs_interpret
+def test_prefill_attention_honours_impl_and_stays_torch_on_cpu(monkeypatch):
+    from nanosched.kernels import prefill_attn
+    from nanosched.kernels.common import PrefillSegments
+
+    gen = torch.Generator().manual_seed(4)
+    kc, vc = (torch.randn(6, 4, 1, 16, generator=gen) for _ in range(2))
+    tables = torch.randperm(6, generator=gen).view(2, 3).int()  # 3 pages of 4 per segment
+    segments = [(0, 7, 2), (7, 12, 0)]
+    q = torch.randn(12, 2, 16, generator=gen)
+    want = torch.empty_like(q)
+    K.prefill_attention(q, kc, vc, tables, segments, 0.25, want, TORCH, {"impl": "torch"})
+    cases = [(TORCH, {"impl": "triton", "num_sms": 2, "max_ctas": 3}, segments),
+             (K.KernelOptions("triton"), None, segments),
+             (TORCH, {"impl": "triton"}, PrefillSegments.build(segments, "cpu", 2, 16)),
+             (TORCH, None, PrefillSegments(PrefillSegments.build(segments, "cpu").table, 7))]
+    for opts, launch, segs in cases:
+        got = torch.full_like(q, float("nan"))
+        K.prefill_attention(q, kc, vc, tables, segs, 0.25, got, opts, launch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(launch))
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("the Triton prefill kernel ran")
+
+    monkeypatch.setattr(prefill_attn, "prefill_attention", no_triton)
+    got = torch.full_like(q, float("nan"))
+    K.prefill_attention(q, kc, vc, tables, segments, 0.25, got, K.KernelOptions(), None)
+    torch.testing.assert_close(got, want)  # auto on CPU tensors: the torch reference
+    with pytest.raises(ConfigError, match=r"'triton_paged' is unknown for prefill"):
+        K.prefill_attention(q, kc, vc, tables, segments, 0.25, got, TORCH,
+                            {"impl": "triton_paged"})
 
 
 def test_grouped_programs_follow_the_launch_bounds():

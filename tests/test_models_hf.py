@@ -4,8 +4,10 @@ Three prompts of different lengths are prefilled in one mixed batch (one prompt 
 iterations, its second chunk next to decode tokens), then every request decodes 16 greedy steps
 through the paged cache. HF then runs each full sequence once; every logit nanosched produced
 must match HF's at the same position (fp32, 1e-4 relative) and every greedy token must be HF's
-argmax. Mixtral also runs on the Triton kernels (grouped expert GEMM included) under
-TRITON_INTERPRET=1, with 2 decode steps to keep the interpreter's time short.
+argmax. Mixtral (GQA group 2) and Qwen2 with one KV head (group 4) also run on the Triton
+kernels (grouped expert GEMM, paged decode attention and paged prefill attention, the chunked
+prompt's second chunk included) under TRITON_INTERPRET=1, with 2 decode steps to keep the
+interpreter's time short.
 """
 
 from __future__ import annotations
@@ -82,10 +84,12 @@ def test_prefill_and_decode_match_hf(tmp_path, arch, overrides):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
                     reason="needs triton and TRITON_INTERPRET=1 (set by tests/conftest.py)")
-def test_mixtral_on_triton_kernels_matches_hf(tmp_path):
-    hf = make_hf("mixtral", tmp_path, seed=1)
+@pytest.mark.parametrize("arch, overrides", [("mixtral", {}),
+                                             ("qwen2", {"num_key_value_heads": 1})])
+def test_on_triton_kernels_matches_hf(tmp_path, arch, overrides):
+    hf = make_hf(arch, tmp_path, seed=1, **overrides)
     model = load(tmp_path, KernelOptions("triton"))
-    check_against_hf(hf, *generate_mixed(model, decode_steps=2), "mixtral/triton", 2)
+    check_against_hf(hf, *generate_mixed(model, decode_steps=2), f"{arch}/triton", 2)
 
 
 def check_against_hf(hf, seqs, logits_of, arch: str, decode_steps: int) -> None:

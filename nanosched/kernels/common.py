@@ -1,14 +1,18 @@
-"""Small helpers shared by the Triton kernels: SM counts and dot precision.
+"""Small helpers shared by the Triton kernels: SM counts, dot precision, prefill segments.
 
-No triton import here, so the dispatcher can use these on machines without triton.
+No triton import here, so the dispatcher and the models can use these on machines without triton.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from nanosched.errors import ConfigError
 
 INTERPRET_NUM_SMS = 4  # stand-in SM count under TRITON_INTERPRET=1 (CPU tensors)
 CTAS_PER_SM = 4  # default grid of a persistent memory-bound kernel, per SM
@@ -54,3 +58,78 @@ def bind_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(torch.cuda.current_device() if device.index is None
                               else device.index)
+
+
+Segment = tuple[int, int, int]  # (start, end, first_pos) of one prefill segment
+
+
+@dataclass(frozen=True)
+class PrefillSegments:
+    """Prefill segment metadata on the device, as the Triton prefill kernel reads it.
+
+    `start`, `length`, `first_pos` [S] int32 are rows of one [3, S] tensor (`table`): segment i
+    covers q rows start_i .. start_i + length_i - 1 at positions first_pos_i... `max_len` is a host
+    bound on every length (it sizes the grid); segments of length 0 are padding. `host` keeps the
+    (start, end, first_pos) tuples when known, so the torch path needs no device read.
+    """
+
+    table: torch.Tensor  # [3, S] int32
+    max_len: int
+    host: tuple[Segment, ...] | None = None
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.table[0]
+
+    @property
+    def length(self) -> torch.Tensor:
+        return self.table[1]
+
+    @property
+    def first_pos(self) -> torch.Tensor:
+        return self.table[2]
+
+    @property
+    def num_segments(self) -> int:
+        return self.table.shape[1]
+
+    @classmethod
+    def build(cls, segments: Sequence[Segment], device: torch.device | str,
+              num_segments: int | None = None, max_len: int | None = None) -> PrefillSegments:
+        """From (start, end, first_pos) tuples: one H2D copy. `num_segments` pads with empty
+        segments and `max_len` raises the grid bound (a CUDA-graph bucket)."""
+        rows = _segment_rows(segments, num_segments, max_len)
+        table = torch.tensor(rows, dtype=torch.int32).to(device)
+        bound = max(max_len or 0, max(rows[1], default=0))
+        return cls(table, bound, tuple(tuple(s) for s in segments))
+
+    def write(self, segments: Sequence[Segment]) -> PrefillSegments:
+        """Copy new segments into these tensors in place (same S and bound: a graph replays
+        them); the rest is padding. Returns the metadata with the new host tuples."""
+        rows = _segment_rows(segments, self.num_segments, self.max_len)
+        self.table.copy_(torch.tensor(rows, dtype=torch.int32))
+        return PrefillSegments(self.table, self.max_len, tuple(tuple(s) for s in segments))
+
+    def as_list(self) -> list[Segment]:
+        """The non-empty segments as tuples (reads the device tensors when `host` is unknown)."""
+        if self.host is not None:
+            return list(self.host)
+        starts, lens, first = self.table.tolist()
+        return [(s, s + n, p) for s, n, p in zip(starts, lens, first, strict=True) if n > 0]
+
+
+def _segment_rows(segments: Sequence[Segment], num_segments: int | None,
+                  max_len: int | None) -> list[list[int]]:
+    """[starts, lengths, first positions], padded with empty segments to `num_segments`."""
+    for s, e, p in segments:
+        if not 0 <= s <= e or p < 0:
+            raise ConfigError(f"prefill segment {(s, e, p)} needs 0 <= start <= end and "
+                              f"first_pos >= 0")
+        if max_len is not None and e - s > max_len:
+            raise ConfigError(f"prefill segment {(s, e, p)} is longer than the bound {max_len}")
+    count = len(segments) if num_segments is None else num_segments
+    if count < len(segments):
+        raise ConfigError(f"{len(segments)} prefill segments do not fit in {count}")
+    pad = count - len(segments)
+    return [[s for s, _, _ in segments] + [0] * pad, [e - s for s, e, _ in segments] + [0] * pad,
+            [p for _, _, p in segments] + [0] * pad]

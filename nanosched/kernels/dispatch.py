@@ -15,7 +15,7 @@ works on machines without it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels import impls
 from nanosched.kernels import reference as ref
-from nanosched.kernels.common import is_interpret, num_sms
+from nanosched.kernels.common import PrefillSegments, Segment, is_interpret, num_sms
 
 BACKENDS = ("auto", "torch", "triton")
 GEMM_ALIASES = {"torch": "cublas", "triton": impls.persistent_name(128, 128)}
@@ -93,11 +93,6 @@ def _elementwise(opts: KernelOptions, x: torch.Tensor, launch: Launch) -> bool:
     if name == "triton":
         _triton_ok(x)
     return name == "triton"
-
-
-def _torch_only(launch: Launch) -> None:
-    """Check the launch of an op whose only implementation is `torch`."""
-    _chosen(impls.read_launch(launch), impls.TORCH_ONLY, lambda: "torch")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -176,11 +171,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, segments: list[tuple[int, int, int]],
-                      scale: float, out: torch.Tensor, launch: Launch = None) -> None:
-    """Chunked causal prefill attention (torch SDPA on every device; impl `torch`)."""
-    _torch_only(launch)
-    ref.prefill_attention(q, k_cache, v_cache, block_tables, segments, scale, out)
+                      block_tables: torch.Tensor, segments: Sequence[Segment] | PrefillSegments,
+                      scale: float, out: torch.Tensor, opts: KernelOptions,
+                      launch: Launch = None) -> None:
+    """Chunked causal prefill attention. q, out [n, Hq, d]; segments: (start, end, first_pos)
+    tuples or device `PrefillSegments` (what a CUDA graph captures); launch: impl (`triton` |
+    `torch`). `torch` reads the segments' host tuples (the device tensors when it has none)."""
+    name = _chosen(impls.read_launch(launch), impls.PREFILL,
+                   lambda: "triton" if use_triton(opts, q) else "torch")
+    if name == "triton":
+        _triton_ok(q)
+        from nanosched.kernels.prefill_attn import prefill_attention as kernel
+
+        kernel(q, k_cache, v_cache, block_tables, segments, scale, out)
+    else:
+        if isinstance(segments, PrefillSegments):
+            segments = segments.as_list()
+        ref.prefill_attention(q, k_cache, v_cache, block_tables, list(segments), scale, out)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,

@@ -11,7 +11,8 @@ Families (ops → names):
   (kernels/elementwise.py), `torch` (reference).
 - grouped (experts_ug, experts_d): `triton` (kernels/grouped_gemm.py), `torch` (a loop over
   experts, reference.grouped_linear).
-- torch_only (attn_prefill): `torch` (SDPA per prompt).
+- prefill (attn_prefill): `triton` (kernels/prefill_attn.py: paged, all segments in one launch),
+  `torch` (reference: gather + SDPA per segment).
 
 A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits": int?}`
 (`LAUNCH_KEYS`); every key is optional and each op reads only what concerns it:
@@ -22,7 +23,7 @@ A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits
 - grouped: `max_ctas`, and `num_sms` when it is fewer than the device's SMs outside a
   partition, bound the Triton programs (persistent, the smaller bound wins); otherwise the grid is
   one program per upper-bound tile (on a partition the partition itself bounds the SMs).
-- elementwise and torch_only: only `impl`.
+- elementwise and prefill: only `impl`.
 An absent `impl` means the `KernelOptions` default (dispatch.py). torch and torch.cuda only:
 no triton import here.
 """
@@ -40,22 +41,22 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import CTAS_PER_SM
 
-GEMM, DECODE, ELEMENTWISE, GROUPED, TORCH_ONLY = ("gemm", "decode", "elementwise", "grouped",
-                                                  "torch_only")
+GEMM, DECODE, ELEMENTWISE, GROUPED, PREFILL = ("gemm", "decode", "elementwise", "grouped",
+                                               "prefill")
 OP_FAMILY = {
     "kqv": GEMM, "o": GEMM, "ug": GEMM, "d": GEMM,
     "attn_decode": DECODE,
     "rope_append": ELEMENTWISE, "add_norm_ffn": ELEMENTWISE, "add_norm_attn": ELEMENTWISE,
     "act": ELEMENTWISE,
     "experts_ug": GROUPED, "experts_d": GROUPED,
-    "attn_prefill": TORCH_ONLY,
+    "attn_prefill": PREFILL,
 }
 FIXED_NAMES = {
     GEMM: ("cublas", "cublaslt"),
     DECODE: ("triton_paged", "torch"),
     ELEMENTWISE: ("triton", "torch"),
     GROUPED: ("triton", "torch"),
-    TORCH_ONLY: ("torch",),
+    PREFILL: ("triton", "torch"),
 }
 PERSISTENT = "triton_persistent"
 PERSISTENT_PATTERN = re.compile(r"triton_persistent_(\d+)x(\d+)")

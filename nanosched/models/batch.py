@@ -10,7 +10,8 @@ decode segment has one token. `BatchMeta` covers the global token range [start, 
   [num_segments] int32 = the position of the segment's last token in this range + 1, i.e. how
   many cached tokens the segment's last query attends to;
 - per segment (host): local `seg_starts` / `seg_ends`, `seg_first_pos`, `seg_request` (index of
-  the request in the full batch) and `context_lens_cpu`;
+  the request in the full batch) and `context_lens_cpu`; the prefill segments also on the device
+  (`prefill_tensors()`, memoised), as the Triton prefill kernel reads them;
 - `num_decode`: decode tokens in the range (they come first; one segment each).
 
 `meta.slice(start, end)` gives the metadata of a sub-range (memoised), so a runtime can run ops
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanosched.errors import ConfigError
+from nanosched.kernels.common import PrefillSegments
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class BatchMeta:
     seg_request: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
     _slices: dict[tuple[int, int], BatchMeta] = field(default_factory=dict, repr=False)
+    _prefill: PrefillSegments | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,13 @@ class BatchMeta:
                 zip(self.seg_starts[nd:], self.seg_ends[nd:], self.seg_first_pos[nd:],
                     strict=True)]
 
+    def prefill_tensors(self) -> PrefillSegments:
+        """`prefill_segments()` as device tensors (one H2D copy when the metadata is built, then
+        memoised: a CUDA graph capture needs no copy)."""
+        if self._prefill is None:
+            self._prefill = PrefillSegments.build(self.prefill_segments(), self.positions.device)
+        return self._prefill
+
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], page_size: int,
               device: torch.device | str = "cpu") -> BatchMeta:
@@ -93,7 +103,7 @@ class BatchMeta:
         width = max((len(c.block_table) for c in chunks), default=1) or 1
         tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
         lens = tuple(c.first_pos + c.num_tokens for c in chunks)
-        return cls(
+        return _with_prefill(cls(
             start=0, end=len(positions), num_decode=sum(c.is_decode for c in chunks),
             page_size=page_size,
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -102,7 +112,7 @@ class BatchMeta:
             context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
             seg_starts=tuple(starts), seg_ends=tuple(ends),
             seg_first_pos=tuple(c.first_pos for c in chunks),
-            seg_request=tuple(range(len(chunks))), context_lens_cpu=lens)
+            seg_request=tuple(range(len(chunks))), context_lens_cpu=lens))
 
     def slice(self, start: int, end: int) -> BatchMeta:
         """Metadata of the global token range [start, end) ⊆ [self.start, self.end)."""
@@ -129,14 +139,22 @@ class BatchMeta:
         device = self.positions.device
         index = torch.tensor(rows, dtype=torch.int64, device=device)
         a, b = start - self.start, end - self.start
-        return BatchMeta(
+        return _with_prefill(BatchMeta(
             start=start, end=end, num_decode=sum(r < self.num_decode for r in rows),
             page_size=self.page_size, positions=self.positions[a:b],
             slot_mapping=self.slot_mapping[a:b],
             block_tables=self.block_tables.index_select(0, index),
             context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
             seg_starts=tuple(starts), seg_ends=tuple(ends), seg_first_pos=tuple(first_pos),
-            seg_request=tuple(self.seg_request[r] for r in rows), context_lens_cpu=lens)
+            seg_request=tuple(self.seg_request[r] for r in rows), context_lens_cpu=lens))
+
+
+def _with_prefill(meta: BatchMeta) -> BatchMeta:
+    """`meta` with its device prefill segments built now (when it has prefill tokens): metadata
+    made before a CUDA-graph capture then needs no H2D copy inside it."""
+    if meta.num_prefill:
+        meta.prefill_tensors()
+    return meta
 
 
 def _check_chunks(chunks: Sequence[SeqChunk], page_size: int) -> None:

@@ -58,7 +58,7 @@ def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e:
     if nd == e - s:
         return
     K.prefill_attention(ws.q[s + nd:e], ws.kv.k[i], ws.kv.v[i], r.block_tables[nd:],
-                        r.prefill_segments(), m.scale, ws.attn[s + nd:e], launch)
+                        r.prefill_tensors(), m.scale, ws.attn[s + nd:e], m.kernels, launch)
 
 
 def o(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,

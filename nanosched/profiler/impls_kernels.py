@@ -12,7 +12,13 @@ Names (nanosched/kernels/impls.py):
   at run time). Split-K is left to the kernel's planner (enough work items for two per CTA:
   small T at long context splits), which is what the runtime launches when a schedule gives
   no `num_splits`.
-- attn_prefill: `torch` (SDPA per prompt; T tokens cut into prompts of `context` tokens).
+- attn_prefill: `triton` (kernels/prefill_attn.py, device segment metadata built in setup) and
+  `torch` (gather + SDPA per segment) over a paged cache (page size 16, pages in random order).
+  A row (T, p) is T tokens cut from prompts of p = `context` tokens, so the causal mean context
+  is (p + 1) / 2 as the cost model keys it: T >= p: fresh prompts of p tokens (the last one
+  shorter when p does not divide T); T < p: the middle T-token chunk of one p-token prompt, which
+  continues a cached prefix of (p - T) // 2 tokens. (Before the Triton kernel, T < p rows were one
+  fresh T-token prompt: profiles made then underprice those rows.)
 - experts_ug, experts_d: `triton` (grouped GEMM; bounded to the SMs given when they are fewer
   than the GPU's outside a partition, impls.grouped_programs) and `torch` (loop over experts),
   over the T·k rows, uniform routing (row i → expert i mod E; routing itself not timed).
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 
 from nanosched.kernels import dispatch
+from nanosched.kernels.common import PrefillSegments, Segment
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
 from nanosched.profiler.backend import Unsupported
 from nanosched.profiler.impls import Impl, Kernel, OpCall, register, triton_missing
@@ -99,16 +106,24 @@ def _decode(call: OpCall, launch: Launch) -> Kernel:
                                                     out, OPTS, launch))
 
 
+def prefill_rows(tokens: int, prompt: int) -> list[Segment]:
+    """(start, end, first_pos) of a prefill row: T tokens cut from prompts of `prompt` tokens
+    (module docstring)."""
+    if tokens < prompt:
+        return [(0, tokens, (prompt - tokens) // 2)]
+    return [(s, min(s + prompt, tokens), 0) for s in range(0, tokens, prompt)]
+
+
 def _prefill(call: OpCall, launch: Launch) -> Kernel:
     h = heads(call.spec, call.tp)
-    length = min(call.context, call.tokens)
-    starts = list(range(0, call.tokens, length))
-    segments = [(s, min(s + length, call.tokens), 0) for s in starts]  # fresh prompts
-    k, v, tables = _paged_cache(call, len(segments), length, "prefill_")
+    segments = prefill_rows(call.tokens, call.context)
+    k, v, tables = _paged_cache(call, len(segments), max(e - s + p for s, e, p in segments),
+                                "prefill_")
+    meta = PrefillSegments.build(segments, k.device)  # setup: the launch copies nothing
     q = call.ws.tensor("q_prefill", (call.tokens, h.num_heads, h.head_dim))
     out = call.ws.tensor("y_prefill", (call.tokens, h.num_heads, h.head_dim))
     scale = h.head_dim ** -0.5
-    return Kernel(lambda: dispatch.prefill_attention(q, k, v, tables, segments, scale, out,
+    return Kernel(lambda: dispatch.prefill_attention(q, k, v, tables, meta, scale, out, OPTS,
                                                      launch))
 
 
@@ -167,6 +182,7 @@ def register_all() -> None:
     register("attn_decode", Impl("triton_paged", ("full", "green_ctx", "cta_bound"), _decode,
                                  requires=triton_missing))
     register("attn_decode", Impl("torch", SM_MECHANISMS, _decode, quick=False))
+    register("attn_prefill", Impl("triton", SM_MECHANISMS, _prefill, requires=triton_missing))
     register("attn_prefill", Impl("torch", SM_MECHANISMS, _prefill))
     for op, setup in (("rope_append", _rope_append), ("add_norm_ffn", _add_norm),
                       ("add_norm_attn", _add_norm), ("act", _act)):

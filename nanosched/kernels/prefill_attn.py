@@ -1,0 +1,202 @@
+"""Paged, variable-length, causal prefill attention in Triton (flash-attention online softmax, GQA).
+
+Contract (same as `reference.prefill_attention`): q, out [n, Hq, d] are the prefill rows; k_cache,
+v_cache [P, S, Hkv, d] already hold this chunk's own K/V (rope_append wrote them); block_tables
+[num_segments, max_pages] int32. Segment i covers q rows start_i .. start_i + len_i - 1 of one
+request at positions first_pos_i.., and attends to that request's cached tokens 0 .. its own
+position (causal, lower-right aligned). K/V are read page by page from the cache: no gather copy.
+
+Grid: (m-tiles, Hkv, S), fixed by a host bound `max_len` on the segment lengths, and the segment
+metadata read from device tensors (`PrefillSegments`): so the launch never syncs with the host and
+a CUDA graph replays it with other segments of the same bucket. GQA is packed into the M tile:
+tile row r of KV head h is flattened row f = m_tile * BLOCK_M + r = token * GROUP + g, i.e. query
+head h * GROUP + g of token f // GROUP, so one program loads each K/V tile once for all the query
+heads of its group. A program whose rows start past its segment's len * GROUP exits at once
+(padding segments of length 0 and short segments cost one load). Each program walks the K/V
+tiles every row of it sees in full without a mask, then the diagonal tiles with the causal mask;
+tiles past its last row's position are never loaded. m-tiles run longest-first (they are the
+heaviest). fp16/bf16/fp32 in, fp32 accumulation; tiles and warps are launch parameters
+(`PrefillConfig`) so a bench can tune them.
+
+Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanosched.errors import ConfigError
+from nanosched.kernels.common import PrefillSegments, Segment, dot_precision
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh, scale_log2,
+            s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+            PAGE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One K/V tile [kv, kv + BLOCK_N) folded into the online softmax of the rows."""
+    keys = kv + tl.arange(0, BLOCK_N)  # [BN] positions in the request
+    offs_d = tl.arange(0, BLOCK_D)
+    if MASKED or HEAD_DIM != BLOCK_D:
+        k_ok = keys < kv_end
+        kv_mask = k_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        page = tl.load(bt_row + keys // PAGE, mask=k_ok, other=0).to(tl.int64)
+        slot = keys % PAGE
+        k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+        v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:  # every key of the tile is seen by every row: no mask
+        page = tl.load(bt_row + keys // PAGE).to(tl.int64)  # page * stride passes 2^31
+        slot = keys % PAGE
+        k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh
+                    + offs_d[None, :])
+        v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh
+                    + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BM, BN], log2 units
+    if MASKED:
+        s = tl.where(keys[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:  # a row may see none of this tile: keep exp2 away from (-inf) - (-inf)
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, start_ptr, len_ptr, pos_ptr, o_ptr, scale_log2,
+    s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_on, s_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-first
+    kvh = tl.program_id(1)
+    seg = tl.program_id(2)
+    length = tl.load(len_ptr + seg)
+    if m_tile * BLOCK_M >= length * GROUP:
+        return
+    start = tl.load(start_ptr + seg)
+    first = tl.load(pos_ptr + seg)
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] flattened (token, head in group)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = rows < length * GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + (start + tok)[:, None] * s_qn + head[:, None] * s_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)  # [BM, BD]
+    q_pos = first + tok  # [BM]
+    tok_lo = (m_tile * BLOCK_M) // GROUP
+    tok_hi = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // GROUP, length - 1)
+    full_end = (first + tok_lo + 1) // BLOCK_N * BLOCK_N  # whole tiles every row sees
+    kv_end = first + tok_hi + 1  # past the last row's position
+    bt_row = bt_ptr + seg.to(tl.int64) * s_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for kv in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh,
+                                scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, HEAD_DIM,
+                                BLOCK_D, BLOCK_N, PAGE, False, DOT_PREC)
+    for kv in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh,
+                                scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, HEAD_DIM,
+                                BLOCK_D, BLOCK_N, PAGE, True, DOT_PREC)
+    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + (start + tok)[:, None] * s_on + head[:, None] * s_oh + offs_d[None, :],
+             res.to(o_ptr.dtype.element_ty), mask=io_mask)
+
+
+TILES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters: M tile (flattened token x group-head rows), K/V tile, warps, stages."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_m not in TILES or self.block_n not in TILES:
+            raise ConfigError(f"prefill tiles {self.block_m}x{self.block_n} must be in {TILES}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ConfigError(f"prefill num_warps={self.num_warps} must be a power of two <= 16"
+                              f" and num_stages={self.num_stages} >= 1")
+
+
+def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
+    """Hopper defaults: 128x64 tiles; 8 warps and 2 stages at d > 64, 4 warps and 3 stages
+    below (the flash-attention tutorial's choices; bench/kernels_prefill_attn.py sweeps them).
+    fp32 (tests) takes 64-row tiles: its tiles are twice the bytes in shared memory."""
+    if dtype == torch.float32:
+        return PrefillConfig(64, 64, 4, 2)
+    if head_dim <= 64:
+        return PrefillConfig(128, 64, 4, 3)
+    return PrefillConfig(128, 64, 8, 2)
+
+
+def grid(segments: PrefillSegments, num_kv_heads: int, group: int,
+         block_m: int) -> tuple[int, int, int]:
+    """(m-tiles of the longest allowed segment, KV heads, segments)."""
+    return (math.ceil(segments.max_len * group / block_m), num_kv_heads, segments.num_segments)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor,
+                      segments: Sequence[Segment] | PrefillSegments, scale: float,
+                      out: torch.Tensor, config: PrefillConfig | None = None) -> None:
+    """Triton paged causal prefill attention; see the module docstring for shapes.
+
+    segments: (start, end, first_pos) tuples (turned into device tensors: one small H2D copy) or
+    prebuilt `PrefillSegments` (no host work: what a CUDA graph captures).
+    """
+    if not isinstance(segments, PrefillSegments):
+        segments = PrefillSegments.build(segments, q.device)
+    _check(q, k_cache, v_cache, block_tables, segments, out)
+    n, num_q, d = q.shape
+    num_kv, page = k_cache.shape[2], k_cache.shape[1]
+    if n == 0 or segments.num_segments == 0 or segments.max_len == 0:
+        return
+    cfg = config or default_config(d, q.dtype)
+    group = num_q // num_kv
+    _prefill_kernel[grid(segments, num_kv, group, cfg.block_m)](
+        q, k_cache, v_cache, block_tables, segments.start, segments.length, segments.first_pos,
+        out, scale * LOG2E,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page, DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, segments: PrefillSegments, out: torch.Tensor) -> None:
+    """Refuse shapes the kernel would read or write out of bounds (host metadata only)."""
+    n, num_q, d = q.shape
+    if out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[3] != d:
+        raise ConfigError(f"prefill shapes disagree: q {list(q.shape)}, out {list(out.shape)}, "
+                          f"k_cache {list(k_cache.shape)}, v_cache {list(v_cache.shape)}")
+    if num_q % k_cache.shape[2]:
+        raise ConfigError(f"{num_q} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ConfigError("prefill attention needs the head dim contiguous in q, out and the cache")
+    if block_tables.shape[0] < segments.num_segments:
+        raise ConfigError(f"block_tables has {block_tables.shape[0]} rows for "
+                          f"{segments.num_segments} segments")
+    if segments.host is not None and any(e > n for _, e, _ in segments.host):
+        raise ConfigError(f"a prefill segment ends past the {n} rows of q")

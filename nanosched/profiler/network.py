@@ -4,7 +4,8 @@
 own GPU, with NVLink multicast kept off in their environment (`NCCL_ENV`). They time all-reduce,
 reduce-scatter and all-gather of [T, D] bf16 at every token count, on NCCL's default process
 group and on groups whose NCCL config bounds the CTAs (`max_ctas`), all with the same fixed
-number of launches so that ranks stay in step. Then each rank co-runs a GEMM beside the
+number of launches so that ranks stay in step, queued behind a GPU sleep so the rows are GPU
+time, not Python launch gaps (`_fixed_bench_us`). Then each rank co-runs a GEMM beside the
 all-reduce (timing.co_run_us); rank 0 writes the results as JSON for the parent.
 """
 
@@ -117,12 +118,29 @@ def _collective(kind: str, tokens: int, world: int, hidden: int, group: Any) -> 
 
 
 def _fixed_bench_us(fn: Any) -> float:
+    """Median GPU time of one collective over ITERS launches queued behind a sleep.
+
+    Every rank makes the same number of launches so ranks stay in step. Launching a collective
+    from Python costs tens of us, more than a small all-reduce takes on NVLink, so unqueued
+    launches would time the CPU (and the slower rank's CPU). The first launch absorbs the ranks'
+    skew in leaving the sleep; the median ignores it.
+    """
+    import time
+
     import torch
+
+    from nanosched.profiler.timing import queue_cycles
 
     for _ in range(WARMUP):
         fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    cpu_us = (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(ITERS)]
+    torch.cuda._sleep(queue_cycles(ITERS * (cpu_us + 10)))
     for a, b in events:
         a.record()
         fn()

@@ -1,13 +1,20 @@
-"""NCCL ring cost formulas: fit bus bandwidth and latency, model collectives on N GPUs. Pure.
+"""NCCL cost formulas: fit bus bandwidth and latency, model collectives on N GPUs. Pure.
 
 For a collective over N GPUs moving a tensor of S bytes (the full [T, D] tensor) with bus
-bandwidth B (NCCL's busbw, roughly independent of N on one NVLink host) and per-step latency a:
+bandwidth B (NCCL's busbw, roughly independent of N on one NVLink host), a fixed latency a0
+(launch and synchronisation, paid once) and a latency h per ring step (one NVLink hop), as in
+NCCL's own tuning model (latency = base + steps x per-hop):
 
-    all-reduce (ring):       t = 2 (N-1)/N * S / B + 2 (N-1) a
-    reduce-scatter (ring):   t =   (N-1)/N * S / B +   (N-1) a
-    all-gather (ring):       t =   (N-1)/N * S / B +   (N-1) a
+    all-reduce (ring):       t = 2 (N-1)/N * S / B + a0 + 2 (N-1) h
+    reduce-scatter (ring):   t =   (N-1)/N * S / B + a0 +   (N-1) h
+    all-gather (ring):       t =   (N-1)/N * S / B + a0 +   (N-1) h
 
-`fit_ring` finds B and a by least squares from measurements on `world` GPUs at several sizes;
+Measurements on one GPU count give B and a0 + steps h, not a0 and h apart; h is taken from
+NCCL's tuning table (ring, LL128 over NVLink: 1.9 us per step, `NVLINK_HOP_US`) and a0 is what
+remains of the fitted intercept. (Charging the whole two-GPU intercept per step, as a pure ring
+formula would, makes a 2 MB all-reduce on 8 H200s cost 145 us, 5x what NCCL reports there.)
+
+`fit_ring` finds B and a0 by least squares from measurements on `world` GPUs at several sizes;
 `ring_time_us` evaluates the formula at another N. Rows made this way are marked `modelled`.
 """
 
@@ -20,9 +27,11 @@ from nanosched.errors import ProfileError
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 OPS_OF_KIND = {"all_reduce": ("ar_attn", "ar_ffn"), "reduce_scatter": ("rs_attn", "rs_ffn"),
                "all_gather": ("ag_attn", "ag_ffn")}
+NVLINK_HOP_US = 1.9  # NCCL tuning.cc, hwLat[NVLINK][RING][LL128]
 # Two H200s, NCCL 2.28 (DESIGN.md): 33 us for a 4 MiB all-reduce at 228 GB/s busbw leaves
-# about 2 x 7.5 us of latency. Used only when no second GPU could be measured.
-PRIOR_LATENCY_US = 7.5
+# about 15 us of latency: two ring steps and the fixed rest. Used only when no second GPU could
+# be measured.
+PRIOR_LATENCY_US = 15.0 - 2 * NVLINK_HOP_US
 
 
 def _factors(kind: str, world: int) -> tuple[float, float]:
@@ -37,19 +46,20 @@ def _factors(kind: str, world: int) -> tuple[float, float]:
 
 
 def ring_time_us(kind: str, size_bytes: float, world: int, busbw_gbs: float,
-                 latency_us: float) -> float:
-    """Time of one collective by the ring formula."""
+                 latency_us: float, hop_us: float = NVLINK_HOP_US) -> float:
+    """Time of one collective by the ring formula (`latency_us`: the fixed a0)."""
     volume, steps = _factors(kind, world)
-    return volume * size_bytes / (busbw_gbs * 1e3) + steps * latency_us
+    return volume * size_bytes / (busbw_gbs * 1e3) + latency_us + steps * hop_us
 
 
 def fit_ring(kind: str, world: int, sizes_bytes: Sequence[float],
-             times_us: Sequence[float], max_busbw_gbs: float | None = None
-             ) -> tuple[float, float]:
-    """(busbw GB/s, latency us) fitting measured times of `kind` on `world` GPUs.
+             times_us: Sequence[float], max_busbw_gbs: float | None = None,
+             hop_us: float = NVLINK_HOP_US) -> tuple[float, float]:
+    """(busbw GB/s, fixed latency a0 us) fitting measured times of `kind` on `world` GPUs.
 
     Over sizes where latency dominates, the slope is nearly flat and the fitted bandwidth can
-    exceed what the link carries (two H200s: 1,601 GB/s from 58-71 us at 2-15 MB); with
+    exceed what the link carries (two H200s timed by Python's launch rate: 1,601 GB/s from
+58-71 us at 2-15 MB); with
     `max_busbw_gbs` the bandwidth is capped there and the latency refitted under the cap.
     """
     if len(sizes_bytes) != len(times_us) or len(sizes_bytes) < 2:
@@ -70,7 +80,7 @@ def fit_ring(kind: str, world: int, sizes_bytes: Sequence[float],
     if max_busbw_gbs is not None and 1e-3 / slope > max_busbw_gbs:
         slope = 1e-3 / max_busbw_gbs
     intercept = max(my - slope * mx, 0.0)
-    return 1e-3 / slope, intercept / steps
+    return 1e-3 / slope, max(intercept - steps * hop_us, 0.0)
 
 
 def busbw_gbs(kind: str, size_bytes: float, world: int, time_us: float) -> float:

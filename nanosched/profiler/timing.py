@@ -8,7 +8,9 @@ work, not by the CPU's launch gaps between its kernels (a CUDA graph or a runtim
 ahead of the GPU has none).
 
 `co_run_us(a, b)`: both streams are held behind a `torch.cuda._sleep` on the launching stream
-while every launch is queued (so the CPU never starves a stream), then released together. Each
+while every launch is queued (so the CPU never starves a stream), then released together; the
+sleep covers twice what the warm-up launches cost the CPU (a Python-launched NCCL collective
+costs tens of us). Each
 stream loops its kernel enough times to cover `window_ms` and records an event after every
 launch. Only launches that start and end while both streams are busy count: their median span is
 each kernel's co-run time. This times each kernel's own span, not the pair's makespan.
@@ -25,7 +27,6 @@ from typing import Any
 import torch
 
 L2_FLUSH_BYTES = 128 << 20  # over twice the L2 of an H100/H200 (50 MB)
-SLEEP_CYCLES_PER_LAUNCH = 40_000  # about 20 us at 2 GHz: more than one launch costs the CPU
 SLEEP_CYCLES_PER_US = 2_000  # an H100/H200 SM clock is at most about 2 GHz
 MAX_SLEEP_US = 200_000.0
 
@@ -57,8 +58,7 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
     buf = _flush_buffer(device) if flush else None
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(n)]
-    # hold the GPU while every launch is queued (twice the CPU's estimate, plus the flushes)
-    torch.cuda._sleep(int(SLEEP_CYCLES_PER_US * min(MAX_SLEEP_US, 2 * n * (cpu_us + 20))))
+    torch.cuda._sleep(queue_cycles(n * (cpu_us + 20)))  # the 20 us: each flush
     for a, b in events:
         if buf is not None:
             buf.zero_()
@@ -67,6 +67,12 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
         b.record(stream)
     events[-1][1].synchronize()
     return 1e3 * statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+def queue_cycles(cpu_us: float) -> int:
+    """Sleep cycles that hold the GPU while the CPU queues launches costing `cpu_us` in all
+    (twice that, bounded by MAX_SLEEP_US)."""
+    return int(SLEEP_CYCLES_PER_US * min(MAX_SLEEP_US, max(2 * cpu_us, 20.0)))
 
 
 def co_run_us(fn_a: Callable[[], Any], stream_a: Any, alone_a_us: float,
@@ -78,9 +84,16 @@ def co_run_us(fn_a: Callable[[], Any], stream_a: Any, alone_a_us: float,
     n_b = int(min(max_launches, max(4, math.ceil(1e3 * window_ms / alone_b_us))))
     fn_a(), fn_b()  # warm (compiles, allocator)
     torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn_a()
+    cpu_a = (time.perf_counter() - t0) * 1e6
+    t0 = time.perf_counter()
+    fn_b()
+    cpu_b = (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize(device)
     main = torch.cuda.current_stream(device)
     start = torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES_PER_LAUNCH * (n_a + n_b))
+    torch.cuda._sleep(queue_cycles(n_a * (cpu_a + 20) + n_b * (cpu_b + 20)))
     start.record(main)
     ev_a = [torch.cuda.Event(enable_timing=True) for _ in range(n_a + 1)]
     ev_b = [torch.cuda.Event(enable_timing=True) for _ in range(n_b + 1)]

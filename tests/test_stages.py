@@ -117,3 +117,13 @@ def test_exclusive_sets_hold_at_the_brute_force_optimum():
                        if prob.options[x][j] == opt[x]) <= tau
         alloc, rep = solve_stage2(prob, Limits(10, 2))
         assert rep.status == "OPTIMAL" and alloc is not None and alloc.period == tau
+
+
+def test_stage1_relaxation_is_never_above_the_brute_force_optimum():
+    from nanosched.autosearch.stage1 import period_lower_bound, relaxation_bound
+
+    for batch in (256, 384):
+        prob = Stage1Problem(GRAPH, TokenMix(batch, 0, batch), TABLES, {"a": 2, "m": 2, "c": 2})
+        bound = relaxation_bound(prob, None, Limits(10, 2))
+        assert bound is not None and period_lower_bound(prob) <= bound
+        assert bound <= brute_force_stage1(batch)

@@ -7,6 +7,7 @@ case's model and tp); then the measured profiles shipped in the package for llam
 (`--no-shipped` skips them). Target: <= 60 s and stage gaps <= 5%. Writes bench/results/*.json.
 
     PYTHONPATH=. python bench/search_quality.py [--time-limit 60] [--workers 2] [--profile F]
+        [--only CASE ...]
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def main() -> None:
     ap.add_argument("--profile", action="append", default=[], help="measured profile file")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--no-shipped", action="store_true", help="skip the shipped profiles")
+    ap.add_argument("--only", action="append", default=[], metavar="CASE",
+                    help="run only this case (repeatable), e.g. "
+                         "shipped-llama3-70b-tp8-h200-quick-b2048")
     args = ap.parse_args()
     given = [load_profile(p) for p in args.profile]
     import ortools
@@ -90,6 +94,11 @@ def main() -> None:
         for name in SHIPPED:
             prof = load_profile(files[name])
             cases.append((f"shipped-{name}-b{prof.dense_batch}", prof, prof.dense_batch))
+    if args.only:
+        unknown = set(args.only) - {key for key, _, _ in cases}
+        if unknown:
+            ap.error(f"unknown case(s) {sorted(unknown)}; cases: {[k for k, _, _ in cases]}")
+        cases = [c for c in cases if c[0] in args.only]
     for key, prof, batch in cases:
         cfg = SearchConfig(load_spec(prof.model.name), prof.tp, prof, fixed(1024, 512), batch,
                            args.time_limit, args.workers)

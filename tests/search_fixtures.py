@@ -26,9 +26,9 @@ def small_schedule(tp: int = 1, batch: int = 768) -> Schedule:
     """llama3-8b, half decode / half prefill tokens; deterministic, so reproducible.
 
     At 768 tokens (tp 1) the search overlaps decode attention with GEMMs; at 256 tokens
-    (tp 2) it has network nano-ops. Three deterministic seconds: stage I's tighter model
+    (tp 2) it has network nano-ops. 3.5 deterministic seconds: stage I's tighter model
     reaches its optimum early, and stage II needs the rest to place the overlap it asks for.
     """
     cfg = SearchConfig(load_spec("llama3-8b"), tp, small_profile(tp, batch), fixed(512, 512),
-                       batch, time_limit_s=3.0, num_workers=1, deterministic=True)
+                       batch, time_limit_s=3.5, num_workers=1, deterministic=True)
     return run_search(cfg)

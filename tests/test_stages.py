@@ -85,3 +85,45 @@ def test_min_period_keeps_every_start_in_its_offset_period():
     tau, starts = min_period({"x": 1, "y": 10}, {"a": ["x"], "b": ["y"]}, [("y", "x", 0)],
                              {"x": 0, "y": 0})
     assert tau == 11 and starts == {"x": 10, "y": 0}
+
+
+def test_exclusive_sets_hold_at_the_brute_force_optimum():
+    """Every exclusive-set row Σ o_{x,j} d_{x,j} ≤ τ holds at the brute-force optimum (so the
+    bound they give is never above it), and stage II with them still reaches that optimum."""
+    import random
+
+    from test_point_consistency import X_OPTS, Y_OPTS
+
+    from nanosched.autosearch.stage2 import exclusive_sets, paired_options
+
+    green_x = [AllocOption(600, 0.6, "green_ctx", 80), AllocOption(800, 0.9, "green_ctx", 100)]
+    green_y = [AllocOption(400, 0.8, "green_ctx", 52), AllocOption(200, 0.5, "green_ctx", 26)]
+    pair_x = AllocOption(300, 0.8, "cta_bound", 132, point="t:2", side="compute")
+    pair_y = AllocOption(700, 0.9, "cta_bound", 90, point="t:2", side="other")
+    rng = random.Random(5)
+    for _ in range(6):
+        x_opts = [X_OPTS[0], *rng.sample([*green_x, *X_OPTS[1:], pair_x], 3)]
+        y_opts = [Y_OPTS[0], *rng.sample([*green_y, *Y_OPTS[1:], pair_y], 3)]
+        deps = rng.choice([[], [("x", "y", 1)], [("y", "x", 1)]])
+        prob = paired_options(Stage2Problem(
+            {"x": float(rng.randint(5, 12)), "y": float(rng.randint(4, 10))},
+            {"x": x_opts, "y": y_opts}, {"compute": ["x"], "memory": ["y"]},
+            {"x": 0, "y": 0}, deps))
+        tau, opt = brute_force(prob, consistent=True)
+        sets = exclusive_sets(prob)
+        assert sets
+        for pick in sets:
+            assert sum(prob.options[x][j].ticks(prob.alone[x]) for x, j in pick
+                       if prob.options[x][j] == opt[x]) <= tau
+        alloc, rep = solve_stage2(prob, Limits(10, 2))
+        assert rep.status == "OPTIMAL" and alloc is not None and alloc.period == tau
+
+
+def test_stage1_relaxation_is_never_above_the_brute_force_optimum():
+    from nanosched.autosearch.stage1 import period_lower_bound, relaxation_bound
+
+    for batch in (256, 384):
+        prob = Stage1Problem(GRAPH, TokenMix(batch, 0, batch), TABLES, {"a": 2, "m": 2, "c": 2})
+        bound = relaxation_bound(prob, None, Limits(10, 2))
+        assert bound is not None and period_lower_bound(prob) <= bound
+        assert bound <= brute_force_stage1(batch)

@@ -30,6 +30,25 @@ Constraints
                              stream_priority point says nothing of the GPU its side occupies
                              (e.g. a compute side at R = 0.03 with P = 0.62), so the nominal
                              row alone left the bound far below any schedule.
+  exclusive sets (redundant): a set S of (nano-op, option) pairs no two of which can run at
+                             once gives Σ_{(x,j) ∈ S} o_{x,j} ⌈t_x / P_j⌉ ≤ τ. Proof: in the
+                             steady state nano-op x occupies an arc of length d_x ≤ τ of the
+                             circle R / τZ (phase φ_x); arcs of options that never run at once
+                             (over all layers; the two unrolled layers cover every pair that
+                             can meet, as e ≤ 2τ) are disjoint, so their lengths sum to ≤ τ.
+                             Sets used: for a pivot stream σ and a share level h of σ's
+                             options, σ's options with r ≥ h and the other streams' options
+                             with r ≥ 1001 − h (≥ 501 when two or more other streams have
+                             nano-ops): pairs across σ and another stream exceed 1000 (the
+                             capacity forbids them), pairs of two other streams too, pairs of
+                             one stream follow its order. With point consistency, the
+                             non-partition options may instead be all those of one side
+                             (compute or other) with r > 0: two of one side are never
+                             compatible, and against full (share 1000) or green_ctx options
+                             they are incompatible too. Sets that are subsets of another are
+                             dropped. Example: shipped llama3-8b H100, one structure, the
+                             relaxation without capacity and A_xy no-overlaps rises from
+                             1604 us (energy rows) to 1665 us (optimum 1744 us).
   point consistency:         only measured combinations run at once (durations.compatible).
       Per nano-op: F_x = o_{x,full}, G_x = Σ_{j green_ctx} o_{x,j}, and for each option j of a
       non-partition point q_j (cta_bound, stream_priority) on side σ_j ∈ {compute, other}:
@@ -51,10 +70,12 @@ Objective: minimise τ.
 
 Solving: hinted with the all-sequential placement (everything on the full GPU, one nano-op at
 a time in phase order; always feasible). With point consistency a warm start first solves the
-problem restricted to full and green_ctx options (no A_xy literals, a much easier model) for
+problem restricted to full and green_ctx options (no A_xy literals and no exclusive-set rows,
+a much easier model) for
 `GREEN_SHARE` of the time; its answer is feasible for the whole problem (green options force
 no A_xy) and becomes the whole problem's complete hint. The whole problem gets the rest of the
-time and gives the reported incumbent, bound and gap (the restricted bound is no bound of the
+time (all of it: a warm start that proves its problem optimal early hands its unused time on)
+and gives the reported incumbent, bound and gap (the restricted bound is no bound of the
 whole problem); if the whole problem finds nothing in its time (too short to load it), the
 warm start's answer is returned with its own bound and a note saying so. Without the warm
 start CP-SAT's LNS rarely left the sequential hint: every improvement needs two nano-ops to
@@ -107,8 +128,9 @@ def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int
     return s, e, d, [(lit, t, o.share) for lit, t, o in zip(lits, ticks, opts, strict=True)]
 
 
-def build_model(prob: Stage2Problem) -> tuple[Any, dict[str, Any]]:
-    """The CP-SAT model of stage II for a fixed structure."""
+def build_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[str, Any]]:
+    """The CP-SAT model of stage II for a fixed structure; `rows`: add the exclusive-set
+    rows (redundant; left out of the warm start, whose bound is not reported)."""
     from ortools.sat.python import cp_model
 
     m = cp_model.CpModel()
@@ -138,6 +160,8 @@ def build_model(prob: Stage2Problem) -> tuple[Any, dict[str, Any]]:
     m.add(sum(energy) <= FULL_SHARE * tau)
     for fair in _fair_energies(prob, v):
         m.add(sum(fair) <= FULL_SHARE * tau)
+    for pick in exclusive_sets(prob) if rows else []:
+        m.add(sum(v["opts"][x][j][0] * v["opts"][x][j][1] for x, j in pick) <= tau)
     _add_order(m, prob, v, tau)
     v["end1"] = {}
     v["apart"] = _add_point_consistency(m, prob, v)
@@ -204,6 +228,48 @@ def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
                                                        f"ap1_{z}_{x}_{y}"))
             m.add_no_overlap(ivs)
     return apart
+
+
+def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
+    """The exclusive sets of the module docstring, as (nano-op, option index) lists: for a
+    pivot stream σ and a share level h of its options, the full and green_ctx options of σ
+    with share ≥ h and those of the other streams with share ≥ h' = 1001 − h (at least 501
+    when two or more other streams have nano-ops), plus either the non-partition options
+    with share ≥ their stream's level, or (with point consistency) every non-partition
+    option of one side (compute or other) with a positive share. No two options of a set
+    can run at once, so Σ over a set of o_{x,j} ⌈t_x / P_j⌉ ≤ τ."""
+    stream = {x: sn for sn, chain in prob.orders.items() for x in chain}
+    used = {stream.get(x, x) for x in prob.alone}
+    consistent = any(o.mechanism not in ("full", PARTITION)
+                     for opts in prob.options.values() for o in opts)
+    sets, seen = [], set()
+    for sn in sorted(used):
+        levels = sorted({o.share for x in prob.alone if stream.get(x, x) == sn
+                         for o in prob.options[x] if o.share > 0})
+        for h in levels:
+            other = FULL_SHARE + 1 - h
+            if len(used) > 2:
+                other = max(other, FULL_SHARE // 2 + 1)
+            base, by_share = [], []
+            for x in prob.alone:
+                need = h if stream.get(x, x) == sn else other
+                for j, o in enumerate(prob.options[x]):
+                    if o.share < need:
+                        continue
+                    (base if o.mechanism in ("full", PARTITION) else by_share).append((x, j))
+            variants = [base + by_share]
+            if consistent:
+                variants += [base + [(x, j) for x in prob.alone
+                                     for j, o in enumerate(prob.options[x]) if o.side == side
+                                     and o.mechanism not in ("full", PARTITION) and o.share > 0]
+                             for side in ("compute", "other")]
+            for pick in variants:
+                key = frozenset(pick)
+                if pick and key not in seen:
+                    seen.add(key)
+                    sets.append(pick)
+    keys = [frozenset(p) for p in sets]  # a subset of another set only repeats a weaker row
+    return [p for p, k in zip(sets, keys, strict=True) if not any(k < o for o in keys)]
 
 
 def _fair_energies(prob: Stage2Problem, v: dict[str, Any]) -> list[list[Any]]:
@@ -315,9 +381,9 @@ def _set_hint(v: dict[str, Any], m: Any, prob: Stage2Problem, tau: int,
 
 
 def _solve(prob: Stage2Problem, limits: Limits, progress: Progress | None,
-           hint: tuple[int, dict[str, int], dict[str, AllocOption]] | None, stage: str
-           ) -> tuple[Allocation | None, StageReport]:
-    m, v = build_model(prob)
+           hint: tuple[int, dict[str, int], dict[str, AllocOption]] | None, stage: str,
+           rows: bool = True) -> tuple[Allocation | None, StageReport]:
+    m, v = build_model(prob, rows)
     if hint is not None:
         _set_hint(v, m, prob, *hint)
     solver, report, found = solve(m, stage, limits, progress)
@@ -356,10 +422,12 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
         return _solve(prob, limits, progress, hint, "stage II")
     warm_limits = replace(limits, time_limit_s=GREEN_SHARE * limits.time_limit_s)
     warm, warm_rep = _solve(replace(prob, options=plain), warm_limits, progress, hint,
-                     "stage II (full and green_ctx options)")
+                     "stage II (full and green_ctx options)", rows=False)
     if warm is not None:
         hint = (warm.period, warm.starts, warm.choice)
-    rest = replace(limits, time_limit_s=(1 - GREEN_SHARE) * limits.time_limit_s)
+    spent = warm_rep.wall_s if not limits.deterministic else warm_limits.time_limit_s
+    rest = replace(limits, time_limit_s=max(limits.time_limit_s - spent,
+                                            (1 - GREEN_SHARE) * limits.time_limit_s * 0.25))
     alloc, report = _solve(prob, rest, progress, hint, "stage II")
     if alloc is None and warm is not None:  # too little time to even load the hint
         return warm, replace(warm_rep, stage="stage II", note=(

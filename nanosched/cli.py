@@ -251,6 +251,10 @@ def bench(
                                        "per second (default: all at once, offline)."),
     seed: int = typer.Option(0, "--seed", help="Seed of lengths, token ids, arrivals, weights."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    warmup_prompts: int | None = typer.Option(None, "--warmup-prompts", help="Untimed requests "
+                                              "served with every strategy first, so no run "
+                                              "pays compilation a later one reuses (default: "
+                                              "64 on a GPU, 0 on the CPU)."),
     json_out: str | None = typer.Option(None, "--json", help="Write every figure, the "
                                         "configuration and the environment to this file."),
 ) -> None:
@@ -265,7 +269,8 @@ def bench(
     cfg = BenchConfig(model=model, tp=tp, weights=weights, input_len=input_len,
                       output_len=output_len, workload=workload, num_prompts=num_prompts,
                       dense_batch=dense_batch, schedule=schedule, compare=compare, force=force,
-                      request_rate=request_rate, seed=seed, device=device)
+                      request_rate=request_rate, seed=seed, device=device,
+                      warmup_prompts=warmup_prompts)
     out = run_bench(cfg)
     env = out["environment"]
     typer.echo(f"{env['device']}: {model} tp={tp}, dense batch {out['config']['dense_batch']}")

@@ -130,6 +130,19 @@ def test_bench_compare_on_the_cpu_reports_both_runs_and_the_ratio(tmp_path):
     assert data["ratio"]["tokens_per_s"] > 0
     seq, sched = (data["runs"][k]["results"]["output_tokens"] for k in ("sequential", "schedule"))
     assert seq == sched == 12 * 8
+    assert data["warmup_prompts"] == 0  # the CPU default
+
+    # a warm-up serves untimed requests with each strategy first; the timed runs are unchanged
+    warm = tmp_path / "warm.json"
+    r = CliRunner().invoke(app, [*args[:-1], str(warm), "--force", "--warmup-prompts", "3"])
+    assert r.exit_code == 0, r.output
+    wdata = json.loads(warm.read_text())
+    assert wdata["warmup_prompts"] == 3
+    for k in ("sequential", "schedule"):
+        assert wdata["runs"][k]["iterations"] == data["runs"][k]["iterations"]
+        assert wdata["runs"][k]["results"]["output_tokens"] == 12 * 8
+    bad = CliRunner().invoke(app, [*args, "--force", "--warmup-prompts", "-1"])
+    assert bad.exit_code == 2 and "--warmup-prompts must be >= 0" in bad.output
 
 
 def test_partition_sides_never_put_two_schedule_streams_on_one_side():

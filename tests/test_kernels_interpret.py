@@ -50,6 +50,30 @@ def test_decode_attention(dtype, max_ctas, num_splits):
     assert rel_err(got, want) < tol(dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_padded_rows_are_zero_and_read_no_page(num_splits):
+    """Rows of context length 0 (a CUDA-graph bucket's padding, block tables pointing far past
+    the cache) come out zero, not NaN; the real rows are unchanged."""
+    from nanosched.kernels.decode_attn import decode_attention
+
+    gen = torch.Generator().manual_seed(3)
+    pages, page, hkv, group, d = 12, 16, 2, 2, 32
+    kc = torch.randn(pages, page, hkv, d, generator=gen)
+    vc = torch.randn(pages, page, hkv, d, generator=gen)
+    lens = torch.tensor([40, 0, 90, 0], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(pages, generator=gen)[:6] for _ in lens]).int()
+    tables[lens == 0] = 10 ** 6  # would fault if read
+    q = torch.randn(len(lens), hkv * group, d, generator=gen)
+    got = torch.full_like(q, float("nan"))
+    real = lens > 0
+    want = torch.empty_like(q[real])
+    ref.decode_attention(q[real], kc, vc, tables[real], lens[real], 90, d ** -0.5, want)
+    decode_attention(q, kc, vc, tables, lens, 96, d ** -0.5, got, max_ctas=4,
+                     num_splits=num_splits)
+    assert torch.all(got[~real] == 0)
+    assert rel_err(got[real], want) < tol(torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_rms_norm_add(dtype, with_residual):

@@ -7,6 +7,8 @@ kernel runs on `max_ctas` programs that loop over the work items (persistent gri
 bounds the kernel's SM footprint; each item handles the whole GQA group of its KV head with one
 `tl.dot`. With more than one split, a second kernel (same CTA bound) merges the partial results
 by their log-sum-exp. `max_ctas` and `num_splits` are launch arguments: the profiler sweeps them.
+A request with context length 0 (a padded row of a CUDA-graph bucket) gets a zero output, never
+NaN, whatever the split count, and reads no page.
 
 Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
 """
@@ -95,8 +97,11 @@ def _decode_merge_kernel(
         head = item % num_heads
         lse = tl.load(lse_ptr + req * s_ln + head * s_lh + offs_s, mask=s_mask,
                       other=float("-inf"))  # [BS]
-        weight = tl.exp(lse - tl.max(lse, 0))
-        weight = weight / tl.sum(weight, 0)
+        top = tl.max(lse, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)  # an empty context: every split empty
+        weight = tl.exp(lse - top)
+        total = tl.sum(weight, 0)
+        weight = weight / tl.where(total > 0, total, 1.0)  # all zero: the output is zero
         part = tl.load(part_ptr + req * s_pn + head * s_ph + offs_s[:, None] * s_ps
                        + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         res = tl.sum(part * weight[:, None], 0)  # [BD]

@@ -127,3 +127,38 @@ def test_stage1_relaxation_is_never_above_the_brute_force_optimum():
         bound = relaxation_bound(prob, None, Limits(10, 2))
         assert bound is not None and period_lower_bound(prob) <= bound
         assert bound <= brute_force_stage1(batch)
+
+
+def test_mixed_side_exclusive_sets_hold_at_the_brute_force_optimum():
+    """The rows that take one point's compute side and another point's other side (x on t:0
+    compute beside y on t:1 other is never measured, so never runs) hold at the optimum."""
+    import random
+
+    from nanosched.autosearch.stage2 import exclusive_sets, paired_options
+
+    full = AllocOption(1000, 1.0, "full", 132)
+    rng = random.Random(11)
+    mixed = 0
+    for _ in range(8):
+        x_opts, y_opts = [full], [full]
+        for k in range(3):
+            r = rng.choice((0.1, 0.3, 0.5, 0.7))
+            x_opts.append(AllocOption(round(1000 * (1 - r)), rng.uniform(0.3, 0.95), "cta_bound",
+                                      132, point=f"t:{k}", side="compute"))
+            y_opts.append(AllocOption(round(1000 * r), rng.uniform(0.2, 0.95), "cta_bound",
+                                      16, point=f"t:{k}", side="other"))
+        deps = rng.choice([[], [("x", "y", 1)], [("y", "x", 1)]])
+        prob = paired_options(Stage2Problem(
+            {"x": float(rng.randint(5, 12)), "y": float(rng.randint(4, 10))},
+            {"x": x_opts, "y": y_opts}, {"compute": ["x"], "memory": ["y"]},
+            {"x": 0, "y": 0}, deps))
+        tau, opt = brute_force(prob, consistent=True)
+        for pick in exclusive_sets(prob):
+            sides = {(prob.options[x][j].point, prob.options[x][j].side) for x, j in pick
+                     if prob.options[x][j].point}
+            mixed += len({side for _, side in sides}) == 2
+            assert sum(prob.options[x][j].ticks(prob.alone[x]) for x, j in pick
+                       if prob.options[x][j] == opt[x]) <= tau
+        alloc, rep = solve_stage2(prob, Limits(10, 2))
+        assert rep.status == "OPTIMAL" and alloc is not None and alloc.period == tau
+    assert mixed > 0

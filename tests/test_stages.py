@@ -162,3 +162,36 @@ def test_mixed_side_exclusive_sets_hold_at_the_brute_force_optimum():
         alloc, rep = solve_stage2(prob, Limits(10, 2))
         assert rep.status == "OPTIMAL" and alloc is not None and alloc.period == tau
     assert mixed > 0
+
+
+def test_token_cycles_follow_the_layer_for_every_form():
+    """Quantum j's cycle holds decode attention for decode tokens, prefill attention for the
+    others, and both collective forms' ops (only the present one is counted)."""
+    from nanosched.autosearch.opgraph import layer_graph
+    from nanosched.autosearch.stage1 import token_cycle_ops
+    from nanosched.models.spec import load_spec
+
+    graph = layer_graph(load_spec("llama3-70b"), 8)
+    prob = Stage1Problem(graph, TokenMix(1024, 256, 512), {}, {})
+    decode, prefill = token_cycle_ops(prob, 0), token_cycle_ops(prob, 7)
+    assert decode is not None and prefill is not None
+    assert "attn_decode" in decode and "attn_prefill" not in decode
+    assert "attn_prefill" in prefill and "attn_decode" not in prefill
+    assert {"ar_attn", "rs_attn", "ag_attn", "ar_ffn", "rs_ffn", "ag_ffn"} <= set(decode)
+    assert token_cycle_ops(Stage1Problem(GRAPH, TokenMix(256, 0, 256), TABLES, {}), 1) \
+        == ["a", "c", "m"]
+
+
+def test_stage1_below_the_optimum_is_infeasible():
+    """The proof solve's claim: the model with τ ≤ U is infeasible exactly when U is below the
+    brute-force optimum (then U + 1 is a valid bound)."""
+    from nanosched.autosearch.cpsat import solve
+    from nanosched.autosearch.stage1 import build_model
+
+    for batch in (256, 384):
+        prob = Stage1Problem(GRAPH, TokenMix(batch, 0, batch), TABLES, {"a": 2, "m": 2, "c": 2})
+        best = brute_force_stage1(batch)
+        for cap, status in ((best - 1, "INFEASIBLE"), (best, "OPTIMAL")):
+            m, _ = build_model(prob, cap)
+            _, rep, _ = solve(m, "proof", Limits(10, 2), None, subsolvers=("no_lp", "max_lp"))
+            assert rep.status == status

@@ -30,5 +30,5 @@ def small_schedule(tp: int = 1, batch: int = 768) -> Schedule:
     reaches its optimum early, and stage II needs the rest to place the overlap it asks for.
     """
     cfg = SearchConfig(load_spec("llama3-8b"), tp, small_profile(tp, batch), fixed(512, 512),
-                       batch, time_limit_s=3.5, num_workers=1, deterministic=True)
+                       batch, time_limit_s=3.5, num_workers=2, deterministic=True)
     return run_search(cfg)

@@ -127,3 +127,71 @@ def test_stage1_relaxation_is_never_above_the_brute_force_optimum():
         bound = relaxation_bound(prob, None, Limits(10, 2))
         assert bound is not None and period_lower_bound(prob) <= bound
         assert bound <= brute_force_stage1(batch)
+
+
+def test_mixed_side_exclusive_sets_hold_at_the_brute_force_optimum():
+    """The rows that take one point's compute side and another point's other side (x on t:0
+    compute beside y on t:1 other is never measured, so never runs) hold at the optimum."""
+    import random
+
+    from nanosched.autosearch.stage2 import exclusive_sets, paired_options
+
+    full = AllocOption(1000, 1.0, "full", 132)
+    rng = random.Random(11)
+    mixed = 0
+    for _ in range(8):
+        x_opts, y_opts = [full], [full]
+        for k in range(3):
+            r = rng.choice((0.1, 0.3, 0.5, 0.7))
+            x_opts.append(AllocOption(round(1000 * (1 - r)), rng.uniform(0.3, 0.95), "cta_bound",
+                                      132, point=f"t:{k}", side="compute"))
+            y_opts.append(AllocOption(round(1000 * r), rng.uniform(0.2, 0.95), "cta_bound",
+                                      16, point=f"t:{k}", side="other"))
+        deps = rng.choice([[], [("x", "y", 1)], [("y", "x", 1)]])
+        prob = paired_options(Stage2Problem(
+            {"x": float(rng.randint(5, 12)), "y": float(rng.randint(4, 10))},
+            {"x": x_opts, "y": y_opts}, {"compute": ["x"], "memory": ["y"]},
+            {"x": 0, "y": 0}, deps))
+        tau, opt = brute_force(prob, consistent=True)
+        for pick in exclusive_sets(prob):
+            sides = {(prob.options[x][j].point, prob.options[x][j].side) for x, j in pick
+                     if prob.options[x][j].point}
+            mixed += len({side for _, side in sides}) == 2
+            assert sum(prob.options[x][j].ticks(prob.alone[x]) for x, j in pick
+                       if prob.options[x][j] == opt[x]) <= tau
+        alloc, rep = solve_stage2(prob, Limits(10, 2))
+        assert rep.status == "OPTIMAL" and alloc is not None and alloc.period == tau
+    assert mixed > 0
+
+
+def test_token_cycles_follow_the_layer_for_every_form():
+    """Quantum j's cycle holds decode attention for decode tokens, prefill attention for the
+    others, and both collective forms' ops (only the present one is counted)."""
+    from nanosched.autosearch.opgraph import layer_graph
+    from nanosched.autosearch.stage1 import token_cycle_ops
+    from nanosched.models.spec import load_spec
+
+    graph = layer_graph(load_spec("llama3-70b"), 8)
+    prob = Stage1Problem(graph, TokenMix(1024, 256, 512), {}, {})
+    decode, prefill = token_cycle_ops(prob, 0), token_cycle_ops(prob, 7)
+    assert decode is not None and prefill is not None
+    assert "attn_decode" in decode and "attn_prefill" not in decode
+    assert "attn_prefill" in prefill and "attn_decode" not in prefill
+    assert {"ar_attn", "rs_attn", "ag_attn", "ar_ffn", "rs_ffn", "ag_ffn"} <= set(decode)
+    assert token_cycle_ops(Stage1Problem(GRAPH, TokenMix(256, 0, 256), TABLES, {}), 1) \
+        == ["a", "c", "m"]
+
+
+def test_stage1_below_the_optimum_is_infeasible():
+    """The proof solve's claim: the model with τ ≤ U is infeasible exactly when U is below the
+    brute-force optimum (then U + 1 is a valid bound)."""
+    from nanosched.autosearch.cpsat import solve
+    from nanosched.autosearch.stage1 import build_model
+
+    for batch in (256, 384):
+        prob = Stage1Problem(GRAPH, TokenMix(batch, 0, batch), TABLES, {"a": 2, "m": 2, "c": 2})
+        best = brute_force_stage1(batch)
+        for cap, status in ((best - 1, "INFEASIBLE"), (best, "OPTIMAL")):
+            m, _ = build_model(prob, cap)
+            _, rep, _ = solve(m, "proof", Limits(10, 2), None, subsolvers=("no_lp", "max_lp"))
+            assert rep.status == status

@@ -39,10 +39,13 @@ def _callback_class() -> type:
             super().__init__()
             self.stage, self.progress, self.count = stage, progress, 0
             self.last_shown, self.last_time = float("inf"), -1.0
+            self.best, self.last_improved = float("inf"), None  # perf_counter() of the best
 
         def on_solution_callback(self) -> None:
             self.count += 1
             obj, bound = self.objective_value, self.best_objective_bound
+            if obj < self.best:
+                self.best, self.last_improved = obj, time.perf_counter()
             if self.progress is None or (obj > 0.99 * self.last_shown
                                          and self.wall_time < self.last_time + 2):
                 return
@@ -54,20 +57,43 @@ def _callback_class() -> type:
     return ProgressCallback
 
 
-def solve(model: Any, stage: str, limits: Limits, progress: Progress | None
+def solve(model: Any, stage: str, limits: Limits, progress: Progress | None,
+          stall_s: float | None = None, subsolvers: tuple[str, ...] = ()
           ) -> tuple[Any, StageReport, bool]:
-    """Solve `model`; returns (solver, report, whether a solution was found)."""
+    """Solve `model`; returns (solver, report, whether a solution was found).
+
+    `stall_s`: stop once a solution is known and none better came for that many seconds
+    (wall clock; ignored in deterministic mode). `subsolvers`: CP-SAT's worker portfolio
+    (with two or more workers)."""
+    import threading
+
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = limits.num_workers
+    if subsolvers and limits.num_workers >= 2:
+        solver.parameters.subsolvers.extend(subsolvers)
     if limits.deterministic:
         solver.parameters.max_deterministic_time = max(0.01, limits.time_limit_s)
         solver.parameters.interleave_search = limits.num_workers > 1
     else:
         solver.parameters.max_time_in_seconds = max(0.01, limits.time_limit_s)
+    callback = _callback_class()(stage, progress)
     start = time.perf_counter()
-    status = solver.solve(model, _callback_class()(stage, progress))
+    done = threading.Event()
+    if stall_s is not None and not limits.deterministic:
+        def watch() -> None:
+            while not done.wait(0.1):
+                last = callback.last_improved
+                if last is not None and time.perf_counter() - last > stall_s:
+                    solver.stop_search()
+                    return
+
+        threading.Thread(target=watch, daemon=True).start()
+    try:
+        status = solver.solve(model, callback)
+    finally:
+        done.set()
     wall = time.perf_counter() - start
     name = solver.status_name(status)
     found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)

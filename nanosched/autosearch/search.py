@@ -10,6 +10,7 @@ period by at least 0.5% is kept; the search stops when none does or the time is 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -31,6 +32,9 @@ from nanosched.schedules.format import BatchInfo, Schedule, StageReport
 from nanosched.workloads import Workload
 
 STAGE1_SHARE = 0.65
+FIRST_SHARE = 0.7  # of stage I's time for its first solve (two nano-ops per op)
+MARGIN_S = 1.0  # at most (2% of the limit): kept for stage II's model building and the checks
+MIN_GAIN = 0.995  # a grown count is kept when it shortens the period by at least 0.5%
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ def search_structure(prob: Stage1Problem, budget_s: float, workers: int, max_nan
                      ) -> tuple[Structure | None, StageReport]:
     """Stage I from two nano-ops per op, growing counts near compute bubbles."""
     deadline = time.perf_counter() + budget_s
-    best, report = solve_stage1(prob, Limits(0.5 * budget_s, workers, deterministic), progress)
+    best, report = solve_stage1(prob, Limits(FIRST_SHARE * budget_s, workers, deterministic),
+                                progress)
     if best is None:
         return None, report
     q = prob.mix.dense_batch // QUANTUM
@@ -125,10 +130,11 @@ def search_structure(prob: Stage1Problem, budget_s: float, workers: int, max_nan
             counts = {**prob.counts, op: prob.counts[op] + 1}
             if progress:
                 progress(f"stage I: trying {counts[op]} nano-ops for {op}")
-            trial = replace(prob, counts=counts, max_period_ticks=best.period)
+            cap = math.ceil(MIN_GAIN * best.period) - 1  # a trial is kept only below it
+            trial = replace(prob, counts=counts, max_period_ticks=cap)
             step = 0.25 * budget_s if deterministic else min(left, 0.25 * budget_s)
             st, rep = solve_stage1(trial, Limits(step, workers, deterministic), progress)
-            if st is not None and st.period < 0.995 * best.period:
+            if st is not None and st.period <= cap:
                 best, report, prob, improved = st, rep, trial, True
                 break
         if not improved:
@@ -161,7 +167,8 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
         structure.orders, structure.offsets,
         [(x, y, s) for y, ds in nano_deps(graph, nanos, mix, structure.forms).items()
          for x, s, _ in ds], cap)
-    left = max(deadline - time.perf_counter(), 0.1 * cfg.time_limit_s)
+    margin = min(MARGIN_S, 0.02 * cfg.time_limit_s)
+    left = max(deadline - time.perf_counter() - margin, 0.1 * cfg.time_limit_s)
     if cfg.deterministic:
         left = (1 - STAGE1_SHARE) * cfg.time_limit_s
     alloc, rep2 = solve_stage2(p2, Limits(left, cfg.num_workers, cfg.deterministic), progress)

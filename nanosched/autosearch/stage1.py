@@ -36,11 +36,25 @@ Redundant constraints (implied by the above; they give the LP and propagation a 
                              nano-ops x, y: s_y + δ τ ≥ e_x without a literal; a collective
                              group G between A and B (A → G → B): s_y + δ τ ≥ e_x + Σ_G L_G,
                              L_G = d_G if p_G else 0 (one form is present)
+  token cycles:              for every quantum j, the nano-ops holding j (one per op whose
+                             domain holds j; of a collective group the present form's) lie on
+                             the layer's cycle of data edges, so Σ_A D_{A,j} ≤ τ with
+                             D_{A,j} ≥ d_{A,i} when c_{A,i} ≤ j < c_{A,i+1} (and A's form is
+                             present). Proof: x_A(j) and x_B(j) share token j, so every data
+                             edge (A → B, δ) between ops holding j is a dependency
+                             s_B(j) + δ τ ≥ e_A(j); summing them around the cycle (total
+                             shift 1; `token_cycle_ops` checks the cycle for every choice of
+                             forms) gives Σ d ≤ τ, and D ≥ d only loosens it. The lane rows
+                             are this for j = 0 and Q − 1 with precedences; the middle quanta
+                             matter when ops are cut at different points (shipped llama3-70b
+                             tp=8 H200 quick: decode attention cut at 384 tokens, o at 1024:
+                             R 700 → 740 us).
 Relaxation R (solved first, its bound becomes τ's lower bound): the same cuts, durations,
-forms, stream literals, e_x ≤ 2τ, op-work, stream-load and lane rows, without the interval
-no-overlaps, the reified dependencies and the translation row. Every constraint of R is a
-constraint of the model above (lane rows are implied by the dependencies, as the docstring
-says), so R's optimum, and any bound CP-SAT proves for it, is ≤ the optimum of stage I.
+forms, stream literals, e_x ≤ 2τ, op-work, stream-load, lane and token-cycle rows, without
+the interval no-overlaps, the reified dependencies and the translation row. Every constraint
+of R is a constraint of the model above (lane and token-cycle rows are implied by the
+dependencies, as said above), so R's optimum, and any bound CP-SAT proves for it, is ≤ the
+optimum of stage I.
 Unlike the constant bound LB, R ties each op's nano-op durations to one set of cuts, so the
 first and last token's lane cycles (Σ of their nano-ops' durations ≤ τ, one periodic edge)
 and the loads are priced on the same split (shipped llama3-70b tp=8 H200 quick: LB 681 us,
@@ -52,15 +66,27 @@ Symmetry and search:
                              forms, simple orders, `periodic.min_period`), which also hints
                              every cut, form, stream and start; s_x, e_x ≤ 2 τ_max
 Objective: minimise τ.
+Solving (`solve_stage1`): R; the model hinted with the heuristic structure, stopped when its
+incumbent τ_inc has not improved for `STALL_S` s; then, if the gap is above `TARGET_GAP`, a
+proof solve of the same model with τ ≤ U = ⌈0.95 τ_inc⌉ − 1 on CP-SAT workers without LP and
+with full LP (they close it several times faster than the default portfolio). INFEASIBLE
+proves τ ≥ U + 1 for every structure of these counts: the reported bound. A solution would
+beat τ_inc, and that solve's bound holds for the whole problem (every solution with τ ≤ U is
+one of its solutions, so the optimum is its optimum). On the shipped llama3-70b tp=8 H200
+quick profile the incumbent 868 us (found in < 1 s) is optimal (a 94 s solve proved it), but
+the whole model's bound stays at R's until its search closes; τ ≤ 824 is refuted in 7-15 s
+(2 workers, shared machine), which makes the bound 825 and the gap 4.95%.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nanosched.autosearch.cpsat import Limits, Progress, solve
+from nanosched.autosearch.cpsat import Limits, Progress, gap, solve
+from nanosched.autosearch.durations import TICKS_PER_US
 from nanosched.autosearch.opgraph import QUANTUM, GraphOp, OpGraph, TokenMix, expand
 from nanosched.errors import ConfigError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
@@ -310,6 +336,75 @@ def _add_lanes(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]
             m.add(y["s"] + shift * tau >= x["e"] + sum(loads))
 
 
+def token_cycle_ops(prob: Stage1Problem, j: int) -> list[str] | None:
+    """The ops whose domain holds quantum j, when for every choice of collective forms those
+    of them that are active form one cycle of data edges with total shift 1; else None."""
+    import itertools
+
+    q, nd = prob.mix.dense_batch // QUANTUM, prob.mix.num_decode // QUANTUM
+    span = {"all": (0, q), "decode": (0, nd), "prefill": (nd, q)}
+    holds = {o.name for o in prob.graph.ops
+             if span[o.domain][0] <= j < span[o.domain][1]}
+    groups = prob.graph.groups()
+    for pick in itertools.product(*groups.values()):
+        forms = dict(zip(groups, pick, strict=True))
+        names = {o.name for o in prob.graph.active_ops(forms)} & holds
+        edges = [e for e in prob.graph.active_edges(forms)
+                 if e.kind == "data" and e.src in names and e.dst in names]
+        succ: dict[str, list[Any]] = {}
+        for e in edges:
+            succ.setdefault(e.src, []).append(e)
+        if not names or any(len(succ.get(n, [])) != 1 for n in names) \
+                or len({e.dst for e in edges}) != len(names):
+            return None
+        start = next(iter(sorted(names)))
+        node, seen, shift = start, set(), 0
+        while node not in seen:
+            seen.add(node)
+            shift += succ[node][0].shift
+            node = succ[node][0].dst
+        if node != start or seen != names or shift != 1:
+            return None
+    return sorted(holds)
+
+
+def _add_token_cycles(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
+                      tau: Any) -> None:
+    """Redundant token cycles: for every quantum j, the nano-ops holding j (one per op whose
+    domain holds j; of a collective group only the present form's) depend on each other
+    along the layer's cycle of data edges (shift 1), so Σ_A d_{A(j)} ≤ τ. D_{A,j} ≥ d_{A,i}
+    when c_{A,i} ≤ j < c_{A,i+1} (and the form of A is present), D_{A,j} ≥ 0 otherwise."""
+    q = prob.mix.dense_batch // QUANTUM
+    ge: dict[tuple[str, int, int], Any] = {}
+
+    def at_least(op: str, i: int, j: int) -> Any:  # literal c_{op,i} ≤ j
+        if (op, i, j) not in ge:
+            cut = by_op[op][i - 1]["cut_end"]
+            lit = m.new_bool_var(f"cut_le_{op}_{i}_{j}")
+            m.add(cut <= j).only_enforce_if(lit)
+            m.add(cut >= j + 1).only_enforce_if(~lit)
+            ge[(op, i, j)] = lit
+        return ge[(op, i, j)]
+
+    for j in range(q):
+        names = token_cycle_ops(prob, j)
+        if names is None:
+            continue
+        terms = []
+        for op in names:
+            xs = by_op[op]
+            dur = m.new_int_var(0, max(prob.tables[op]), f"tok_{op}_{j}")
+            for i, x in enumerate(xs):
+                when = [] if x["op"].group is None else [x["p"]]
+                if i > 0:
+                    when.append(at_least(op, i, j))
+                if i < len(xs) - 1:
+                    when.append(~at_least(op, i + 1, j))
+                m.add(dur >= x["d"]).only_enforce_if(when)
+            terms.append(dur)
+        m.add(sum(terms) <= tau)
+
+
 def _break_translation(m: Any, by_op: dict[str, list[dict[str, Any]]]) -> None:
     """Some present nano-op starts at 0 (shifting every start by the same amount changes
     nothing: dependencies and overlaps are differences, and e_x ≤ 2τ only gets easier)."""
@@ -368,6 +463,7 @@ def build_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool = F
         _add_deps(m, prob, by_op, forms, tau)
     _add_loads(m, prob, by_op, tau)
     _add_lanes(m, prob, by_op, tau)
+    _add_token_cycles(m, prob, by_op, tau)
     if not relaxed:
         _break_translation(m, by_op)
     m.minimize(tau)
@@ -376,25 +472,70 @@ def build_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool = F
 
 def solve_stage1(prob: Stage1Problem, limits: Limits, progress: Progress | None = None
                  ) -> tuple[Structure | None, StageReport]:
-    """Solve stage I for fixed counts; (None, report) when no solution was found."""
+    """Solve stage I for fixed counts; (None, report) when no solution was found.
+
+    Three solves share `limits`: the relaxation R (its bound is τ's lower bound), the
+    model hinted with the heuristic structure until its incumbent stalls (`STALL_S`) or half
+    the time is spent, and, when the gap is still above `TARGET_GAP`, a proof: the model with
+    τ ≤ U = ⌈(1 − TARGET_GAP) τ_inc⌉ − 1 on a portfolio of workers without and with full LP.
+    Infeasible: τ ≥ U + 1 for every structure, the reported bound. A solution: it beats the
+    incumbent, and that solve's bound holds for the whole problem (all solutions with τ ≤ U
+    are its solutions)."""
+    start = time.perf_counter()
     hint = heuristic_structure(prob)
     if hint is not None and prob.max_period_ticks and hint.period > prob.max_period_ticks:
         hint = None
     upper = hint.period if hint is not None else None
     lower = relaxation_bound(prob, upper, replace(limits, time_limit_s=RELAX_SHARE
                                                   * limits.time_limit_s))
-    if lower is None:  # R infeasible: so is the whole problem (R is a relaxation)
-        lower = (upper or 0) + 1
+    cap = min(c for c in (upper, prob.max_period_ticks, 10**12) if c)
+    if lower is None or lower > cap:  # R infeasible (below the cap): so is the whole problem
+        return None, StageReport("stage I", "INFEASIBLE", math.nan, math.nan, math.nan,
+                                 round(time.perf_counter() - start, 3), limits.time_limit_s,
+                                 limits.num_workers, "the relaxation R is infeasible")
     m, v = build_model(prob, upper, lower=lower)
     if hint is not None:
         add_hint(prob, m, v, hint)
-    solver, report, found = solve(m, "stage I", limits, progress)
+
+    def left() -> float:
+        return limits.time_limit_s - (time.perf_counter() - start)
+
+    first = replace(limits, time_limit_s=max(0.01, min(left(), PHASE1_SHARE
+                                                       * limits.time_limit_s)))
+    if limits.deterministic:
+        first = replace(limits, time_limit_s=PHASE1_SHARE * limits.time_limit_s)
+    solver, report, found = solve(m, "stage I", first, progress, stall_s=STALL_S)
     if not found:
         return None, report
-    return extract(prob, solver, v), report
+    best = extract(prob, solver, v)
+    if report.status == "OPTIMAL" or report.gap <= TARGET_GAP:
+        return best, report
+    target = math.ceil((1 - TARGET_GAP) * best.period) - 1
+    rest = (1 - PHASE1_SHARE) * limits.time_limit_s if limits.deterministic else left()
+    if target < lower or rest < 0.5:
+        return best, report
+    if progress:
+        progress(f"stage I: proving no period <= {target / TICKS_PER_US:g} us")
+    m2, v2 = build_model(prob, target, lower=lower)
+    solver2, rep2, found2 = solve(m2, "stage I (proof)", replace(limits, time_limit_s=rest),
+                                  progress, subsolvers=PROOF_SUBSOLVERS)
+    wall = round(report.wall_s + rep2.wall_s, 3)
+    if found2:
+        return extract(prob, solver2, v2), replace(rep2, stage="stage I", wall_s=wall,
+                                                   time_limit_s=limits.time_limit_s)
+    if rep2.status != "INFEASIBLE":
+        return best, replace(report, wall_s=wall, time_limit_s=limits.time_limit_s)
+    bound = (target + 1) / TICKS_PER_US
+    return best, replace(report, bound_us=bound, gap=gap(report.objective_us, bound),
+                         wall_s=wall, time_limit_s=limits.time_limit_s,
+                         note=f"bound: no period <= {target / TICKS_PER_US:g} us (proof solve)")
 
 
 RELAX_SHARE = 0.1  # of a stage I solve's time for the relaxation R
+PHASE1_SHARE = 0.5  # at most, of a stage I solve's time, for the hinted solve
+STALL_S = 3.0  # the hinted solve stops when its incumbent has not improved for this long
+TARGET_GAP = 0.05  # the proof solve tries to lift the bound to (1 - TARGET_GAP) τ_inc
+PROOF_SUBSOLVERS = ("no_lp", "max_lp")
 
 
 def relaxation_bound(prob: Stage1Problem, upper: int | None, limits: Limits) -> int | None:

@@ -11,8 +11,9 @@ NCCL's own tuning model (latency = base + steps x per-hop):
 
 Measurements on one GPU count give B and a0 + steps h, not a0 and h apart; h is taken from
 NCCL's tuning table (ring, LL128 over NVLink: 1.9 us per step, `NVLINK_HOP_US`) and a0 is what
-remains of the fitted intercept. (Charging the whole two-GPU intercept per step, as a pure ring
-formula would, makes a 2 MB all-reduce on 8 H200s cost 145 us, 5x what NCCL reports there.)
+remains of the fitted intercept. (Treating the whole two-GPU intercept as per-step latency, as a
+pure ring formula does, made a 2 MB all-reduce on 8 H200s cost 145 us, about 3x NCCL's own
+tuning model there.)
 
 `fit_ring` finds B and a0 by least squares from measurements on `world` GPUs at several sizes;
 `ring_time_us` evaluates the formula at another N. Rows made this way are marked `modelled`.

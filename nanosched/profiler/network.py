@@ -125,18 +125,14 @@ def _fixed_bench_us(fn: Any) -> float:
     launches would time the CPU (and the slower rank's CPU). The first launch absorbs the ranks'
     skew in leaving the sleep; the median ignores it.
     """
-    import time
-
     import torch
 
-    from nanosched.profiler.timing import queue_cycles
+    from nanosched.profiler.timing import launch_cpu_us, queue_cycles
 
     for _ in range(WARMUP):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    cpu_us = (time.perf_counter() - t0) * 1e6
+    cpu_us = launch_cpu_us(fn)
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(ITERS)]

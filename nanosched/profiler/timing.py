@@ -48,9 +48,7 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
-    t0 = time.perf_counter()
-    fn()
-    cpu_us = (time.perf_counter() - t0) * 1e6  # what one launch costs the CPU
+    cpu_us = launch_cpu_us(fn)
     end.record(stream)
     end.synchronize()
     estimate_ms = max(start.elapsed_time(end), 1e-3)
@@ -69,6 +67,13 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
     return 1e3 * statistics.median(a.elapsed_time(b) for a, b in events)
 
 
+def launch_cpu_us(fn: Callable[[], Any]) -> float:
+    """What one call of `fn` costs the CPU, in us (its GPU work is not waited for)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
 def queue_cycles(cpu_us: float) -> int:
     """Sleep cycles that hold the GPU while the CPU queues launches costing `cpu_us` in all
     (twice that, bounded by MAX_SLEEP_US)."""
@@ -84,12 +89,7 @@ def co_run_us(fn_a: Callable[[], Any], stream_a: Any, alone_a_us: float,
     n_b = int(min(max_launches, max(4, math.ceil(1e3 * window_ms / alone_b_us))))
     fn_a(), fn_b()  # warm (compiles, allocator)
     torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn_a()
-    cpu_a = (time.perf_counter() - t0) * 1e6
-    t0 = time.perf_counter()
-    fn_b()
-    cpu_b = (time.perf_counter() - t0) * 1e6
+    cpu_a, cpu_b = launch_cpu_us(fn_a), launch_cpu_us(fn_b)
     torch.cuda.synchronize(device)
     main = torch.cuda.current_stream(device)
     start = torch.cuda.Event(enable_timing=True)

@@ -87,14 +87,39 @@ def test_min_period_keeps_every_start_in_its_offset_period():
     assert tau == 11 and starts == {"x": 10, "y": 0}
 
 
+
+def _two_op_problem(rng, x_opts: list[AllocOption], y_opts: list[AllocOption]) -> Stage2Problem:
+    """x (compute) and y (memory) with these options, random durations and dependency."""
+    from nanosched.autosearch.stage2 import paired_options
+
+    deps = rng.choice([[], [("x", "y", 1)], [("y", "x", 1)]])
+    return paired_options(Stage2Problem(
+        {"x": float(rng.randint(5, 12)), "y": float(rng.randint(4, 10))},
+        {"x": x_opts, "y": y_opts}, {"compute": ["x"], "memory": ["y"]},
+        {"x": 0, "y": 0}, deps))
+
+
+def _exclusive_sets_hold_at_the_optimum(prob: Stage2Problem) -> list:
+    """Every exclusive-set row holds at the brute-force optimum, and stage II finds that
+    optimum with the rows; returns the sets."""
+    from nanosched.autosearch.stage2 import exclusive_sets
+
+    tau, opt = brute_force(prob, consistent=True)
+    sets = exclusive_sets(prob)
+    for pick in sets:
+        assert sum(prob.options[x][j].ticks(prob.alone[x]) for x, j in pick
+                   if prob.options[x][j] == opt[x]) <= tau
+    alloc, rep = solve_stage2(prob, Limits(10, 2))
+    assert rep.status == "OPTIMAL" and alloc is not None and alloc.period == tau
+    return sets
+
+
 def test_exclusive_sets_hold_at_the_brute_force_optimum():
     """Every exclusive-set row Σ o_{x,j} d_{x,j} ≤ τ holds at the brute-force optimum (so the
     bound they give is never above it), and stage II with them still reaches that optimum."""
     import random
 
     from test_point_consistency import X_OPTS, Y_OPTS
-
-    from nanosched.autosearch.stage2 import exclusive_sets, paired_options
 
     green_x = [AllocOption(600, 0.6, "green_ctx", 80), AllocOption(800, 0.9, "green_ctx", 100)]
     green_y = [AllocOption(400, 0.8, "green_ctx", 52), AllocOption(200, 0.5, "green_ctx", 26)]
@@ -104,19 +129,7 @@ def test_exclusive_sets_hold_at_the_brute_force_optimum():
     for _ in range(6):
         x_opts = [X_OPTS[0], *rng.sample([*green_x, *X_OPTS[1:], pair_x], 3)]
         y_opts = [Y_OPTS[0], *rng.sample([*green_y, *Y_OPTS[1:], pair_y], 3)]
-        deps = rng.choice([[], [("x", "y", 1)], [("y", "x", 1)]])
-        prob = paired_options(Stage2Problem(
-            {"x": float(rng.randint(5, 12)), "y": float(rng.randint(4, 10))},
-            {"x": x_opts, "y": y_opts}, {"compute": ["x"], "memory": ["y"]},
-            {"x": 0, "y": 0}, deps))
-        tau, opt = brute_force(prob, consistent=True)
-        sets = exclusive_sets(prob)
-        assert sets
-        for pick in sets:
-            assert sum(prob.options[x][j].ticks(prob.alone[x]) for x, j in pick
-                       if prob.options[x][j] == opt[x]) <= tau
-        alloc, rep = solve_stage2(prob, Limits(10, 2))
-        assert rep.status == "OPTIMAL" and alloc is not None and alloc.period == tau
+        assert _exclusive_sets_hold_at_the_optimum(_two_op_problem(rng, x_opts, y_opts))
 
 
 def test_stage1_relaxation_is_never_above_the_brute_force_optimum():
@@ -134,8 +147,6 @@ def test_mixed_side_exclusive_sets_hold_at_the_brute_force_optimum():
     compute beside y on t:1 other is never measured, so never runs) hold at the optimum."""
     import random
 
-    from nanosched.autosearch.stage2 import exclusive_sets, paired_options
-
     full = AllocOption(1000, 1.0, "full", 132)
     rng = random.Random(11)
     mixed = 0
@@ -147,20 +158,11 @@ def test_mixed_side_exclusive_sets_hold_at_the_brute_force_optimum():
                                       132, point=f"t:{k}", side="compute"))
             y_opts.append(AllocOption(round(1000 * r), rng.uniform(0.2, 0.95), "cta_bound",
                                       16, point=f"t:{k}", side="other"))
-        deps = rng.choice([[], [("x", "y", 1)], [("y", "x", 1)]])
-        prob = paired_options(Stage2Problem(
-            {"x": float(rng.randint(5, 12)), "y": float(rng.randint(4, 10))},
-            {"x": x_opts, "y": y_opts}, {"compute": ["x"], "memory": ["y"]},
-            {"x": 0, "y": 0}, deps))
-        tau, opt = brute_force(prob, consistent=True)
-        for pick in exclusive_sets(prob):
+        prob = _two_op_problem(rng, x_opts, y_opts)
+        for pick in _exclusive_sets_hold_at_the_optimum(prob):
             sides = {(prob.options[x][j].point, prob.options[x][j].side) for x, j in pick
                      if prob.options[x][j].point}
             mixed += len({side for _, side in sides}) == 2
-            assert sum(prob.options[x][j].ticks(prob.alone[x]) for x, j in pick
-                       if prob.options[x][j] == opt[x]) <= tau
-        alloc, rep = solve_stage2(prob, Limits(10, 2))
-        assert rep.status == "OPTIMAL" and alloc is not None and alloc.period == tau
     assert mixed > 0
 
 

@@ -95,7 +95,7 @@ def bench_case(model: str, case: str, page: int, configs: list) -> dict:
     torch_ms = median_ms(lambda: ref.prefill_attention(q, kc, vc, tables, segments, scale,
                                                        want))
     meta = PrefillSegments.build(segments, "cuda")
-    default = default_config(heads[2])
+    default = default_config()
     row = {"model": model, "case": case, "tokens": segments[-1][1],
            "segments": len(segments), "flops": flops, "torch_us": 1e3 * torch_ms,
            "torch_tflops": flops / torch_ms / 1e9, "default_config": config_name(default)}

@@ -88,7 +88,7 @@ def test_prefill_attention_matches_reference(case, dtype):
     q = torch.randn(n, hkv * group, d, generator=gen).to(dtype)
     buf = torch.full((n + 3, hkv * group, d), float("nan"), dtype=dtype)
     out = buf[2:2 + n]  # a row slice of a larger buffer
-    cfg = PrefillConfig(*tiles, num_warps=4, num_stages=1) if tiles else default_config(d, dtype)
+    cfg = PrefillConfig(*tiles, num_warps=4, num_stages=1) if tiles else default_config(dtype)
     prefill_attention(q, kc, vc, tables, segments, d ** -0.5, out, cfg)
     assert rel_err(out, reference(q, kc, vc, tables, segments, d ** -0.5)) < tol(dtype)
     assert buf[:2].isnan().all() and buf[2 + n:].isnan().all()  # nothing written outside

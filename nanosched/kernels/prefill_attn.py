@@ -139,7 +139,7 @@ class PrefillConfig:
                               f" and num_stages={self.num_stages} >= 1")
 
 
-def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
+def default_config(dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
     """Hopper defaults: 64x64 tiles, 4 warps, 3 stages. bench/kernels_prefill_attn.py on an H100
     (bf16, d = 128, Llama-3-8B and 70B tp=8 heads, 512-2,048 tokens, fresh and continuing
     chunks) found them fastest in 11 of 16 cases and within 30% in the rest; 128x64 with 8 warps
@@ -171,7 +171,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     if n == 0 or segments.num_segments == 0 or segments.max_len == 0:
         return
-    cfg = config or default_config(d, q.dtype)
+    cfg = config or default_config(q.dtype)
     group = num_q // num_kv
     _prefill_kernel[grid(segments, num_kv, group, cfg.block_m)](
         q, k_cache, v_cache, block_tables, segments.start, segments.length, segments.first_pos,

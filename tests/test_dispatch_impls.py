@@ -127,8 +127,8 @@ def test_prefill_attention_honours_impl_and_stays_torch_on_cpu(monkeypatch):
     K.prefill_attention(q, kc, vc, tables, segments, 0.25, want, TORCH, {"impl": "torch"})
     cases = [(TORCH, {"impl": "triton", "num_sms": 2, "max_ctas": 3}, segments),
              (K.KernelOptions("triton"), None, segments),
-             (TORCH, {"impl": "triton"}, PrefillSegments.build(segments, "cpu", 2, 16)),
-             (TORCH, None, PrefillSegments(PrefillSegments.build(segments, "cpu").table, 7))]
+             (TORCH, {"impl": "triton"}, PrefillSegments.build(segments, "cpu", 2)),
+             (TORCH, None, PrefillSegments(PrefillSegments.build(segments, "cpu").table))]
     for opts, launch, segs in cases:
         got = torch.full_like(q, float("nan"))
         K.prefill_attention(q, kc, vc, tables, segs, 0.25, got, opts, launch)

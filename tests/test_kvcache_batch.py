@@ -47,7 +47,7 @@ def test_slice_cuts_a_prompt_and_keeps_its_earlier_context():
     assert part.block_tables.tolist() == [[2, 3, 4]]
     assert part.prefill_segments() == [(0, 5, 5)]
     segs = meta.prefill_tensors()  # both prefill segments, after the decode token
-    assert segs.table.tolist() == [[0, 8], [8, 2], [3, 0]] and segs.max_len == 8
+    assert segs.table.tolist() == [[0, 8], [8, 2], [3, 0]]
     assert segs.host == ((0, 8, 3), (8, 10, 0)) and meta.prefill_tensors() is segs  # memoised
     head = meta.slice(0, 3)
     assert head.num_decode == 1 and head.context_lens_cpu == (6, 5)
@@ -98,17 +98,14 @@ def test_reference_attention_over_pages_matches_naive():
 
 
 def test_prefill_segments_pad_to_a_bucket_and_are_rewritten_in_place():
-    segs = PrefillSegments.build([(0, 5, 0), (5, 9, 12)], "cpu", num_segments=4, max_len=16)
+    segs = PrefillSegments.build([(0, 5, 0), (5, 9, 12)], "cpu", num_segments=4)
     assert segs.table.tolist() == [[0, 5, 0, 0], [5, 4, 0, 0], [0, 12, 0, 0]]
-    assert segs.max_len == 16 and segs.num_segments == 4 and segs.as_list() == [(0, 5, 0),
-                                                                                (5, 9, 12)]
+    assert segs.num_segments == 4 and segs.as_list() == [(0, 5, 0), (5, 9, 12)]
     table = segs.table
     new = segs.write([(0, 16, 3), (16, 17, 0), (17, 20, 40)])
     assert new.table is table and table.tolist() == [[0, 16, 17, 0], [16, 1, 3, 0],
                                                      [3, 0, 40, 0]]
-    assert PrefillSegments(table, 16).as_list() == [(0, 16, 3), (16, 17, 0), (17, 20, 40)]
-    with pytest.raises(ConfigError, match=r"\(0, 17, 0\) is longer than the bound 16"):
-        segs.write([(0, 17, 0)])
+    assert PrefillSegments(table).as_list() == [(0, 16, 3), (16, 17, 0), (17, 20, 40)]
     with pytest.raises(ConfigError, match="5 prefill segments do not fit in 4"):
         segs.write([(i, i + 1, 0) for i in range(5)])
     with pytest.raises(ConfigError, match="needs 0 <= start <= end"):

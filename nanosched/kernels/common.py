@@ -68,13 +68,12 @@ class PrefillSegments:
     """Prefill segment metadata on the device, as the Triton prefill kernel reads it.
 
     `start`, `length`, `first_pos` [S] int32 are rows of one [3, S] tensor (`table`): segment i
-    covers q rows start_i .. start_i + length_i - 1 at positions first_pos_i... `max_len` is a host
-    bound on every length (it sizes the grid); segments of length 0 are padding. `host` keeps the
-    (start, end, first_pos) tuples when known, so the torch path needs no device read.
+    covers q rows start_i .. start_i + length_i - 1 at positions first_pos_i...; segments of
+    length 0 are padding (a CUDA-graph bucket has a fixed S). `host` keeps the (start, end,
+    first_pos) tuples when known, so the torch path needs no device read.
     """
 
     table: torch.Tensor  # [3, S] int32
-    max_len: int
     host: tuple[Segment, ...] | None = None
 
     @property
@@ -95,20 +94,18 @@ class PrefillSegments:
 
     @classmethod
     def build(cls, segments: Sequence[Segment], device: torch.device | str,
-              num_segments: int | None = None, max_len: int | None = None) -> PrefillSegments:
-        """From (start, end, first_pos) tuples: one H2D copy. `num_segments` pads with empty
-        segments and `max_len` raises the grid bound (a CUDA-graph bucket)."""
-        rows = _segment_rows(segments, num_segments, max_len)
-        table = torch.tensor(rows, dtype=torch.int32).to(device)
-        bound = max(max_len or 0, max(rows[1], default=0))
-        return cls(table, bound, tuple(tuple(s) for s in segments))
+              num_segments: int | None = None) -> PrefillSegments:
+        """From (start, end, first_pos) tuples: one H2D copy; `num_segments` pads with empty
+        segments."""
+        table = torch.tensor(segment_rows(segments, num_segments), dtype=torch.int32)
+        return cls(table.to(device), tuple(tuple(s) for s in segments))
 
     def write(self, segments: Sequence[Segment]) -> PrefillSegments:
-        """Copy new segments into these tensors in place (same S and bound: a graph replays
-        them); the rest is padding. Returns the metadata with the new host tuples."""
-        rows = _segment_rows(segments, self.num_segments, self.max_len)
-        self.table.copy_(torch.tensor(rows, dtype=torch.int32))
-        return PrefillSegments(self.table, self.max_len, tuple(tuple(s) for s in segments))
+        """Copy new segments into these tensors in place (same S: a graph replays them); the
+        rest is padding. Returns the metadata with the new host tuples."""
+        self.table.copy_(torch.tensor(segment_rows(segments, self.num_segments),
+                                      dtype=torch.int32))
+        return PrefillSegments(self.table, tuple(tuple(s) for s in segments))
 
     def as_list(self) -> list[Segment]:
         """The non-empty segments as tuples (reads the device tensors when `host` is unknown)."""
@@ -118,15 +115,13 @@ class PrefillSegments:
         return [(s, s + n, p) for s, n, p in zip(starts, lens, first, strict=True) if n > 0]
 
 
-def _segment_rows(segments: Sequence[Segment], num_segments: int | None,
-                  max_len: int | None) -> list[list[int]]:
-    """[starts, lengths, first positions], padded with empty segments to `num_segments`."""
+def segment_rows(segments: Sequence[Segment], num_segments: int | None = None) -> list[list[int]]:
+    """[starts, lengths, first positions] of `segments`, padded with empty ones to
+    `num_segments`."""
     for s, e, p in segments:
         if not 0 <= s <= e or p < 0:
             raise ConfigError(f"prefill segment {(s, e, p)} needs 0 <= start <= end and "
                               f"first_pos >= 0")
-        if max_len is not None and e - s > max_len:
-            raise ConfigError(f"prefill segment {(s, e, p)} is longer than the bound {max_len}")
     count = len(segments) if num_segments is None else num_segments
     if count < len(segments):
         raise ConfigError(f"{len(segments)} prefill segments do not fit in {count}")

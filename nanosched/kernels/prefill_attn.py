@@ -6,16 +6,17 @@ v_cache [P, S, Hkv, d] already hold this chunk's own K/V (rope_append wrote them
 request at positions first_pos_i.., and attends to that request's cached tokens 0 .. its own
 position (causal, lower-right aligned). K/V are read page by page from the cache: no gather copy.
 
-Grid: (m-tiles, Hkv, S), fixed by a host bound `max_len` on the segment lengths, and the segment
-metadata read from device tensors (`PrefillSegments`): so the launch never syncs with the host and
-a CUDA graph replays it with other segments of the same bucket. GQA is packed into the M tile:
-tile row r of KV head h is flattened row f = m_tile * BLOCK_M + r = token * GROUP + g, i.e. query
-head h * GROUP + g of token f // GROUP, so one program loads each K/V tile once for all the query
-heads of its group. A program whose rows start past its segment's len * GROUP exits at once
-(padding segments of length 0 and short segments cost one load). Each program walks the K/V
-tiles every row of it sees in full without a mask, then the diagonal tiles with the causal mask;
-tiles past its last row's position are never loaded. m-tiles run longest-first (they are the
-heaviest). fp16/bf16/fp32 in, fp32 accumulation; tiles and warps are launch parameters
+Grid: (tile slots, Hkv). The segments' m-tiles are laid end to end and each program finds its
+(segment, m-tile) from a cumulative sum of the device lengths, so the grid depends only on the
+q row count and the segment slots S (`grid()`): the launch never syncs with the host, a CUDA
+graph replays it with other segments of the same bucket, and a padding segment of length 0 costs
+nothing. Slots past the last tile exit at once (at most S of them beyond the rows' tiles). GQA is
+packed into the M tile: tile row r of KV head h is flattened row f = m_tile * BLOCK_M + r =
+token * GROUP + g, i.e. query head h * GROUP + g of token f // GROUP, so one program loads each
+K/V tile once for all the query heads of its group. Each program walks the K/V tiles every row
+of it sees in full without a mask, then the diagonal tiles with the causal mask; tiles past its
+last row's position are never loaded. Within a segment the last m-tile (the heaviest) runs first.
+fp16/bf16/fp32 in, fp32 accumulation; tiles and warps are launch parameters
 (`PrefillConfig`) so a bench can tune them.
 
 Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
@@ -76,17 +77,24 @@ def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh, scal
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, start_ptr, len_ptr, pos_ptr, o_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, bt_ptr, start_ptr, len_ptr, pos_ptr, o_ptr, scale_log2, num_segments,
     s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_on, s_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-first
+    # program -> (segment, m-tile): segments' m-tiles laid end to end, counted on the device
+    tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    seg = tl.program_id(2)
-    length = tl.load(len_ptr + seg)
-    if m_tile * BLOCK_M >= length * GROUP:
-        return
+    offs_s = tl.arange(0, BLOCK_S)
+    lens = tl.load(len_ptr + offs_s, mask=offs_s < num_segments, other=0)
+    tiles = (lens * GROUP + BLOCK_M - 1) // BLOCK_M  # [BS] m-tiles of each segment
+    ends = tl.cumsum(tiles, 0)
+    seg = tl.sum((ends <= tile).to(tl.int32), 0)
+    if seg >= num_segments:
+        return  # past the last segment's tiles (the grid is a bound)
+    pick = offs_s == seg
+    m_tile = tl.sum(tl.where(pick, ends, 0), 0) - 1 - tile  # last tile first: the heaviest
+    length = tl.sum(tl.where(pick, lens, 0), 0)
     start = tl.load(start_ptr + seg)
     first = tl.load(pos_ptr + seg)
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] flattened (token, head in group)
@@ -149,10 +157,12 @@ def default_config(dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
     return PrefillConfig(64, 64, 4, 3)
 
 
-def grid(segments: PrefillSegments, num_kv_heads: int, group: int,
-         block_m: int) -> tuple[int, int, int]:
-    """(m-tiles of the longest allowed segment, KV heads, segments)."""
-    return (math.ceil(segments.max_len * group / block_m), num_kv_heads, segments.num_segments)
+def grid(num_rows: int, num_segments: int, num_kv_heads: int, group: int,
+         block_m: int) -> tuple[int, int]:
+    """(a bound on the m-tiles of all segments, KV heads). Segments hold at most `num_rows` rows
+    in all, and each adds at most one partial tile: the bound depends on shapes only, so a CUDA
+    graph replays it with any segments of the same row count and segment slots."""
+    return (math.ceil(num_rows * group / block_m) + num_segments, num_kv_heads)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -169,18 +179,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _check(q, k_cache, v_cache, block_tables, segments, out)
     n, num_q, d = q.shape
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
-    if n == 0 or segments.num_segments == 0 or segments.max_len == 0:
+    if n == 0 or segments.num_segments == 0:
         return
     cfg = config or default_config(q.dtype)
     group = num_q // num_kv
-    _prefill_kernel[grid(segments, num_kv, group, cfg.block_m)](
+    _prefill_kernel[grid(n, segments.num_segments, num_kv, group, cfg.block_m)](
         q, k_cache, v_cache, block_tables, segments.start, segments.length, segments.first_pos,
-        out, scale * LOG2E,
+        out, scale * LOG2E, segments.num_segments,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page, DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page,
+        BLOCK_S=max(2, triton.next_power_of_2(segments.num_segments)),
+        DOT_PREC=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -107,7 +107,7 @@ def test_dispatch_runs_triton_on_cuda_by_default(monkeypatch):
 
 
 def test_prefill_attention_replays_in_a_cuda_graph_with_new_segments():
-    """Capture one launch over a bucket (4 segments, lengths ≤ 1024); rewrite the device
+    """Capture one launch over a bucket (1,800 rows, 4 segment slots); rewrite the device
     metadata and block tables in place; each replay computes its own segments."""
     from nanosched.kernels.prefill_attn import prefill_attention
 
@@ -120,11 +120,11 @@ def test_prefill_attention_replays_in_a_cuda_graph_with_new_segments():
     q = torch.randn(1800, hq, d, device="cuda", generator=gen(32)).bfloat16()
     width = math.ceil(2048 / page)  # every segment's first_pos + length ≤ 2048
     tables = torch.zeros(bucket, width, dtype=torch.int32, device="cuda")
-    meta = PrefillSegments.build(first, "cuda", num_segments=bucket, max_len=1024)
+    meta = PrefillSegments.build(first, "cuda", num_segments=bucket)
     out = torch.empty_like(q)
 
     def launch() -> None:
-        prefill_attention(q, kc, vc, tables, PrefillSegments(meta.table, meta.max_len),
+        prefill_attention(q, kc, vc, tables, PrefillSegments(meta.table),
                           128 ** -0.5, out)
 
     side = torch.cuda.Stream()

@@ -137,10 +137,13 @@ def replay_rows(spans: list[Span], sched, profile) -> tuple[list[dict], dict]:
 
 
 def stream_busy(spans: list[Span], layers: int) -> dict[str, float]:
+    """Busy time per layer of each schedule stream (a schedule stream whose nano-ops use
+    different SM mechanisms runs on several CUDA streams, `memory@gc64`, `memory`: summed, as
+    the prediction counts it)."""
     busy = defaultdict(float)
     for sp in spans:
         if parse(sp.label):
-            busy[sp.stream] += (sp.end_ms - sp.start_ms) * 1e3 / layers
+            busy[sp.stream.partition("@")[0]] += (sp.end_ms - sp.start_ms) * 1e3 / layers
     return dict(busy)
 
 

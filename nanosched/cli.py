@@ -217,7 +217,16 @@ def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> Non
     typer.echo(f"  latency per output token: mean {res['normalized_latency_s'] * 1e3:.1f} ms, "
                f"p99 {res['latency_per_output_token_p99_s'] * 1e3:.1f} ms; time to first "
                f"token mean {res['ttft_mean_s'] * 1e3:.0f} ms")
-    line = f"  full-batch forward {run['forward_ms_full_batch']:.2f} ms = " \
+    if "graph_stats" in run:
+        g = run["graph_stats"]
+        typer.echo(f"  CUDA graphs: {g['replays']} replays, {g['captures']} captures "
+                   f"({g['capture_s']:.1f} s) over {g['buckets']} buckets, "
+                   f"{g['eager_bucket'] + g['unbucketed']} eager iterations, "
+                   f"{g['padded_rows']} padded rows")
+        for key, err in run.get("graph_errors", {}).items():
+            typer.echo(f"  graph capture failed for {key}: {err}")
+    line = f"  full-batch forward ({'graph' if run.get('graphs') else 'eager'}) " \
+           f"{run['forward_ms_full_batch']:.2f} ms = " \
            f"{run['layer_us_full_batch']:.0f} us per layer"
     if "predicted_period_us" in run:
         line += f" (schedule predicted {run['predicted_period_us']:.0f} us)"
@@ -255,6 +264,10 @@ def bench(
                                               "served with every strategy first, so no run "
                                               "pays compilation a later one reuses (default: "
                                               "64 on a GPU, 0 on the CPU)."),
+    graphs: str = typer.Option("off", "--graphs", help="CUDA graphs: 'off' (eager launches), "
+                               "'on' (one graph per strategy and batch bucket, captured when "
+                               "a bucket first appears), or 'both' (every strategy eager, "
+                               "then with graphs)."),
     json_out: str | None = typer.Option(None, "--json", help="Write every figure, the "
                                         "configuration and the environment to this file."),
 ) -> None:
@@ -270,14 +283,14 @@ def bench(
                       output_len=output_len, workload=workload, num_prompts=num_prompts,
                       dense_batch=dense_batch, schedule=schedule, compare=compare, force=force,
                       request_rate=request_rate, seed=seed, device=device,
-                      warmup_prompts=warmup_prompts)
+                      warmup_prompts=warmup_prompts, graphs=graphs)
     out = run_bench(cfg)
     env = out["environment"]
     typer.echo(f"{env['device']}: {model} tp={tp}, dense batch {out['config']['dense_batch']}")
     for name, run in out["runs"].items():
         _print_run(name, run, out["gemm_tflops_8192"])
-    if "ratio" in out:
-        typer.echo(f"ratio {out['ratio']['of']}: {out['ratio']['tokens_per_s']:.3f}x tokens/s "
+    for ratio in out["ratios"].values():
+        typer.echo(f"ratio {ratio['of']}: {ratio['tokens_per_s']:.3f}x tokens/s "
                    f"(same requests, same process)")
     if json_out:
         write_json_atomic(json_out, out)

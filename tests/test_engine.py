@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from nanosched.errors import ConfigError
 from nanosched.models.generate import step
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import ModelSpec
@@ -67,6 +68,26 @@ def test_two_batch_overlap_gives_the_same_tokens(model):
     eng, _ = run_engine(model, b, strategy=TwoBatchOverlap(n_tiles=2, num_sms=4, tile_m=8))
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
     assert eng.stats.fallbacks == 0
+
+
+@pytest.mark.parametrize("strategy", [None, TwoBatchOverlap()])
+def test_graph_bucket_layout_gives_the_reference_tokens(model, strategy):
+    """Batches padded into CUDA-graph buckets (run eagerly on the CPU): the same tokens."""
+    reqs = requests(seed=5)
+    eng, done = run_engine(model, reqs, graphs="layout", graph_align=4, strategy=strategy)
+    assert len(done) == len(reqs)
+    for r in reqs:
+        assert r.output_ids == reference(model, r.prompt_ids, r.params.max_tokens)
+    g = eng.stats.graphs
+    assert g.eager_bucket + g.unbucketed == eng.stats.iterations and g.eager_bucket > 0
+    assert g.padded_rows > 0 and len(g.buckets) > 1 and g.captures == g.replays == 0
+
+
+def test_graphs_on_needs_a_gpu_model(model):
+    with pytest.raises(ConfigError, match="CUDA graphs need a CUDA model"):
+        Engine(model, dense_batch=8, num_pages=8, graphs="on")
+    with pytest.raises(ConfigError, match="graphs must be 'off', 'on' or 'layout'"):
+        Engine(model, dense_batch=8, num_pages=8, graphs="yes")
 
 
 def test_eos_ends_a_request_unless_ignored(model):

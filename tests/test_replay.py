@@ -84,11 +84,13 @@ def test_replay_uses_the_schedules_streams_and_merges(model, schedule):
         (per_layer + 4) * model.spec.num_layers + 1
 
 
-def test_engine_replays_full_batches_and_falls_back_on_small_ones(model, schedule):
+@pytest.mark.parametrize("graphs", ["off", "layout"])
+def test_engine_replays_full_batches_and_falls_back_on_small_ones(model, schedule, graphs):
     def run(strategy):
         reqs = [Request(i, list(range(1 + i, 60 + i)), SamplingParams(max_tokens=12))
                 for i in range(12)]
-        eng = Engine(model, dense_batch=256, num_pages=200, strategy=strategy)
+        eng = Engine(model, dense_batch=256, num_pages=200, strategy=strategy, graphs=graphs,
+                     graph_align=16)
         for r in reqs:
             eng.add_request(r)
         eng.run_to_completion()

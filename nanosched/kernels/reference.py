@@ -87,7 +87,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_context_len: int, scale: float, out: torch.Tensor) -> None:
     """One query token per request attends to its whole cached context (GQA), in fp32.
 
-    q, out [n, Hq, d]; block_tables [n, max_pages] int32; context_lens [n] int32.
+    q, out [n, Hq, d]; block_tables [n, max_pages] int32; context_lens [n] int32. A request of
+    context length 0 (a padded row of a CUDA-graph bucket) gets a zero output, as in the kernel.
     """
     n, num_q, d = q.shape
     if n == 0:
@@ -102,6 +103,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None].long()
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    probs = probs.masked_fill((context_lens == 0)[:, None, None, None], 0.0)  # all -inf rows
     res = torch.einsum("nhgl,nlhd->nhgd", probs, v)  # [n, Hkv, G, d]
     out.copy_(res.reshape(n, num_q, d))
 

@@ -74,6 +74,15 @@ class BatchMeta:
         """Longest decode context in the range (0 when there are no decode tokens)."""
         return max(self.context_lens_cpu[: self.num_decode], default=0)
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, context lengths) of the range's decode tokens, one row each."""
+        nd = self.num_decode
+        return self.block_tables[:nd], self.context_lens[:nd]
+
+    def prefill_block_tables(self) -> torch.Tensor:
+        """Block tables of the range's prefill segments, in `prefill_tensors()` order."""
+        return self.block_tables[self.num_decode:]
+
     def prefill_segments(self) -> list[tuple[int, int, int]]:
         """(start, end, first_pos) of each prefill segment, relative to the first prefill token."""
         nd = self.num_decode

@@ -4,7 +4,9 @@ Storage: per layer `k[layer]`, `v[layer]` of shape [P, S, Hkv, d] (P pages of S 
 tp rank's KV heads). A request owns a list of pages (its block table); position p of the
 request lives at page table[p // S], offset p % S. `plan(...)` reserves pages for the tokens a
 batch will write, advances each request's length and returns the batch's `BatchMeta`.
-Pages are zero-initialised so that padded reads never meet NaNs.
+Pages are zero-initialised so that padded reads never meet NaNs. One page past the allocator's
+(`scratch_slot`) is never handed out: the padded rows of a CUDA-graph bucket write their K/V
+there, so they never touch a request's pages.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ class KVCache:
                  page_size: int = DEFAULT_PAGE_SIZE) -> None:
         if page_size <= 0:
             raise ConfigError(f"page size must be positive, got {page_size}")
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)  # + scratch
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, Hkv, d]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.device = torch.device(device)
         self.allocator = PageAllocator(num_pages)
+        self.scratch_slot = num_pages * page_size  # the first slot of the scratch page
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
 
@@ -83,7 +86,12 @@ class KVCache:
         self.lengths.pop(request, None)
 
     def plan(self, chunks: Sequence[tuple[int, int, bool]]) -> BatchMeta:
-        """Reserve pages and build the metadata of a batch.
+        """Reserve pages and build the metadata of a batch (`plan_chunks`, then
+        `BatchMeta.build`)."""
+        return BatchMeta.build(self.plan_chunks(chunks), self.page_size, self.device)
+
+    def plan_chunks(self, chunks: Sequence[tuple[int, int, bool]]) -> list[SeqChunk]:
+        """Reserve pages for a batch and describe its chunks.
 
         chunks: (request id, number of new tokens, is_decode) in batch order, decode first.
         Each request's new tokens continue at its current length, which then advances.
@@ -94,4 +102,4 @@ class KVCache:
             self.reserve(request, first + num_tokens)
             self.lengths[request] = first + num_tokens
             seqs.append(SeqChunk(tuple(self.tables[request]), first, num_tokens, is_decode))
-        return BatchMeta.build(seqs, self.page_size, self.device)
+        return seqs

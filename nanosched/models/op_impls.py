@@ -4,7 +4,8 @@ Signature of every op: `op(model, layer, ws, meta, start, end, launch) -> None`,
 `CausalLM.run_op`. `launch` is the runtime's launch dict (kernels/impls.py: `impl`, `num_sms`,
 `max_ctas`, `num_splits`), handed to every kernel the op launches. An op reads and writes only
 rows [start, end) of the workspace (see `model.py` for the contract); `meta` is the full
-batch's metadata and the op slices it.
+batch's metadata and the op slices it: a `BatchMeta`, or a CUDA-graph bucket's `BucketMeta`
+(models/bucket.py), which answers the same calls from static tensors.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def attn_decode(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: 
     nd = r.num_decode
     if nd == 0:
         return
-    K.decode_attention(ws.q[s:s + nd], ws.kv.k[i], ws.kv.v[i], r.block_tables[:nd],
-                       r.context_lens[:nd], r.max_decode_context, m.scale, ws.attn[s:s + nd],
-                       m.kernels, launch)
+    tables, lens = r.decode_tables()
+    K.decode_attention(ws.q[s:s + nd], ws.kv.k[i], ws.kv.v[i], tables, lens,
+                       r.max_decode_context, m.scale, ws.attn[s:s + nd], m.kernels, launch)
 
 
 def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -57,7 +58,7 @@ def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e:
     nd = r.num_decode
     if nd == e - s:
         return
-    K.prefill_attention(ws.q[s + nd:e], ws.kv.k[i], ws.kv.v[i], r.block_tables[nd:],
+    K.prefill_attention(ws.q[s + nd:e], ws.kv.k[i], ws.kv.v[i], r.prefill_block_tables(),
                         r.prefill_tensors(), m.scale, ws.attn[s + nd:e], m.kernels, launch)
 
 

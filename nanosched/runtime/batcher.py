@@ -2,7 +2,9 @@
 
 Each iteration holds at most `dense_batch` tokens: one decode token per running request that has
 finished its prompt, then prompt chunks (continuing prefills first, then newly admitted requests,
-first come first served) until the batch is full.
+first come first served) until the batch is full. With `decode_align` > 1 the decode tokens take
+room rounded up to a multiple of it: the rows a CUDA-graph bucket pads them to
+(models/bucket.py).
 
 Admission by predicted peak KV memory. A decoding request i holds h_i tokens of KV and will
 generate r_i more, one per iteration (decodes never wait), then free everything. Their usage t
@@ -73,10 +75,13 @@ class Batcher:
     """Forms each iteration's batch and decides admission; knows nothing of the model."""
 
     def __init__(self, dense_batch: int, kv_capacity_pages: int, page_size: int,
-                 max_context: int) -> None:
+                 max_context: int, decode_align: int = 1) -> None:
         if dense_batch < 1:
             raise ConfigError(f"--dense-batch must be positive, got {dense_batch}")
+        if decode_align < 1:
+            raise ConfigError(f"decode alignment must be positive, got {decode_align}")
         self.dense_batch = dense_batch
+        self.decode_align = decode_align
         self.capacity_pages = kv_capacity_pages
         self.page_size = page_size
         self.max_context = max_context
@@ -119,7 +124,9 @@ class Batcher:
         entries = [BatchEntry(r, r.prompt_len + r.num_output - 1, 1, True)
                    for r in self.running if not r.is_prefilling and not r.finished
                    and r.num_output < r.params.max_tokens]
-        budget = self.dense_batch - len(entries)
+        # decode rows are counted rounded up to `decode_align` (a CUDA-graph bucket pads them)
+        budget = self.dense_batch - min(-(-len(entries) // self.decode_align) *
+                                        self.decode_align, self.dense_batch)
         for r in self.running:
             if budget == 0:
                 break

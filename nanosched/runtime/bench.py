@@ -43,10 +43,14 @@ class BenchConfig:
     device: str = "auto"
     mem_util: float = 0.85
     page_size: int = 16
-    # untimed requests served with every strategy before the timed runs (None: 64 on a GPU,
-    # 0 on the CPU), so no run pays Triton compilation and allocator growth that a later run
-    # reuses: without it a second run of the same work measured 4% faster on H100 and H200
+    # untimed requests each run serves on its engine before its timed requests (None: 64 on a
+    # GPU, 0 on the CPU), so no run pays Triton compilation, allocator growth or graph captures
+    # that a later run would reuse: without it a second run of the same work measured 4%
+    # faster on H100 and H200
     warmup_prompts: int | None = None
+    # CUDA graphs: "off" (eager), "on" (a graph per strategy and batch bucket, captured as the
+    # buckets first appear: in the warm-up or the run), or "both" (every strategy twice)
+    graphs: str = "off"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -164,15 +168,24 @@ def synthetic_batch(ws: Any, dense: int, num_decode: int, context: int, prompt: 
     return plan_batch(ws, dense, num_decode, prompt, first_id)
 
 
-def plan_batch(ws: Any, dense: int, num_decode: int, prompt: int,
-               first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
-    """Plan the batch itself (decode requests already cached by `cache_context`)."""
+def batch_chunks(dense: int, num_decode: int, prompt: int, first_id: int,
+                 decode_rows: int | None = None) -> list[tuple[int, int, bool]]:
+    """`num_decode` decode tokens, then prompt chunks of at most `prompt` tokens filling the
+    batch to `dense` rows; with `decode_rows` the decode tokens take that many rows (a graph
+    bucket's padding)."""
     chunks = [(first_id + r, 1, True) for r in range(num_decode)]
-    left, p = dense - num_decode, 0
-    while left:
+    left, p = dense - (num_decode if decode_rows is None else decode_rows), 0
+    while left > 0:
         n = min(prompt, left)
         chunks.append((first_id + 10**6 + p, n, False))
         left, p = left - n, p + 1
+    return chunks
+
+
+def plan_batch(ws: Any, dense: int, num_decode: int, prompt: int,
+               first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
+    """Plan the batch itself (decode requests already cached by `cache_context`)."""
+    chunks = batch_chunks(dense, num_decode, prompt, first_id)
     meta = ws.kv.plan(chunks)
     segments, row = [], 0
     for _, n, is_decode in chunks:
@@ -183,12 +196,15 @@ def plan_batch(ws: Any, dense: int, num_decode: int, prompt: int,
 
 
 def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: int,
-               num_decode: int, context: int, prompt: int, reps: int = 5
+               num_decode: int, context: int, prompt: int, reps: int = 5, graphs: bool = False
                ) -> tuple[float, int, int]:
-    """Median time of one forward over a full synthetic batch (synchronised each time), in
-    the workspace `ws` of a finished run; decode tokens and their context shrink to what its
-    cache holds. Returns (ms, decode tokens, decode context)."""
+    """Median wall time of one forward over a full synthetic batch (synchronised each time),
+    in the workspace `ws` of a finished run; decode tokens and their context shrink to what its
+    cache holds. With `graphs`, the batch is laid out in its bucket (decode rows rounded up to
+    32) and the forward is a CUDA graph's replay, metadata writes included. Returns (ms, decode
+    tokens, decode context)."""
     from nanosched.runtime.backend import Backend
+    from nanosched.runtime.graphs import BucketRunner
     from nanosched.runtime.modelprogram import model_program
     from nanosched.runtime.scheduler import run_program
 
@@ -196,16 +212,30 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     avail = ws.kv.allocator.num_free - (dense - num_decode) // page - 8  # pages for decodes
     num_decode = max(0, min(num_decode, avail))
     context = max(1, min(context, avail // max(1, num_decode) * page - 1))
+    runner = BucketRunner(model, ws, Backend(device), align=32,
+                          max_pages=-(-max(context + 1, prompt) // page), capture=True) \
+        if graphs else None
     times = []
-    for rep in range(reps + 1):
-        meta, segments, ids = synthetic_batch(ws, dense, num_decode, context, prompt,
-                                              rep * 10**7)
-        program = model_program(model, ws, meta, segments)
-        t0 = time.perf_counter()
-        run_program(program, strategy, Backend(device))
+    for rep in range(reps + 2 if graphs else reps + 1):  # graphs: eager + capture, replay
+        first_id = rep * 10**7
+        cache_context(ws, num_decode, context, first_id)
+        if runner is None:
+            meta, segments, ids = plan_batch(ws, dense, num_decode, prompt, first_id)
+            program = model_program(model, ws, meta, segments)
+            t0 = time.perf_counter()
+            run_program(program, strategy, Backend(device))
+        else:
+            chunks = batch_chunks(dense, num_decode, prompt, first_id,
+                                  decode_rows=-(-num_decode // 32) * 32)
+            ids = [c[0] for c in chunks]
+            seqs = ws.kv.plan_chunks(chunks)
+            ws.token_ids[:dense].random_(0, 1000)
+            entry = runner.entry(strategy, runner.bucket(seqs))
+            t0 = time.perf_counter()
+            runner.run(entry, strategy, seqs)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
-        if rep:
+        if rep >= (2 if graphs else 1):
             times.append((time.perf_counter() - t0) * 1e3)
         for r in ids:
             ws.kv.release(r)
@@ -219,6 +249,18 @@ class _Run:
     device: Any = None
     closer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    graphs: bool = False
+
+
+GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def _with_graphs(runs: list[_Run], mode: str) -> list[_Run]:
+    """Each run once per graph mode asked for; graphed runs are named `<name>+graphs`."""
+    if mode not in GRAPH_MODES:
+        raise ConfigError(f"--graphs must be off, on or both, got {mode!r}")
+    return [replace(r, name=r.name + ("+graphs" if g else ""), graphs=g)
+            for r in runs for g in GRAPH_MODES[mode]]
 
 
 def _strategies(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> list[_Run]:
@@ -263,7 +305,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         raise ConfigError("--tp > 1 is not benchmarked yet: run with --tp 1")
     spec = load_spec(cfg.model)
     device = _device(cfg)
-    runs = _strategies(cfg, spec, device)
+    if cfg.graphs != "off" and device.type != "cuda":
+        raise ConfigError("--graphs on/both needs a CUDA GPU (graphs replay CUDA launches); "
+                          "run with --graphs off on the CPU")
+    runs = _with_graphs(_strategies(cfg, spec, device), cfg.graphs)
     dense = cfg.dense_batch or next((r.info["dense_batch"] for r in runs if r.info),
                                     2048 if device.type == "cuda" else 256)
     for r in runs:
@@ -281,58 +326,92 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         raise ConfigError(f"--warmup-prompts must be >= 0, got {warm}")
     out["warmup_prompts"] = warm
     try:
-        for r in runs if warm else []:
-            _serve(replace(cfg, num_prompts=warm, seed=cfg.seed + 1, request_rate=float("inf")),
-                   spec, model, dense, gemm, r, progress=False)
         for r in runs:
-            out["runs"][r.name] = _serve(cfg, spec, model, dense, gemm, r, progress)
+            out["runs"][r.name] = _serve(cfg, spec, model, dense, gemm, r, warm, progress)
     finally:
         for r in runs:
             if r.closer is not None:
                 r.closer.close()
-    names = list(out["runs"])
-    if len(names) == 2:
-        a, b = (out["runs"][n]["results"]["tokens_per_s"] for n in names)
-        out["ratio"] = {"of": f"{names[1]} / {names[0]}", "tokens_per_s": b / a}
+    base = {False: "sequential", True: "sequential+graphs"}
+    out["ratios"] = {name: {"of": f"{name} / {base[r.graphs]}", "tokens_per_s":
+                            out["runs"][name]["results"]["tokens_per_s"] /
+                            out["runs"][base[r.graphs]]["results"]["tokens_per_s"]}
+                     for r in runs if (name := r.name) != base[r.graphs]
+                     and base[r.graphs] in out["runs"]}
+    for r in runs:  # graphs against eager, per strategy
+        if r.graphs and r.name[:-len("+graphs")] in out["runs"]:
+            eager = out["runs"][r.name[:-len("+graphs")]]["results"]["tokens_per_s"]
+            out["ratios"][r.name + " vs eager"] = {
+                "of": f"{r.name} / {r.name[:-len('+graphs')]}",
+                "tokens_per_s": out["runs"][r.name]["results"]["tokens_per_s"] / eager}
+    if len(runs) == 2 and out["ratios"]:  # the one comparison (kept for older readers)
+        out["ratio"] = next(iter(out["ratios"].values()))
     return out
 
 
 def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: float | None,
-           run: _Run, progress: bool) -> dict[str, Any]:
-    from nanosched.runtime.engine import Engine
+           run: _Run, warm: int, progress: bool) -> dict[str, Any]:
+    """Serve `warm` untimed requests, then the timed ones, on one engine (so graphs captured in
+    the warm-up are replayed in the run, as a server captures before it serves)."""
+    from nanosched.runtime.engine import Engine, EngineStats
 
     reqs = make_requests(cfg.workload, cfg.input_len, cfg.output_len, cfg.num_prompts,
                          spec.vocab_size, spec.max_position_embeddings, cfg.seed)
     poisson_arrivals(reqs, cfg.request_rate, cfg.seed)
-    pages = kv_pages(model, dense, cfg.page_size, cfg.mem_util, reqs)
+    warm_reqs = make_requests(cfg.workload, cfg.input_len, cfg.output_len, warm,
+                              spec.vocab_size, spec.max_position_embeddings, cfg.seed + 1) \
+        if warm else []
+    pages = kv_pages(model, dense, cfg.page_size, cfg.mem_util, reqs + warm_reqs)
+    longest = max(r.peak_tokens for r in reqs + warm_reqs)
     engine = Engine(model, dense_batch=dense, num_pages=pages, page_size=cfg.page_size,
-                    strategy=run.strategy, seed=cfg.seed, device=run.device)
-    for r in reqs:
-        engine.add_request(r)
-    bar = _progress(len(reqs), progress)
+                    strategy=run.strategy, seed=cfg.seed, device=run.device,
+                    graphs="on" if run.graphs else "off", max_context=longest)
+    warm_graphs = None
     with torch.inference_mode():
-        start = time.perf_counter()
-        engine.t0 = start
-        while engine.batcher.has_work or engine._in_flight:
-            bar.update(len(engine.step()))
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        elapsed = time.perf_counter() - start
+        if warm_reqs:
+            _drain(engine, warm_reqs, None)
+            warm_graphs = engine.stats.graphs.as_dict() if engine.stats.graphs else None
+            engine.stats = EngineStats(graphs=engine.graphs.reset_stats()
+                                       if engine.graphs else None)
+        bar = _progress(len(reqs), progress)
+        elapsed = _drain(engine, reqs, bar)
         bar.close()
         n_dec = run.info.get("num_decode", dense // 3)
         prompt = cfg.input_len or 1024
         fwd, n_dec, ctx = forward_ms(model, engine.ws, run.strategy, engine.backend.device,
-                                     dense, n_dec, prompt + (cfg.output_len or 512) // 2, prompt)
+                                     dense, n_dec, prompt + (cfg.output_len or 512) // 2, prompt,
+                                     graphs=run.graphs)
     stats = engine.stats
+    graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
     del engine
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"strategy": run.strategy.name, **run.info, "kv_pages": pages,
-            "iterations": stats.iterations, "fallbacks": stats.fallbacks,
-            "forward_ms_full_batch": fwd, "forward_decode_tokens": n_dec,
-            "forward_decode_context": ctx,
-            "layer_us_full_batch": fwd * 1e3 / spec.num_layers,
-            "results": summarize(reqs, elapsed, cfg.tp, spec.num_params(active=True), gemm)}
+    out = {"strategy": run.strategy.name, **run.info, "graphs": run.graphs, "kv_pages": pages,
+           "iterations": stats.iterations, "fallbacks": stats.fallbacks,
+           "forward_ms_full_batch": fwd, "forward_decode_tokens": n_dec,
+           "forward_decode_context": ctx,
+           "layer_us_full_batch": fwd * 1e3 / spec.num_layers,
+           "results": summarize(reqs, elapsed, cfg.tp, spec.num_params(active=True), gemm)}
+    if stats.graphs is not None:
+        out["graph_stats"] = stats.graphs.as_dict()
+        out["graph_stats_warmup"] = warm_graphs
+        out["graph_errors"] = {f"{k[0]} {k[1]}": v for k, v in graph_errors.items()}
+    return out
+
+
+def _drain(engine: Any, reqs: list[Request], bar: Any) -> float:
+    """Add `reqs` and step until every one has finished; returns the wall time in seconds."""
+    for r in reqs:
+        engine.add_request(r)
+    start = time.perf_counter()
+    engine.t0 = start
+    while engine.has_work:
+        done = engine.step()
+        if bar is not None:
+            bar.update(len(done))
+    if engine.is_cuda:
+        torch.cuda.synchronize(engine.model.device)
+    return time.perf_counter() - start
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -9,6 +9,12 @@ back batch i's tokens: a decode whose previous token is still on the device take
 device tensor of the last iteration, and a request that ended with EOS in batch i is seen one
 iteration late (its extra token is dropped). Without a GPU both loops give the same tokens.
 
+CUDA graphs (`graphs="on"`). Each batch is laid out in a bucket (decode rows rounded up to
+`graph_align`, then prompt chunks; models/bucket.py) and replayed from a CUDA graph captured per
+(strategy, bucket) at the bucket's first batch (runtime/graphs.py); batches no bucket holds run
+eagerly. `graphs="layout"` lays batches out the same way but runs them eagerly (the CPU tests of
+what a graph replays). `stats.graphs` counts captures, replays and padding.
+
 Serving hooks. `on_token(request, token)`, when given, is called once for every token appended
 to a request's output, in order, during post-processing. `abort(request_id)` ends a request
 wherever it is: a waiting one leaves the queue; a running one is retired and its KV pages are
@@ -25,9 +31,12 @@ from typing import Any
 
 import torch
 
+from nanosched.errors import ConfigError
+from nanosched.models.batch import BatchMeta
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.batcher import Batch, Batcher
 from nanosched.runtime.device import CudaDevice, SerialDevice
+from nanosched.runtime.graphs import BucketRunner, GraphStats
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.program import LaunchConfig
 from nanosched.runtime.requests import Request
@@ -44,6 +53,7 @@ class EngineStats:
     batch_sizes: list[int] = field(default_factory=list)
     # with time_forwards: (strategy name, forward time in ms) per iteration
     forward_ms: list[tuple[str, float]] = field(default_factory=list)
+    graphs: GraphStats | None = None  # with graphs="on" or "layout"
 
 
 @dataclass
@@ -63,12 +73,19 @@ class Engine:
                  eos_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
                  async_loop: bool | None = None, device: Any = None,
                  time_forwards: bool = False,
-                 on_token: Callable[[Request, int], None] | None = None) -> None:
+                 on_token: Callable[[Request, int], None] | None = None,
+                 graphs: str = "off", graph_align: int = 32,
+                 max_context: int | None = None) -> None:
+        if graphs not in ("off", "on", "layout"):
+            raise ConfigError(f"graphs must be 'off', 'on' or 'layout', got {graphs!r}")
+        if graphs == "on" and model.device.type != "cuda":
+            raise ConfigError("CUDA graphs need a CUDA model; use graphs='layout' on the CPU")
         self.model = model
         self.is_cuda = model.device.type == "cuda"
         self.ws = model.new_workspace(dense_batch, num_pages, page_size)
-        self.batcher = Batcher(dense_batch, num_pages, page_size,
-                               model.spec.max_position_embeddings)
+        max_context = max_context or model.spec.max_position_embeddings
+        align = graph_align if graphs != "off" else 1
+        self.batcher = Batcher(dense_batch, num_pages, page_size, max_context, decode_align=align)
         self.strategy = strategy or Sequential()
         self.fallback = fallback or Sequential()
         self.stream_configs = stream_configs
@@ -80,6 +97,12 @@ class Engine:
         # default: asynchronous on a GPU; on the CPU it runs the same code with no overlap
         self.async_loop = self.is_cuda if async_loop is None else async_loop
         self.stats = EngineStats()
+        self.graphs: BucketRunner | None = None
+        if graphs != "off":
+            self.graphs = BucketRunner(model, self.ws, self.backend, align=align,
+                                       max_pages=-(-max_context // page_size),
+                                       capture=graphs == "on", stream_configs=stream_configs)
+            self.stats.graphs = self.graphs.stats
         self._in_flight: _Launched | None = None
         self._pending_row: dict[int, int] = {}  # request id -> row in the in-flight tokens
         self.finished: list[Request] = []
@@ -128,34 +151,48 @@ class Engine:
     # ---- run the scheduler -----------------------------------------------------------------
     def _run(self, batch: Batch) -> _Launched:
         ws, dev = self.ws, self.model.device
-        meta = ws.kv.plan([(e.request.request_id, e.num_tokens, e.is_decode)
-                           for e in batch.entries])
-        segments, ids, from_device, rows = [], [], [], []
+        seqs = ws.kv.plan_chunks([(e.request.request_id, e.num_tokens, e.is_decode)
+                                  for e in batch.entries])
+        bucket = self.graphs.bucket(seqs) if self.graphs else None
+        # rows: decode entries first; with a bucket, prompt chunks start at its first prefill row
         row = 0
+        prefill_row = bucket.num_decode if bucket else batch.num_decode
+        n = bucket.num_tokens if bucket else batch.num_tokens
+        ids, from_device, rows, segments = [0] * n, [], [], []
         for e in batch.entries:
             r = e.request
+            if not e.is_decode and row < prefill_row:
+                row = prefill_row
             if e.is_decode and r.pending:
                 from_device.append((row, self._pending_row[r.request_id]))
-                ids.append(0)
             elif e.is_decode:
-                ids.append(r.output_ids[-1])
+                ids[row] = r.output_ids[-1]
             else:
-                ids += r.prompt_ids[e.start:e.start + e.num_tokens]
+                ids[row:row + e.num_tokens] = r.prompt_ids[e.start:e.start + e.num_tokens]
             segments.append((row, row + e.num_tokens, e.is_decode))
             row += e.num_tokens
             if e.samples:
                 rows.append(row - 1)
-        n = row
         ws.token_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
         if from_device:
             dst, src = zip(*from_device, strict=True)
             ws.token_ids.index_copy_(0, torch.tensor(dst, device=dev),
                                      self._in_flight.tokens[torch.tensor(src, device=dev)])
-        program = model_program(self.model, ws, meta, segments)
-        strategy = self.strategy if self.strategy.accepts(program) else self.fallback
-        self.stats.fallbacks += strategy is not self.strategy
         timer = _ForwardTimer(self.is_cuda) if self.time_forwards else None
-        run_program(program, strategy, self.backend, self.stream_configs)
+        if bucket is not None:
+            entry = self.graphs.entry(self.strategy, bucket)
+            strategy = self.strategy if self.strategy.accepts(entry.program) else self.fallback
+            if strategy is not self.strategy:
+                entry = self.graphs.entry(strategy, bucket)
+            self.graphs.run(entry, strategy, seqs)
+        else:
+            if self.graphs:
+                self.graphs.stats.unbucketed += 1
+            meta = BatchMeta.build(seqs, ws.kv.page_size, dev)
+            program = model_program(self.model, ws, meta, segments)
+            strategy = self.strategy if self.strategy.accepts(program) else self.fallback
+            run_program(program, strategy, self.backend, self.stream_configs)
+        self.stats.fallbacks += strategy is not self.strategy
         if timer:
             self.stats.forward_ms.append((strategy.name, timer.stop()))
         return self._sample(batch, rows)

@@ -1,0 +1,139 @@
+"""Forwards over CUDA-graph buckets: a batch laid out in a `Bucket`, replayed from a graph.
+
+The engine asks `BucketRunner.run(seqs)` for a batch (its `SeqChunk`s, decode first). The runner
+picks the batch's bucket (models/bucket.py), keeps per (strategy, bucket) a `BucketMeta` and the
+forward's `Program` over it, and per (strategy, bucket) a CUDA graph of that program run through
+the strategy on its streams (a multi-stream capture: each stream forks from and joins to the
+capture stream, as in an eager forward):
+
+- first batch of a (strategy, bucket): the forward runs eagerly over the bucket's metadata (its
+  result is this batch's; the run also compiles kernels and makes every slice the strategy
+  uses), then the metadata is frozen and the graph captured;
+- every later batch: its metadata is written into the bucket's static tensors (two H2D copies)
+  and the graph replays.
+
+A batch no bucket holds (beyond the token or context bound) runs eagerly on its own `BatchMeta`,
+and so does a bucket whose capture failed (the error is kept in `errors`). With
+`capture=False` the runner only lays batches out in buckets and runs them eagerly: what a graph
+would replay, testable on the CPU.
+
+Dependencies of prefill attention on the K/V rows written earlier in the batch (which depend on
+where the batch's prompt chunks lie) are declared for the whole prefill part: a prefill nano-op
+reads the K/V rows from the bucket's first prefill row to its own end, so the events captured
+hold for every batch of the bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanosched.models.batch import SeqChunk
+from nanosched.models.bucket import Bucket, BucketMeta
+from nanosched.runtime.backend import Backend
+from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.program import LaunchConfig, Program
+from nanosched.runtime.scheduler import OpScheduler, run_program
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager_bucket: int = 0  # bucketed batches run eagerly (first of a bucket, or no graph)
+    unbucketed: int = 0  # batches no bucket holds
+    capture_s: float = 0.0
+    padded_rows: int = 0  # rows of padding run over all bucketed batches
+    buckets: set[Bucket] = field(default_factory=set)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"captures": self.captures, "replays": self.replays,
+                "eager_bucket": self.eager_bucket, "unbucketed": self.unbucketed,
+                "capture_s": round(self.capture_s, 3), "padded_rows": self.padded_rows,
+                "buckets": len(self.buckets)}
+
+
+@dataclass
+class _Entry:
+    meta: BucketMeta
+    program: Program
+    graph: Any = None
+
+
+def bucket_segments(bucket: Bucket) -> list[tuple[int, int, bool]]:
+    """The segments a bucket's program declares: one per decode row, one prefill segment over
+    every prefill row (so prefill attention depends on all earlier prefill K/V rows)."""
+    segs = [(i, i + 1, True) for i in range(bucket.num_decode)]
+    if bucket.num_tokens > bucket.num_decode:
+        segs.append((bucket.num_decode, bucket.num_tokens, False))
+    return segs
+
+
+class BucketRunner:
+    def __init__(self, model: Any, ws: Any, backend: Backend, *, align: int, max_pages: int,
+                 capture: bool, stream_configs: dict[str, LaunchConfig] | None = None) -> None:
+        self.model, self.ws, self.backend = model, ws, backend
+        self.align, self.max_pages = align, max_pages
+        self.capture = capture and model.device.type == "cuda"
+        self.stream_configs = stream_configs
+        self.stats = GraphStats()
+        self.errors: dict[tuple[str, Bucket], str] = {}
+        self._entries: dict[tuple[int, Bucket], _Entry] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def reset_stats(self) -> GraphStats:
+        """Start counting afresh (the graphs stay); returns the new counters."""
+        self.stats = GraphStats()
+        return self.stats
+
+    def bucket(self, seqs: Sequence[SeqChunk]) -> Bucket | None:
+        return Bucket.for_chunks(seqs, page_size=self.ws.kv.page_size, align=self.align,
+                                 max_tokens=self.ws.max_tokens, max_pages=self.max_pages)
+
+    def entry(self, strategy: OpScheduler, bucket: Bucket) -> _Entry:
+        key = (id(strategy), bucket)
+        if key not in self._entries:
+            kv = self.ws.kv
+            meta = BucketMeta(bucket, kv.page_size, kv.scratch_slot, self.model.device)
+            self._entries[key] = _Entry(meta, model_program(self.model, self.ws, meta,
+                                                            bucket_segments(bucket)))
+        return self._entries[key]
+
+    def run(self, entry: _Entry, strategy: OpScheduler, seqs: Sequence[SeqChunk]) -> None:
+        """Run the batch `seqs` laid out in `entry`'s bucket (token ids already written)."""
+        b = entry.meta.bucket
+        self.stats.buckets.add(b)
+        self.stats.padded_rows += b.num_tokens - sum(c.num_tokens for c in seqs)
+        entry.meta.write(seqs)
+        if entry.graph is not None:
+            entry.graph.replay()
+            self.stats.replays += 1
+            return
+        run_program(entry.program, strategy, self.backend, self.stream_configs)
+        self.stats.eager_bucket += 1
+        key = (strategy.name, b)
+        if self.capture and key not in self.errors:
+            t0 = time.perf_counter()
+            try:
+                entry.meta.freeze()
+                entry.graph = self._capture(entry.program, strategy)
+                self.stats.captures += 1
+            except Exception as exc:  # a strategy or kernel the graph cannot hold: stay eager
+                self.errors[key] = f"{type(exc).__name__}: {exc}"[:300]
+            self.stats.capture_s += time.perf_counter() - t0
+
+    def _capture(self, program: Program, strategy: OpScheduler) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        # thread_local: the NCCL watchdog thread may query events while this thread captures
+        mode = "thread_local" if self.model.tp.size > 1 else "global"
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side, pool=self._pool,
+                                                       capture_error_mode=mode):
+            run_program(program, strategy, self.backend, self.stream_configs)
+        torch.cuda.current_stream().wait_stream(side)
+        return graph

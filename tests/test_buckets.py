@@ -172,3 +172,25 @@ def test_frozen_metadata_is_rewritten_in_place_and_refuses_new_slices():
         frozen.slice(4, 9)
     with pytest.raises(ConfigError, match="2 decode tokens .* do not fit"):
         BucketMeta(Bucket(1, 8, 1, 6), PAGE, 0, "cpu").write(first[:2])
+
+
+def test_attention_ops_declare_only_their_own_kind_of_rows(model):
+    """A range's attention of the other kind is a no-op and must touch nothing: else prefill
+    attention waits behind the decode stream's no-op filler (bench/nanoop_timeline.py)."""
+    ws = model.new_workspace(max_tokens=12, num_pages=8)
+    meta = ws.kv.plan([(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (9, 6, False),
+                       (10, 2, False)])
+    segments = [(i, i + 1, True) for i in range(4)] + [(4, 10, False), (10, 12, False)]
+    program = model_program(model, ws, meta, segments)
+    dec = program.ops[program.index("attn_decode", 0)]
+    pre = program.ops[program.index("attn_prefill", 0)]
+
+    def rows(accesses, s, e):
+        return {a.buffer: a.rows(s, e) for a in accesses}
+
+    assert rows(dec.writes, 2, 9) == {"attn": (2, 4)}
+    assert rows(pre.writes, 2, 9) == {"attn": (4, 9)}
+    assert rows(dec.reads, 2, 9) == {"q": (2, 4), "kv0": (2, 4)}
+    assert rows(pre.reads, 6, 12) == {"q": (6, 12), "kv0": (4, 12)}  # back to the chunk's start
+    assert rows(dec.writes, 4, 12) == {"attn": (4, 4)}  # nothing: no decode rows there
+    assert rows(pre.reads, 0, 4) == {"q": (4, 4), "kv0": (4, 4)}

@@ -6,6 +6,12 @@ backend can order nano-ops without knowing the model. Buffer names are the works
 `kv{l}` stands for layer l's K/V pages of the batch's tokens. Prefill attention reads the K/V
 rows of its prompt's earlier tokens in the batch (a span back to the chunk's first row); decode
 attention reads only its own row of this iteration (the rest is cache from earlier ones).
+
+The two attention ops touch only their own kind of rows: on a range [s, e), decode attention
+reads and writes the decode rows in it, prefill attention the prompt rows. Declaring the whole
+range made a range's attention of the other kind (a no-op: no rows of its kind) look like a
+writer of `attn`, and prefill attention then waited behind it on the decode stream: 322 us per
+layer on the H100 (bench/nanoop_timeline.py, session 4), with no data to wait for.
 """
 
 from __future__ import annotations
@@ -52,6 +58,26 @@ def prefill_span(segments: Sequence[tuple[int, int, bool]]):
     return span
 
 
+def attention_spans(segments: Sequence[tuple[int, int, bool]]):
+    """(decode rows, prefill rows, prefill K/V rows) of a range, as spans: decode rows come
+    first in the batch, so a range's decode rows are its part below the first prompt row."""
+    nd = next((lo for lo, _, is_decode in segments if not is_decode),
+              segments[-1][1] if segments else 0)
+    back = prefill_span(segments)
+
+    def decode(start: int, end: int) -> tuple[int, int]:
+        return min(start, nd), min(end, nd)
+
+    def prefill(start: int, end: int) -> tuple[int, int]:
+        return max(start, nd), max(end, nd)
+
+    def prefill_kv(start: int, end: int) -> tuple[int, int]:
+        lo, hi = prefill(start, end)
+        return (back(lo, hi)[0] if lo < hi else lo), hi
+
+    return decode, prefill, prefill_kv
+
+
 def _launch_dict(cfg: LaunchConfig, op: str) -> dict[str, Any] | None:
     """What op `op` receives as `launch` (see nanosched/kernels/impls.py for the contract)."""
     return cfg.launch_dict(op)
@@ -61,7 +87,10 @@ def model_program(model: Any, ws: Any, meta: Any,
                   segments: Sequence[tuple[int, int, bool]]) -> Program:
     """The forward over the batch described by `meta`: embedding, then every layer's ops."""
     num_tokens = segments[-1][1] if segments else 0
-    span = prefill_span(segments)
+    decode, prefill, prefill_kv = attention_spans(segments)
+    spans = {("attn_decode", "kv"): decode, ("attn_prefill", "kv"): prefill_kv}
+    for buf in ("q", "attn"):
+        spans[("attn_decode", buf)], spans[("attn_prefill", buf)] = decode, prefill
     ops = [ProgramOp("embed", -1, OTHER,
                      lambda s, e, cfg: model.embed(ws, meta, s, e),
                      (Access("token_ids"),), (Access("residual"), Access("normed")))]
@@ -71,9 +100,7 @@ def model_program(model: Any, ws: Any, meta: Any,
             reads, writes = _ACCESSES[name]
 
             def access(buf: str, name: str = name, layer: int = layer) -> Access:
-                if buf != "kv":
-                    return Access(buf)
-                return Access(f"kv{layer}", span if name == "attn_prefill" else None)
+                return Access(f"kv{layer}" if buf == "kv" else buf, spans.get((name, buf)))
 
             def run(s: int, e: int, cfg: LaunchConfig, layer: int = layer,
                     name: str = name) -> None:

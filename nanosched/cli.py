@@ -264,10 +264,10 @@ def bench(
                                               "served with every strategy first, so no run "
                                               "pays compilation a later one reuses (default: "
                                               "64 on a GPU, 0 on the CPU)."),
-    graphs: str = typer.Option("off", "--graphs", help="CUDA graphs: 'off' (eager launches), "
-                               "'on' (one graph per strategy and batch bucket, captured when "
-                               "a bucket first appears), or 'both' (every strategy eager, "
-                               "then with graphs)."),
+    graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: 'auto' (on with a GPU, "
+                               "else off), 'off' (eager launches), 'on' (one graph per "
+                               "strategy and batch bucket, captured when a bucket first "
+                               "appears), or 'both' (every strategy eager, then with graphs)."),
     json_out: str | None = typer.Option(None, "--json", help="Write every figure, the "
                                         "configuration and the environment to this file."),
 ) -> None:
@@ -439,6 +439,8 @@ def serve(
     seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits "
                                         "for open requests."),
+    graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs per batch bucket: 'auto' "
+                               "(on with a GPU), 'on' or 'off' (eager launches)."),
 ) -> None:
     """Serve the model over HTTP with OpenAI's completions and chat completions APIs."""
     try:
@@ -450,7 +452,8 @@ def serve(
 
     run_server(ServeConfig(model=model, weights=weights, tp=tp, schedule=schedule, host=host,
                            port=port, dense_batch=dense_batch, max_queue=max_queue,
-                           device=device, seed=seed, drain_timeout_s=drain_timeout))
+                           device=device, seed=seed, drain_timeout_s=drain_timeout,
+                           graphs=graphs))
 
 
 def main() -> None:

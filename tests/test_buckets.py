@@ -194,3 +194,16 @@ def test_attention_ops_declare_only_their_own_kind_of_rows(model):
     assert rows(pre.reads, 6, 12) == {"q": (6, 12), "kv0": (4, 12)}  # back to the chunk's start
     assert rows(dec.writes, 4, 12) == {"attn": (4, 4)}  # nothing: no decode rows there
     assert rows(pre.reads, 0, 4) == {"q": (4, 4), "kv0": (4, 4)}
+
+
+def test_graphs_mode_is_on_with_a_gpu_by_default_and_refused_on_the_cpu():
+    from nanosched.runtime.bench import resolve_graphs
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_graphs("auto", cpu, ("on", "off")) == "off"
+    assert resolve_graphs("auto", gpu, ("on", "off")) == "on"
+    assert resolve_graphs("both", gpu, ("off", "on", "both")) == "both"
+    with pytest.raises(ConfigError, match="--graphs on needs a CUDA GPU"):
+        resolve_graphs("on", cpu, ("on", "off"))
+    with pytest.raises(ConfigError, match="must be one of auto, on, off; got 'both'"):
+        resolve_graphs("both", gpu, ("on", "off"))

@@ -48,9 +48,10 @@ class BenchConfig:
     # that a later run would reuse: without it a second run of the same work measured 4%
     # faster on H100 and H200
     warmup_prompts: int | None = None
-    # CUDA graphs: "off" (eager), "on" (a graph per strategy and batch bucket, captured as the
-    # buckets first appear: in the warm-up or the run), or "both" (every strategy twice)
-    graphs: str = "off"
+    # CUDA graphs: "auto" (on a GPU, else off), "off" (eager), "on" (a graph per strategy and
+    # batch bucket, captured as the buckets first appear: in the warm-up or the run), or "both"
+    # (every strategy eager, then with graphs)
+    graphs: str = "auto"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -255,10 +256,21 @@ class _Run:
 GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
+def resolve_graphs(mode: str, device: torch.device, allowed: tuple[str, ...]) -> str:
+    """`--graphs auto` → on with a GPU, off on the CPU; other modes checked against `allowed`
+    (a GPU needed for any but off)."""
+    if mode not in ("auto", *allowed):
+        raise ConfigError(f"--graphs must be one of auto, {', '.join(allowed)}; got {mode!r}")
+    if mode == "auto":
+        return "on" if device.type == "cuda" else "off"
+    if mode != "off" and device.type != "cuda":
+        raise ConfigError(f"--graphs {mode} needs a CUDA GPU (graphs replay CUDA launches); "
+                          f"use --graphs off or auto on the CPU")
+    return mode
+
+
 def _with_graphs(runs: list[_Run], mode: str) -> list[_Run]:
     """Each run once per graph mode asked for; graphed runs are named `<name>+graphs`."""
-    if mode not in GRAPH_MODES:
-        raise ConfigError(f"--graphs must be off, on or both, got {mode!r}")
     return [replace(r, name=r.name + ("+graphs" if g else ""), graphs=g)
             for r in runs for g in GRAPH_MODES[mode]]
 
@@ -305,10 +317,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         raise ConfigError("--tp > 1 is not benchmarked yet: run with --tp 1")
     spec = load_spec(cfg.model)
     device = _device(cfg)
-    if cfg.graphs != "off" and device.type != "cuda":
-        raise ConfigError("--graphs on/both needs a CUDA GPU (graphs replay CUDA launches); "
-                          "run with --graphs off on the CPU")
-    runs = _with_graphs(_strategies(cfg, spec, device), cfg.graphs)
+    graphs = resolve_graphs(cfg.graphs, device, tuple(GRAPH_MODES))
+    runs = _with_graphs(_strategies(cfg, spec, device), graphs)
     dense = cfg.dense_batch or next((r.info["dense_batch"] for r in runs if r.info),
                                     2048 if device.type == "cuda" else 256)
     for r in runs:
@@ -317,7 +327,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                               f"{r.info['dense_batch']}: omit it or search for {dense}")
     model = build_model(spec, cfg.weights, device, cfg.seed)
     gemm = measured_gemm_tflops(device)
-    out: dict[str, Any] = {"config": asdict(cfg) | {"dense_batch": dense},
+    out: dict[str, Any] = {"config": asdict(cfg) | {"dense_batch": dense, "graphs": graphs},
                            "environment": environment(device), "model_params": spec.num_params(),
                            "gemm_tflops_8192": gemm, "runs": {}}
     warm = cfg.warmup_prompts if cfg.warmup_prompts is not None else \

@@ -22,7 +22,7 @@ from nanosched.errors import ConfigError
 from nanosched.models.checkpoint import eos_ids
 from nanosched.models.generate import checkpoint_folder
 from nanosched.models.spec import ModelSpec, load_spec
-from nanosched.runtime.bench import build_model, kv_pages, resolve_device
+from nanosched.runtime.bench import build_model, kv_pages, resolve_device, resolve_graphs
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.server.text import TextCodec
 
@@ -46,6 +46,7 @@ class ServeConfig:
     page_size: int = 16
     mem_util: float = 0.85
     drain_timeout_s: float = 30.0
+    graphs: str = "auto"  # auto (on with a GPU) | on | off: CUDA graphs per batch bucket
 
 
 @dataclass
@@ -123,6 +124,7 @@ def prepare(cfg: ServeConfig) -> Served:
     _check_flags(cfg)
     spec = load_spec(cfg.model)
     device = resolve_device(cfg.device)
+    graphs = resolve_graphs(cfg.graphs, device, ("on", "off"))
     choice = choose_strategy(cfg, spec, device)
     dense = _dense_batch(cfg, choice, device)
     folder = checkpoint_folder(cfg.model)
@@ -138,8 +140,8 @@ def prepare(cfg: ServeConfig) -> Served:
     pages = kv_pages(model, dense, cfg.page_size, cfg.mem_util, None)
     engine = Engine(model, dense_batch=dense, num_pages=pages, page_size=cfg.page_size,
                     strategy=choice.strategy, eos_ids=eos_ids(cfg.model), seed=cfg.seed,
-                    device=streams.device if streams else None)
-    log.info("%s on %s: strategy %s, dense batch %d, %d KV pages of %d tokens",
-             spec.name, gpu_name(device), choice.name, dense, pages, cfg.page_size)
+                    device=streams.device if streams else None, graphs=graphs)
+    log.info("%s on %s: strategy %s, dense batch %d, %d KV pages of %d tokens, CUDA graphs %s",
+             spec.name, gpu_name(device), choice.name, dense, pages, cfg.page_size, graphs)
     return Served(cfg.model, spec, engine, TextCodec.for_model(cfg.model), choice.name,
                   streams)

@@ -1,6 +1,39 @@
-"""Test helpers for the runtime: a device that reorders streams the way a GPU may."""
+"""Test helpers for the runtime: a device that reorders streams the way a GPU may, the tiny
+Llama of tests/data, and an engine run to completion."""
 
 import random
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+
+def tiny_llama(folder, seed=1):
+    """The tiny Llama of tests/data/tiny_llama_config.json (what its schedule was made for),
+    random weights; `folder` is a temporary folder for its config."""
+    from nanosched.models.model import CausalLM
+    from nanosched.models.spec import load_spec
+    from nanosched.models.weights import init_random
+
+    (folder / "config.json").write_text((DATA / "tiny_llama_config.json").read_text())
+    m = CausalLM(load_spec(str(folder)))
+    init_random(m, seed=seed)
+    return m
+
+
+def serve_all(model, reqs, num_pages, **engine_kw):
+    """Run `reqs` through a fresh Engine to completion (inference mode); checks that every KV
+    page came back. Returns (every request's output ids, the engine)."""
+    import torch
+
+    from nanosched.runtime.engine import Engine
+
+    eng = Engine(model, num_pages=num_pages, **engine_kw)
+    for r in reqs:
+        eng.add_request(r)
+    with torch.inference_mode():
+        eng.run_to_completion()
+    assert eng.ws.kv.allocator.num_free == num_pages
+    return [r.output_ids for r in reqs], eng
 
 
 class ShuffledDevice:

@@ -5,14 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import ShuffledDevice
+from runtime_helpers import ShuffledDevice, tiny_llama
 
 from nanosched.errors import ConfigError
 from nanosched.models.batch import BatchMeta, SeqChunk
 from nanosched.models.bucket import Bucket, BucketMeta
-from nanosched.models.model import CausalLM
-from nanosched.models.spec import load_spec
-from nanosched.models.weights import init_random
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.batcher import Batcher
 from nanosched.runtime.device import SerialDevice
@@ -30,11 +27,7 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    (folder / "config.json").write_text((DATA / "tiny_llama_config.json").read_text())
-    m = CausalLM(load_spec(str(folder)))
-    init_random(m, seed=1)
-    return m
+    return tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 def chunk(first_pos, n, is_decode, pages):

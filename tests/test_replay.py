@@ -4,12 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import ShuffledDevice
+from runtime_helpers import ShuffledDevice, tiny_llama
 
 from nanosched.errors import ScheduleError
-from nanosched.models.model import CausalLM
-from nanosched.models.spec import load_spec
-from nanosched.models.weights import init_random
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import SerialDevice
 from nanosched.runtime.engine import Engine
@@ -27,11 +24,7 @@ SHIPPED_H200 = (Path(__file__).parents[1] / "nanosched" / "schedules" / "shipped
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    (folder / "config.json").write_text((DATA / "tiny_llama_config.json").read_text())
-    m = CausalLM(load_spec(str(folder)))
-    init_random(m, seed=1)
-    return m
+    return tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

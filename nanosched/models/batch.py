@@ -41,8 +41,25 @@ class SeqChunk:
     is_decode: bool
 
 
+class TokenRange:
+    """The token counts of a range [start, end) whose first `num_decode` tokens are decode
+    tokens (shared by `BatchMeta` and the CUDA-graph `BucketMeta`)."""
+
+    start: int
+    end: int
+    num_decode: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_prefill(self) -> int:
+        return self.num_tokens - self.num_decode
+
+
 @dataclass(eq=False)
-class BatchMeta:
+class BatchMeta(TokenRange):
     """Attention metadata for the tokens [start, end) of a dense batch (see module docstring)."""
 
     start: int
@@ -60,14 +77,6 @@ class BatchMeta:
     context_lens_cpu: tuple[int, ...]
     _slices: dict[tuple[int, int], BatchMeta] = field(default_factory=dict, repr=False)
     _prefill: PrefillSegments | None = field(default=None, repr=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @property
-    def num_prefill(self) -> int:
-        return self.num_tokens - self.num_decode
 
     @property
     def max_decode_context(self) -> int:

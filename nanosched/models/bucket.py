@@ -38,7 +38,7 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import PrefillSegments
-from nanosched.models.batch import SeqChunk
+from nanosched.models.batch import SeqChunk, TokenRange
 
 
 def round_up(x: int, step: int) -> int:
@@ -142,7 +142,7 @@ def _table(c: SeqChunk, page: int, w: int) -> np.ndarray:
     return np.asarray(c.block_table[:need], dtype=np.int32)
 
 
-class BucketMeta:
+class BucketMeta(TokenRange):
     """Static attention metadata of one bucket, or of one token range of it (`slice`)."""
 
     def __init__(self, bucket: Bucket, page_size: int, scratch_slot: int,
@@ -176,14 +176,6 @@ class BucketMeta:
                 self._fill_prefill()
 
     # ---- what the ops read (the BatchMeta interface) ---------------------------------------
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @property
-    def num_prefill(self) -> int:
-        return self.num_tokens - self.num_decode
-
     @property
     def positions(self) -> torch.Tensor:
         return self.root._i64[0, self.start:self.end]

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from runtime_helpers import serve_all
 
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import REGISTRY
 from nanosched.models.weights import init_random
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import CudaDevice
-from nanosched.runtime.engine import Engine
 from nanosched.runtime.graphs import BucketRunner
 from nanosched.runtime.requests import make_requests
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
@@ -103,13 +103,8 @@ def test_engine_with_graphs_gives_the_tokens_of_the_same_layout_run_eagerly(mode
     outs, stats = [], []
     for graphs in ("layout", "on"):
         reqs = make_requests("sharegpt", None, None, 96, SPEC.vocab_size, 2048, seed=5)
-        eng = Engine(model, dense_batch=512, num_pages=8192, graphs=graphs, graph_align=32)
-        for r in reqs:
-            eng.add_request(r)
-        with torch.inference_mode():
-            eng.run_to_completion()
-        assert eng.ws.kv.allocator.num_free == 8192
-        outs.append([r.output_ids for r in reqs])
+        out, eng = serve_all(model, reqs, 8192, dense_batch=512, graphs=graphs, graph_align=32)
+        outs.append(out)
         stats.append(eng.stats.graphs)
     assert outs[0] == outs[1]
     assert stats[1].replays > stats[1].captures > 0 and not stats[1].unbucketed

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from runtime_helpers import serve_all
 
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import REGISTRY
 from nanosched.models.weights import init_random
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import CudaDevice
-from nanosched.runtime.engine import Engine
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.requests import make_requests
 from nanosched.runtime.scheduler import run_program
@@ -62,11 +62,5 @@ def test_async_engine_loop_equals_synchronous(model):
     outs = []
     for is_async in (False, True):
         reqs = make_requests(None, 200, 24, 48, SPEC.vocab_size, 4096, seed=3)
-        eng = Engine(model, dense_batch=512, num_pages=4096, async_loop=is_async)
-        for r in reqs:
-            eng.add_request(r)
-        with torch.inference_mode():
-            eng.run_to_completion()
-        assert eng.ws.kv.allocator.num_free == 4096
-        outs.append([r.output_ids for r in reqs])
+        outs.append(serve_all(model, reqs, 4096, dense_batch=512, async_loop=is_async)[0])
     assert outs[0] == outs[1]

@@ -336,8 +336,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         raise ConfigError(f"--warmup-prompts must be >= 0, got {warm}")
     out["warmup_prompts"] = warm
     try:
+        # every run times its full-batch forward on the same batch: the schedule's mix if any
+        num_decode = next((r.info["num_decode"] for r in runs if r.info), None)
         for r in runs:
-            out["runs"][r.name] = _serve(cfg, spec, model, dense, gemm, r, warm, progress)
+            out["runs"][r.name] = _serve(cfg, spec, model, dense, gemm, r, warm, progress,
+                                         num_decode)
     finally:
         for r in runs:
             if r.closer is not None:
@@ -360,9 +363,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
 
 
 def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: float | None,
-           run: _Run, warm: int, progress: bool) -> dict[str, Any]:
+           run: _Run, warm: int, progress: bool, num_decode: int | None) -> dict[str, Any]:
     """Serve `warm` untimed requests, then the timed ones, on one engine (so graphs captured in
-    the warm-up are replayed in the run, as a server captures before it serves)."""
+    the warm-up are replayed in the run, as a server captures before it serves); then time a
+    full-batch forward with `num_decode` decode tokens (a third of the batch when None)."""
     from nanosched.runtime.engine import Engine, EngineStats
 
     reqs = make_requests(cfg.workload, cfg.input_len, cfg.output_len, cfg.num_prompts,
@@ -386,7 +390,7 @@ def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: floa
         bar = _progress(len(reqs), progress)
         elapsed = _drain(engine, reqs, bar)
         bar.close()
-        n_dec = run.info.get("num_decode", dense // 3)
+        n_dec = num_decode or dense // 3
         prompt = cfg.input_len or 1024
         fwd, n_dec, ctx = forward_ms(model, engine.ws, run.strategy, engine.backend.device,
                                      dense, n_dec, prompt + (cfg.output_len or 512) // 2, prompt,

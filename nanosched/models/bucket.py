@@ -119,8 +119,7 @@ class _Layout:
             self.chunks.append((row, row + c.num_tokens, c.first_pos, table))
             row += c.num_tokens
 
-    def prefill_part(self, lo: int, hi: int, num_segments: int, tables: np.ndarray,
-                     segs: np.ndarray) -> None:
+    def prefill_part(self, lo: int, hi: int, tables: np.ndarray, segs: np.ndarray) -> None:
         """Fill the tables [S, W] and segments [3, S] of the prefill rows [lo, hi)."""
         tables.fill(0)
         segs.fill(0)
@@ -282,12 +281,12 @@ class BucketMeta(TokenRange):
         take(*lay.dec_lens.shape)[...] = lay.dec_lens
         for m in self._parts():
             tables, segs = take(b.num_segments, b.max_pages), take(3, b.num_segments)
-            lay.prefill_part(*m.prefill_rows, b.num_segments, tables, segs)
+            lay.prefill_part(*m.prefill_rows, tables, segs)
 
     def _fill_prefill(self) -> None:
         b = self.bucket
         tables = np.zeros((b.num_segments, b.max_pages), dtype=np.int32)
         segs = np.zeros((3, b.num_segments), dtype=np.int32)
-        self.root._layout.prefill_part(*self.prefill_rows, b.num_segments, tables, segs)
+        self.root._layout.prefill_part(*self.prefill_rows, tables, segs)
         self._tables.copy_(torch.from_numpy(tables))
         self._segs.copy_(torch.from_numpy(segs))

@@ -244,16 +244,15 @@ class BucketMeta(TokenRange):
         """Move every tensor into two packed device buffers (see the module docstring)."""
         if self.frozen:
             return
-        parts = [(self._dec_tables, None), (self._dec_lens, None)]
-        for m in self._parts():
-            parts += [(m._tables, m), (m._segs, m)]
-        size = sum(t.numel() for t, _ in parts)
+        parts = [self._dec_tables, self._dec_lens]
+        parts += [t for m in self._parts() for t in (m._tables, m._segs)]
+        size = sum(t.numel() for t in parts)
         self._i32 = torch.zeros(size, dtype=torch.int32, device=self.device)
         pin = self.device.type == "cuda"
         self._host = (torch.zeros(self._i64.shape, dtype=torch.int64, pin_memory=pin),
                       torch.zeros(size, dtype=torch.int32, pin_memory=pin))
         views, at = [], 0
-        for t, _ in parts:
+        for t in parts:
             views.append(self._i32[at:at + t.numel()].view(t.shape))
             views[-1].copy_(t)
             at += t.numel()

@@ -94,14 +94,16 @@ def run_both(model, strategy, device_seed, n_decode, prompts, align, max_tokens)
             rows, bucket = torch.arange(n), None
         else:
             device = SerialDevice() if device_seed is None else ShuffledDevice(device_seed)
-            runner = BucketRunner(model, ws, Backend(device), align=align, max_pages=16,
-                                  capture=False)
+            runner = BucketRunner(model, ws, Backend(device), strategy, align=align,
+                                  max_pages=16, capture=False)
             bucket = runner.bucket(seqs)
             d = bucket.num_decode
             rows = torch.cat([torch.arange(n_decode), torch.arange(d, d + n - n_decode)])
             ws.token_ids[:bucket.num_tokens].fill_(0)
             ws.token_ids[rows] = ids
-            runner.run(runner.entry(strategy, bucket), strategy, seqs)
+            entry = runner.entry(bucket)
+            assert entry.strategy is strategy
+            runner.run(entry, seqs)
         results.append((model.logits(ws, rows), ws.kv.k.clone(), ws.kv.v.clone(),
                         ws.kv.scratch_slot // PAGE, bucket))
     return results

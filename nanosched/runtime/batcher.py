@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from nanosched.errors import ConfigError
+from nanosched.models.bucket import round_up
 from nanosched.runtime.requests import Request
 
 
@@ -125,8 +126,8 @@ class Batcher:
                    for r in self.running if not r.is_prefilling and not r.finished
                    and r.num_output < r.params.max_tokens]
         # decode rows are counted rounded up to `decode_align` (a CUDA-graph bucket pads them)
-        budget = self.dense_batch - min(-(-len(entries) // self.decode_align) *
-                                        self.decode_align, self.dense_batch)
+        budget = self.dense_batch - min(round_up(len(entries), self.decode_align),
+                                        self.dense_batch)
         for r in self.running:
             if budget == 0:
                 break

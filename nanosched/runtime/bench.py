@@ -204,6 +204,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     cache holds. With `graphs`, the batch is laid out in its bucket (decode rows rounded up to
     32) and the forward is a CUDA graph's replay, metadata writes included. Returns (ms, decode
     tokens, decode context)."""
+    from nanosched.models.bucket import round_up
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.graphs import BucketRunner
     from nanosched.runtime.modelprogram import model_program
@@ -213,11 +214,12 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     avail = ws.kv.allocator.num_free - (dense - num_decode) // page - 8  # pages for decodes
     num_decode = max(0, min(num_decode, avail))
     context = max(1, min(context, avail // max(1, num_decode) * page - 1))
-    runner = BucketRunner(model, ws, Backend(device), align=32,
+    runner = BucketRunner(model, ws, Backend(device), strategy, align=32,
                           max_pages=-(-max(context + 1, prompt) // page), capture=True) \
         if graphs else None
+    untimed = 2 if graphs else 1  # the first forward compiles; with graphs the second captures
     times = []
-    for rep in range(reps + 2 if graphs else reps + 1):  # graphs: eager + capture, replay
+    for rep in range(reps + untimed):
         first_id = rep * 10**7
         cache_context(ws, num_decode, context, first_id)
         if runner is None:
@@ -227,16 +229,16 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
             run_program(program, strategy, Backend(device))
         else:
             chunks = batch_chunks(dense, num_decode, prompt, first_id,
-                                  decode_rows=-(-num_decode // 32) * 32)
+                                  decode_rows=round_up(num_decode, runner.align))
             ids = [c[0] for c in chunks]
             seqs = ws.kv.plan_chunks(chunks)
             ws.token_ids[:dense].random_(0, 1000)
-            entry = runner.entry(strategy, runner.bucket(seqs))
+            entry = runner.entry(runner.bucket(seqs))
             t0 = time.perf_counter()
-            runner.run(entry, strategy, seqs)
+            runner.run(entry, seqs)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
-        if rep >= (2 if graphs else 1):
+        if rep >= untimed:
             times.append((time.perf_counter() - t0) * 1e3)
         for r in ids:
             ws.kv.release(r)
@@ -345,18 +347,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         for r in runs:
             if r.closer is not None:
                 r.closer.close()
-    base = {False: "sequential", True: "sequential+graphs"}
-    out["ratios"] = {name: {"of": f"{name} / {base[r.graphs]}", "tokens_per_s":
-                            out["runs"][name]["results"]["tokens_per_s"] /
-                            out["runs"][base[r.graphs]]["results"]["tokens_per_s"]}
-                     for r in runs if (name := r.name) != base[r.graphs]
-                     and base[r.graphs] in out["runs"]}
-    for r in runs:  # graphs against eager, per strategy
-        if r.graphs and r.name[:-len("+graphs")] in out["runs"]:
-            eager = out["runs"][r.name[:-len("+graphs")]]["results"]["tokens_per_s"]
-            out["ratios"][r.name + " vs eager"] = {
-                "of": f"{r.name} / {r.name[:-len('+graphs')]}",
-                "tokens_per_s": out["runs"][r.name]["results"]["tokens_per_s"] / eager}
+    tps = {name: run["results"]["tokens_per_s"] for name, run in out["runs"].items()}
+
+    def ratio(a: str, b: str) -> dict[str, Any]:
+        return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b]}
+
+    # each strategy against Sequential in the same graph mode, then graphs against eager
+    seq = {False: "sequential", True: "sequential+graphs"}
+    out["ratios"] = {r.name: ratio(r.name, seq[r.graphs]) for r in runs
+                     if r.name != seq[r.graphs] and seq[r.graphs] in tps}
+    out["ratios"] |= {f"{r.name} vs eager": ratio(r.name, eager) for r in runs
+                      if r.graphs and (eager := r.name.removesuffix("+graphs")) in tps}
     if len(runs) == 2 and out["ratios"]:  # the one comparison (kept for older readers)
         out["ratio"] = next(iter(out["ratios"].values()))
     return out

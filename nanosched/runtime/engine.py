@@ -99,7 +99,8 @@ class Engine:
         self.stats = EngineStats()
         self.graphs: BucketRunner | None = None
         if graphs != "off":
-            self.graphs = BucketRunner(model, self.ws, self.backend, align=align,
+            self.graphs = BucketRunner(model, self.ws, self.backend, self.strategy,
+                                       fallback=self.fallback, align=align,
                                        max_pages=-(-max_context // page_size),
                                        capture=graphs == "on", stream_configs=stream_configs)
             self.stats.graphs = self.graphs.stats
@@ -180,11 +181,9 @@ class Engine:
                                      self._in_flight.tokens[torch.tensor(src, device=dev)])
         timer = _ForwardTimer(self.is_cuda) if self.time_forwards else None
         if bucket is not None:
-            entry = self.graphs.entry(self.strategy, bucket)
-            strategy = self.strategy if self.strategy.accepts(entry.program) else self.fallback
-            if strategy is not self.strategy:
-                entry = self.graphs.entry(strategy, bucket)
-            self.graphs.run(entry, strategy, seqs)
+            entry = self.graphs.entry(bucket)
+            strategy = entry.strategy
+            self.graphs.run(entry, seqs)
         else:
             if self.graphs:
                 self.graphs.stats.unbucketed += 1

@@ -1,19 +1,20 @@
 """Forwards over CUDA-graph buckets: a batch laid out in a `Bucket`, replayed from a graph.
 
-The engine asks `BucketRunner.run(seqs)` for a batch (its `SeqChunk`s, decode first). The runner
-picks the batch's bucket (models/bucket.py), keeps per (strategy, bucket) a `BucketMeta` and the
-forward's `Program` over it, and per (strategy, bucket) a CUDA graph of that program run through
-the strategy on its streams (a multi-stream capture: each stream forks from and joins to the
-capture stream, as in an eager forward):
+The engine asks the runner for a batch's bucket (models/bucket.py) and its entry, then runs the
+batch (its `SeqChunk`s, decode first). Per bucket the runner keeps a `BucketMeta`, the forward's
+`Program` over it, the strategy that runs it (the engine's, or its fallback when the engine's
+does not accept the bucket: a schedule replays only full batches) and a CUDA graph of that
+program run through the strategy on its streams (a multi-stream capture: each stream forks from
+and joins to the capture stream, as in an eager forward):
 
-- first batch of a (strategy, bucket): the forward runs eagerly over the bucket's metadata (its
+- first batch of a bucket: the forward runs eagerly over the bucket's metadata (its
   result is this batch's; the run also compiles kernels and makes every slice the strategy
   uses), then the metadata is frozen and the graph captured;
 - every later batch: its metadata is written into the bucket's static tensors (two H2D copies)
   and the graph replays.
 
 A batch no bucket holds (beyond the token or context bound) runs eagerly on its own `BatchMeta`,
-and so does a bucket whose capture failed (the error is kept in `errors`). With
+and so does a bucket whose capture failed (`errors` says why). With
 `capture=False` the runner only lays batches out in buckets and runs them eagerly: what a graph
 would replay, testable on the CPU.
 
@@ -59,9 +60,14 @@ class GraphStats:
 
 @dataclass
 class _Entry:
+    """A bucket's metadata, forward program, the strategy that runs it, and its graph (None
+    until captured; stays None when the capture failed, with `error` saying why)."""
+
     meta: BucketMeta
     program: Program
+    strategy: OpScheduler
     graph: Any = None
+    error: str | None = None
 
 
 def bucket_segments(bucket: Bucket) -> list[tuple[int, int, bool]]:
@@ -74,16 +80,25 @@ def bucket_segments(bucket: Bucket) -> list[tuple[int, int, bool]]:
 
 
 class BucketRunner:
-    def __init__(self, model: Any, ws: Any, backend: Backend, *, align: int, max_pages: int,
-                 capture: bool, stream_configs: dict[str, LaunchConfig] | None = None) -> None:
+    """Runs batches through `strategy`, or `fallback` for buckets whose program `strategy` does
+    not accept (decided once per bucket)."""
+
+    def __init__(self, model: Any, ws: Any, backend: Backend, strategy: OpScheduler, *,
+                 align: int, max_pages: int, capture: bool, fallback: OpScheduler | None = None,
+                 stream_configs: dict[str, LaunchConfig] | None = None) -> None:
         self.model, self.ws, self.backend = model, ws, backend
+        self.strategy, self.fallback = strategy, fallback or strategy
         self.align, self.max_pages = align, max_pages
         self.capture = capture and model.device.type == "cuda"
         self.stream_configs = stream_configs
         self.stats = GraphStats()
-        self.errors: dict[tuple[str, Bucket], str] = {}
-        self._entries: dict[tuple[int, Bucket], _Entry] = {}
+        self._entries: dict[Bucket, _Entry] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @property
+    def errors(self) -> dict[tuple[str, Bucket], str]:
+        """Why a bucket's capture failed, by (strategy name, bucket)."""
+        return {(e.strategy.name, b): e.error for b, e in self._entries.items() if e.error}
 
     def reset_stats(self) -> GraphStats:
         """Start counting afresh (the graphs stay); returns the new counters."""
@@ -94,16 +109,17 @@ class BucketRunner:
         return Bucket.for_chunks(seqs, page_size=self.ws.kv.page_size, align=self.align,
                                  max_tokens=self.ws.max_tokens, max_pages=self.max_pages)
 
-    def entry(self, strategy: OpScheduler, bucket: Bucket) -> _Entry:
-        key = (id(strategy), bucket)
-        if key not in self._entries:
+    def entry(self, bucket: Bucket) -> _Entry:
+        """The bucket's entry (made at its first batch, with the strategy that runs it)."""
+        if bucket not in self._entries:
             kv = self.ws.kv
             meta = BucketMeta(bucket, kv.page_size, kv.scratch_slot, self.model.device)
-            self._entries[key] = _Entry(meta, model_program(self.model, self.ws, meta,
-                                                            bucket_segments(bucket)))
-        return self._entries[key]
+            program = model_program(self.model, self.ws, meta, bucket_segments(bucket))
+            strategy = self.strategy if self.strategy.accepts(program) else self.fallback
+            self._entries[bucket] = _Entry(meta, program, strategy)
+        return self._entries[bucket]
 
-    def run(self, entry: _Entry, strategy: OpScheduler, seqs: Sequence[SeqChunk]) -> None:
+    def run(self, entry: _Entry, seqs: Sequence[SeqChunk]) -> None:
         """Run the batch `seqs` laid out in `entry`'s bucket (token ids already written)."""
         b = entry.meta.bucket
         self.stats.buckets.add(b)
@@ -113,17 +129,16 @@ class BucketRunner:
             entry.graph.replay()
             self.stats.replays += 1
             return
-        run_program(entry.program, strategy, self.backend, self.stream_configs)
+        run_program(entry.program, entry.strategy, self.backend, self.stream_configs)
         self.stats.eager_bucket += 1
-        key = (strategy.name, b)
-        if self.capture and key not in self.errors:
+        if self.capture and entry.error is None:
             t0 = time.perf_counter()
             try:
                 entry.meta.freeze()
-                entry.graph = self._capture(entry.program, strategy)
+                entry.graph = self._capture(entry.program, entry.strategy)
                 self.stats.captures += 1
             except Exception as exc:  # a strategy or kernel the graph cannot hold: stay eager
-                self.errors[key] = f"{type(exc).__name__}: {exc}"[:300]
+                entry.error = f"{type(exc).__name__}: {exc}"[:300]
             self.stats.capture_s += time.perf_counter() - t0
 
     def _capture(self, program: Program, strategy: OpScheduler) -> Any:

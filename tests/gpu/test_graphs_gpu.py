@@ -57,7 +57,8 @@ def run_batches(model, strategy, device, capture):
     ws = model.new_workspace(max_tokens=DENSE, num_pages=160_000)  # three batches, kept
     ws.kv.k.normal_(generator=torch.Generator("cuda").manual_seed(1))
     ws.kv.v.normal_(generator=torch.Generator("cuda").manual_seed(2))
-    runner = BucketRunner(model, ws, Backend(device), align=32, max_pages=128, capture=capture)
+    runner = BucketRunner(model, ws, Backend(device), strategy, align=32, max_pages=128,
+                          capture=capture)
     logits = []
     with torch.inference_mode():
         for i, seqs in enumerate(batches(ws, seed=0)):
@@ -65,7 +66,7 @@ def run_batches(model, strategy, device, capture):
             assert bucket.num_tokens == DENSE and bucket.num_decode == 640
             ws.token_ids.random_(0, SPEC.vocab_size, generator=torch.Generator("cuda")
                                  .manual_seed(10 + i))
-            runner.run(runner.entry(strategy, bucket), strategy, seqs)
+            runner.run(runner.entry(bucket), seqs)
             logits.append(model.logits(ws, torch.arange(DENSE, device="cuda")).float())
     torch.cuda.synchronize()
     return logits, runner

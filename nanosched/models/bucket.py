@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.kernels.common import PrefillSegments
+from nanosched.kernels.common import PrefillSegments, segment_rows
 from nanosched.models.batch import SeqChunk, TokenRange
 
 
@@ -122,14 +122,13 @@ class _Layout:
     def prefill_part(self, lo: int, hi: int, tables: np.ndarray, segs: np.ndarray) -> None:
         """Fill the tables [S, W] and segments [3, S] of the prefill rows [lo, hi)."""
         tables.fill(0)
-        segs.fill(0)
-        k = 0
+        parts = []
         for first, end, pos, table in self.chunks:
             a, z = max(first, lo), min(end, hi)
             if a < z:
-                tables[k] = table
-                segs[:, k] = (a - lo, z - a, pos + a - first)
-                k += 1
+                tables[len(parts)] = table
+                parts.append((a - lo, z - lo, pos + a - first))
+        segs[...] = segment_rows(parts, segs.shape[1])
 
 
 def _table(c: SeqChunk, page: int, w: int) -> np.ndarray:

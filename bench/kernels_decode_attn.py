@@ -1,112 +1,196 @@
-"""Decode-attention bandwidth vs CTA count at Llama-3-8B shapes, beside a copy ceiling.
+"""Decode-attention bandwidth against SMs, both Triton kernels, beside a copy ceiling.
 
-    python bench/kernels_decode_attn.py [--requests 256] [--contexts 1024,4096] [--ctas ...]
+    python bench/kernels_decode_attn.py [--requests 64,256,640] [--contexts 1024,4096,8192]
+                                        [--sms 16,32,48] [--sweep]
 
-For each context length: 256 requests × context tokens of paged bf16 K/V (Hkv = 8, d = 128,
-Hq = 32, page 16, pages shuffled), the Triton decode kernel at each `max_ctas`, bandwidth =
-K/V bytes read / median time. The ceiling is a device-to-device copy (read + write bytes / time)
-of a buffer larger than L2, measured in the same run. Inputs are rotated over enough copies to
-exceed 2× L2 when one copy would fit in it. Reports the smallest CTA counts that reach 50% and
-80% of the copy bandwidth. JSON to $OUT or bench/results/; a table last.
+Llama-3-8B heads (Hq 32, Hkv 8, d 128), bf16, page 16, pages shuffled, random data. Each
+kernel runs on a green-context partition of about `--sms` SMs (the driver rounds to its 8-SM
+granularity; the granted count is reported) with `ctas_per_sm` programs per granted SM, and on
+the whole GPU. Bandwidth = K/V bytes read / median time (triton.testing.do_bench); the ceiling
+is a device-to-device copy ((read + write) bytes / time) of 4 GiB, measured in the same run.
+`triton_paged` is today's kernel (no load pipelining), `triton_pipelined` the deep-pipelined one.
+
+`--sweep` first times every `DecodeConfig` (block, stages, warps, programs per SM, limited by
+shared memory) at 256 requests x 4,096 context on each partition and on the whole GPU, checks
+each against `triton_paged`'s output, and prints the best; the main table then uses
+`--config BN,STAGES,WARPS,CTAS` if given, else the shipped `PIPELINED`. JSON to $OUT or
+bench/results/; tables last.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import math
+from pathlib import Path
 
 import torch
-from _common import environment, l2_bytes, median_ms, print_table, write_result
+from _common import environment, median_ms, print_table, write_result
+
+from nanosched.kernels.common import PAGED, PIPELINED, DecodeConfig
 
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
-DEFAULT_CTAS = [4, 8, 16, 24, 32, 48, 64, 96, 132, 176, 264, 396, 528, 1056]
+SMEM_PER_SM = 227 * 1024  # what an H100/H200 SM offers one or more programs
+SMEM_SLACK = 1.25  # the compiler's layout-conversion scratch beside the K/V ring
 
 
-def copy_bandwidth_gbs(nbytes: int = 2**31) -> dict[str, float]:
-    """Device-to-device copy: (read + write bytes) / median time."""
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return {"bytes": nbytes, "ms": ms, "gbs": 2 * nbytes / ms / 1e6}
-
-
-def make_inputs(requests: int, context: int, copies: int, gen: torch.Generator):
-    """`copies` independent (q, k_cache, v_cache, tables, lens, out) sets with random data."""
-    pages_per = math.ceil(context / PAGE)
-    sets = []
-    for _ in range(copies):
-        num_pages = requests * pages_per
-        k = torch.randn(num_pages, PAGE, HKV, HD, device="cuda", dtype=torch.bfloat16,
-                        generator=gen)
-        v = torch.randn_like(k)
-        perm = torch.randperm(num_pages, device="cuda", generator=gen).int()
-        tables = perm.view(requests, pages_per)
-        lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
-        q = torch.randn(requests, HQ, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
-        sets.append((q, k, v, tables, lens, torch.empty_like(q)))
-    return sets
-
-
-def bench_context(requests: int, context: int, ctas: list[int]) -> list[dict]:
-    from nanosched.kernels.decode_attn import decode_attention, plan_splits
-
-    kv_bytes = 2 * requests * context * HKV * HD * 2  # K and V, bf16
-    copies = max(1, math.ceil(2 * l2_bytes() / kv_bytes))
-    sets = make_inputs(requests, context, copies, torch.Generator(device="cuda").manual_seed(0))
-    rows = []
-    for n in ctas:
-        state = {"i": 0}
-
-        def run(n=n, state=state):
-            q, k, v, tables, lens, out = sets[state["i"] % copies]
-            state["i"] += 1
-            decode_attention(q, k, v, tables, lens, context, HD ** -0.5, out, max_ctas=n)
-
-        ms = median_ms(run)
-        splits, _ = plan_splits(requests, HKV, context, n)
-        rows.append({"context": context, "max_ctas": n, "num_splits": splits, "ms": ms,
-                     "gbs": kv_bytes / ms / 1e6, "copies": copies})
-    sets.clear()
+def copy_bandwidth_gbs(nbytes: int = 2**32) -> float:
+    bufs = [torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")]
+    bufs.append(torch.empty_like(bufs[0]))
+    ms = median_ms(lambda: bufs[1].copy_(bufs[0]))
+    bufs.clear()
     torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e6
+
+
+class Batch:
+    """A paged decode batch: `requests` requests of `context` tokens each."""
+
+    def __init__(self, requests: int, context: int, seed: int = 0) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        pages_per = math.ceil(context / PAGE)
+        pages = requests * pages_per
+        self.k = torch.randn(pages, PAGE, HKV, HD, device="cuda", dtype=torch.bfloat16,
+                             generator=gen)
+        self.v = torch.randn_like(self.k)
+        self.tables = torch.randperm(pages, device="cuda", generator=gen).int().view(
+            requests, pages_per)
+        self.lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(requests, HQ, HD, device="cuda", dtype=torch.bfloat16,
+                             generator=gen)
+        self.out = torch.empty_like(self.q)
+        self.context = context
+        self.kv_bytes = 2 * requests * context * HKV * HD * 2
+
+    def run(self, config: DecodeConfig, ctas: int) -> torch.Tensor:
+        from nanosched.kernels.decode_attn import decode_attention
+
+        decode_attention(self.q, self.k, self.v, self.tables, self.lens, self.context,
+                         HD ** -0.5, self.out, max_ctas=ctas, config=config)
+        return self.out
+
+
+def places(sms_list: list[int]) -> list[tuple[int, object, object]]:
+    """(granted SMs, stream) for each requested partition, then the whole GPU."""
+    from nanosched.profiler.partitions import split_sms
+
+    out = []
+    for small in sms_list:
+        pair = split_sms(0, small)
+        out.append((pair.small.sms, pair.small.stream, pair))
+    n = torch.cuda.get_device_properties(0).multi_processor_count
+    out.append((n, torch.cuda.current_stream(), None))
+    return out
+
+
+def time_on(batch: Batch, config: DecodeConfig, sms: int, stream) -> dict:
+    ctas = config.ctas_per_sm * sms
+    with torch.cuda.stream(stream):
+        ms = median_ms(lambda: batch.run(config, ctas))
+    return {"ms": ms, "gbs": batch.kv_bytes / ms / 1e6, "ctas": ctas}
+
+
+def sweep_configs(ok_file: str = "") -> list[DecodeConfig]:
+    """Every configuration whose K/V ring fits `ctas_per_sm` times in an SM; only those that
+    bench/decode_config_check.py passed when `ok_file` (its output) is given."""
+    kernels = list(itertools.product((32, 64, 128), (2, 3, 4, 5), (4, 8)))
+    if ok_file:
+        passed = {tuple(c) for c in json.loads(Path(ok_file).read_text())}
+        kernels = [k for k in kernels if k in passed]
+    out = []
+    for bn, stages, warps in kernels:
+        for cps in (1, 2, 3, 4):
+            cfg = DecodeConfig(bn, stages, warps, cps)
+            if cfg.smem_bytes(HD, 2) * SMEM_SLACK * cps <= SMEM_PER_SM:
+                out.append(cfg)
+    return out
+
+
+def sweep(where: list, copy_gbs: float, ok_file: str) -> tuple[list[dict], DecodeConfig]:
+    batch = Batch(256, 4096)
+    want = batch.run(PAGED, 1024).clone()
+    rows = []
+    for cfg in sweep_configs(ok_file):
+        print(f"sweep: {cfg}", flush=True)  # an illegal address is reported asynchronously
+        err = ((batch.run(cfg, 264).float() - want.float()).norm() / want.float().norm()).item()
+        for sms, stream, _ in where:
+            r = time_on(batch, cfg, sms, stream)
+            rows.append({"block_n": cfg.block_n, "stages": cfg.num_stages,
+                         "warps": cfg.num_warps, "ctas_per_sm": cfg.ctas_per_sm, "sms": sms,
+                         "rel_err": err, **r, "pct_of_copy": 100 * r["gbs"] / copy_gbs})
+    small = sorted({r["sms"] for r in rows})[:-1]
+
+    def score(cfg_rows: list[dict]) -> float:  # worst share of copy over the small partitions
+        return min(r["pct_of_copy"] for r in cfg_rows if r["sms"] in small)
+
+    by_cfg: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["rel_err"] < 2e-2:
+            by_cfg.setdefault((r["block_n"], r["stages"], r["warps"], r["ctas_per_sm"]),
+                              []).append(r)
+    best = max(by_cfg, key=lambda k: score(by_cfg[k]))
+    return rows, DecodeConfig(*best)
+
+
+def table(where: list, configs: dict[str, DecodeConfig], requests: list[int],
+          contexts: list[int], copy_gbs: float) -> list[dict]:
+    rows = []
+    for n, ctx in itertools.product(requests, contexts):
+        batch = Batch(n, ctx)
+        for name, cfg in configs.items():
+            for sms, stream, _ in where:
+                r = time_on(batch, cfg, sms, stream)
+                rows.append({"kernel": name, "requests": n, "context": ctx, "sms": sms, **r,
+                             "pct_of_copy": 100 * r["gbs"] / copy_gbs})
+        del batch
+        torch.cuda.empty_cache()
     return rows
-
-
-def thresholds(rows: list[dict], ceiling: float) -> dict[str, int | None]:
-    """Smallest max_ctas reaching 50% / 80% of the copy bandwidth (None if never)."""
-    res = {}
-    for frac in (0.5, 0.8):
-        hits = [r["max_ctas"] for r in rows if r["gbs"] >= frac * ceiling]
-        res[f"ctas_for_{int(frac * 100)}pct"] = min(hits) if hits else None
-    return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--contexts", default="1024,4096")
-    ap.add_argument("--ctas", default=",".join(map(str, DEFAULT_CTAS)))
+    ap.add_argument("--requests", default="64,256,640")
+    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--sms", default="16,32,48")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--config", default="", help="BN,STAGES,WARPS,CTAS_PER_SM")
+    ap.add_argument("--ok-file", default="", help="bench/decode_config_check.py --ok-file")
     args = ap.parse_args()
     env = environment()
-    ceiling = copy_bandwidth_gbs()
-    rows, summary = [], []
-    for context in map(int, args.contexts.split(",")):
-        part = bench_context(args.requests, context, [int(c) for c in args.ctas.split(",")])
-        for r in part:
-            r["pct_of_copy"] = 100 * r["gbs"] / ceiling["gbs"]
-        rows += part
-        summary.append({"context": context, **thresholds(part, ceiling["gbs"]),
-                        "best_gbs": max(r["gbs"] for r in part)})
+    copy_gbs = copy_bandwidth_gbs()
+    where = places([int(s) for s in args.sms.split(",")])
+    sweep_rows, pipelined = [], PIPELINED
+    if args.sweep:
+        sweep_rows, pipelined = sweep(where, copy_gbs, args.ok_file)
+    if args.config:
+        pipelined = DecodeConfig(*(int(x) for x in args.config.split(",")))
+    configs = {"triton_paged": PAGED, "triton_pipelined": pipelined}
+    rows = table(where, configs, [int(x) for x in args.requests.split(",")],
+                 [int(x) for x in args.contexts.split(",")], copy_gbs)
     path = write_result("kernels_decode_attn", {
-        "env": env, "shapes": {"requests": args.requests, "num_heads": HQ,
-                               "num_kv_heads": HKV, "head_dim": HD, "page_size": PAGE,
-                               "dtype": "bfloat16"},
-        "copy_ceiling": ceiling, "rows": rows, "summary": summary})
-    print(f"{env['device']}: copy ceiling {ceiling['gbs']:.0f} GB/s; results in {path}")
-    print_table(rows, [("context", "context", ""), ("max_ctas", "CTAs", ""),
-                       ("num_splits", "splits", ""), ("ms", "ms", ".3f"),
-                       ("gbs", "GB/s", ".0f"), ("pct_of_copy", "% copy", ".1f")])
-    print_table(summary, [("context", "context", ""), ("ctas_for_50pct", "CTAs@50%", ""),
-                          ("ctas_for_80pct", "CTAs@80%", ""), ("best_gbs", "best GB/s", ".0f")])
+        "env": env, "copy_gbs": copy_gbs, "configs": {k: vars(v) for k, v in configs.items()},
+        "shapes": {"num_heads": HQ, "num_kv_heads": HKV, "head_dim": HD, "page_size": PAGE,
+                   "dtype": "bfloat16"}, "sweep": sweep_rows, "rows": rows})
+    print(f"{env['device']}: copy {copy_gbs:.0f} GB/s; pipelined config {pipelined}; {path}")
+    if sweep_rows:
+        top = sorted(sweep_rows, key=lambda r: -r["pct_of_copy"])
+        for sms in sorted({r["sms"] for r in sweep_rows}):
+            print_table([r for r in top if r["sms"] == sms][:6],
+                        [(k, k, "") for k in ("block_n", "stages", "warps", "ctas_per_sm",
+                                              "sms")] + [("gbs", "GB/s", ".0f"),
+                                                         ("pct_of_copy", "% copy", ".1f"),
+                                                         ("rel_err", "err", ".1e")])
+    summary = {}
+    for r in rows:
+        summary.setdefault((r["kernel"], r["sms"]), []).append(r["pct_of_copy"])
+    print_table([{"kernel": k, "sms": s, "min": min(v), "max": max(v)}
+                 for (k, s), v in sorted(summary.items())],
+                [("kernel", "kernel", ""), ("sms", "SMs", ""), ("min", "min % copy", ".1f"),
+                 ("max", "max % copy", ".1f")])
+    for _, _, pair in where:
+        if pair is not None:
+            pair.close()
 
 
 if __name__ == "__main__":

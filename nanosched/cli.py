@@ -387,6 +387,10 @@ def search(
     max_period_us: float | None = typer.Option(None, "--max-period-us", help="Refuse layer "
                                                "periods above this."),
     out: str | None = typer.Option(None, "--out", "-o", help="Schedule file to write."),
+    allow_unsettled: bool = typer.Option(
+        False, "--allow-unsettled", help="Search on a profile whose co-run pairs were timed in "
+        "bursts, before the SM clock settled under the power cap (refused by default: its "
+        "R->P points overstate overlap)."),
 ) -> None:
     """Search a nano-batch pipeline (two-stage CP-SAT) and write the JSON schedule."""
     from nanosched.autosearch.search import search_and_save
@@ -395,7 +399,8 @@ def search(
                     input_len=input_len, output_len=output_len, dense_batch=dense_batch,
                     time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
                     max_period_us=max_period_us, out=out, echo=typer.echo,
-                    print_table=print_table, command=" ".join(["nanosched", *sys.argv[1:]]))
+                    print_table=print_table, command=" ".join(["nanosched", *sys.argv[1:]]),
+                    allow_unsettled=allow_unsettled)
 
 
 @app.command()

@@ -45,8 +45,10 @@ def test_names_parse_and_bad_names_are_refused_with_the_known_ones():
         impls.check_op_impl("act", "cublas")
     with pytest.raises(ConfigError, match=r"op 'ar_ffn' has no implementations"):
         impls.check_op_impl("ar_ffn", "torch")
-    assert impls.decode_ctas(None, 5) == 5 * impls.CTAS_PER_SM
-    assert impls.decode_ctas(7, 5) == 7 and impls.decode_ctas(None, None) is None
+    assert impls.decode_ctas(None, 5, 3) == 15
+    assert impls.decode_ctas(7, 5, 3) == 7 and impls.decode_ctas(None, None, 3) is None
+    with pytest.raises(ConfigError, match=r"decode implementation 'triton_fast' is not one of"):
+        K.KernelOptions(decode_impl="triton_fast")
 
 
 def test_dispatch_rejects_wrong_impls_and_launch_keys():
@@ -90,7 +92,9 @@ def test_decode_attention_honours_impl_and_its_bounds():
     want = torch.empty_like(q)
     K.decode_attention(q, kc, vc, tables, lens, 70, d ** -0.5, want, TORCH, {"impl": "torch"})
     for launch in ({"impl": "triton_paged", "max_ctas": 2, "num_splits": 3},
-                   {"impl": "triton_paged", "num_sms": 1}, {"impl": "triton_paged"}):
+                   {"impl": "triton_paged", "num_sms": 1}, {"impl": "triton_paged"},
+                   {"impl": "triton_pipelined", "max_ctas": 3, "num_splits": 2},
+                   {"impl": "triton_pipelined", "num_sms": 1}):
         got = torch.full_like(q, float("nan"))
         K.decode_attention(q, kc, vc, tables, lens, 70, d ** -0.5, got, TORCH, launch)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(launch))

@@ -14,6 +14,7 @@ from hf_models import make_hf
 
 from nanosched.errors import ConfigError
 from nanosched.kernels import reference as ref
+from nanosched.kernels.common import PAGED, PIPELINED, DecodeConfig
 from nanosched.kernels.dispatch import KernelOptions, triton_available
 
 pytestmark = pytest.mark.skipif(
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.skipif(
     reason="needs triton and TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
 
 DTYPES = [torch.float32, torch.float16]
+# the shipped decode-attention configurations, and a deeper pipeline of small steps
+DECODE_CONFIGS = [PAGED, PIPELINED, DecodeConfig(16, 5, 4, 1)]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -33,7 +36,8 @@ def tol(dtype: torch.dtype) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("max_ctas, num_splits", [(3, None), (2, 1), (16, 3)])
-def test_decode_attention(dtype, max_ctas, num_splits):
+@pytest.mark.parametrize("config", DECODE_CONFIGS)
+def test_decode_attention(dtype, max_ctas, num_splits, config):
     from nanosched.kernels.decode_attn import decode_attention
 
     gen = torch.Generator().manual_seed(0)
@@ -46,12 +50,13 @@ def test_decode_attention(dtype, max_ctas, num_splits):
     want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
     ref.decode_attention(q, kc, vc, tables, lens, 100, d ** -0.5, want)
     decode_attention(q, kc, vc, tables, lens, 100, d ** -0.5, got, max_ctas=max_ctas,
-                     num_splits=num_splits)
+                     num_splits=num_splits, config=config)
     assert rel_err(got, want) < tol(dtype)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_padded_rows_are_zero_and_read_no_page(num_splits):
+@pytest.mark.parametrize("config", DECODE_CONFIGS)
+def test_decode_attention_padded_rows_are_zero_and_read_no_page(num_splits, config):
     """Rows of context length 0 (a CUDA-graph bucket's padding, block tables pointing far past
     the cache) come out zero, not NaN; the real rows are unchanged."""
     from nanosched.kernels.decode_attn import decode_attention
@@ -69,7 +74,7 @@ def test_decode_attention_padded_rows_are_zero_and_read_no_page(num_splits):
     want = torch.empty_like(q[real])
     ref.decode_attention(q[real], kc, vc, tables[real], lens[real], 90, d ** -0.5, want)
     decode_attention(q, kc, vc, tables, lens, 96, d ** -0.5, got, max_ctas=4,
-                     num_splits=num_splits)
+                     num_splits=num_splits, config=config)
     assert torch.all(got[~real] == 0)
     assert rel_err(got[real], want) < tol(torch.float32)
 

@@ -47,12 +47,13 @@ def test_every_op_token_sm_impl_row_is_present_and_best_is_marked(tmp_path):
         "cublas", "cublaslt", "triton_persistent_128x128", "triton_persistent_128x256"}
     assert {k.context for k in prof.kernels if k.op == "attn_decode"} == {512, 1024, 1280, 1536}
     # row impls are the runtime's names, so a schedule naming one launches what was measured
-    assert {k.impl for k in prof.kernels if k.op == "attn_decode"} == {"triton_paged", "torch"}
+    assert {k.impl for k in prof.kernels if k.op == "attn_decode"} == {
+        "triton_pipelined", "triton_paged", "torch"}
     assert {k.impl for k in prof.kernels if k.op == "rope_append"} == {"triton", "torch"}
     for k in prof.kernels:
         if family_of(k.op):
             assert check_op_impl(k.op, k.impl) == k.impl
-    assert {p.other_impl for p in backend.pair_calls} == {"triton_paged"}
+    assert {p.other_impl for p in backend.pair_calls} == {"triton_pipelined"}
     assert {k.sms for k in prof.kernels if k.mechanism == "cta_bound"} == \
         {8, 16, 32, 48, 64, 96, 128}
     # exactly one best row per (op, tokens, context, sms), and it is the fastest
@@ -130,3 +131,44 @@ def test_network_rows_measured_on_two_gpus_and_modelled_beyond(tmp_path):
     assert any("modelled with NCCL's ring formulas from measurements on 2 GPUs" in n
                for n in eight.notes)
     assert {op.name for op in layer_ops(s8.model, 8)} <= {k.op for k in eight.kernels}
+
+
+def test_pairs_are_timed_sustained_against_sustained_alone_times_with_the_best_gemms(tmp_path):
+    """Each pair shape gets one placement per way of sharing (streams, each partition, each
+    CTA bound) with the GEMM fastest alone there; pairs and the alone times they are normalised
+    to are both looped for the settle time and timed over the window, and say so."""
+    s = settings()
+    backend = FakeBackend()
+    prof, _ = run(tmp_path, backend, s)
+    shapes = s.pair_shapes()
+    assert len(prof.pairs) == len(shapes) * (1 + 4 + 4)
+    for pair in prof.pairs:
+        assert pair.sustained and (pair.settle_ms, pair.window_ms) == (300.0, 1000.0)
+        assert pair.clock_mhz == 1500.0 and pair.compute_alone_clock_mhz == 1500.0
+        placed = [k for k in prof.kernels if (k.op, k.tokens, k.sms) == (
+            pair.compute_op, pair.tokens, pair.compute_sms) and k.mechanism == (
+            "green_ctx" if pair.mechanism == "green_ctx" else "full")]
+        if pair.mechanism != "cta_bound":
+            assert pair.compute_impl == min(placed, key=lambda k: k.time_us).impl
+        fastest = min(k.time_us for k in prof.kernels if (k.op, k.tokens, k.sms, k.mechanism)
+                      == (pair.compute_op, pair.tokens, 132, "full"))
+        assert pair.compute_alone_us == pytest.approx(fastest * 1980 / 1500)  # sustained
+    # one sustained alone time per (op, impl, shape), reused by every placement
+    assert len(backend.sustained_calls) == len({(t.op, t.impl, t.tokens, t.context)
+                                                for t in backend.sustained_calls})
+    assert prof.unsettled() is None
+    assert all(k.clock_mhz == 1980.0 for k in prof.kernels if not k.modelled)
+    assert prof.throttled(1500.0) and not prof.throttled(1980.0)
+    assert {p.clock_mhz for p in prof.rp["memory"]} == {1500.0}
+
+
+def test_a_profile_with_burst_pairs_is_unsettled_and_says_why(tmp_path):
+    from dataclasses import replace
+
+    prof, _ = run(tmp_path, FakeBackend(), settings())
+    burst = replace(prof, pairs=tuple(replace(p, settle_ms=0.0, window_ms=3.0)
+                                      for p in prof.pairs))
+    assert "timed in bursts (settle + window at most 3 ms)" in burst.unsettled()
+    legacy = replace(prof, pairs=tuple(replace(p, settle_ms=0.0, window_ms=0.0)
+                                       for p in prof.pairs))
+    assert "no settle time or window recorded" in legacy.unsettled()

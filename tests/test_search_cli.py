@@ -12,6 +12,8 @@ from nanosched.workloads import fixed
 runner = CliRunner()
 SMALL = ["--model", "llama3-8b", "--dense-batch", "256", "--input-len", "512",
          "--output-len", "512", "--time-limit", "2", "--workers", "1"]
+# the shipped H200 profile's pairs were timed in bursts: these tests search it anyway
+BURSTS_OK = "--allow-unsettled"
 
 
 def run(*args):
@@ -20,7 +22,7 @@ def run(*args):
 
 def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     out = tmp_path / "s.json"
-    r = run("search", *SMALL, "--out", str(out))
+    r = run("search", *SMALL, BURSTS_OK, "--out", str(out))
     assert r.exit_code == 0, r.output
     assert "profile: shipped profile 'llama3-8b-tp1-h200': same model" in r.output
     assert "tp: 1 (the profile's)" in r.output and "SYNTHETIC" not in r.output
@@ -34,6 +36,16 @@ def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     assert "kqv.0" in r.output and png.stat().st_size > 1000
 
 
+def test_a_profile_with_pairs_timed_in_bursts_is_refused_unless_allowed(tmp_path):
+    out = tmp_path / "s.json"
+    r = run("search", *SMALL, "--profile", "llama3-8b-tp1-h200", "--out", str(out))
+    assert r.exit_code == 2 and not out.exists()
+    assert "co-run pairs were timed in bursts" in r.output
+    assert "pass --allow-unsettled to search on it anyway" in r.output
+    r = run("search", *SMALL, "--profile", "llama3-8b-tp1-h200", BURSTS_OK, "--out", str(out))
+    assert r.exit_code == 0 and "WARNING: " in r.output and "--allow-unsettled" in r.output
+
+
 def test_without_a_shipped_profile_the_search_says_it_is_synthetic(tmp_path):
     args = [a if a != "llama3-8b" else "qwen2.5-72b" for a in SMALL]
     r = run("search", *args, "--gpu", "h200", "--out", str(tmp_path / "q.json"))
@@ -43,7 +55,7 @@ def test_without_a_shipped_profile_the_search_says_it_is_synthetic(tmp_path):
 
 def test_infeasible_search_says_so_and_writes_nothing(tmp_path):
     out = tmp_path / "s.json"
-    r = run("search", *SMALL, "--max-period-us", "5", "--out", str(out))
+    r = run("search", *SMALL, BURSTS_OK, "--max-period-us", "5", "--out", str(out))
     assert r.exit_code == 2
     assert "search found no schedule: stage I ended INFEASIBLE" in r.output
     assert "no file written" in r.output and not out.exists()
@@ -60,7 +72,7 @@ def test_timed_out_search_says_so_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr("nanosched.autosearch.search.solve_stage1", no_solution)
     assert stage1.solve_stage1 is not no_solution
     out = tmp_path / "s.json"
-    r = run("search", *SMALL, "--out", str(out))
+    r = run("search", *SMALL, BURSTS_OK, "--out", str(out))
     assert r.exit_code == 2
     assert "stage I ended UNKNOWN: no solution within the time limit" in r.output
     assert not out.exists()
@@ -77,7 +89,7 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path):
     ]:
         flags = dict(zip(SMALL[::2], SMALL[1::2], strict=True)) | changes
         args = [x for kv in flags.items() for x in kv]
-        r = run("search", *args, "--out", str(tmp_path / "x.json"))
+        r = run("search", *args, BURSTS_OK, "--out", str(tmp_path / "x.json"))
         assert r.exit_code == 2, (changes, r.output)
         assert message in r.output, (changes, r.output)
         assert not (tmp_path / "x.json").exists()

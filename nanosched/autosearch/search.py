@@ -24,7 +24,7 @@ from nanosched.autosearch.durations import (
 from nanosched.autosearch.opgraph import QUANTUM, OpGraph, TokenMix, expand, layer_graph, nano_deps
 from nanosched.autosearch.stage1 import Stage1Problem, Structure, solve_stage1
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
-from nanosched.errors import ConfigError, ScheduleError
+from nanosched.errors import ConfigError, ProfileError, ScheduleError
 from nanosched.models.ops import COMPUTE
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile
@@ -197,8 +197,12 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
                     workload: str | None, input_len: float | None, output_len: float | None,
                     dense_batch: str, time_limit: float, workers: int, max_nano_ops: int,
                     max_period_us: float | None, out: str | None, echo: Progress,
-                    print_table: object, command: str = "") -> Schedule:
-    """What `nanosched search` does: resolve, search with live progress, report, write."""
+                    print_table: object, command: str = "",
+                    allow_unsettled: bool = False) -> Schedule:
+    """What `nanosched search` does: resolve, search with live progress, report, write.
+
+    A measured profile whose pairs were timed in bursts is refused (its R->P points overstate
+    overlap under the power cap) unless `allow_unsettled`."""
     from nanosched.autosearch.request import resolve
     from nanosched.autosearch.synthetic import context_grid, synthetic_profile
     from nanosched.hardware import get_gpu
@@ -213,12 +217,21 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
     for msg in choice.messages:
         echo(msg)
     prof = choice.profile
+    measured = prof
     if prof is None:
         b = batch_info(wl, choice.dense_batch)
         prof = synthetic_profile(spec, get_gpu(gpu or "h100"), choice.tp, choice.dense_batch,
                                  context_grid(b.decode_context, b.prompt_len))
     cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, time_limit, workers,
                        max_nano_ops, max_period_us, command)
+    why = measured.unsettled() if measured is not None else None
+    if why and not allow_unsettled:
+        raise ProfileError(f"profile for {prof.model.name} on {prof.identity.gpu_name}: {why}, "
+                           f"so its R->P points overstate what overlap gives on a serving GPU; "
+                           f"re-measure it with `nanosched profile` (pairs are timed sustained), "
+                           f"or pass --allow-unsettled to search on it anyway")
+    if why:
+        echo(f"WARNING: {why}; searching on it because of --allow-unsettled")
     echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, "
          f"{time_limit:g} s, {workers} workers")
     sched = run_search(cfg, echo)

@@ -18,6 +18,29 @@ INTERPRET_NUM_SMS = 4  # stand-in SM count under TRITON_INTERPRET=1 (CPU tensors
 CTAS_PER_SM = 4  # default grid of a persistent memory-bound kernel, per SM
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode-attention partial kernel (kernels/decode_attn.py): tokens per
+    loop step, software-pipelining depth (`num_stages` - 1 steps of K and V in flight per
+    program; 1 = no pipelining), warps, and programs per SM when the caller bounds SMs (a
+    partition's `num_sms`) but not CTAs."""
+
+    block_n: int
+    num_stages: int
+    num_warps: int
+    ctas_per_sm: int
+
+    def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+        """Shared memory of the K/V ring: what bounds the programs an SM can hold."""
+        return 2 * max(1, self.num_stages - 1) * self.block_n * head_dim * itemsize
+
+
+# `triton_paged`: one block of 32 tokens per step, loads not pipelined, four programs per SM.
+PAGED = DecodeConfig(block_n=32, num_stages=1, num_warps=4, ctas_per_sm=CTAS_PER_SM)
+# `triton_pipelined`: a deep page-load pipeline, so that few SMs keep enough bytes in flight.
+PIPELINED = DecodeConfig(block_n=64, num_stages=4, num_warps=4, ctas_per_sm=2)
+
+
 def is_interpret() -> bool:
     """Whether Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -7,6 +7,14 @@ kernel runs on `max_ctas` programs that loop over the work items (persistent gri
 bounds the kernel's SM footprint; each item handles the whole GQA group of its KV head with one
 `tl.dot`. With more than one split, a second kernel (same CTA bound) merges the partial results
 by their log-sum-exp. `max_ctas` and `num_splits` are launch arguments: the profiler sweeps them.
+
+Two configurations of the one kernel (`DecodeConfig`) are two implementations: `triton_paged`
+(`PAGED`: no load pipelining, four programs per SM) and `triton_pipelined` (`PIPELINED`: K/V
+blocks of several pages loaded `num_stages - 1` steps ahead through a shared-memory ring). HBM
+bandwidth needs bytes in flight (Little's law: about 2.7 MB device-wide on an H100/H200), and a
+program keeps only one block in flight without pipelining, so `triton_paged` needs most SMs to
+reach bandwidth while `triton_pipelined` gets there on a quarter of them.
+
 A request with context length 0 (a padded row of a CUDA-graph bucket) gets a zero output, never
 NaN, whatever the split count, and reads no page.
 
@@ -21,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanosched.kernels.common import default_num_ctas, dot_precision
+from nanosched.kernels.common import PAGED, DecodeConfig, dot_precision, num_sms
 
 
 @triton.jit
@@ -32,6 +40,7 @@ def _decode_partial_kernel(
     s_on, s_oh, s_os, s_ln, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
@@ -39,7 +48,7 @@ def _decode_partial_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    for item in range(pid, num_items, tl.num_programs(0)):
+    for item in tl.range(pid, num_items, tl.num_programs(0), num_stages=1):
         split = item % num_splits
         kvh = (item // num_splits) % num_kv_heads
         req = item // (num_splits * num_kv_heads)
@@ -52,23 +61,33 @@ def _decode_partial_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        bt_row = bt_ptr + req * s_btn
+        k_head = k_ptr + kvh * s_kh
+        v_head = v_ptr + kvh * s_vh
+        # Each step's page ids are loaded one step ahead, so the K/V addresses depend on a
+        # loop-carried value rather than on a load of the same step: the pipeliner then keeps
+        # NUM_STAGES - 1 steps of K and V in flight (with the ids loaded in the step that uses
+        # them, they cost one of those stages).
+        nxt = lo + offs_n
+        page_next = tl.load(bt_row + nxt // PAGE, mask=nxt < hi, other=0)
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
             tok = start + offs_n  # [BN]
             t_mask = tok < hi
-            page = tl.load(bt_ptr + req * s_btn + tok // PAGE, mask=t_mask,
-                           other=0).to(tl.int64)  # page * page stride passes 2^31 past 128K pages
+            page = page_next.to(tl.int64)  # page * page stride passes 2^31 past 128K pages
+            nxt = tok + BLOCK_N
+            page_next = tl.load(bt_row + nxt // PAGE, mask=nxt < hi, other=0)
             slot = tok % PAGE
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+            k = tl.load(k_head + page[:, None] * s_kp + slot[:, None] * s_ks + offs_d[None, :],
+                        mask=kv_mask, other=0.0)  # [BN, BD]
+            v = tl.load(v_head + page[:, None] * s_vp + slot[:, None] * s_vs + offs_d[None, :],
+                        mask=kv_mask, other=0.0)  # [BN, BD]
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BG, BN]
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
         has = l_i > 0
@@ -109,32 +128,32 @@ def _decode_merge_kernel(
                  res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-BLOCK_N = 32
-
-
 def plan_splits(num_requests: int, num_kv_heads: int, max_context_len: int, max_ctas: int,
-                num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, split_len): enough work items for `max_ctas` programs, whole blocks each."""
-    max_blocks = max(1, math.ceil(max_context_len / BLOCK_N))
+                num_splits: int | None = None, block: int = PAGED.block_n) -> tuple[int, int]:
+    """(num_splits, split_len): enough work items (request x KV head x split) for `max_ctas`
+    programs, each a whole number of `block`-token steps."""
+    max_blocks = max(1, math.ceil(max_context_len / block))
     if num_splits is None:
         num_splits = math.ceil(2 * max_ctas / max(1, num_requests * num_kv_heads))
     num_splits = max(1, min(num_splits, max_blocks))
-    split_len = math.ceil(max_blocks / num_splits) * BLOCK_N
+    split_len = math.ceil(max_blocks / num_splits) * block
     return math.ceil(max_context_len / split_len), split_len
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
-                     max_ctas: int | None = None, num_splits: int | None = None) -> None:
+                     max_ctas: int | None = None, num_splits: int | None = None,
+                     config: DecodeConfig = PAGED) -> None:
     """Triton paged decode attention; see the module docstring for shapes and launch args."""
     n, num_q, d = q.shape
     if n == 0:
         return
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     if max_ctas is None:
-        max_ctas = default_num_ctas(q.device)
-    splits, split_len = plan_splits(n, num_kv, max_context_len, max_ctas, num_splits)
+        max_ctas = config.ctas_per_sm * num_sms(q.device)
+    splits, split_len = plan_splits(n, num_kv, max_context_len, max_ctas, num_splits,
+                                    config.block_n)
     group = num_q // num_kv
     num_items = n * num_kv * splits
     if splits == 1:
@@ -152,8 +171,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), *s_part,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_D=block_d, BLOCK_N=BLOCK_N, PAGE=page, STORE_LSE=splits > 1,
-        DOT_PREC=dot_precision(q.dtype), num_warps=4)
+        BLOCK_D=block_d, BLOCK_N=config.block_n, PAGE=page, STORE_LSE=splits > 1,
+        DOT_PREC=dot_precision(q.dtype), NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps)
     if splits == 1:
         return
     merge_items = n * num_q

@@ -37,10 +37,14 @@ class KernelOptions:
 
     backend: str = "auto"  # auto | torch | triton
     gemm: str = "torch"  # torch (cuBLAS/CPU BLAS) | triton (persistent GEMM) | a GEMM impl name
+    decode_impl: str = impls.DEFAULT_DECODE  # the Triton decode attention (impls.DECODE_CONFIGS)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"kernel backend {self.backend!r} is not one of {BACKENDS}")
+        if self.decode_impl not in impls.DECODE_CONFIGS:
+            raise ConfigError(f"decode implementation {self.decode_impl!r} is not one of "
+                              f"{tuple(impls.DECODE_CONFIGS)}")
         if self.gemm not in GEMM_ALIASES and not impls.is_known(self.gemm, impls.GEMM):
             raise ConfigError(f"gemm implementation {self.gemm!r} is not one of "
                               f"{tuple(GEMM_ALIASES)} or {impls.known_names(impls.GEMM)}")
@@ -157,14 +161,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Paged GQA decode attention. q, out [n, Hq, d]; launch: impl, max_ctas or num_sms,
     num_splits."""
     args = impls.read_launch(launch)
-    name = _chosen(args, impls.DECODE, lambda: "triton_paged" if use_triton(opts, q) else "torch")
-    if name == "triton_paged":
+    name = _chosen(args, impls.DECODE, lambda: opts.decode_impl if use_triton(opts, q) else "torch")
+    if name in impls.DECODE_CONFIGS:
         _triton_ok(q)
         from nanosched.kernels.decode_attn import decode_attention as kernel
 
+        config = impls.DECODE_CONFIGS[name]
         kernel(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
-               max_ctas=impls.decode_ctas(args["max_ctas"], args["num_sms"]),
-               num_splits=args["num_splits"])
+               max_ctas=impls.decode_ctas(args["max_ctas"], args["num_sms"], config.ctas_per_sm),
+               num_splits=args["num_splits"], config=config)
     else:
         ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
                              scale, out)

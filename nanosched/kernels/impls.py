@@ -6,7 +6,8 @@ schedule that names one is launched exactly as it was measured.
 Families (ops → names):
 - gemm (kqv, o, ug, d): `cublas` (torch.matmul), `cublaslt` (cuBLASLt with an SM-count
   target), `triton_persistent_<BM>x<BN>` (kernels/gemm.py on `num_sms` programs).
-- decode (attn_decode): `triton_paged` (kernels/decode_attn.py), `torch` (reference).
+- decode (attn_decode): `triton_paged` and `triton_pipelined` (kernels/decode_attn.py, two
+  `DecodeConfig`s of one kernel: `DECODE_CONFIGS`), `torch` (reference).
 - elementwise (rope_append, add_norm_ffn, add_norm_attn, act): `triton`
   (kernels/elementwise.py), `torch` (reference).
 - grouped (experts_ug, experts_d): `triton` (kernels/grouped_gemm.py), `torch` (a loop over
@@ -18,8 +19,9 @@ A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits
 (`LAUNCH_KEYS`); every key is optional and each op reads only what concerns it:
 - gemm: `num_sms` = the SM target of `cublaslt` (carve-out = the device's other SMs) and the
   program count of `triton_persistent_*`; `cublas` ignores it.
-- decode: `max_ctas` bounds the grid; absent, it is `CTAS_PER_SM * num_sms` (or per device SM
-  when `num_sms` is absent too); `num_splits` fixes split-K (absent: the kernel's planner).
+- decode: `max_ctas` bounds the grid; absent, it is the configuration's `ctas_per_sm` times
+  `num_sms` (or times the device's SMs when `num_sms` is absent too); `num_splits` fixes split-K
+  (absent: the kernel's planner).
 - grouped: `max_ctas`, and `num_sms` when it is fewer than the device's SMs outside a
   partition, bound the Triton programs (persistent, the smaller bound wins); otherwise the grid is
   one program per upper-bound tile (on a partition the partition itself bounds the SMs).
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.kernels.common import CTAS_PER_SM
+from nanosched.kernels.common import PAGED, PIPELINED, DecodeConfig
 
 GEMM, DECODE, ELEMENTWISE, GROUPED, PREFILL = ("gemm", "decode", "elementwise", "grouped",
                                                "prefill")
@@ -53,7 +55,7 @@ OP_FAMILY = {
 }
 FIXED_NAMES = {
     GEMM: ("cublas", "cublaslt"),
-    DECODE: ("triton_paged", "torch"),
+    DECODE: ("triton_paged", "triton_pipelined", "torch"),
     ELEMENTWISE: ("triton", "torch"),
     GROUPED: ("triton", "torch"),
     PREFILL: ("triton", "torch"),
@@ -64,6 +66,8 @@ TILE_SIZES = (16, 32, 64, 128, 256)
 # partition: the launch runs on a green-context partition of `num_sms` SMs, so an SM target
 # (cuBLASLt's carve-out) must not shrink it again
 LAUNCH_KEYS = ("impl", "num_sms", "max_ctas", "num_splits", "partition")
+DECODE_CONFIGS: dict[str, DecodeConfig] = {"triton_paged": PAGED, "triton_pipelined": PIPELINED}
+DEFAULT_DECODE = "triton_pipelined"  # what the models launch when no launch dict names one
 
 
 @dataclass(frozen=True)
@@ -169,11 +173,12 @@ def sm_target(args: Mapping[str, Any]) -> int | None:
     return None if args.get("partition") else args.get("num_sms")
 
 
-def decode_ctas(max_ctas: int | None, num_sms: int | None) -> int | None:
-    """The decode-attention grid bound: `max_ctas`, else CTAS_PER_SM per SM of `num_sms`."""
+def decode_ctas(max_ctas: int | None, num_sms: int | None, ctas_per_sm: int) -> int | None:
+    """The decode-attention grid bound: `max_ctas`, else `ctas_per_sm` per SM of `num_sms`
+    (None: the kernel's own default over the device's SMs)."""
     if max_ctas is not None:
         return max_ctas
-    return None if num_sms is None else CTAS_PER_SM * num_sms
+    return None if num_sms is None else ctas_per_sm * num_sms
 
 
 def grouped_programs(args: Mapping[str, Any], total_sms: int) -> int | None:

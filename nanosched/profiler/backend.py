@@ -14,6 +14,25 @@ from nanosched.profiler.format import Ceilings, Identity
 from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
 
 
+@dataclass(frozen=True)
+class Timing:
+    """A measured time and the mean SM clock and board power it ran at (None: not sampled)."""
+
+    us: float
+    clock_mhz: float | None = None
+    power_w: float | None = None
+
+
+@dataclass(frozen=True)
+class PairTiming:
+    """Two kernels timed side by side over one window, and the clock and power of that window."""
+
+    compute_us: float
+    other_us: float
+    clock_mhz: float | None = None
+    power_w: float | None = None
+
+
 class Unsupported(Exception):
     """This task cannot run here (too large for memory, shape the kernel rejects); the reason
     is recorded in the profile's notes and the row is left out."""
@@ -57,12 +76,18 @@ class Backend(Protocol):
     def reference_us(self) -> float:
         """Time of a fixed reference GEMM, re-timed to detect clock drift."""
 
-    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> float:
+    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> Timing:
         """Median time of one kernel row; raises Unsupported."""
 
+    def time_sustained(self, settings: ProfileSettings, task: KernelTask,
+                       estimate_us: float) -> Timing:
+        """Median time of one kernel looped alone for settings.pair_settle_ms, then timed over
+        settings.pair_window_ms (the clock settled under the power cap); raises Unsupported."""
+
     def time_pair(self, settings: ProfileSettings, task: PairTask,
-                  alone_us: tuple[float, float]) -> tuple[float, float]:
-        """(compute, other) times while co-running; `alone_us` sizes the co-run window."""
+                  alone_us: tuple[float, float]) -> PairTiming:
+        """Both kernels looped side by side for settings.pair_settle_ms, then timed over
+        settings.pair_window_ms; `alone_us` sizes the launch queues. Raises Unsupported."""
 
     def visible_gpus(self) -> int:
         """GPUs this process can use for network measurements."""

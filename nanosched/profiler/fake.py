@@ -1,7 +1,9 @@
 """`FakeBackend`: a deterministic stand-in for a GPU, for tests and dry runs on a CPU.
 
 Kernel times follow a roofline (`peak_tflops`, `hbm_gbs`) scaled by the SMs or CTAs a row gets;
-pairs follow a fixed interference model (`interference`), collectives NCCL's ring formula. It
+pairs follow a fixed interference model (`interference`), collectives NCCL's ring formula.
+Short timings report the maximum clock, sustained ones (alone or paired) a clock held down by
+the power cap (`SUSTAINED_CLOCK`), with kernel times longer by the same ratio. It
 uses the real implementation registry's names, so a fake profile has the rows a real one has.
 `interrupt_after` raises KeyboardInterrupt at that kernel measurement, as Ctrl-C would.
 """
@@ -12,12 +14,19 @@ from dataclasses import dataclass, field
 
 from nanosched.models.ops import MEMORY
 from nanosched.profiler import impls
-from nanosched.profiler.backend import NetworkRequest, NetworkResult, Unsupported
+from nanosched.profiler.backend import (
+    NetworkRequest,
+    NetworkResult,
+    PairTiming,
+    Timing,
+    Unsupported,
+)
 from nanosched.profiler.format import Ceilings, Identity
 from nanosched.profiler.network_model import KINDS, ring_time_us
 from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
 from nanosched.profiler.shapes import GEMM_OPS, gemm_flops, op_bytes
 
+MAX_CLOCK, SUSTAINED_CLOCK, POWER_LIMIT = 1980.0, 1500.0, 700.0
 IMPL_SPEED = {"cublas": 1.0, "cublaslt": 0.97, "triton_persistent_128x128": 0.93,
               "triton_persistent_128x256": 0.95}  # GEMMs; other ops follow bandwidth
 
@@ -49,11 +58,12 @@ class FakeBackend:
     drift: float = 0.0  # relative slow-down of the reference GEMM after the first timing
     calls: list[KernelTask] = field(default_factory=list)
     pair_calls: list[PairTask] = field(default_factory=list)
+    sustained_calls: list[KernelTask] = field(default_factory=list)
     reference_calls: int = 0
 
     def identity(self, command: str) -> Identity:
         return Identity(self.gpu_name, self.num_sms, 80 << 30, "fake", "fake", "fake", "fake",
-                        "2026-01-01T00:00:00+00:00", command)
+                        "2026-01-01T00:00:00+00:00", command, MAX_CLOCK, POWER_LIMIT)
 
     def busy(self) -> list[str]:
         return list(self.busy_reasons)
@@ -74,10 +84,19 @@ class FakeBackend:
         self.reference_calls += 1
         return 200.0 * (1 + (self.drift if self.reference_calls > 1 else 0.0))
 
-    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> float:
+    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> Timing:
         if self.interrupt_after is not None and len(self.calls) >= self.interrupt_after:
             raise KeyboardInterrupt
         self.calls.append(task)
+        return Timing(self._us(settings, task), MAX_CLOCK, 500.0)
+
+    def time_sustained(self, settings: ProfileSettings, task: KernelTask,
+                       estimate_us: float) -> Timing:
+        self.sustained_calls.append(task)
+        return Timing(self._us(settings, task) * MAX_CLOCK / SUSTAINED_CLOCK, SUSTAINED_CLOCK,
+                      POWER_LIMIT)
+
+    def _us(self, settings: ProfileSettings, task: KernelTask) -> float:
         if task.impl in self.unsupported:
             raise Unsupported(f"{task.impl} refuses in this test")
         share = min(task.sms, self.num_sms) / self.num_sms
@@ -91,10 +110,10 @@ class FakeBackend:
         return 3.0 + max(t_c, t_m)
 
     def time_pair(self, settings: ProfileSettings, task: PairTask,
-                  alone_us: tuple[float, float]) -> tuple[float, float]:
+                  alone_us: tuple[float, float]) -> PairTiming:
         self.pair_calls.append(task)
         p_c, p_o = interference(task, self.num_sms)
-        return alone_us[0] / p_c, alone_us[1] / p_o
+        return PairTiming(alone_us[0] / p_c, alone_us[1] / p_o, SUSTAINED_CLOCK, POWER_LIMIT)
 
     def visible_gpus(self) -> int:
         return self.gpus

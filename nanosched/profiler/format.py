@@ -18,6 +18,14 @@ Contents
 - `pairs`: raw co-run measurements of a compute kernel beside a memory or network kernel.
   `compute_alone_us`/`other_alone_us` are each kernel's best time alone on the whole GPU, so
   P = alone / co-run is normalised to the kernel's best, as in NanoFlow section 4.1.1.
+  Under a power cap the SM clock depends on what ran in the last few hundred milliseconds, so
+  a pair (and the alone times it is normalised to) is measured as serving meets it: each
+  kernel looped for `settle_ms` until the clock has settled, then timed over `window_ms`
+  (about one period of the power controller's ripple; bench/power_settle.py measures both).
+  `clock_mhz`/`power_w` are the mean SM clock and board power over the co-run window,
+  `*_alone_clock_mhz` over the alone windows. Kernel rows record the clock and power of their
+  own short timing. `unsettled()` says why a profile's pairs cannot be trusted as sustained
+  figures (the search refuses such a profile).
 - `rp`: the R->P table per non-compute class, folded over the profiled shapes. R is the share of
   the GPU given to the non-compute kernel: its partition's SMs / all SMs (`green_ctx`), its CTAs
   / all SMs (`cta_bound`, one CTA per SM), or NanoFlow's GEMM-centric proxy 1 - P_compute where
@@ -53,6 +61,13 @@ MECHANISMS = ("full", "green_ctx", "cta_bound", "stream_priority")
 RP_CLASSES = ("memory", "network")
 
 
+# A pair measured with a shorter settle or window ran before the clock settled under the power
+# cap (bench/power_settle.py: about 200 ms to settle on an H100, ripple period about 1 s).
+MIN_SETTLE_MS = 200.0
+MIN_WINDOW_MS = 500.0
+THROTTLED = 0.97  # a clock under this share of the GPU's maximum ran throttled
+
+
 @dataclass(frozen=True)
 class Identity:
     gpu_name: str
@@ -64,6 +79,8 @@ class Identity:
     triton: str = ""
     date: str = ""
     command: str = ""
+    max_clock_mhz: float = 0.0  # the SM clock's maximum (NVML); 0 = not known
+    power_limit_w: float = 0.0  # the board's enforced power limit (NVML); 0 = not known
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,8 @@ class KernelRow:
     context: int = 0  # mean KV context for attention ops, 0 otherwise
     best: bool = False
     modelled: bool = False  # derived from a model (e.g. NCCL ring formula), not measured
+    clock_mhz: float | None = None  # mean SM clock while timed (None: not sampled)
+    power_w: float | None = None  # mean board power while timed
 
 
 @dataclass(frozen=True)
@@ -104,6 +123,17 @@ class PairRow:
     compute_us: float
     other_us: float
     context: int = 0
+    settle_ms: float = 0.0  # looped before the window (0: a burst, or not recorded)
+    window_ms: float = 0.0  # the timed window (0: not recorded)
+    clock_mhz: float | None = None  # mean SM clock / board power over the co-run window
+    power_w: float | None = None
+    compute_alone_clock_mhz: float | None = None  # over the windows of the alone times
+    other_alone_clock_mhz: float | None = None
+
+    @property
+    def sustained(self) -> bool:
+        """Whether the clock had settled under the power cap when this pair was timed."""
+        return self.settle_ms >= MIN_SETTLE_MS and self.window_ms >= MIN_WINDOW_MS
 
     @property
     def p_compute(self) -> float:
@@ -127,6 +157,7 @@ class RPPoint:
     compute_op: str = ""  # per-shape points (Profile.rp_shapes) name their shape; "" if folded
     tokens: int = 0
     context: int = 0
+    clock_mhz: float | None = None  # mean SM clock of the co-runs behind this point
 
 
 @dataclass(frozen=True)
@@ -143,6 +174,29 @@ class Profile:
     rp_shapes: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
 
     # ---- lookups ---------------------------------------------------------------------------
+    def unsettled(self) -> str | None:
+        """Why this profile's compute x memory pairs are not sustained figures, or None.
+
+        Pairs timed in bursts (shorter than MIN_SETTLE_MS + MIN_WINDOW_MS) ran at a clock the
+        power cap does not let a serving GPU keep, so their P overstate what overlap gives.
+        Network pairs are timed by NCCL worker processes in short windows and not judged here."""
+        memory = [p for p in self.pairs if p.other_class == "memory"]
+        bursts = [p for p in memory if not p.sustained]
+        if not bursts:
+            return None
+        longest = max(p.settle_ms + p.window_ms for p in bursts)
+        how = ("no settle time or window recorded (measured before sustained pairs)"
+               if longest == 0 else f"settle + window at most {longest:.0f} ms")
+        return (f"{len(bursts)} of {len(memory)} co-run pairs were timed in bursts ({how}), "
+                f"shorter than the {MIN_SETTLE_MS:.0f} ms settle + {MIN_WINDOW_MS:.0f} ms "
+                f"window the SM clock needs under the power cap")
+
+    def throttled(self, clock_mhz: float | None) -> bool | None:
+        """Whether `clock_mhz` is under THROTTLED of the GPU's maximum (None: not known)."""
+        if clock_mhz is None or not self.identity.max_clock_mhz:
+            return None
+        return clock_mhz < THROTTLED * self.identity.max_clock_mhz
+
     def token_grid(self, op: str) -> list[int]:
         return sorted({k.tokens for k in self.kernels if k.op == op})
 
@@ -205,18 +259,18 @@ class Profile:
     def to_json(self) -> dict[str, Any]:
         data = {
             "format": FORMAT,
-            "identity": asdict(self.identity),
+            "identity": _row(self.identity),
             "model": self.model.to_json(),
             "tp": self.tp,
             "dense_batch": self.dense_batch,
             "ceilings": asdict(self.ceilings),
-            "kernels": [asdict(k) for k in self.kernels],
-            "pairs": [asdict(p) for p in self.pairs],
-            "rp": {c: [asdict(p) for p in pts] for c, pts in self.rp.items()},
+            "kernels": [_row(k) for k in self.kernels],
+            "pairs": [_row(p) for p in self.pairs],
+            "rp": {c: [_row(p) for p in pts] for c, pts in self.rp.items()},
             "notes": list(self.notes),
         }
         if self.rp_shapes:  # written only when kept, so older profiles keep their digest
-            data["rp_shapes"] = {c: [asdict(p) for p in pts] for c, pts in self.rp_shapes.items()}
+            data["rp_shapes"] = {c: [_row(p) for p in pts] for c, pts in self.rp_shapes.items()}
         return data
 
     def digest(self) -> str:
@@ -246,6 +300,17 @@ class Profile:
         )
         validate(prof, where)
         return prof
+
+
+# Clock and power fields are written only when recorded, so that profiles measured before they
+# existed keep their digest (schedules name the profile they were searched on by digest).
+_OPTIONAL = {"clock_mhz": None, "power_w": None, "settle_ms": 0.0, "window_ms": 0.0,
+             "compute_alone_clock_mhz": None, "other_alone_clock_mhz": None,
+             "max_clock_mhz": 0.0, "power_limit_w": 0.0}
+
+
+def _row(obj: Any) -> dict[str, Any]:
+    return {k: v for k, v in asdict(obj).items() if k not in _OPTIONAL or v != _OPTIONAL[k]}
 
 
 def _get(data: dict[str, Any], key: str, typ: type, where: str, required: bool = True) -> Any:

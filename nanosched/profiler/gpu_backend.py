@@ -3,8 +3,10 @@
 Kernel rows run on the whole GPU (`full`), on a green-context partition's stream (`green_ctx`),
 or on the whole GPU with a bounded grid (`cta_bound`). Pairs run the compute kernel and the
 memory kernel on two streams: the partitions' (`green_ctx`) or two prioritised streams, the
-non-compute kernel's first (`cta_bound`, `stream_priority`). Network work is handed to
-network.py's worker processes.
+non-compute kernel's first (`cta_bound`, `stream_priority`), looped for the settings' settle
+time and then timed over their window (timing.sustained_run), as are the alone times pairs are
+normalised to. NVML (telemetry.py) samples the SM clock and board power throughout; every
+timing reports their mean over its window. Network work is handed to network.py's workers.
 """
 
 from __future__ import annotations
@@ -15,16 +17,24 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from typing import Any
 
 import torch
 
 from nanosched.profiler import impls, timing
-from nanosched.profiler.backend import NetworkRequest, NetworkResult, Unsupported
+from nanosched.profiler.backend import (
+    NetworkRequest,
+    NetworkResult,
+    PairTiming,
+    Timing,
+    Unsupported,
+)
 from nanosched.profiler.format import Ceilings, Identity
 from nanosched.profiler.partitions import PartitionPair, split_sms
 from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
 from nanosched.profiler.shapes import GEMM_OPS, gemm_dims
+from nanosched.profiler.telemetry import open_telemetry
 
 BUSY_UTIL_PERCENT = 10
 
@@ -57,6 +67,7 @@ class GPUBackend:
         self.high = torch.cuda.Stream(self.device, priority=hi)
         self.low = torch.cuda.Stream(self.device, priority=lo)
         self.max_tokens = 0
+        self.telemetry = open_telemetry(index)
 
     # ---- identity and health -------------------------------------------------------------
     def identity(self, command: str) -> Identity:
@@ -66,10 +77,17 @@ class GPUBackend:
             driver = _smi(self.index, "gpu=driver_version")[0]
         except (OSError, IndexError, subprocess.SubprocessError):
             driver = ""
+        max_clock = limit = 0.0
+        if self.telemetry is not None:
+            nvml, handle = self.telemetry.nvml, self.telemetry.handle
+            with contextlib.suppress(Exception):
+                max_clock = float(nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM))
+            with contextlib.suppress(Exception):
+                limit = nvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
         return Identity(self.props.name, self.num_sms, self.props.total_memory, driver,
                         torch.version.cuda or "", torch.__version__, triton.__version__,
                         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        command or shlex.join(sys.argv))
+                        command or shlex.join(sys.argv), max_clock, limit)
 
     def busy(self) -> list[str]:
         try:
@@ -164,13 +182,37 @@ class GPUBackend:
         b = self.ws.tensor("ref_b", (4096, 4096))
         return timing.bench_us(lambda: a @ b, self.device, rep_ms=20, flush=False)
 
-    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> float:
+    def _reading(self, t0: float, t1: float) -> tuple[float | None, float | None]:
+        r = self.telemetry.reading(t0, t1) if self.telemetry is not None else None
+        return (r.clock_mhz, r.power_w) if r is not None else (None, None)
+
+    def time_kernel(self, settings: ProfileSettings, task: KernelTask) -> Timing:
         kern = self._kernel(settings, task.op, task.impl, task.tokens, task.context, task.sms,
                             task.mechanism)
-        return self._bench(kern, self._stream(task.mechanism, task.sms))
+        t0 = time.perf_counter()
+        us = self._bench(kern, self._stream(task.mechanism, task.sms))
+        return Timing(us, *self._reading(t0, time.perf_counter()))
+
+    def _sustained(self, work: list[tuple[Any, Any, float]],
+                   settings: ProfileSettings) -> timing.Sustained:
+        try:
+            return timing.sustained_run(work, self.device, settings.pair_settle_ms / 1e3,
+                                        settings.pair_window_ms / 1e3)
+        except torch.cuda.OutOfMemoryError as exc:
+            self.ws.clear()
+            raise Unsupported(f"out of memory while timing: {exc}") from exc
+
+    def time_sustained(self, settings: ProfileSettings, task: KernelTask,
+                       estimate_us: float) -> Timing:
+        kern = self._kernel(settings, task.op, task.impl, task.tokens, task.context, task.sms,
+                            task.mechanism)
+        with kern.scope():
+            res = self._sustained([(kern.fn, self._stream(task.mechanism, task.sms),
+                                    estimate_us)], settings)
+        return Timing(res.median_us[0], *self._reading(*res.host_window))
 
     def time_pair(self, settings: ProfileSettings, task: PairTask,
-                  alone_us: tuple[float, float]) -> tuple[float, float]:
+                  alone_us: tuple[float, float]) -> PairTiming:
         mech = task.mechanism
         comp = self._kernel(settings, task.compute_op, task.compute_impl, task.tokens, 0,
                             task.compute_sms, "green_ctx" if mech == "green_ctx" else "full")
@@ -182,8 +224,9 @@ class GPUBackend:
         else:
             s_comp, s_other = self.low, self.high
         with comp.scope(), other.scope():
-            return timing.co_run_us(comp.fn, s_comp, alone_us[0], other.fn, s_other,
-                                    alone_us[1], self.device)
+            res = self._sustained([(comp.fn, s_comp, alone_us[0]),
+                                   (other.fn, s_other, alone_us[1])], settings)
+        return PairTiming(res.median_us[0], res.median_us[1], *self._reading(*res.host_window))
 
     def visible_gpus(self) -> int:
         return torch.cuda.device_count()
@@ -196,6 +239,8 @@ class GPUBackend:
         return measure_network(settings, request, self.num_sms, self.rep_ms)
 
     def close(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.stop()
         for pair in {id(p): p for p in self.pairs.values()}.values():
             with contextlib.suppress(Exception):
                 pair.close()

@@ -6,12 +6,12 @@ function the model's op calls, with the runtime's launch dict (impls.launch_of).
 Names (nanosched/kernels/impls.py):
 - kqv, o, ug, d: `cublas`, `cublaslt` (SM target = the SMs given), `triton_persistent_128x128`
   and `triton_persistent_128x256` (NUM_SMS = the SMs given).
-- attn_decode: `triton_paged` and `torch` over a paged cache of T requests of context C (page
-  size 16, pages in random order). The grid bound is the row's CTAs for `cta_bound`, and
-  otherwise CTAS_PER_SM per SM of the partition (the dispatcher's rule for `num_sms`, the same
-  at run time). Split-K is left to the kernel's planner (enough work items for two per CTA:
-  small T at long context splits), which is what the runtime launches when a schedule gives
-  no `num_splits`.
+- attn_decode: `triton_pipelined`, `triton_paged` and `torch` over a paged cache of T requests
+  of context C (page size 16, pages in random order). The grid bound is the row's CTAs for
+  `cta_bound`, and otherwise the configuration's programs per SM of the partition (the
+  dispatcher's rule for `num_sms`, the same at run time). Split-K is left to the kernel's
+  planner (enough work items for two per CTA: small T at long context splits), which is what
+  the runtime launches when a schedule gives no `num_splits`.
 - attn_prefill: `triton` (kernels/prefill_attn.py, device segment metadata built in setup) and
   `torch` (gather + SDPA per segment) over a paged cache (page size 16, pages in random order).
   A row (T, p) is T tokens cut from prompts of p = `context` tokens, so the causal mean context
@@ -179,8 +179,10 @@ def register_all() -> None:
         register(op, Impl("triton", SM_MECHANISMS, _grouped, targets_sms=True,
                           requires=triton_missing))
         register(op, Impl("torch", SM_MECHANISMS, _grouped))
+    register("attn_decode", Impl("triton_pipelined", ("full", "green_ctx", "cta_bound"),
+                                 _decode, requires=triton_missing))
     register("attn_decode", Impl("triton_paged", ("full", "green_ctx", "cta_bound"), _decode,
-                                 requires=triton_missing))
+                                 quick=False, requires=triton_missing))
     register("attn_decode", Impl("torch", SM_MECHANISMS, _decode, quick=False))
     register("attn_prefill", Impl("triton", SM_MECHANISMS, _prefill, requires=triton_missing))
     register("attn_prefill", Impl("torch", SM_MECHANISMS, _prefill))

@@ -42,7 +42,7 @@ def point_of(pair: PairRow, num_sms: int, per_shape: bool = False) -> RPPoint:
     return RPPoint(r=r_of(pair, num_sms), p_other=_p(pair.p_other),
                    p_compute=_p(pair.p_compute), mechanism=pair.mechanism,
                    compute_sms=pair.compute_sms, other_sms=pair.other_sms,
-                   compute_impl=pair.compute_impl, **shape)
+                   compute_impl=pair.compute_impl, clock_mhz=pair.clock_mhz, **shape)
 
 
 def pareto(points: Iterable[RPPoint]) -> list[RPPoint]:
@@ -89,10 +89,12 @@ def derive_rp(pairs: Iterable[PairRow], num_sms: int) -> RPTable:
         p_other = [p.p_other for p in same]
         mean_other = statistics.fmean(p_other)
         std = statistics.pstdev(p_other) / mean_other if len(same) > 1 else 0.0
+        clocks = [p.clock_mhz for p in same if p.clock_mhz is not None]
         folded.append(RPPoint(
             r=min(max(statistics.fmean(p.r for p in same), R_MIN), R_MAX), p_other=mean_other,
             p_compute=statistics.fmean(p.p_compute for p in same), mechanism=key[0],
-            compute_sms=key[2], other_sms=key[3], compute_impl=key[1], std_rel=std))
+            compute_sms=key[2], other_sms=key[3], compute_impl=key[1], std_rel=std,
+            clock_mhz=round(statistics.fmean(clocks), 1) if clocks else None))
     table = pareto(folded)
     fit = max((p.std_rel for p in table), default=0.0)
     per_shape = tuple(p for shape in sorted(front) for p in front[shape])

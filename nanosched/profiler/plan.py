@@ -13,10 +13,18 @@ Grids (full / --quick):
   every op is measured on every granted side and on all SMs.
 - CTA bounds of memory kernels (`cta_bound`): 8, 16, 32, 48, 64, 96, 128  /  16, 64.
 - NCCL CTA bounds of network kernels: 2, 4, 8, 16, 32  /  2, 8.
+- compute x memory pairs, at each pair shape (every GEMM at a quarter, half and all of the dense
+  batch / two shapes): plain prioritised streams; each granted partition, the GEMM on the rest
+  and the memory kernel on the small side; and the memory kernel bounded to as many CTAs as a
+  small side has SMs, the GEMM told to leave them free. The GEMM of each placement is the
+  implementation fastest alone there (kernel table), since each pair is timed for
+  `pair_settle_ms` + `pair_window_ms` (the clock settled under the power cap) and so costs
+  seconds, not milliseconds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -45,9 +53,14 @@ class ProfileSettings:
     workload: Workload
     dense_batch: int
     quick: bool = False
+    pair_settle_ms: float = 300.0  # bench/power_settle.py: the clock settles in about 200 ms
+    pair_window_ms: float = 1000.0  # about one period of the power controller's ripple
 
     def __post_init__(self) -> None:
         self.model.check_tp(self.tp)
+        if not (self.pair_settle_ms >= 0 and self.pair_window_ms > 0):
+            raise ConfigError(f"pair settle ({self.pair_settle_ms} ms) must be >= 0 and pair "
+                              f"window ({self.pair_window_ms} ms) > 0")
         if self.dense_batch < TOKEN_QUANTUM or self.dense_batch % TOKEN_QUANTUM:
             raise ConfigError(f"--dense-batch must be a positive multiple of {TOKEN_QUANTUM}, "
                               f"got {self.dense_batch}")
@@ -87,7 +100,8 @@ class ProfileSettings:
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model.name, "tp": self.tp, "workload": self.workload.to_json(),
-                "dense_batch": self.dense_batch, "quick": self.quick}
+                "dense_batch": self.dense_batch, "quick": self.quick,
+                "pair_settle_ms": self.pair_settle_ms, "pair_window_ms": self.pair_window_ms}
 
 
 @dataclass(frozen=True)
@@ -190,25 +204,37 @@ def _sharing(task: PairTask, impl: ImplInfo, num_sms: int, ctas: int) -> PairTas
                    other_sms=ctas)
 
 
+# best(op, tokens, sms, mechanism, among=None): the implementation fastest alone there, of
+# `among` when given; None when no such row was measured
+BestImpl = Callable[..., str | None]
+
+
 def memory_pair_tasks(settings: ProfileSettings, num_sms: int,
                       partitions: list[tuple[int, int]], impls: dict[str, list[ImplInfo]],
-                      memory_impl: str) -> list[PairTask]:
-    """GEMM x decode attention pairs for every shape and every way of sharing the GPU:
-    plain prioritised streams, disjoint partitions, and a CTA-bounded attention kernel."""
+                      memory_impl: str, best: BestImpl) -> list[PairTask]:
+    """GEMM x decode attention pairs for every pair shape and every way of sharing the GPU:
+    plain prioritised streams, disjoint partitions, and a CTA-bounded attention kernel. `best`
+    names the GEMM implementation fastest alone at a placement (None: not measured there)."""
     contexts = settings.decode_contexts()
     context = contexts[len(contexts) // 2]
     tasks = []
     for op, tokens in settings.pair_shapes():
-        gemms = _pair_impls(settings, impls, op)
-        base = PairTask(op, tokens, "attn_decode", MEMORY, context, "stream_priority",
-                        gemms[0].name, num_sms, num_sms, memory_impl)
+        gemms = {i.name: i for i in _pair_impls(settings, impls, op)}
+        full = best(op, tokens, num_sms, "full")
+        if full is None:
+            continue
+        base = PairTask(op, tokens, "attn_decode", MEMORY, context, "stream_priority", full,
+                        num_sms, num_sms, memory_impl)
         tasks.append(base)
         for small, rest in partitions:
-            tasks += [replace(base, mechanism="green_ctx", compute_impl=i.name,
-                              compute_sms=rest, other_sms=small)
-                      for i in gemms if "green_ctx" in i.mechanisms]
-        for ctas in settings.memory_ctas(num_sms):
-            tasks += [_sharing(base, i, num_sms, ctas) for i in gemms]
+            impl = best(op, tokens, rest, "green_ctx")
+            if impl is not None:
+                tasks.append(replace(base, mechanism="green_ctx", compute_impl=impl,
+                                     compute_sms=rest, other_sms=small))
+        told = [n for n, i in gemms.items() if i.targets_sms]
+        sharer = gemms.get(best(op, tokens, num_sms, "full", told) or full, gemms[full])
+        for small, _ in partitions:
+            tasks.append(_sharing(base, sharer, num_sms, small))
     return tasks
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from nanosched.errors import NanoschedError
 from nanosched.models.ops import MEMORY
-from nanosched.profiler.backend import Backend, Unsupported
+from nanosched.profiler.backend import Backend, Timing, Unsupported
 from nanosched.profiler.build import build_profile, network_request, record_network
 from nanosched.profiler.format import KernelRow, PairRow, Profile, save_profile
 from nanosched.profiler.plan import (
@@ -34,7 +34,7 @@ SAVE_EVERY_S = 15.0  # seconds, whichever comes first
 DRIFT_EVERY = 200
 DRIFT_LIMIT = 0.05
 REFERENCE_REPEATS = 5  # the start reference is the fastest of these
-MEMORY_PAIR_IMPL = "triton_paged"
+MEMORY_PAIR_IMPL = "triton_pipelined"  # the memory kernel of the pairs: the best few-SM one
 
 
 class ProfileInterrupted(NanoschedError):
@@ -154,13 +154,18 @@ def _measure(loop: _Loop) -> None:
     num_sms = state.identity.num_sms
     ktasks = kernel_tasks(settings, num_sms, state.partitions, impls)
     has_memory_impl = any(i.name == MEMORY_PAIR_IMPL for i in impls.get("attn_decode", []))
-    ptasks = memory_pair_tasks(settings, num_sms, state.partitions, impls,
-                               MEMORY_PAIR_IMPL) if has_memory_impl else []
     if not has_memory_impl:
         state.note(f"no compute x memory pairs: implementation {MEMORY_PAIR_IMPL!r} of "
                    f"attn_decode is not available")
+
+    def pairs() -> list[PairTask]:  # after the kernel rows: each placement's best GEMM
+        if not has_memory_impl:
+            return []
+        return memory_pair_tasks(settings, num_sms, state.partitions, impls, MEMORY_PAIR_IMPL,
+                                 lambda *a: best_impl(state, *a))
+
     request = network_request(settings, backend, num_sms, impls, state)
-    _run_tasks(loop, ktasks, ptasks, request is not None)
+    _run_tasks(loop, ktasks, pairs, request is not None)
     if request is not None and state.network is None:
         result = backend.network(settings, request)
         record_network(state, settings, request, result, num_sms)
@@ -168,61 +173,103 @@ def _measure(loop: _Loop) -> None:
     loop.check_drift()
 
 
-def _run_tasks(loop: _Loop, ktasks: list[KernelTask], ptasks: list[PairTask],
-               network: bool) -> None:
+def _run_tasks(loop: _Loop, ktasks: list[KernelTask],
+               pair_tasks: Callable[[], list[PairTask]], network: bool) -> None:
     from tqdm import tqdm
 
     state = loop.state
-    total = len(ktasks) + len(ptasks) + int(network)
     done = sum(1 for t in ktasks if t.key in state.kernels or str(t.key) in state.skipped)
-    done += sum(1 for t in ptasks if t.key in state.pairs or str(t.key) in state.skipped)
     done += int(network and state.network is not None)
-    loop.bar = tqdm(total=total, initial=done, unit="row", disable=not loop.opts.progress,
-                    desc="profile", dynamic_ncols=True)
+    loop.bar = tqdm(total=len(ktasks) + int(network), initial=done, unit="row",
+                    disable=not loop.opts.progress, desc="kernels", dynamic_ncols=True)
     for task in ktasks:
         if task.key not in state.kernels and str(task.key) not in state.skipped:
             _kernel(loop, task)
-    for task in ptasks:
-        if task.key not in state.pairs and str(task.key) not in state.skipped:
-            _pair(loop, task)
+    ptasks = pair_tasks()
+    if ptasks:
+        state.note(f"co-run pairs and the alone times they are normalised to: looped "
+                   f"{loop.settings.pair_settle_ms:.0f} ms, then timed over "
+                   f"{loop.settings.pair_window_ms:.0f} ms, so the SM clock had settled under "
+                   f"the power cap (bench/power_settle.py)")
+    todo = [t for t in ptasks if t.key not in state.pairs and str(t.key) not in state.skipped]
+    if todo:
+        window = loop.settings.pair_settle_ms + loop.settings.pair_window_ms
+        loop.bar.write(f"{len(todo)} co-run pairs, each looped {window / 1e3:.1f} s so that the "
+                       f"clock settles under the power cap (about {len(todo) * window / 6e4:.0f} "
+                       f"min, plus the alone references)")
+    loop.bar.total += len(ptasks)
+    loop.bar.n += len(ptasks) - len(todo)
+    loop.bar.set_description("pairs")
+    for task in todo:
+        _pair(loop, task)
 
 
 def _kernel(loop: _Loop, task: KernelTask) -> None:
     try:
-        us = loop.backend.time_kernel(loop.settings, task)
+        t = loop.backend.time_kernel(loop.settings, task)
     except Unsupported as exc:
         loop.state.skipped[str(task.key)] = str(exc)
     else:
         loop.state.kernels[task.key] = KernelRow(
-            op=task.op, tokens=task.tokens, time_us=us, sms=task.sms, mechanism=task.mechanism,
-            impl=task.impl, context=task.context)
+            op=task.op, tokens=task.tokens, time_us=t.us, sms=task.sms, mechanism=task.mechanism,
+            impl=task.impl, context=task.context, clock_mhz=_round(t.clock_mhz),
+            power_w=_round(t.power_w))
     loop.done_one()
 
 
-def best_full_us(state: RunState, op: str, tokens: int, context: int) -> float | None:
-    """Fastest time of `op` alone on the whole GPU, any implementation."""
-    full = state.identity.num_sms
-    times = [row.time_us for key, row in state.kernels.items()
-             if key[:4] == (op, tokens, context, full) and row.mechanism == "full"]
-    return min(times) if times else None
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def best_impl(state: RunState, op: str, tokens: int, sms: int, mechanism: str,
+              among: list[str] | None = None) -> str | None:
+    """The implementation of `op` fastest alone at (tokens, sms, mechanism), of `among` when
+    given (any context); None when no such row was measured."""
+    rows = [row for key, row in state.kernels.items()
+            if key[0] == op and key[1] == tokens and key[3] == sms and key[4] == mechanism
+            and (among is None or row.impl in among)]
+    return min(rows, key=lambda r: r.time_us).impl if rows else None
+
+
+def _alone(loop: _Loop, op: str, impl: str, tokens: int, context: int) -> Timing | None:
+    """`op` with `impl` looped alone on the whole GPU until the clock settled (cached)."""
+    state, key = loop.state, (op, impl, tokens, context)
+    if key not in state.alone:
+        full = state.identity.num_sms
+        row = state.kernels.get((op, tokens, context, full, "full", impl))
+        if row is None:
+            return None
+        task = KernelTask(op, tokens, context, full, "full", impl)
+        t = loop.backend.time_sustained(loop.settings, task, row.time_us)
+        state.alone[key] = [t.us, _round(t.clock_mhz), _round(t.power_w)]
+    us, clock, power = state.alone[key]
+    return Timing(us, clock, power)
 
 
 def _pair(loop: _Loop, task: PairTask) -> None:
+    """A pair normalised to each kernel's best implementation alone on the whole GPU, both
+    timed sustained."""
     state = loop.state
-    alone_c = best_full_us(state, task.compute_op, task.tokens, 0)
-    alone_o = best_full_us(state, task.other_op, task.tokens, task.context)
-    if alone_c is None or alone_o is None:
-        state.skipped[str(task.key)] = "a kernel of the pair has no full-GPU row"
-        loop.done_one()
-        return
+    full = state.identity.num_sms
     try:
-        c_us, o_us = loop.backend.time_pair(loop.settings, task, (alone_c, alone_o))
+        best_c = best_impl(state, task.compute_op, task.tokens, full, "full")
+        alone_c = best_c and _alone(loop, task.compute_op, best_c, task.tokens, 0)
+        alone_o = _alone(loop, task.other_op, task.other_impl, task.tokens, task.context)
+        if not alone_c or not alone_o:
+            state.skipped[str(task.key)] = "a kernel of the pair has no full-GPU row"
+            loop.done_one()
+            return
+        t = loop.backend.time_pair(loop.settings, task, (alone_c.us, alone_o.us))
     except Unsupported as exc:
         state.skipped[str(task.key)] = str(exc)
     else:
         state.pairs[task.key] = PairRow(
             compute_op=task.compute_op, other_op=task.other_op, other_class=MEMORY,
             tokens=task.tokens, mechanism=task.mechanism, compute_impl=task.compute_impl,
-            compute_sms=task.compute_sms, other_sms=task.other_sms, compute_alone_us=alone_c,
-            other_alone_us=alone_o, compute_us=c_us, other_us=o_us, context=task.context)
+            compute_sms=task.compute_sms, other_sms=task.other_sms,
+            compute_alone_us=alone_c.us, other_alone_us=alone_o.us, compute_us=t.compute_us,
+            other_us=t.other_us, context=task.context,
+            settle_ms=loop.settings.pair_settle_ms, window_ms=loop.settings.pair_window_ms,
+            clock_mhz=_round(t.clock_mhz), power_w=_round(t.power_w),
+            compute_alone_clock_mhz=alone_c.clock_mhz, other_alone_clock_mhz=alone_o.clock_mhz)
     loop.done_one()

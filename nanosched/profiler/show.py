@@ -1,7 +1,10 @@
 """`nanosched profile show`: a profile's tables as text (pandas) and its curves as a PNG.
 
 Tables: identity and ceilings; the best time per op and token count on all SMs; how the GEMMs'
-best time scales with SMs at the middle token count; the R->P tables; the notes. The plot (lazy
+best time scales with SMs at the middle token count; the mean SM clock and board power of the
+kernel rows per op; the co-run pairs with their clock and power; the R->P tables, each point
+with the clock its pairs ran at and whether that was throttled (under 97% of the GPU's maximum);
+whether the pairs were timed sustained; the notes. The plot (lazy
 matplotlib import, Agg backend) has the R->P curves per class and kernel time vs SMs.
 """
 
@@ -25,8 +28,14 @@ def _frames(prof: Profile) -> dict[str, object]:
     mid = tokens[len(tokens) // 2]
     gemm = kernels[kernels.op.isin(GEMM_OPS) & (kernels.tokens == mid)]
     by_sms = gemm.groupby(["op", "sms"]).time_us.min().unstack("sms")
-    rp = pd.DataFrame([{"class": c, **p.__dict__} for c, pts in prof.rp.items() for p in pts])
-    return {"best": best, "by_sms": by_sms, "mid": mid, "rp": rp}
+    rp = pd.DataFrame([{"class": c, **p.__dict__, "throttled": prof.throttled(p.clock_mhz)}
+                       for c, pts in prof.rp.items() for p in pts])
+    clocks = (kernels.dropna(subset=["clock_mhz"]).groupby("op")[["clock_mhz", "power_w"]]
+              .agg(["min", "mean", "max"]) if kernels.clock_mhz.notna().any() else None)
+    pairs = pd.DataFrame([{**p.__dict__, "p_compute": p.p_compute, "p_other": p.p_other,
+                           "p_sum": p.p_compute + p.p_other} for p in prof.pairs])
+    return {"best": best, "by_sms": by_sms, "mid": mid, "rp": rp, "clocks": clocks,
+            "pairs": pairs}
 
 
 def show_profile(prof: Profile, echo: Callable[[str], None] = print) -> None:
@@ -45,12 +54,26 @@ def show_profile(prof: Profile, echo: Callable[[str], None] = print) -> None:
                            "display.float_format", "{:.1f}".format):
         echo(f"\nbest time (us) on all SMs, per op x tokens:\n{f['best']}")
         echo(f"\nGEMM best time (us) per SMs at {f['mid']} tokens:\n{f['by_sms']}")
+        if f["clocks"] is not None:
+            echo(f"\nkernel rows: SM clock (MHz) and board power (W) while timed, per op "
+                 f"(max clock {i.max_clock_mhz:.0f} MHz, power limit {i.power_limit_w:.0f} W):"
+                 f"\n{f['clocks']}")
+        pairs = f["pairs"]
+        if len(pairs):  # type: ignore[arg-type]
+            cols = ["other_class", "compute_op", "tokens", "mechanism", "compute_impl",
+                    "compute_sms", "other_sms", "p_compute", "p_other", "p_sum", "clock_mhz",
+                    "power_w", "settle_ms", "window_ms"]
+            table = pairs[cols].to_string(index=False, float_format="{:.2f}".format)  # type: ignore
+            echo(f"\nco-run pairs (P against each kernel alone on all SMs):\n{table}")
         rp = f["rp"]
         if len(rp):  # type: ignore[arg-type]
             cols = ["class", "r", "p_other", "p_compute", "mechanism", "compute_impl",
-                    "compute_sms", "other_sms", "std_rel"]
+                    "compute_sms", "other_sms", "std_rel", "clock_mhz", "throttled"]
             table = rp[cols].to_string(index=False, float_format="{:.3f}".format)  # type: ignore
             echo(f"\nR->P tables:\n{table}")
+    why = prof.unsettled()
+    echo(f"\npairs: {why}" if why else "\npairs: timed sustained (clock settled under the "
+         "power cap)" if prof.pairs else "\npairs: none")
     for note in prof.notes:
         echo(f"note: {note}")
 

@@ -1,7 +1,8 @@
 """The partial profile, `FILE.partial.json`: what a run has measured so far, saved atomically.
 
 Format `nanosched.profile-partial/1`: settings, identity, ceilings, granted partitions, the
-reference GEMM time, kernel rows, pairs, network results, skipped rows and notes. A resumed run
+reference GEMM time, kernel rows, sustained alone times (the references of the pairs), pairs,
+network results, skipped rows and notes. A resumed run
 loads it, refuses one made for another GPU, model, tp or grid (naming which), and measures only
 the rows that are missing.
 """
@@ -38,6 +39,8 @@ class RunState:
     reference_us: float | None = None
     kernels: dict[tuple[Any, ...], KernelRow] = field(default_factory=dict)
     pairs: dict[tuple[Any, ...], PairRow] = field(default_factory=dict)
+    # (op, impl, tokens, context) -> [us, clock_mhz, power_w], looped alone on the whole GPU
+    alone: dict[tuple[Any, ...], list[Any]] = field(default_factory=dict)
     network: dict[str, Any] | None = None  # {"world", "times": [[kind, tokens, ctas, us]], ...}
     skipped: dict[str, str] = field(default_factory=dict)  # task key (str) -> reason
     notes: list[str] = field(default_factory=list)
@@ -59,6 +62,7 @@ class RunState:
             "pair_fields": PAIR_FIELDS,
             "pairs": [[list(k), [getattr(p, f) for f in PAIR_FIELDS]]
                       for k, p in self.pairs.items()],
+            "alone": [[list(k), v] for k, v in self.alone.items()],
             "network": self.network, "skipped": self.skipped, "notes": self.notes,
             "elapsed_s": self.elapsed_s,
         }
@@ -96,6 +100,7 @@ def load_state(path: Path, settings: ProfileSettings, identity: Identity) -> Run
         for key, values in data["pairs"]:
             state.pairs[tuple(key)] = PairRow(**dict(zip(data["pair_fields"], values,
                                                          strict=True)))
+        state.alone = {tuple(k): list(v) for k, v in data.get("alone", [])}
         state.network, state.skipped = data["network"], dict(data["skipped"])
         state.notes, state.elapsed_s = list(data["notes"]), float(data["elapsed_s"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -108,7 +113,8 @@ def _check_same(data: dict[str, Any], settings: ProfileSettings, identity: Ident
                 path: Path) -> None:
     mine = settings.to_json()
     theirs = data.get("settings") or {}
-    for key in ("model", "tp", "dense_batch", "quick", "workload"):
+    for key in ("model", "tp", "dense_batch", "quick", "workload", "pair_settle_ms",
+                "pair_window_ms"):
         if theirs.get(key) != mine[key]:
             raise ProfileError(f"--resume: {path} was made with {key}={theirs.get(key)!r}, this "
                                f"run has {key}={mine[key]!r}; use the same flags or delete it")

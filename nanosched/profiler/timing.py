@@ -22,6 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import torch
 L2_FLUSH_BYTES = 128 << 20  # over twice the L2 of an H100/H200 (50 MB)
 SLEEP_CYCLES_PER_US = 2_000  # an H100/H200 SM clock is at most about 2 GHz
 MAX_SLEEP_US = 200_000.0
+MIN_SPAN_US = 100.0  # sustained_run: GPU work between two events of one stream, at least
 
 _flush: dict[str, torch.Tensor] = {}
 
@@ -119,3 +121,72 @@ def _inside(times: list[float], lo: float, hi: float) -> float:
     if len(spans) >= 3:
         return statistics.median(spans)
     return (times[-1] - times[0]) / (len(times) - 1)
+
+
+@dataclass
+class Sustained:
+    """Kernels looped back to back on their streams for `settle_s` + a measuring window.
+
+    Per stream: `median_us` of the launches inside the window (after the settle time, while
+    every stream is still busy), and `series` (GPU start ms from the first launch, span us) of
+    every launch; `window_ms` the window on the GPU clock; `host_window` the same on the host's
+    perf_counter clock, for telemetry."""
+
+    median_us: list[float]
+    series: list[list[tuple[float, float]]]
+    window_ms: tuple[float, float]
+    host_window: tuple[float, float]
+
+
+def sustained_run(work: list[tuple[Callable[[], Any], Any, float]], device: torch.device,
+                  settle_s: float, window_s: float, queue_ms: float = 20.0) -> Sustained:
+    """Loop each (fn, stream, alone_us) of `work` on its stream for settle_s + window_s.
+
+    A kernel shorter than MIN_SPAN_US is called several times between two events (its time is
+    the span over the calls), so the events and the launch loop cost the CPU less than the GPU
+    work they time. The CPU keeps each stream about `queue_ms` of work ahead of the GPU (it
+    tops up every stream's queue in turn and never waits on one stream while another runs
+    dry), so host and GPU clocks stay within a queue of each other and every stream stays fed
+    for the whole run, however much the co-run slows it.
+    """
+    for fn, stream, _ in work:
+        with torch.cuda.stream(stream):
+            fn()  # warm (compiles, allocator)
+    torch.cuda.synchronize(device)
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(torch.cuda.current_stream(device))
+    host_t0 = time.perf_counter()
+    reps = [max(1, math.ceil(MIN_SPAN_US / max(us, 1.0))) for _, _, us in work]
+    depth = [max(2, math.ceil(1e3 * queue_ms / (r * max(us, 1.0))))
+             for r, (_, _, us) in zip(reps, work, strict=True)]
+    events: list[list[Any]] = [[] for _ in work]
+    pending: list[list[Any]] = [[] for _ in work]
+    for (_, stream, _), ev in zip(work, events, strict=True):
+        stream.wait_event(start)
+        ev.append(torch.cuda.Event(enable_timing=True))
+        ev[0].record(stream)
+    deadline = host_t0 + settle_s + window_s
+    while time.perf_counter() < deadline:
+        launched = False
+        for i, (fn, stream, _) in enumerate(work):
+            while pending[i] and pending[i][0].query():
+                pending[i].pop(0)
+            while len(pending[i]) < depth[i]:  # top up this stream without waiting on it
+                with torch.cuda.stream(stream):
+                    for _ in range(reps[i]):
+                        fn()
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+                events[i].append(end)
+                pending[i].append(end)
+                launched = True
+        if not launched:
+            time.sleep(5e-5)
+    torch.cuda.synchronize(device)
+    times = [[start.elapsed_time(e) for e in ev] for ev in events]
+    lo = max(t[0] for t in times) + 1e3 * settle_s
+    hi = min(t[-1] for t in times)
+    series = [[(a, 1e3 * (b - a) / r) for a, b in zip(t, t[1:], strict=False)]
+              for r, t in zip(reps, times, strict=True)]
+    medians = [1e3 * _inside(t, lo, hi) / r for r, t in zip(reps, times, strict=True)]
+    return Sustained(medians, series, (lo, hi), (host_t0 + lo / 1e3, host_t0 + hi / 1e3))

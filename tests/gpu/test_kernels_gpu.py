@@ -52,7 +52,9 @@ def paged_batch(contexts: list[int], seed: int):
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("max_ctas, num_splits", [(8, None), (132, None), (None, None),
                                                   (264, 1), (64, 16)])
-def test_decode_attention(dtype, tol, max_ctas, num_splits):
+@pytest.mark.parametrize("config", ["PAGED", "PIPELINED"])
+def test_decode_attention(dtype, tol, max_ctas, num_splits, config):
+    from nanosched.kernels import common
     from nanosched.kernels.decode_attn import decode_attention
 
     g = torch.Generator().manual_seed(0)
@@ -66,7 +68,7 @@ def test_decode_attention(dtype, tol, max_ctas, num_splits):
     ref.decode_attention(q.float(), kc.float(), vc.float(), tables, lens, max(contexts),
                          HD ** -0.5, want)
     decode_attention(q, kc, vc, tables, lens, max(contexts), HD ** -0.5, got,
-                     max_ctas=max_ctas, num_splits=num_splits)
+                     max_ctas=max_ctas, num_splits=num_splits, config=getattr(common, config))
     assert rel_err(got, want) <= tol
 
 

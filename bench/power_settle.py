@@ -9,7 +9,8 @@ x 28,672, cuBLAS) on all SMs; the pipelined decode attention (256 requests x 4,0
 all SMs; and the two side by side on disjoint green-context partitions (GEMM on the rest,
 attention on 16 and on 32 SMs). Per case: the series in 50 ms bins (clock, power, each kernel's
 time relative to its last second), and the settle time: the first bin from which the clock and
-kernel times, averaged over 250 ms, stay within 3% of their means over the last two seconds.
+kernel times, averaged over the next second, stay within 3% of their means over the last two
+seconds.
 The profiler's pair windows are sized from these. JSON to $OUT or bench/results/; a table last.
 """
 
@@ -26,7 +27,7 @@ from nanosched.profiler.telemetry import Telemetry
 from nanosched.profiler.timing import sustained_run
 
 BIN_MS = 50.0
-SMOOTH_MS = 250.0
+SMOOTH_MS = 1000.0
 TOLERANCE = 0.03
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
 
@@ -65,10 +66,11 @@ def bins(series: list[tuple[float, float]], lo_ms: float, hi_ms: float) -> list[
 
 
 def settle_ms(values: list[list[float | None]]) -> float:
-    """First bin time from which every series, averaged over SMOOTH_MS, stays within TOLERANCE
-    of its mean over the last two seconds. The clock under the cap oscillates with a period of
-    about a second (a few percent); the average over SMOOTH_MS follows the level, not the
-    ripple, and a profile window of a second or more averages the ripple out."""
+    """First bin time from which every series, averaged over the next SMOOTH_MS, stays within
+    TOLERANCE of its mean over the last two seconds. Under the cap the clock falls to its
+    regulated level within a few hundred ms, then ripples with a period of about a second
+    (dips of 10-45% for about 150 ms); the one-second average follows the level, not the
+    ripple, and a profile window of a second averages the ripple out."""
     width, last = int(SMOOTH_MS / BIN_MS), int(2000 / BIN_MS)
     smooth = [[statistics.fmean(w) if (w := [x for x in v[i:i + width] if x is not None])
                else None for i in range(len(v) - width + 1)] for v in values]

@@ -91,7 +91,7 @@ def test_stage2_pairs_the_sides_of_one_point_when_it_pays():
 
 
 def test_alloc_options_keep_each_non_partition_point_with_its_identity():
-    prof = load_profile("nanosched/profiler/profiles/llama3-8b-tp1-h200.json")
+    prof = load_profile("nanosched/profiler/profiles/llama3-8b-tp1-h100.json")
     comp, mem = alloc_options(prof, "compute"), alloc_options(prof, "memory")
     np_c = {o.point for o in comp if o.mechanism in ("cta_bound", "stream_priority")}
     np_m = {o.point for o in mem if o.mechanism in ("cta_bound", "stream_priority")}

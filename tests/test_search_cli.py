@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 from search_fixtures import small_profile
 from typer.testing import CliRunner
@@ -10,9 +11,8 @@ from nanosched.profiler.format import save_profile
 from nanosched.workloads import fixed
 
 runner = CliRunner()
-SMALL = ["--model", "llama3-8b", "--dense-batch", "256", "--input-len", "512",
+SMALL = ["--model", "llama3-8b", "--dense-batch", "256", "--input-len", "1024",
          "--output-len", "512", "--time-limit", "2", "--workers", "1"]
-# the shipped H200 profile's pairs were timed in bursts: these tests search it anyway
 BURSTS_OK = "--allow-unsettled"
 
 
@@ -22,9 +22,9 @@ def run(*args):
 
 def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     out = tmp_path / "s.json"
-    r = run("search", *SMALL, BURSTS_OK, "--out", str(out))
+    r = run("search", *SMALL, "--out", str(out))
     assert r.exit_code == 0, r.output
-    assert "profile: shipped profile 'llama3-8b-tp1-h200': same model" in r.output
+    assert "profile: shipped profile 'llama3-8b-tp1-h200-quick': same model" in r.output
     assert "tp: 1 (the profile's)" in r.output and "SYNTHETIC" not in r.output
     assert "stage I:" in r.output and "stage II:" in r.output and "predicted speedup" in r.output
     assert "% of optimal" in r.output
@@ -37,12 +37,17 @@ def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
 
 
 def test_a_profile_with_pairs_timed_in_bursts_is_refused_unless_allowed(tmp_path):
+    prof = request.load_named_profile("llama3-8b-tp1-h100")
+    assert prof.unsettled() is None
+    burst = tmp_path / "burst.json"
+    save_profile(replace(prof, pairs=tuple(replace(p, settle_ms=0.0, window_ms=3.0)
+                                           for p in prof.pairs)), burst)
     out = tmp_path / "s.json"
-    r = run("search", *SMALL, "--profile", "llama3-8b-tp1-h200", "--out", str(out))
+    r = run("search", *SMALL, "--profile", str(burst), "--out", str(out))
     assert r.exit_code == 2 and not out.exists()
-    assert "co-run pairs were timed in bursts" in r.output
+    assert "co-run pairs were timed in bursts (settle + window at most 3 ms)" in r.output
     assert "pass --allow-unsettled to search on it anyway" in r.output
-    r = run("search", *SMALL, "--profile", "llama3-8b-tp1-h200", BURSTS_OK, "--out", str(out))
+    r = run("search", *SMALL, "--profile", str(burst), BURSTS_OK, "--out", str(out))
     assert r.exit_code == 0 and "WARNING: " in r.output and "--allow-unsettled" in r.output
 
 
@@ -55,7 +60,7 @@ def test_without_a_shipped_profile_the_search_says_it_is_synthetic(tmp_path):
 
 def test_infeasible_search_says_so_and_writes_nothing(tmp_path):
     out = tmp_path / "s.json"
-    r = run("search", *SMALL, BURSTS_OK, "--max-period-us", "5", "--out", str(out))
+    r = run("search", *SMALL, "--max-period-us", "5", "--out", str(out))
     assert r.exit_code == 2
     assert "search found no schedule: stage I ended INFEASIBLE" in r.output
     assert "no file written" in r.output and not out.exists()
@@ -72,7 +77,7 @@ def test_timed_out_search_says_so_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr("nanosched.autosearch.search.solve_stage1", no_solution)
     assert stage1.solve_stage1 is not no_solution
     out = tmp_path / "s.json"
-    r = run("search", *SMALL, BURSTS_OK, "--out", str(out))
+    r = run("search", *SMALL, "--out", str(out))
     assert r.exit_code == 2
     assert "stage I ended UNKNOWN: no solution within the time limit" in r.output
     assert not out.exists()
@@ -89,7 +94,7 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path):
     ]:
         flags = dict(zip(SMALL[::2], SMALL[1::2], strict=True)) | changes
         args = [x for kv in flags.items() for x in kv]
-        r = run("search", *args, BURSTS_OK, "--out", str(tmp_path / "x.json"))
+        r = run("search", *args, "--out", str(tmp_path / "x.json"))
         assert r.exit_code == 2, (changes, r.output)
         assert message in r.output, (changes, r.output)
         assert not (tmp_path / "x.json").exists()
@@ -109,6 +114,7 @@ def test_shipped_profile_closest_to_the_request_is_chosen(tmp_path, monkeypatch)
     assert choice.profile is None and request.SYNTHETIC_BANNER in choice.messages
     assert choice.tp == 4 or choice.tp == 8
     monkeypatch.setattr(request, "SHIPPED", tmp_path)
-    r = run("search", *SMALL, "--profile", "llama3-8b-tp1", "--out", str(tmp_path / "s.json"))
+    args = [a if a != "1024" else "512" for a in SMALL]  # the fixture profiles 512 / 512
+    r = run("search", *args, "--profile", "llama3-8b-tp1", "--out", str(tmp_path / "s.json"))
     assert r.exit_code == 0, r.output
     assert "profile: llama3-8b-tp1" in r.output and "SYNTHETIC PROFILE" not in r.output

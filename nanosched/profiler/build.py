@@ -125,13 +125,29 @@ def mark_best(rows: list[KernelRow]) -> list[KernelRow]:
     return marked
 
 
+P_VALID = 1.05  # a kernel never runs faster beside another than alone, beyond timing noise
+
+
+def valid_pairs(pairs: list[PairRow], state: RunState) -> list[PairRow]:
+    """The pairs whose P are physical. A kernel that ran faster beside another kernel than
+    alone (P > P_VALID) had its alone time bounded by the CPU's launch rate, not by the GPU:
+    such a pair is kept in the profile's raw pairs but left out of the R->P table, with a note."""
+    bad = [p for p in pairs if p.p_compute > P_VALID or p.p_other > P_VALID]
+    if bad:
+        what = sorted({f"{p.compute_op}@{p.tokens}" for p in bad})
+        state.note(f"{len(bad)} pair(s) left out of the R->P table: a kernel ran faster beside "
+                   f"another than alone (P > {P_VALID}), so its alone time was bounded by the "
+                   f"CPU's launch rate ({', '.join(what)})")
+    return [p for p in pairs if p not in bad]
+
+
 def build_profile(settings: ProfileSettings, state: RunState) -> Profile:
     num_sms = state.identity.num_sms
     net_rows, net_ceil = network_rows(settings, state, num_sms)
     kernels = mark_best(list(state.kernels.values()) + net_rows)
     rp, rp_shapes = {}, {}
     for cls in ("memory", "network"):
-        pairs = [p for p in state.pairs.values() if p.other_class == cls]
+        pairs = valid_pairs([p for p in state.pairs.values() if p.other_class == cls], state)
         if not pairs:
             continue
         table = derive_rp(pairs, num_sms)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import cuda_available
 from nanosched.kernels.dispatch import KernelOptions
@@ -97,7 +98,7 @@ def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> i
 def _run_rank(tp: TensorParallel, cfg: GenerateConfig, prompt: list[int]) -> GenerateResult:
     model, is_random = build_model(cfg, tp)
     total = len(prompt) + cfg.max_tokens
-    ws = model.new_workspace(max_tokens=len(prompt), num_pages=-(-total // 16) + 1)
+    ws = model.new_workspace(max_tokens=len(prompt), num_pages=-(-total // PAGE_SIZE) + 1)
     gen = torch.Generator().manual_seed(cfg.seed)
     eos, out = eos_ids(cfg.model), []
     logits = step(model, ws, [(0, prompt, False)])[0]

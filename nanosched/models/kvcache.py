@@ -15,10 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError, NanoschedError
 from nanosched.models.batch import BatchMeta, SeqChunk
-
-DEFAULT_PAGE_SIZE = 16
 
 
 class CacheFullError(NanoschedError):
@@ -55,7 +54,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu",
-                 page_size: int = DEFAULT_PAGE_SIZE) -> None:
+                 page_size: int = PAGE_SIZE) -> None:
         if page_size <= 0:
             raise ConfigError(f"page size must be positive, got {page_size}")
         shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)  # + scratch

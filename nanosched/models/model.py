@@ -32,12 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.kernels import dispatch as K
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models import op_impls
 from nanosched.models.batch import BatchMeta
-from nanosched.models.kvcache import DEFAULT_PAGE_SIZE, KVCache
+from nanosched.models.kvcache import KVCache
 from nanosched.models.ops import layer_ops as op_defs
 from nanosched.models.parallel import LocalShapes, TensorParallel, local_shapes
 from nanosched.models.rope import rope_tables
@@ -107,7 +108,7 @@ class CausalLM(nn.Module):
         return list(self._ops)
 
     def new_workspace(self, max_tokens: int, num_pages: int,
-                      page_size: int = DEFAULT_PAGE_SIZE) -> Workspace:
+                      page_size: int = PAGE_SIZE) -> Workspace:
         """Buffers for batches of up to `max_tokens` tokens and a cache of `num_pages` pages."""
         s, loc = self.spec, self.local
         kv = KVCache(s.num_layers, num_pages, loc.num_kv_heads, s.head_dim, self.dtype,

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from nanosched.constants import PAGE_SIZE
 from nanosched.kernels import dispatch
 from nanosched.kernels.common import PrefillSegments, Segment
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
@@ -40,7 +41,6 @@ from nanosched.profiler.impls import Impl, Kernel, OpCall, register, triton_miss
 from nanosched.profiler.shapes import gemm_dims, gemm_rows, heads
 
 SM_MECHANISMS = ("full", "green_ctx")
-PAGE_SIZE = 16
 OPTS = dispatch.KernelOptions()  # every launch names its impl; this is never consulted
 Launch = dict[str, Any]
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nanosched.constants import DEFAULT_NUM_SMS, PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.requests import Request, make_requests, poisson_arrivals
@@ -42,7 +43,7 @@ class BenchConfig:
     seed: int = 0
     device: str = "auto"
     mem_util: float = 0.85
-    page_size: int = 16
+    page_size: int = PAGE_SIZE
     # untimed requests each run serves on its engine before its timed requests (None: 64 on a
     # GPU, 0 on the CPU), so no run pays Triton compilation, allocator growth or graph captures
     # that a later run would reuse: without it a second run of the same work measured 4%
@@ -284,7 +285,7 @@ def _strategies(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> list
         else []
     if cfg.schedule == "two_batch":
         sms = torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else 132
+            if device.type == "cuda" else DEFAULT_NUM_SMS
         runs.append(_Run("two_batch", TwoBatchOverlap(num_sms=sms)))
     elif cfg.schedule != "sequential":
         runs.append(_replay_run(cfg, spec, device))

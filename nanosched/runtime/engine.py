@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.models.batch import BatchMeta
 from nanosched.runtime.backend import Backend
@@ -67,7 +68,7 @@ class _Launched:
 
 
 class Engine:
-    def __init__(self, model: Any, *, dense_batch: int, num_pages: int, page_size: int = 16,
+    def __init__(self, model: Any, *, dense_batch: int, num_pages: int, page_size: int = PAGE_SIZE,
                  strategy: OpScheduler | None = None, fallback: OpScheduler | None = None,
                  stream_configs: dict[str, LaunchConfig] | None = None,
                  eos_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ScheduleError
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel, launch
@@ -98,7 +99,7 @@ class _Rank:
         init_random(self.model, seed=cfg.seed)
         b = sched.batch
         self.ws = self.model.new_workspace(
-            b.dense_batch, num_pages=b.num_decode * (int(b.decode_context) // 16 + 2) + 512)
+            b.dense_batch, num_pages=b.num_decode * (int(b.decode_context) // PAGE_SIZE + 2) + 512)
         gen = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + tp.rank)
         self.ws.kv.k.normal_(generator=gen)  # cached context: finite values (this rank's heads)
         self.ws.kv.v.normal_(generator=gen)

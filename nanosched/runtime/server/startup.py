@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.models.checkpoint import eos_ids
 from nanosched.models.generate import checkpoint_folder
@@ -43,7 +44,7 @@ class ServeConfig:
     max_queue: int = 256
     device: str = "auto"
     seed: int = 0
-    page_size: int = 16
+    page_size: int = PAGE_SIZE
     mem_util: float = 0.85
     drain_timeout_s: float = 30.0
     graphs: str = "auto"  # auto (on with a GPU) | on | off: CUDA graphs per batch bucket

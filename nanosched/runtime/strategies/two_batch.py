@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.errors import ScheduleError
 from nanosched.models.ops import MEMORY, NETWORK
 from nanosched.runtime.scheduler import MAIN_STREAM, OpScheduler, SchedContext
@@ -50,7 +51,7 @@ class TwoBatchOverlap(OpScheduler):
     name = "two_batch"
 
     def __init__(self, sizes: tuple[int, int] | None = None, n_tiles: int = 32,
-                 num_sms: int = 132, tile_m: int = 128) -> None:
+                 num_sms: int = DEFAULT_NUM_SMS, tile_m: int = 128) -> None:
         self.sizes = sizes
         self.n_tiles = n_tiles
         self.num_sms = num_sms

@@ -1,7 +1,8 @@
 """The profiler's one Triton kernel (GPU-only module: imports triton).
 
-- `sm_ids(num_ctas)`: the `%smid` of each program, to check which SMs a stream may use
-  (partitions.py). The kernels the profiler measures are the model's own (nanosched/kernels/,
+- `sm_ids(num_ctas)`: the `%smid` of each program, to check which SMs a stream may use;
+  `partition_sm_ids(part)`: the SMs a green-context partition's stream ran on. The kernels the
+  profiler measures are the model's own (nanosched/kernels/,
   registered in impls_kernels.py), never copies of them.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nanosched.gpu.greenctx import Partition
 
 
 @triton.jit
@@ -27,3 +30,9 @@ def sm_ids(num_ctas: int, device: torch.device | str = "cuda") -> set[int]:
     _smid_kernel[(num_ctas,)](out, BLOCK=32, num_warps=1)
     torch.cuda.current_stream().synchronize()
     return set(out.tolist())
+
+
+def partition_sm_ids(part: Partition, num_ctas: int = 1024) -> set[int]:
+    """SM ids that `num_ctas` tiny programs launched on `part`'s stream ran on."""
+    with torch.cuda.stream(part.stream):
+        return sm_ids(num_ctas, device=part.stream.device)

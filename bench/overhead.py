@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nanosched.benchmarks.common import cache_context, environment, plan_batch  # noqa: E402
 from nanosched.models.model import CausalLM  # noqa: E402
 from nanosched.models.spec import REGISTRY  # noqa: E402
 from nanosched.models.weights import init_random  # noqa: E402
 from nanosched.runtime.backend import Backend  # noqa: E402
-from nanosched.runtime.bench import cache_context, environment, plan_batch  # noqa: E402
 from nanosched.runtime.device import CudaDevice  # noqa: E402
 from nanosched.runtime.modelprogram import model_program  # noqa: E402
 from nanosched.runtime.scheduler import run_program  # noqa: E402

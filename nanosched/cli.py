@@ -177,8 +177,8 @@ def generate(
 ) -> None:
     """Generate a continuation through the paged KV cache and the named-op model."""
     from nanosched.errors import ConfigError
-    from nanosched.models.generate import GenerateConfig
-    from nanosched.models.generate import generate as run_generate
+    from nanosched.runtime.generate import GenerateConfig
+    from nanosched.runtime.generate import generate as run_generate
 
     ids = None
     if prompt_ids is not None:
@@ -276,8 +276,8 @@ def bench(
     Flag names follow `vllm bench throughput`. Benchmark mode ignores EOS and generates each
     request's given output length.
     """
+    from nanosched.benchmarks.throughput import BenchConfig, run_bench
     from nanosched.fileio import write_json_atomic
-    from nanosched.runtime.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(model=model, tp=tp, weights=weights, input_len=input_len,
                       output_len=output_len, workload=workload, num_prompts=num_prompts,

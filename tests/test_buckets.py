@@ -192,7 +192,7 @@ def test_attention_ops_declare_only_their_own_kind_of_rows(model):
 
 
 def test_graphs_mode_is_on_with_a_gpu_by_default_and_refused_on_the_cpu():
-    from nanosched.runtime.bench import resolve_graphs
+    from nanosched.runtime.loader import resolve_graphs
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert resolve_graphs("auto", cpu, ("on", "off")) == "off"

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.models.generate import step
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import ModelSpec
 from nanosched.models.weights import init_random
 from nanosched.runtime.engine import Engine
+from nanosched.runtime.generate import step
 from nanosched.runtime.requests import Request, SamplingParams, make_requests
 from nanosched.runtime.strategies import TwoBatchOverlap
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from serve_helpers import ThreadServer, metrics, tiny_folder
 
-from nanosched.models.generate import GenerateConfig, generate
+from nanosched.runtime.generate import GenerateConfig, generate
 from nanosched.runtime.server.text import plain_chat_prompt
 
 

@@ -20,6 +20,7 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.models.model import CausalLM
+from nanosched.models.spec import REGISTRY
 
 Range = tuple[int, int] | None
 
@@ -169,6 +170,16 @@ def load_weights(model: CausalLM, source: SafetensorsFolder | StateDictSource,
 def load_checkpoint(model: CausalLM, folder: str | Path) -> None:
     """Load the safetensors checkpoint in `folder` into `model` (this rank's shards)."""
     load_weights(model, SafetensorsFolder(folder), where=f"checkpoint {folder}")
+
+
+def checkpoint_folder(model: str) -> Path | None:
+    """The checkpoint folder `model` names, or None for a registered name or a folder without
+    *.safetensors (random weights)."""
+    if model in REGISTRY:
+        return None
+    path = Path(model)
+    folder = path if path.is_dir() else path.parent
+    return folder if any(folder.glob("*.safetensors")) else None
 
 
 def model_folder(model: str) -> Path | None:

@@ -21,10 +21,15 @@ import torch
 from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.models.checkpoint import eos_ids
-from nanosched.models.generate import checkpoint_folder
 from nanosched.models.spec import ModelSpec, load_spec
-from nanosched.runtime.bench import build_model, kv_pages, resolve_device, resolve_graphs
 from nanosched.runtime.engine import Engine
+from nanosched.runtime.loader import (
+    kv_pages,
+    load_model,
+    resolve_device,
+    resolve_graphs,
+    resolve_weights,
+)
 from nanosched.runtime.server.text import TextCodec
 
 log = logging.getLogger("nanosched.serve")
@@ -128,11 +133,10 @@ def prepare(cfg: ServeConfig) -> Served:
     graphs = resolve_graphs(cfg.graphs, device, ("on", "off"))
     choice = choose_strategy(cfg, spec, device)
     dense = _dense_batch(cfg, choice, device)
-    folder = checkpoint_folder(cfg.model)
-    weights = cfg.weights or (str(folder) if folder is not None else "random")
+    weights = resolve_weights(cfg.model, cfg.weights)
     if weights == "random":
         log.info("%s: random weights (seed %d)", cfg.model, cfg.seed)
-    model = build_model(spec, weights, device, cfg.seed)
+    model = load_model(spec, weights, device, cfg.seed)
     streams = None
     if choice.schedule is not None and device.type == "cuda":
         from nanosched.runtime.streams import ReplayStreams

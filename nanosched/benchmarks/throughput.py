@@ -9,8 +9,6 @@ is their mean (§6.3). Benchmark mode ignores EOS and generates each request's g
 
 from __future__ import annotations
 
-import datetime
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -19,9 +17,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from nanosched.benchmarks.common import (
+    batch_chunks,
+    cache_context,
+    environment,
+    measured_gemm_tflops,
+    plan_batch,
+)
 from nanosched.constants import DEFAULT_NUM_SMS, PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
+from nanosched.runtime.loader import kv_pages, load_model, resolve_device, resolve_graphs
 from nanosched.runtime.requests import Request, make_requests, poisson_arrivals
 from nanosched.runtime.scheduler import OpScheduler
 
@@ -55,72 +61,6 @@ class BenchConfig:
     graphs: str = "auto"
 
 
-def resolve_device(name: str) -> torch.device:
-    """The torch device of `--device auto|cpu|cuda` (auto: CUDA when visible)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA GPU is visible")
-    return torch.device(name)
-
-
-def _device(cfg: BenchConfig) -> torch.device:
-    return resolve_device(cfg.device)
-
-
-def build_model(spec: ModelSpec, weights: str, device: torch.device, seed: int) -> Any:
-    from nanosched.models.checkpoint import load_checkpoint
-    from nanosched.models.model import CausalLM
-    from nanosched.models.weights import init_random
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = CausalLM(spec, dtype=dtype, device=device)
-    if weights == "random":
-        init_random(model, seed)
-    else:
-        load_checkpoint(model, weights)
-    return model
-
-
-def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
-             requests: list[Request] | None) -> int:
-    """Pages that fit in the GPU memory left after weights and buffers (CPU: what the
-    requests could ever need, at most 1 GiB). Unknown requests (None, a server): all the GPU
-    memory left, or on the CPU room for 64 requests of the model's full context."""
-    spec = model.spec
-    page_bytes = 2 * spec.num_layers * page_size * spec.num_kv_heads * spec.head_dim * \
-        model.dtype.itemsize
-    peaks = [r.peak_tokens for r in requests] if requests is not None else \
-        [spec.max_position_embeddings] * 64
-    need = sum(-(-p // page_size) + 1 for p in peaks)
-    if model.device.type != "cuda":
-        return max(1, min(need, (1 << 30) // page_bytes))
-    if requests is None:
-        need = 1 << 62
-    free, total = torch.cuda.mem_get_info(model.device)
-    workspace = 64 * dense_batch * (spec.hidden_size + spec.intermediate_size) * 2
-    budget = free - (1 - mem_util) * total - workspace
-    if budget < page_bytes * 2:
-        raise ConfigError(f"no GPU memory left for the KV cache of {spec.name!r} "
-                          f"({free / 2**30:.1f} GiB free)")
-    return int(min(need, budget // page_bytes))
-
-
-def measured_gemm_tflops(device: torch.device) -> float | None:
-    """bf16 GEMM peak at 8192^3 on `device` (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    from triton.testing import do_bench
-
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    return 2 * n**3 / ms / 1e9
-
-
 def summarize(reqs: list[Request], elapsed_s: float, tp: int, params: int,
               gemm_tflops: float | None) -> dict[str, Any]:
     prompt = sum(r.prompt_len for r in reqs)
@@ -139,62 +79,6 @@ def summarize(reqs: list[Request], elapsed_s: float, tp: int, params: int,
         "latency_per_output_token_p99_s": float(np.percentile(per_token, 99)),
         "ttft_mean_s": float(ttft.mean()), "ttft_p99_s": float(np.percentile(ttft, 99)),
     }
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": platform.python_version(), "torch": torch.__version__,
-           "command": " ".join(sys.argv)}
-    if device.type == "cuda":
-        import triton
-
-        env |= {"device": torch.cuda.get_device_name(device), "cuda": torch.version.cuda,
-                "triton": triton.__version__,
-                "num_sms": torch.cuda.get_device_properties(device).multi_processor_count}
-    else:
-        env["device"] = f"cpu ({platform.processor() or platform.machine()})"
-    return env
-
-
-def cache_context(ws: Any, num_decode: int, context: int, first_id: int) -> None:
-    """Give `num_decode` requests (ids from `first_id`) `context - 1` cached tokens each."""
-    for r in range(num_decode if context > 1 else 0):
-        ws.kv.plan([(first_id + r, context - 1, False)])
-
-
-def synthetic_batch(ws: Any, dense: int, num_decode: int, context: int, prompt: int,
-                    first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
-    """Plan a full batch into `ws`: `num_decode` decode tokens with `context` cached tokens
-    each, then prompt chunks of at most `prompt` tokens. Returns (meta, segments, request ids)."""
-    cache_context(ws, num_decode, context, first_id)
-    return plan_batch(ws, dense, num_decode, prompt, first_id)
-
-
-def batch_chunks(dense: int, num_decode: int, prompt: int, first_id: int,
-                 decode_rows: int | None = None) -> list[tuple[int, int, bool]]:
-    """`num_decode` decode tokens, then prompt chunks of at most `prompt` tokens filling the
-    batch to `dense` rows; with `decode_rows` the decode tokens take that many rows (a graph
-    bucket's padding)."""
-    chunks = [(first_id + r, 1, True) for r in range(num_decode)]
-    left, p = dense - (num_decode if decode_rows is None else decode_rows), 0
-    while left > 0:
-        n = min(prompt, left)
-        chunks.append((first_id + 10**6 + p, n, False))
-        left, p = left - n, p + 1
-    return chunks
-
-
-def plan_batch(ws: Any, dense: int, num_decode: int, prompt: int,
-               first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
-    """Plan the batch itself (decode requests already cached by `cache_context`)."""
-    chunks = batch_chunks(dense, num_decode, prompt, first_id)
-    meta = ws.kv.plan(chunks)
-    segments, row = [], 0
-    for _, n, is_decode in chunks:
-        segments.append((row, row + n, is_decode))
-        row += n
-    ws.token_ids[:dense].random_(0, 1000)
-    return meta, segments, [c[0] for c in chunks]
 
 
 def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: int,
@@ -246,6 +130,9 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     return float(np.median(times)), num_decode, context
 
 
+GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
 @dataclass
 class _Run:
     name: str
@@ -254,22 +141,6 @@ class _Run:
     closer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
     graphs: bool = False
-
-
-GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
-
-
-def resolve_graphs(mode: str, device: torch.device, allowed: tuple[str, ...]) -> str:
-    """`--graphs auto` → on with a GPU, off on the CPU; other modes checked against `allowed`
-    (a GPU needed for any but off)."""
-    if mode not in ("auto", *allowed):
-        raise ConfigError(f"--graphs must be one of auto, {', '.join(allowed)}; got {mode!r}")
-    if mode == "auto":
-        return "on" if device.type == "cuda" else "off"
-    if mode != "off" and device.type != "cuda":
-        raise ConfigError(f"--graphs {mode} needs a CUDA GPU (graphs replay CUDA launches); "
-                          f"use --graphs off or auto on the CPU")
-    return mode
 
 
 def _with_graphs(runs: list[_Run], mode: str) -> list[_Run]:
@@ -319,7 +190,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.tp != 1:
         raise ConfigError("--tp > 1 is not benchmarked yet: run with --tp 1")
     spec = load_spec(cfg.model)
-    device = _device(cfg)
+    device = resolve_device(cfg.device)
     graphs = resolve_graphs(cfg.graphs, device, tuple(GRAPH_MODES))
     runs = _with_graphs(_strategies(cfg, spec, device), graphs)
     dense = cfg.dense_batch or next((r.info["dense_batch"] for r in runs if r.info),
@@ -328,7 +199,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         if r.info and r.info["dense_batch"] != dense:
             raise ConfigError(f"--dense-batch {dense} differs from the schedule's "
                               f"{r.info['dense_batch']}: omit it or search for {dense}")
-    model = build_model(spec, cfg.weights, device, cfg.seed)
+    model = load_model(spec, cfg.weights, device, cfg.seed)
     gemm = measured_gemm_tflops(device)
     out: dict[str, Any] = {"config": asdict(cfg) | {"dense_batch": dense, "graphs": graphs},
                            "environment": environment(device), "model_params": spec.num_params(),

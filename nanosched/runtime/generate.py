@@ -10,7 +10,6 @@ runs one process per rank (gloo on CPU, NCCL on CUDA) and returns rank 0's resul
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -18,12 +17,12 @@ from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import cuda_available
 from nanosched.kernels.dispatch import KernelOptions
-from nanosched.models.checkpoint import eos_ids, load_checkpoint
+from nanosched.models.checkpoint import checkpoint_folder, eos_ids
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel, launch
-from nanosched.models.spec import REGISTRY, ModelSpec, load_spec
-from nanosched.models.weights import init_random
+from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.models.workspace import Workspace
+from nanosched.runtime.loader import load_model, resolve_device, resolve_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -51,27 +50,6 @@ class GenerateResult:
     random_weights: bool
 
 
-def checkpoint_folder(model: str) -> Path | None:
-    """The checkpoint folder `model` names, or None for a registered name without one."""
-    if model in REGISTRY:
-        return None
-    path = Path(model)
-    folder = path if path.is_dir() else path.parent
-    return folder if any(folder.glob("*.safetensors")) else None
-
-
-def build_model(cfg: GenerateConfig, tp: TensorParallel) -> tuple[CausalLM, bool]:
-    """The model of `cfg` on this rank and whether its weights are random."""
-    spec = load_spec(cfg.model)
-    device = torch.device("cuda", tp.rank) if cfg.device == "cuda" else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = CausalLM(spec, tp=tp, dtype=dtype, device=device, kernels=cfg.kernels)
-    folder = checkpoint_folder(cfg.model)
-    if folder is None:
-        init_random(model, cfg.seed)
-    else:
-        load_checkpoint(model, folder)
-    return model, folder is None
 
 
 def step(model: CausalLM, ws: Workspace,
@@ -96,7 +74,10 @@ def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> i
 
 
 def _run_rank(tp: TensorParallel, cfg: GenerateConfig, prompt: list[int]) -> GenerateResult:
-    model, is_random = build_model(cfg, tp)
+    weights = resolve_weights(cfg.model, None)
+    model = load_model(load_spec(cfg.model), weights, resolve_device(cfg.device, tp.rank),
+                       cfg.seed, tp, cfg.kernels)
+    is_random = weights == "random"
     total = len(prompt) + cfg.max_tokens
     ws = model.new_workspace(max_tokens=len(prompt), num_pages=-(-total // PAGE_SIZE) + 1)
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -31,15 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanosched.benchmarks.common import environment, synthetic_batch
 from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ScheduleError
-from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel, launch
 from nanosched.models.spec import ModelSpec, load_spec
-from nanosched.models.weights import init_random
 from nanosched.runtime.backend import Backend
-from nanosched.runtime.bench import environment, synthetic_batch
 from nanosched.runtime.device import CudaDevice, SerialDevice, Span, TimedCudaDevice
+from nanosched.runtime.loader import load_model, resolve_device
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.scheduler import run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
@@ -93,10 +92,8 @@ class _Rank:
                  spec: ModelSpec) -> None:
         self.tp, self.cfg, self.sched, self.spec = tp, cfg, sched, spec
         self.cuda = cfg.device == "cuda"
-        self.device = torch.device("cuda", tp.rank) if self.cuda else torch.device("cpu")
-        dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.model = CausalLM(spec, tp=tp, dtype=dtype, device=self.device)
-        init_random(self.model, seed=cfg.seed)
+        self.device = resolve_device(cfg.device, tp.rank)
+        self.model = load_model(spec, "random", self.device, cfg.seed, tp)
         b = sched.batch
         self.ws = self.model.new_workspace(
             b.dense_batch, num_pages=b.num_decode * (int(b.decode_context) // PAGE_SIZE + 2) + 512)
@@ -196,7 +193,7 @@ def load_checked(cfg: TimelineConfig, tp: int, gpu_name: str | None
 def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
     """This rank's measurements of every strategy (see the module docstring)."""
     cuda = cfg.device == "cuda"
-    device = torch.device("cuda", tp.rank) if cuda else torch.device("cpu")
+    device = resolve_device(cfg.device, tp.rank)
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
     sched, full = load_checked(cfg, tp.size, gpu)
     spec = with_layers(full, cfg.layers)

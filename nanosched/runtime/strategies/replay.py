@@ -21,9 +21,8 @@ from dataclasses import dataclass, replace
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.program import LaunchConfig, Program
-from nanosched.runtime.scheduler import MAIN_STREAM, NanoOp, OpScheduler, SchedContext
-from nanosched.schedules.format import NanoOp as ScheduledOp
-from nanosched.schedules.format import Schedule
+from nanosched.runtime.scheduler import MAIN_STREAM, OpScheduler, OpSlice, SchedContext
+from nanosched.schedules.format import NanoOp, Schedule
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class _Entry:
     period: int = 0  # layer + layer offset: the period the stream issues it in
 
 
-def stream_key(n: ScheduledOp) -> str:
+def stream_key(n: NanoOp) -> str:
     mech = n.alloc.mechanism
     if mech == "green_ctx":
         return f"{n.stream}@gc{n.alloc.units}"
@@ -50,7 +49,7 @@ def stream_key(n: ScheduledOp) -> str:
     return n.stream
 
 
-def launch_config(n: ScheduledOp) -> LaunchConfig | None:
+def launch_config(n: NanoOp) -> LaunchConfig | None:
     # a compute point's implementation is a GEMM's; LaunchConfig applies it where it fits
     impl = None if n.alloc.impl in ("", "default") else n.alloc.impl
     mech, units = n.alloc.mechanism, n.alloc.units
@@ -155,9 +154,9 @@ class Replay(OpScheduler):
         pending = list(self.entries)
         while pending:
             e = pending.pop(self._first_ready(ctx, pending, index))
-            group = [NanoOp(index[(e.op, e.layer)], i, *ctx.ranges[i])
+            group = [OpSlice(index[(e.op, e.layer)], i, *ctx.ranges[i])
                      for i in self._mbs(e.lo, e.hi)]
-            after = [NanoOp(index[(op, layer)], i, *ctx.ranges[i])
+            after = [OpSlice(index[(op, layer)], i, *ctx.ranges[i])
                      for op, layer, lo, hi in e.waits for i in self._mbs(lo, hi)]
             ctx.execute(group, stream=e.stream, launch=e.launch, after=after)
 

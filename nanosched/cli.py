@@ -177,6 +177,7 @@ def generate(
 ) -> None:
     """Generate a continuation through the paged KV cache and the named-op model."""
     from nanosched.errors import ConfigError
+    from nanosched.runtime.config import EngineConfig
     from nanosched.runtime.generate import GenerateConfig
     from nanosched.runtime.generate import generate as run_generate
 
@@ -187,8 +188,9 @@ def generate(
         except ValueError:
             raise ConfigError(f"--prompt-ids must be comma-separated integers, got "
                               f"{prompt_ids!r}") from None
-    cfg = GenerateConfig(model=model, prompt=prompt, prompt_ids=ids, max_tokens=max_tokens,
-                         temperature=temperature, device=device, tp=tp, seed=seed)
+    engine = EngineConfig(model=model, device=device, tp=tp, seed=seed)
+    cfg = GenerateConfig(engine, prompt=prompt, prompt_ids=ids, max_tokens=max_tokens,
+                         temperature=temperature)
     result = run_generate(cfg)
     if result.random_weights:
         typer.echo(f"note: {model} has no checkpoint here; using random weights (seed {seed})",
@@ -250,8 +252,9 @@ def bench(
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
                                            "(default 2048 on a GPU, 256 on the CPU)."),
     schedule: str = typer.Option("sequential", "--schedule", help="'sequential', "
-                                 "'two_batch' (TokenWeave-style overlap) or a schedule JSON "
-                                 "file from `nanosched search`."),
+                                 "'two_batch' (TokenWeave-style overlap), 'auto' (a matching "
+                                 "shipped schedule, else Sequential) or a schedule JSON file "
+                                 "from `nanosched search`."),
     compare: bool = typer.Option(False, "--compare", help="Run Sequential first on the same "
                                  "requests in this process and report the ratio."),
     force: bool = typer.Option(False, "--force", help="Replay a schedule made for another "
@@ -278,12 +281,14 @@ def bench(
     """
     from nanosched.benchmarks.throughput import BenchConfig, run_bench
     from nanosched.fileio import write_json_atomic
+    from nanosched.runtime.config import EngineConfig
 
-    cfg = BenchConfig(model=model, tp=tp, weights=weights, input_len=input_len,
-                      output_len=output_len, workload=workload, num_prompts=num_prompts,
-                      dense_batch=dense_batch, schedule=schedule, compare=compare, force=force,
-                      request_rate=request_rate, seed=seed, device=device,
-                      warmup_prompts=warmup_prompts, graphs=graphs)
+    engine = EngineConfig(model=model, tp=tp, weights=weights, device=device, seed=seed,
+                          schedule=schedule, force=force, dense_batch=dense_batch,
+                          graphs=graphs)
+    cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
+                      num_prompts=num_prompts, compare=compare, request_rate=request_rate,
+                      warmup_prompts=warmup_prompts)
     out = run_bench(cfg)
     env = out["environment"]
     typer.echo(f"{env['device']}: {model} tp={tp}, dense batch {out['config']['dense_batch']}")
@@ -432,8 +437,9 @@ def serve(
                                        "weights, else random)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (1 for now)."),
     schedule: str = typer.Option("auto", "--schedule", help="'auto' (a matching shipped "
-                                 "schedule, else Sequential), 'sequential', or a schedule "
-                                 "JSON file (refused if made for another model, tp or GPU)."),
+                                 "schedule, else Sequential), 'sequential', 'two_batch', or a "
+                                 "schedule JSON file (refused if made for another model, tp "
+                                 "or GPU)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8000, "--port", help="Port to bind."),
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
@@ -455,10 +461,12 @@ def serve(
         raise ConfigError(f"serve needs the serve extra ({exc.name} is missing): "
                           f"pip install -e '.[serve]'") from None
 
-    run_server(ServeConfig(model=model, weights=weights, tp=tp, schedule=schedule, host=host,
-                           port=port, dense_batch=dense_batch, max_queue=max_queue,
-                           device=device, seed=seed, drain_timeout_s=drain_timeout,
-                           graphs=graphs))
+    from nanosched.runtime.config import EngineConfig
+
+    engine = EngineConfig(model=model, weights=weights, tp=tp, schedule=schedule,
+                          dense_batch=dense_batch, device=device, seed=seed, graphs=graphs)
+    run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
+                           drain_timeout_s=drain_timeout))
 
 
 def main() -> None:

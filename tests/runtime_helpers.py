@@ -20,14 +20,41 @@ def tiny_llama(folder, seed=1):
     return m
 
 
+ENGINE_OBJECTS = ("strategy", "fallback", "device", "stream_configs", "on_token")
+
+
+def make_engine(model, **kw):
+    """`Engine(model, EngineConfig(...), ...)` from flat keywords: the objects an engine runs
+    with (strategy, fallback, device, stream_configs, on_token) go beside the config."""
+    from nanosched.runtime.config import EngineConfig
+    from nanosched.runtime.engine import Engine
+
+    objects = {k: kw.pop(k) for k in ENGINE_OBJECTS if k in kw}
+    if "eos_ids" in kw:
+        kw["eos_ids"] = frozenset(kw["eos_ids"])
+    return Engine(model, EngineConfig(**kw), **objects)
+
+
+def step(model, ws, chunks):
+    """Run one batch through the model's sequential forward; chunks are (request id, new
+    token ids, is_decode), decode first. Returns the fp32 logits [len(chunks), V] at each
+    chunk's last token (the reference the engine's tokens are checked against)."""
+    import torch
+
+    meta = ws.kv.plan([(req, len(ids), is_decode) for req, ids, is_decode in chunks])
+    flat = [t for _, ids, _ in chunks for t in ids]
+    ws.token_ids[: len(flat)].copy_(torch.tensor(flat, dtype=torch.int64))
+    rows = torch.tensor(meta.seg_ends, dtype=torch.int64, device=model.device) - 1
+    with torch.inference_mode():
+        return model(ws, meta, rows).float()
+
+
 def serve_all(model, reqs, num_pages, **engine_kw):
     """Run `reqs` through a fresh Engine to completion (inference mode); checks that every KV
     page came back. Returns (every request's output ids, the engine)."""
     import torch
 
-    from nanosched.runtime.engine import Engine
-
-    eng = Engine(model, num_pages=num_pages, **engine_kw)
+    eng = make_engine(model, num_pages=num_pages, **engine_kw)
     for r in reqs:
         eng.add_request(r)
     with torch.inference_mode():

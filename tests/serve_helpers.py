@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.server.app import build_server
 from nanosched.runtime.server.startup import ServeConfig
 
@@ -35,7 +36,11 @@ class ThreadServer:
 
     def __init__(self, **kw) -> None:
         self.model = kw["model"]
-        self.server = build_server(ServeConfig(device="cpu", **kw))
+        server_keys = {"host", "port", "max_queue", "drain_timeout_s"}
+        engine = EngineConfig(device="cpu", schedule="auto", graphs="auto",
+                              **{k: v for k, v in kw.items() if k not in server_keys})
+        self.server = build_server(ServeConfig(engine, **{k: v for k, v in kw.items()
+                                                          if k in server_keys}))
         self.worker = self.server.nanosched_worker
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

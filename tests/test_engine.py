@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+from runtime_helpers import make_engine, step
 
 from nanosched.errors import ConfigError
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import ModelSpec
 from nanosched.models.weights import init_random
+from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
-from nanosched.runtime.generate import step
 from nanosched.runtime.requests import Request, SamplingParams, make_requests
 from nanosched.runtime.strategies import TwoBatchOverlap
 
@@ -44,8 +45,8 @@ def requests(seed=0, n=12):
 
 
 def run_engine(model, reqs, **kw):
-    eng = Engine(model, dense_batch=kw.pop("dense_batch", 24), num_pages=kw.pop("pages", 64),
-                 **kw)
+    eng = make_engine(model, dense_batch=kw.pop("dense_batch", 24),
+                      num_pages=kw.pop("pages", 64), **kw)
     for r in reqs:
         eng.add_request(r)
     done = eng.run_to_completion()
@@ -85,9 +86,11 @@ def test_graph_bucket_layout_gives_the_reference_tokens(model, strategy):
 
 def test_graphs_on_needs_a_gpu_model(model):
     with pytest.raises(ConfigError, match="CUDA graphs need a CUDA model"):
-        Engine(model, dense_batch=8, num_pages=8, graphs="on")
+        Engine(model, EngineConfig(dense_batch=8, num_pages=8, graphs="on"))
     with pytest.raises(ConfigError, match="graphs must be 'off', 'on' or 'layout'"):
-        Engine(model, dense_batch=8, num_pages=8, graphs="yes")
+        Engine(model, EngineConfig(dense_batch=8, num_pages=8, graphs="yes"))
+    with pytest.raises(ConfigError, match="dense_batch and num_pages must be set"):
+        Engine(model, EngineConfig(num_pages=8))
 
 
 def test_eos_ends_a_request_unless_ignored(model):

@@ -8,6 +8,7 @@ from runtime_helpers import ShuffledDevice, tiny_llama
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.backend import Backend
+from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.device import SerialDevice
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.modelprogram import model_program
@@ -82,8 +83,8 @@ def test_engine_replays_full_batches_and_falls_back_on_small_ones(model, schedul
     def run(strategy):
         reqs = [Request(i, list(range(1 + i, 60 + i)), SamplingParams(max_tokens=12))
                 for i in range(12)]
-        eng = Engine(model, dense_batch=256, num_pages=200, strategy=strategy, graphs=graphs,
-                     graph_align=16)
+        eng = Engine(model, EngineConfig(dense_batch=256, num_pages=200, graphs=graphs,
+                                         graph_align=16), strategy=strategy)
         for r in reqs:
             eng.add_request(r)
         eng.run_to_completion()

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from serve_helpers import ThreadServer, metrics, tiny_folder
 
+from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.generate import GenerateConfig, generate
 from nanosched.runtime.server.text import plain_chat_prompt
 
@@ -39,8 +40,8 @@ def ask(http, srv, **body):
 
 
 def greedy(folder, ids, n):
-    return generate(GenerateConfig(model=str(folder), prompt_ids=tuple(ids),
-                                   max_tokens=n)).output_ids
+    return generate(GenerateConfig(EngineConfig(model=str(folder), device="cpu"),
+                                   prompt_ids=tuple(ids), max_tokens=n)).output_ids
 
 
 def stream(http, url, body):

@@ -24,41 +24,42 @@ from nanosched.benchmarks.common import (
     measured_gemm_tflops,
     plan_batch,
 )
-from nanosched.constants import DEFAULT_NUM_SMS, PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
-from nanosched.runtime.loader import kv_pages, load_model, resolve_device, resolve_graphs
+from nanosched.runtime.config import EngineConfig
+from nanosched.runtime.loader import (
+    StrategyChoice,
+    build_engine,
+    choose_strategy,
+    load_model,
+    resolve_dense_batch,
+    resolve_device,
+    resolve_graphs,
+    resolve_weights,
+)
 from nanosched.runtime.requests import Request, make_requests, poisson_arrivals
 from nanosched.runtime.scheduler import OpScheduler
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str
-    tp: int = 1
-    weights: str = "random"
+    """`nanosched bench`: the engine (model, weights, schedule, dense batch, graphs, ...) and
+    the workload served on it.
+
+    `engine.graphs` may also be "both": every strategy eager, then with CUDA graphs.
+    `warmup_prompts` untimed requests are served on each run's engine before its timed ones
+    (None: 64 on a GPU, 0 on the CPU), so that no run pays Triton compilation, allocator growth
+    or graph captures that a later run would reuse.
+    """
+
+    engine: EngineConfig
     input_len: int | None = None
     output_len: int | None = None
     workload: str | None = None
     num_prompts: int = 100
-    dense_batch: int | None = None  # None: auto
-    schedule: str = "sequential"  # sequential | two_batch | a schedule JSON file
     compare: bool = False  # also run Sequential first, on the same requests, in this process
-    force: bool = False  # replay a schedule made for another model, tp or GPU
     request_rate: float = float("inf")
-    seed: int = 0
-    device: str = "auto"
-    mem_util: float = 0.85
-    page_size: int = PAGE_SIZE
-    # untimed requests each run serves on its engine before its timed requests (None: 64 on a
-    # GPU, 0 on the CPU), so no run pays Triton compilation, allocator growth or graph captures
-    # that a later run would reuse: without it a second run of the same work measured 4%
-    # faster on H100 and H200
     warmup_prompts: int | None = None
-    # CUDA graphs: "auto" (on a GPU, else off), "off" (eager), "on" (a graph per strategy and
-    # batch bucket, captured as the buckets first appear: in the warm-up or the run), or "both"
-    # (every strategy eager, then with graphs)
-    graphs: str = "auto"
 
 
 def summarize(reqs: list[Request], elapsed_s: float, tp: int, params: int,
@@ -136,89 +137,65 @@ GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 @dataclass
 class _Run:
     name: str
-    strategy: OpScheduler
-    device: Any = None
-    closer: Any = None
+    choice: StrategyChoice
     info: dict[str, Any] = field(default_factory=dict)
     graphs: bool = False
 
 
-def _with_graphs(runs: list[_Run], mode: str) -> list[_Run]:
-    """Each run once per graph mode asked for; graphed runs are named `<name>+graphs`."""
-    return [replace(r, name=r.name + ("+graphs" if g else ""), graphs=g)
-            for r in runs for g in GRAPH_MODES[mode]]
-
-
-def _strategies(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> list[_Run]:
-    from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
-
-    runs = [_Run("sequential", Sequential())] if cfg.compare or cfg.schedule == "sequential" \
-        else []
-    if cfg.schedule == "two_batch":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else DEFAULT_NUM_SMS
-        runs.append(_Run("two_batch", TwoBatchOverlap(num_sms=sms)))
-    elif cfg.schedule != "sequential":
-        runs.append(_replay_run(cfg, spec, device))
+def _runs(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str) -> list[_Run]:
+    """Sequential first (with --compare), then the strategy --schedule names; each once per
+    graph mode asked for (graphed runs are named `<name>+graphs`)."""
+    eng = cfg.engine
+    choices = [choose_strategy(replace(eng, schedule="sequential"), spec, device)] \
+        if cfg.compare else []
+    main = choose_strategy(eng, spec, device)
+    if not (choices and main.name == "sequential"):
+        choices.append(main)
+    runs = []
+    for c in choices:
+        info = {}
+        if c.schedule is not None:
+            sched = c.schedule
+            info = {"schedule": c.name.removeprefix("replay:"), "forced_past": c.forced_past,
+                    "dense_batch": sched.batch.dense_batch, "num_decode": sched.batch.num_decode,
+                    "predicted_period_us": sched.prediction.period_us,
+                    "predicted_tokens_per_s_per_gpu": sched.prediction.tokens_per_s,
+                    "predicted_speedup": sched.prediction.speedup}
+        name = "schedule" if c.schedule is not None else c.name
+        runs += [_Run(name + ("+graphs" if g else ""), c, info, g) for g in GRAPH_MODES[graphs]]
     return runs
 
 
-def _replay_run(cfg: BenchConfig, spec: ModelSpec, device: torch.device) -> _Run:
-    from nanosched.runtime.strategies.replay import Replay
-    from nanosched.schedules.format import check_compatible, load_schedule
-
-    sched = load_schedule(cfg.schedule)
-    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    forced = check_compatible(sched, spec, cfg.tp, gpu_name, force=cfg.force)
-    replay = Replay(sched, spec.num_layers)
-    run = _Run("schedule", replay, info={
-        "schedule": cfg.schedule, "forced_past": forced, "dense_batch": sched.batch.dense_batch,
-        "num_decode": sched.batch.num_decode, "predicted_period_us": sched.prediction.period_us,
-        "predicted_tokens_per_s_per_gpu": sched.prediction.tokens_per_s,
-        "predicted_speedup": sched.prediction.speedup})
-    if device.type == "cuda":
-        from nanosched.runtime.streams import ReplayStreams
-
-        streams = ReplayStreams(replay.streams, device.index or 0)
-        run.device, run.closer = streams.device, streams
-    return run
-
-
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    """Build the model; serve every request with each strategy asked for (the same requests,
-    one after another in this process); return the figures as a dict."""
-    if cfg.tp != 1:
+    """Build the model once; serve every request with each strategy asked for (the same
+    requests, one engine after another in this process); return the figures as a dict."""
+    eng = cfg.engine
+    if eng.tp != 1:
         raise ConfigError("--tp > 1 is not benchmarked yet: run with --tp 1")
-    spec = load_spec(cfg.model)
-    device = resolve_device(cfg.device)
-    graphs = resolve_graphs(cfg.graphs, device, tuple(GRAPH_MODES))
-    runs = _with_graphs(_strategies(cfg, spec, device), graphs)
-    dense = cfg.dense_batch or next((r.info["dense_batch"] for r in runs if r.info),
-                                    2048 if device.type == "cuda" else 256)
-    for r in runs:
-        if r.info and r.info["dense_batch"] != dense:
-            raise ConfigError(f"--dense-batch {dense} differs from the schedule's "
-                              f"{r.info['dense_batch']}: omit it or search for {dense}")
-    model = load_model(spec, cfg.weights, device, cfg.seed)
-    gemm = measured_gemm_tflops(device)
-    out: dict[str, Any] = {"config": asdict(cfg) | {"dense_batch": dense, "graphs": graphs},
-                           "environment": environment(device), "model_params": spec.num_params(),
-                           "gemm_tflops_8192": gemm, "runs": {}}
+    if eng.model is None:
+        raise ConfigError("--model is required")
+    spec = load_spec(eng.model)
+    device = resolve_device(eng.device)
+    graphs = resolve_graphs(eng.graphs, device, tuple(GRAPH_MODES))
+    runs = _runs(cfg, spec, device, graphs)
+    dense = resolve_dense_batch(eng.dense_batch, runs[-1].choice, device)
     warm = cfg.warmup_prompts if cfg.warmup_prompts is not None else \
         (64 if device.type == "cuda" else 0)
     if warm < 0:
         raise ConfigError(f"--warmup-prompts must be >= 0, got {warm}")
-    out["warmup_prompts"] = warm
-    try:
-        # every run times its full-batch forward on the same batch: the schedule's mix if any
-        num_decode = next((r.info["num_decode"] for r in runs if r.info), None)
-        for r in runs:
-            out["runs"][r.name] = _serve(cfg, spec, model, dense, gemm, r, warm, progress,
-                                         num_decode)
-    finally:
-        for r in runs:
-            if r.closer is not None:
-                r.closer.close()
+    model = load_model(spec, resolve_weights(eng.model, eng.weights), device, eng.seed,
+                       kernels=eng.kernels)
+    gemm = measured_gemm_tflops(device)
+    record = {k: v for k, v in asdict(cfg).items() if k != "engine"} | \
+        {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids")}
+    out: dict[str, Any] = {"config": record | {"dense_batch": dense, "graphs": graphs},
+                           "environment": environment(device), "model_params": spec.num_params(),
+                           "gemm_tflops_8192": gemm, "runs": {}, "warmup_prompts": warm}
+    # every run times its full-batch forward on the same batch: the schedule's mix if any
+    num_decode = next((r.info["num_decode"] for r in runs if r.info), None)
+    for r in runs:
+        run_cfg = replace(eng, dense_batch=dense, graphs="on" if r.graphs else "off")
+        out["runs"][r.name] = _serve(cfg, run_cfg, model, gemm, r, warm, progress, num_decode)
     tps = {name: run["results"]["tokens_per_s"] for name, run in out["runs"].items()}
 
     def ratio(a: str, b: str) -> dict[str, Any]:
@@ -235,50 +212,49 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     return out
 
 
-def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: float | None,
-           run: _Run, warm: int, progress: bool, num_decode: int | None) -> dict[str, Any]:
+def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | None, run: _Run,
+           warm: int, progress: bool, num_decode: int | None) -> dict[str, Any]:
     """Serve `warm` untimed requests, then the timed ones, on one engine (so graphs captured in
     the warm-up are replayed in the run, as a server captures before it serves); then time a
     full-batch forward with `num_decode` decode tokens (a third of the batch when None)."""
-    from nanosched.runtime.engine import Engine, EngineStats
+    from nanosched.runtime.engine import EngineStats
 
+    spec, seed = model.spec, run_cfg.seed
     reqs = make_requests(cfg.workload, cfg.input_len, cfg.output_len, cfg.num_prompts,
-                         spec.vocab_size, spec.max_position_embeddings, cfg.seed)
-    poisson_arrivals(reqs, cfg.request_rate, cfg.seed)
+                         spec.vocab_size, spec.max_position_embeddings, seed)
+    poisson_arrivals(reqs, cfg.request_rate, seed)
     warm_reqs = make_requests(cfg.workload, cfg.input_len, cfg.output_len, warm,
-                              spec.vocab_size, spec.max_position_embeddings, cfg.seed + 1) \
+                              spec.vocab_size, spec.max_position_embeddings, seed + 1) \
         if warm else []
-    pages = kv_pages(model, dense, cfg.page_size, cfg.mem_util, reqs + warm_reqs)
-    longest = max(r.peak_tokens for r in reqs + warm_reqs)
-    engine = Engine(model, dense_batch=dense, num_pages=pages, page_size=cfg.page_size,
-                    strategy=run.strategy, seed=cfg.seed, device=run.device,
-                    graphs="on" if run.graphs else "off", max_context=longest)
-    warm_graphs = None
-    with torch.inference_mode():
-        if warm_reqs:
-            _drain(engine, warm_reqs, None)
-            warm_graphs = engine.stats.graphs.as_dict() if engine.stats.graphs else None
-            engine.stats = EngineStats(graphs=engine.graphs.reset_stats()
-                                       if engine.graphs else None)
-        bar = _progress(len(reqs), progress)
-        elapsed = _drain(engine, reqs, bar)
-        bar.close()
-        n_dec = num_decode or dense // 3
-        prompt = cfg.input_len or 1024
-        fwd, n_dec, ctx = forward_ms(model, engine.ws, run.strategy, engine.backend.device,
-                                     dense, n_dec, prompt + (cfg.output_len or 512) // 2, prompt,
-                                     graphs=run.graphs)
-    stats = engine.stats
-    graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
-    del engine
+    with build_engine(model, run_cfg, run.choice, requests=reqs + warm_reqs) as loaded:
+        engine, dense = loaded.engine, loaded.config.dense_batch
+        warm_graphs = None
+        with torch.inference_mode():
+            if warm_reqs:
+                _drain(engine, warm_reqs, None)
+                warm_graphs = engine.stats.graphs.as_dict() if engine.stats.graphs else None
+                engine.stats = EngineStats(graphs=engine.graphs.reset_stats()
+                                           if engine.graphs else None)
+            bar = _progress(len(reqs), progress)
+            elapsed = _drain(engine, reqs, bar)
+            bar.close()
+            n_dec = num_decode or dense // 3
+            prompt = cfg.input_len or 1024
+            fwd, n_dec, ctx = forward_ms(model, engine.ws, engine.strategy,
+                                         engine.backend.device, dense, n_dec,
+                                         prompt + (cfg.output_len or 512) // 2, prompt,
+                                         graphs=run.graphs)
+        stats, pages = engine.stats, loaded.config.num_pages
+        graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
+    del engine, loaded  # the KV cache and graphs go before the next run allocates its own
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
-    out = {"strategy": run.strategy.name, **run.info, "graphs": run.graphs, "kv_pages": pages,
-           "iterations": stats.iterations, "fallbacks": stats.fallbacks,
+    out = {"strategy": run.choice.strategy.name, **run.info, "graphs": run.graphs,
+           "kv_pages": pages, "iterations": stats.iterations, "fallbacks": stats.fallbacks,
            "forward_ms_full_batch": fwd, "forward_decode_tokens": n_dec,
            "forward_decode_context": ctx,
            "layer_us_full_batch": fwd * 1e3 / spec.num_layers,
-           "results": summarize(reqs, elapsed, cfg.tp, spec.num_params(active=True), gemm)}
+           "results": summarize(reqs, elapsed, run_cfg.tp, spec.num_params(active=True), gemm)}
     if stats.graphs is not None:
         out["graph_stats"] = stats.graphs.as_dict()
         out["graph_stats_warmup"] = warm_graphs

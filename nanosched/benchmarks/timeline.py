@@ -1,8 +1,9 @@
 """One full forward per strategy, timed, on every rank of a tp group: bench/replay_timeline.py.
 
 `run_rank(tp, cfg)` is what each process does (the same work in the same order on every rank,
-so that their collectives pair up): build the tp-sharded `CausalLM` with seeded random weights,
-plan the schedule's full batch (decode tokens with the workload's context, then prompt chunks;
+so that their collectives pair up): build the tp-sharded `CausalLM` with seeded random weights
+and the strategies' streams through the engine loader (runtime/loader.py), plan the schedule's
+full batch (decode tokens with the workload's context, then prompt chunks;
 the same token ids on every rank), and for Sequential, Replay(schedule) and TwoBatchOverlap:
 
 - eager: wall time of launch + synchronise, and the CPU time of the launch alone,
@@ -37,12 +38,19 @@ from nanosched.errors import ScheduleError
 from nanosched.models.parallel import TensorParallel, launch
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.backend import Backend
+from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.device import CudaDevice, SerialDevice, Span, TimedCudaDevice
-from nanosched.runtime.loader import load_model, resolve_device
+from nanosched.runtime.loader import (
+    choose_strategy,
+    gpu_name,
+    load_model,
+    open_streams,
+    replay_choice,
+    resolve_device,
+)
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.scheduler import run_program
-from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
-from nanosched.runtime.strategies.replay import Replay
+from nanosched.runtime.strategies import Sequential
 from nanosched.schedules.format import Schedule, check_compatible, load_schedule
 
 # NVLink multicast stays off on shared multi-GPU hosts (set before NCCL initialises)
@@ -194,8 +202,7 @@ def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
     """This rank's measurements of every strategy (see the module docstring)."""
     cuda = cfg.device == "cuda"
     device = resolve_device(cfg.device, tp.rank)
-    gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
-    sched, full = load_checked(cfg, tp.size, gpu)
+    sched, full = load_checked(cfg, tp.size, gpu_name(device))
     spec = with_layers(full, cfg.layers)
     if tp.size > 1:  # the communicator exists before any capture
         x = torch.ones(1, device=device)
@@ -203,18 +210,13 @@ def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(device)
     r = _Rank(tp, cfg, sched, spec)
-    replay = Replay(sched, spec.num_layers)
-    streams = None
-    if cuda:
-        from nanosched.runtime.streams import ReplayStreams
-
-        streams = ReplayStreams(replay.streams, device_index=device.index)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        runs = [("sequential", Sequential(), CudaDevice()), ("replay", replay, streams.device),
-                ("two_batch", TwoBatchOverlap(num_sms=sms), CudaDevice())]
-    else:
-        runs = [("sequential", Sequential(), SerialDevice()), ("replay", replay, SerialDevice()),
-                ("two_batch", TwoBatchOverlap(), SerialDevice())]
+    replay = replay_choice(sched, cfg.schedule, spec)
+    streams = open_streams(replay, device)  # green contexts of a replay on CUDA, else None
+    two_batch = choose_strategy(EngineConfig(schedule="two_batch"), spec, device).strategy
+    plain = CudaDevice if cuda else SerialDevice
+    runs = [("sequential", Sequential(), plain()),
+            ("replay", replay.strategy, streams.device if streams else plain()),
+            ("two_batch", two_batch, plain())]
     out: dict[str, Any] = {"environment": environment(device), "rank": tp.rank, "tp": tp.size,
                            "layers": spec.num_layers, "dense_batch": sched.batch.dense_batch,
                            "results": {}}

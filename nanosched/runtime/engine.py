@@ -4,7 +4,7 @@ A fixed dense batch per iteration (decode first, chunked prefill after; see batc
 model step goes through a scheduling strategy (`Sequential` by default; any `OpScheduler`), with
 a fallback strategy for batches the main one does not accept, counted in `stats`.
 
-Asynchronous loop. With `async_loop=True` the CPU forms and launches batch i+1 before it reads
+Asynchronous loop. With `config.async_loop` the CPU forms and launches batch i+1 before it reads
 back batch i's tokens: a decode whose previous token is still on the device takes it from the
 device tensor of the last iteration, and a request that ended with EOS in batch i is seen one
 iteration late (its extra token is dropped). Without a GPU both loops give the same tokens.
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.models.batch import BatchMeta
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.batcher import Batch, Batcher
+from nanosched.runtime.config import GRAPH_MODES, EngineConfig
 from nanosched.runtime.device import CudaDevice, SerialDevice
 from nanosched.runtime.graphs import BucketRunner, GraphStats
 from nanosched.runtime.modelprogram import model_program
@@ -68,42 +68,48 @@ class _Launched:
 
 
 class Engine:
-    def __init__(self, model: Any, *, dense_batch: int, num_pages: int, page_size: int = PAGE_SIZE,
+    """`Engine(model, config, strategy=..., ...)`: the settings come resolved in `config`
+    (`loader.load_engine` resolves them from flags); the objects it runs with come beside it:
+    the strategy and its fallback (Sequential by default), the stream device (CUDA streams or
+    the CPU's serial device by default), per-stream launch configs, and `on_token`."""
+
+    def __init__(self, model: Any, config: EngineConfig, *,
                  strategy: OpScheduler | None = None, fallback: OpScheduler | None = None,
-                 stream_configs: dict[str, LaunchConfig] | None = None,
-                 eos_ids: set[int] | frozenset[int] = frozenset(), seed: int = 0,
-                 async_loop: bool | None = None, device: Any = None,
-                 time_forwards: bool = False,
-                 on_token: Callable[[Request, int], None] | None = None,
-                 graphs: str = "off", graph_align: int = 32,
-                 max_context: int | None = None) -> None:
-        if graphs not in ("off", "on", "layout"):
-            raise ConfigError(f"graphs must be 'off', 'on' or 'layout', got {graphs!r}")
-        if graphs == "on" and model.device.type != "cuda":
+                 device: Any = None, stream_configs: dict[str, LaunchConfig] | None = None,
+                 on_token: Callable[[Request, int], None] | None = None) -> None:
+        cfg = config
+        if cfg.dense_batch is None or cfg.num_pages is None:
+            raise ConfigError("EngineConfig.dense_batch and num_pages must be set (the loader "
+                              "resolves them: nanosched.runtime.loader.load_engine)")
+        if cfg.graphs not in GRAPH_MODES:
+            raise ConfigError(f"graphs must be 'off', 'on' or 'layout', got {cfg.graphs!r}")
+        if cfg.graphs == "on" and model.device.type != "cuda":
             raise ConfigError("CUDA graphs need a CUDA model; use graphs='layout' on the CPU")
+        self.config = cfg
         self.model = model
         self.is_cuda = model.device.type == "cuda"
-        self.ws = model.new_workspace(dense_batch, num_pages, page_size)
-        max_context = max_context or model.spec.max_position_embeddings
-        align = graph_align if graphs != "off" else 1
-        self.batcher = Batcher(dense_batch, num_pages, page_size, max_context, decode_align=align)
+        self.ws = model.new_workspace(cfg.dense_batch, cfg.num_pages, cfg.page_size)
+        max_context = cfg.max_context or model.spec.max_position_embeddings
+        align = cfg.graph_align if cfg.graphs != "off" else 1
+        self.batcher = Batcher(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
+                               decode_align=align)
         self.strategy = strategy or Sequential()
         self.fallback = fallback or Sequential()
         self.stream_configs = stream_configs
         self.backend = Backend(device or (CudaDevice() if self.is_cuda else SerialDevice()))
-        self.time_forwards = time_forwards
+        self.time_forwards = cfg.time_forwards
         self.on_token = on_token
-        self.eos_ids = frozenset(eos_ids)
-        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.eos_ids = frozenset(cfg.eos_ids or ())
+        self.generator = torch.Generator(device=model.device).manual_seed(cfg.seed)
         # default: asynchronous on a GPU; on the CPU it runs the same code with no overlap
-        self.async_loop = self.is_cuda if async_loop is None else async_loop
+        self.async_loop = self.is_cuda if cfg.async_loop is None else cfg.async_loop
         self.stats = EngineStats()
         self.graphs: BucketRunner | None = None
-        if graphs != "off":
+        if cfg.graphs != "off":
             self.graphs = BucketRunner(model, self.ws, self.backend, self.strategy,
                                        fallback=self.fallback, align=align,
-                                       max_pages=-(-max_context // page_size),
-                                       capture=graphs == "on", stream_configs=stream_configs)
+                                       max_pages=-(-max_context // cfg.page_size),
+                                       capture=cfg.graphs == "on", stream_configs=stream_configs)
             self.stats.graphs = self.graphs.stats
         self._in_flight: _Launched | None = None
         self._pending_row: dict[int, int] = {}  # request id -> row in the in-flight tokens

@@ -1,28 +1,47 @@
-"""Engine assembly: the one place that turns flags into a model and the pieces around it.
+"""Engine assembly: one path from an `EngineConfig` to a running engine, for every command.
 
-- `resolve_device`: `--device auto|cpu|cuda` (auto: CUDA when torch sees a GPU).
-- `resolve_weights` and `load_model`: the dtype rule (bf16 on CUDA, fp32 on the CPU, where
-  Triton's interpreter mishandles bf16) and the weights: seeded random ones, or an HF
-  checkpoint folder's (by default the folder `--model` names, if it holds safetensors).
-- `kv_pages`: KV-cache pages that fit the GPU memory left after weights and buffers, or what
-  the known requests could ever need.
-- `resolve_graphs`: `--graphs auto` (on with a GPU) and the modes a command allows.
+`load_engine(cfg)` is what `nanosched bench`, `serve`, `generate` and the timeline harness do:
+
+1. the device (`--device auto|cpu|cuda`) and the model spec, its tp checked;
+2. the strategy from `--schedule` (`choose_strategy`): sequential, two_batch (TokenWeave's
+   wave-aware split, at the GPU's SM count), auto (the shipped schedule that matches this
+   model, tp and GPU and predicts a gain, else Sequential, logged with the reason) or a
+   schedule FILE (checked with `check_compatible` before any weight loads; `force` replays it
+   anyway), replayed by `Replay`;
+3. the model (`load_model`): bf16 on CUDA, fp32 on the CPU (where the Triton interpreter reads
+   bf16 wrongly); seeded random weights or an HF checkpoint folder's (`resolve_weights`);
+4. `build_engine`: the replay's CUDA streams and green-context partitions (`ReplayStreams`),
+   the dense batch (the schedule's; a different `--dense-batch` is refused), the KV pages that
+   fit (`kv_pages`), the context bound, EOS ids, `--graphs auto` → on with a GPU, then `Engine`.
+
+The result, `LoadedEngine`, owns what must be released (the partitions): close it, or use it
+as a context manager. Commands that build several engines on one model (`bench --compare`)
+call `load_model` once and `build_engine` per strategy.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
-from nanosched.models.checkpoint import checkpoint_folder, load_checkpoint
+from nanosched.models.checkpoint import checkpoint_folder, eos_ids, load_checkpoint
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel
-from nanosched.models.spec import ModelSpec
+from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.models.weights import init_random
+from nanosched.runtime.config import GRAPH_MODES, EngineConfig
+from nanosched.runtime.engine import Engine
 from nanosched.runtime.requests import Request
+from nanosched.runtime.scheduler import OpScheduler
+
+log = logging.getLogger("nanosched.loader")
+DEFAULT_DENSE_BATCH = {"cuda": 2048, "cpu": 256}
 
 
 def resolve_device(name: str, rank: int | None = None) -> torch.device:
@@ -101,3 +120,154 @@ def resolve_graphs(mode: str, device: torch.device, allowed: tuple[str, ...]) ->
         raise ConfigError(f"--graphs {mode} needs a CUDA GPU (graphs replay CUDA launches); "
                           f"use --graphs off or auto on the CPU")
     return mode
+
+
+def gpu_name(device: torch.device) -> str:
+    """The GPU's name, as schedules record it ("cpu" on the CPU)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+@dataclass
+class StrategyChoice:
+    """The strategy `--schedule` named, and the schedule it replays (if any)."""
+
+    strategy: OpScheduler
+    name: str  # sequential | two_batch | replay:<file>
+    schedule: Any = None  # schedules.format.Schedule
+    forced_past: list[str] = field(default_factory=list)  # mismatches `force` let through
+
+    @property
+    def dense_batch(self) -> int | None:
+        return self.schedule.batch.dense_batch if self.schedule is not None else None
+
+
+def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> StrategyChoice:
+    """The strategy of `cfg.schedule` (sequential | two_batch | auto | FILE), a schedule
+    checked against this model, tp and GPU (refused unless `cfg.force`)."""
+    from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
+
+    if cfg.schedule == "sequential":
+        return StrategyChoice(Sequential(), "sequential")
+    if cfg.schedule == "two_batch":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else DEFAULT_NUM_SMS
+        return StrategyChoice(TwoBatchOverlap(num_sms=sms), "two_batch")
+    from nanosched.schedules.format import check_compatible, load_schedule
+
+    if cfg.schedule == "auto":
+        from nanosched.schedules.shipped import pick_shipped
+
+        pick = pick_shipped(spec, cfg.tp, gpu_name(device))
+        if pick.schedule is None:
+            log.info("--schedule auto: running Sequential: %s", pick.reason)
+            return StrategyChoice(Sequential(), "sequential")
+        log.info("--schedule auto: replaying %s", pick.reason)
+        sched, where, forced = pick.schedule, str(pick.path), []
+    else:
+        sched, where = load_schedule(cfg.schedule), cfg.schedule
+        forced = check_compatible(sched, spec, cfg.tp, gpu_name(device), force=cfg.force)
+        log.info("replaying schedule %s", where)
+    return replay_choice(sched, where, spec, forced)
+
+
+def replay_choice(sched: Any, where: str, spec: ModelSpec,
+                  forced: list[str] | None = None) -> StrategyChoice:
+    """`Replay` of a loaded (and checked) schedule over `spec`'s layers."""
+    from nanosched.runtime.strategies.replay import Replay
+
+    return StrategyChoice(Replay(sched, spec.num_layers), f"replay:{where}", sched,
+                          forced or [])
+
+
+def open_streams(choice: StrategyChoice, device: torch.device) -> Any:
+    """The CUDA streams and green-context partitions a replayed schedule names (None for
+    other strategies and on the CPU); close them when done."""
+    if choice.schedule is None or device.type != "cuda":
+        return None
+    from nanosched.runtime.streams import ReplayStreams
+
+    return ReplayStreams(choice.strategy.streams, device.index or 0)
+
+
+def resolve_dense_batch(requested: int | None, choice: StrategyChoice,
+                        device: torch.device) -> int:
+    """The schedule's dense batch (`--dense-batch` may only repeat it), else the requested
+    one, else 2048 on a GPU and 256 on the CPU."""
+    if choice.dense_batch is None:
+        return requested or DEFAULT_DENSE_BATCH[device.type]
+    if requested is not None and requested != choice.dense_batch:
+        raise ConfigError(f"--dense-batch {requested} differs from the schedule's "
+                          f"{choice.dense_batch}: omit it or search a schedule for {requested}")
+    return choice.dense_batch
+
+
+@dataclass
+class LoadedEngine:
+    """An engine ready to step, the resolved config it runs with, and what it holds."""
+
+    engine: Engine
+    config: EngineConfig  # every None / "auto" resolved
+    spec: ModelSpec
+    choice: StrategyChoice
+    streams: Any = None  # ReplayStreams to close, or None
+
+    @property
+    def model(self) -> CausalLM:
+        return self.engine.model
+
+    def close(self) -> None:
+        """Release the green-context partitions (the engine must not step afterwards)."""
+        if self.streams is not None:
+            self.streams.close()
+            self.streams = None
+
+    def __enter__(self) -> LoadedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_engine(model: CausalLM, cfg: EngineConfig, choice: StrategyChoice, *,
+                 requests: list[Request] | None = None,
+                 on_token: Any = None) -> LoadedEngine:
+    """The engine for `model` and a chosen strategy: streams, dense batch, KV pages sized for
+    `requests` (None: unknown, as a server's), context bound, EOS ids, graphs."""
+    device = model.device
+    graphs = resolve_graphs(cfg.graphs, device, GRAPH_MODES)
+    dense = resolve_dense_batch(cfg.dense_batch, choice, device)
+    pages = cfg.num_pages or kv_pages(model, dense, cfg.page_size, cfg.mem_util, requests)
+    longest = max((r.peak_tokens for r in requests), default=None) if requests else None
+    eos = cfg.eos_ids if cfg.eos_ids is not None or cfg.model is None else \
+        frozenset(eos_ids(cfg.model))
+    resolved = replace(cfg, device=device.type, dense_batch=dense, num_pages=pages,
+                       graphs=graphs, max_context=cfg.max_context or longest, eos_ids=eos)
+    streams = open_streams(choice, device)
+    try:
+        engine = Engine(model, resolved, strategy=choice.strategy,
+                        device=streams.device if streams is not None else None,
+                        on_token=on_token)
+    except BaseException:
+        if streams is not None:
+            streams.close()
+        raise
+    return LoadedEngine(engine, resolved, model.spec, choice, streams)
+
+
+def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
+                on_token: Any = None, tp: TensorParallel | None = None) -> LoadedEngine:
+    """Everything from the config: device, spec, strategy (checked before the weights load),
+    model, engine. `tp` is this process's rank group when `cfg.tp` > 1."""
+    if cfg.model is None:
+        raise ConfigError("EngineConfig.model is not set: name a model or an HF folder")
+    spec = load_spec(cfg.model)
+    spec.check_tp(cfg.tp)
+    device = resolve_device(cfg.device, tp.rank if tp is not None and cfg.tp > 1 else None)
+    resolve_graphs(cfg.graphs, device, GRAPH_MODES)  # a bad mode fails before the weights load
+    choice = choose_strategy(cfg, spec, device)
+    resolve_dense_batch(cfg.dense_batch, choice, device)
+    weights = resolve_weights(cfg.model, cfg.weights)
+    if weights == "random":
+        log.info("%s: random weights (seed %d)", cfg.model, cfg.seed)
+    model = load_model(spec, weights, device, cfg.seed, tp, cfg.kernels)
+    return build_engine(model, cfg, choice, requests=requests, on_token=on_token)

@@ -44,16 +44,14 @@ from nanosched.autosearch.simulate import (  # noqa: E402
 )
 from nanosched.benchmarks.common import synthetic_batch  # noqa: E402
 from nanosched.benchmarks.timeline import find_profile, with_layers  # noqa: E402
-from nanosched.models.model import CausalLM  # noqa: E402
+from nanosched.constants import PAGE_SIZE  # noqa: E402
 from nanosched.models.spec import load_spec  # noqa: E402
-from nanosched.models.weights import init_random  # noqa: E402
 from nanosched.runtime.backend import Backend  # noqa: E402
 from nanosched.runtime.device import Span, TimedCudaDevice  # noqa: E402
+from nanosched.runtime.loader import load_model, open_streams, replay_choice  # noqa: E402
 from nanosched.runtime.modelprogram import model_program  # noqa: E402
 from nanosched.runtime.scheduler import run_program  # noqa: E402
 from nanosched.runtime.strategies import Sequential  # noqa: E402
-from nanosched.runtime.strategies.replay import Replay  # noqa: E402
-from nanosched.runtime.streams import ReplayStreams  # noqa: E402
 from nanosched.schedules.format import load_schedule  # noqa: E402
 
 LABEL = re.compile(r"L(\d+)\.(\w+)\[(\d+):(\d+)\]")
@@ -171,15 +169,14 @@ def main() -> None:
     if profile is None:
         ap.error(why)
     spec = with_layers(load_spec(sched.model["name"]), args.layers)
-    model = CausalLM(spec, dtype=torch.bfloat16, device="cuda")
-    init_random(model)
+    model = load_model(spec, "random", torch.device("cuda"))
     b = sched.batch
     ws = model.new_workspace(b.dense_batch, num_pages=b.num_decode * (int(b.decode_context) //
-                                                                      16 + 2) + 512)
+                                                                      PAGE_SIZE + 2) + 512)
     meta, segments, _ = synthetic_batch(ws, b.dense_batch, b.num_decode, int(b.decode_context),
                                         b.prompt_len, 0)
-    strat = Replay(sched, spec.num_layers)
-    streams = ReplayStreams(strat.streams)
+    choice = replay_choice(sched, args.schedule, spec)
+    strat, streams = choice.strategy, open_streams(choice, model.device)
     cycles = sleep_cycles_per_ms()
     seq_alone = sequential_op_times(spec, sched.tp, profile, b)  # per layer: layers unused
     out = {"env": environment(), "schedule": args.schedule,

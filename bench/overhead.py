@@ -27,11 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanosched.benchmarks.common import cache_context, environment, plan_batch  # noqa: E402
-from nanosched.models.model import CausalLM  # noqa: E402
 from nanosched.models.spec import REGISTRY  # noqa: E402
-from nanosched.models.weights import init_random  # noqa: E402
 from nanosched.runtime.backend import Backend  # noqa: E402
 from nanosched.runtime.device import CudaDevice  # noqa: E402
+from nanosched.runtime.loader import load_model  # noqa: E402
 from nanosched.runtime.modelprogram import model_program  # noqa: E402
 from nanosched.runtime.scheduler import run_program  # noqa: E402
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap  # noqa: E402
@@ -98,8 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     spec = REGISTRY["llama3-8b"]
     spec = spec.__class__(**{**spec.to_json(), "num_layers": args.layers})
-    model = CausalLM(spec, dtype=torch.bfloat16, device="cuda")
-    init_random(model)
+    model = load_model(spec, "random", torch.device("cuda"))
     ws = model.new_workspace(2048, num_pages=60_000)
     results = []
     with torch.inference_mode():

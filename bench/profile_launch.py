@@ -18,11 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overhead import batch  # noqa: E402
 
-from nanosched.models.model import CausalLM  # noqa: E402
 from nanosched.models.spec import REGISTRY  # noqa: E402
-from nanosched.models.weights import init_random  # noqa: E402
 from nanosched.runtime.backend import Backend  # noqa: E402
 from nanosched.runtime.device import CudaDevice  # noqa: E402
+from nanosched.runtime.loader import load_model  # noqa: E402
 from nanosched.runtime.modelprogram import model_program  # noqa: E402
 from nanosched.runtime.scheduler import run_program  # noqa: E402
 from nanosched.runtime.strategies import Sequential  # noqa: E402
@@ -35,8 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     spec = REGISTRY["llama3-8b"]
     spec = spec.__class__(**{**spec.to_json(), "num_layers": args.layers})
-    model = CausalLM(spec, dtype=torch.bfloat16, device="cuda")
-    init_random(model)
+    model = load_model(spec, "random", torch.device("cuda"))
     ws = model.new_workspace(args.tokens, num_pages=60_000)
     with torch.inference_mode():
         for rep in range(3):

@@ -175,7 +175,7 @@ def generate(
     seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
 ) -> None:
-    """Generate a continuation through the paged KV cache and the named-op model."""
+    """Generate a continuation: the prompt served as one request by the engine."""
     from nanosched.errors import ConfigError
     from nanosched.runtime.config import EngineConfig
     from nanosched.runtime.generate import GenerateConfig

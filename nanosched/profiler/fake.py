@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.models.ops import MEMORY
 from nanosched.profiler import impls
 from nanosched.profiler.backend import (
@@ -47,8 +48,8 @@ def interference(task: PairTask, num_sms: int) -> tuple[float, float]:
 
 @dataclass
 class FakeBackend:
-    gpu_name: str = "Fake GPU 132"
-    num_sms: int = 132
+    gpu_name: str = f"Fake GPU {DEFAULT_NUM_SMS}"
+    num_sms: int = DEFAULT_NUM_SMS
     peak_tflops: float = 700.0
     hbm_gbs: float = 3000.0
     gpus: int = 1

@@ -42,6 +42,7 @@ from nanosched.autosearch.simulate import (  # noqa: E402
     sequential_op_times,
     simulate,
 )
+from nanosched.benchmarks.timeline import find_profile, with_layers  # noqa: E402
 from nanosched.models.model import CausalLM  # noqa: E402
 from nanosched.models.spec import load_spec  # noqa: E402
 from nanosched.models.weights import init_random  # noqa: E402
@@ -53,7 +54,6 @@ from nanosched.runtime.scheduler import run_program  # noqa: E402
 from nanosched.runtime.strategies import Sequential  # noqa: E402
 from nanosched.runtime.strategies.replay import Replay  # noqa: E402
 from nanosched.runtime.streams import ReplayStreams  # noqa: E402
-from nanosched.runtime.timeline import find_profile, with_layers  # noqa: E402
 from nanosched.schedules.format import load_schedule  # noqa: E402
 
 LABEL = re.compile(r"L(\d+)\.(\w+)\[(\d+):(\d+)\]")

@@ -20,7 +20,7 @@ warmed up by an all-reduce first). NVLink multicast is kept off (NCCL_NVLS_ENABL
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are set before the ranks start).
 Rank 0 writes the JSON ($OUT or bench/results/: replay_timeline.json, or
 replay_timeline-tp<N>.json) with every rank's eager and graph times, and prints the table.
-The per-rank work lives in nanosched/runtime/timeline.py (tested on the CPU with gloo).
+The per-rank work lives in nanosched/benchmarks/timeline.py (tested on the CPU with gloo).
 
     PYTHONPATH=. python bench/replay_timeline.py --schedule FILE [--layers 32]
 
@@ -42,8 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanosched.errors import NanoschedError  # noqa: E402
-from nanosched.runtime.timeline import (  # noqa: E402
+from nanosched.benchmarks.timeline import (  # noqa: E402
     TimelineConfig,
     find_profile,
     load_checked,
@@ -52,6 +51,7 @@ from nanosched.runtime.timeline import (  # noqa: E402
     run,
     with_layers,
 )
+from nanosched.errors import NanoschedError  # noqa: E402
 
 
 def main() -> None:

@@ -106,8 +106,8 @@ def analyze(
     Prints FLOPs, bytes and time per resource for every op over all layers, the bottleneck,
     the largest dense batch that fits, T_R (Eq. 4) and the optimal throughput (Eq. 5).
     """
-    from nanosched.autosearch.costmodel import DEFAULT_MAX_DENSE_BATCH, choose_tp
-    from nanosched.autosearch.costmodel import analyze as run_analysis
+    from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, choose_tp
+    from nanosched.costmodel import analyze as run_analysis
     from nanosched.hardware import get_gpu
     from nanosched.models.spec import load_spec
     from nanosched.workloads import resolve_workload

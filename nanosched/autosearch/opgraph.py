@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import COLLECTIVE_FORMS, COMPUTE, MEMORY, NETWORK, OTHER, layer_ops
 from nanosched.models.spec import ModelSpec
 
-QUANTUM = 128
 STREAMS = (COMPUTE, MEMORY, NETWORK)
 GROUPS = {"ar_attn": "attn", "ar_ffn": "ffn"}  # all-reduce -> its collective group
 
@@ -161,9 +161,9 @@ def check_split(split: dict[str, list[tuple[int, int]]], ops: list[GraphOp],
             raise ConfigError(f"split: op {o.name!r} has no ranges")
         pos = 0
         for s, e in ranges:
-            if s != pos or e <= s or s % QUANTUM or e % QUANTUM:
+            if s != pos or e <= s or s % TOKEN_QUANTUM or e % TOKEN_QUANTUM:
                 raise ConfigError(f"split: op {o.name!r} ranges {ranges} must be consecutive "
-                                  f"multiples of {QUANTUM} covering [0, {dense_batch})")
+                                  f"multiples of {TOKEN_QUANTUM} covering [0, {dense_batch})")
             pos = e
         if pos != dense_batch:
             raise ConfigError(f"split: op {o.name!r} ranges end at {pos}, not {dense_batch}")
@@ -208,9 +208,9 @@ def nano_deps(graph: OpGraph, nanos: list[NanoOpDef], mix: TokenMix,
 
 def even_split(dense_batch: int, count: int) -> list[tuple[int, int]]:
     """`count` ranges of nearly equal size in multiples of 128."""
-    quanta = dense_batch // QUANTUM
+    quanta = dense_batch // TOKEN_QUANTUM
     if not 1 <= count <= quanta:
         raise ConfigError(f"cannot split {dense_batch} tokens into {count} nano-batches of at "
-                          f"least {QUANTUM}")
-    cuts = [round(i * quanta / count) * QUANTUM for i in range(count + 1)]
+                          f"least {TOKEN_QUANTUM}")
+    cuts = [round(i * quanta / count) * TOKEN_QUANTUM for i in range(count + 1)]
     return list(zip(cuts[:-1], cuts[1:], strict=True))

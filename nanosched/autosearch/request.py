@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanosched.autosearch.costmodel import (
+from nanosched.costmodel import (
     DEFAULT_MAX_DENSE_BATCH,
     TOKEN_QUANTUM,
     choose_tp,

@@ -21,9 +21,10 @@ from nanosched.autosearch.durations import (
     op_context,
     tick_table,
 )
-from nanosched.autosearch.opgraph import QUANTUM, OpGraph, TokenMix, expand, layer_graph, nano_deps
+from nanosched.autosearch.opgraph import OpGraph, TokenMix, expand, layer_graph, nano_deps
 from nanosched.autosearch.stage1 import Stage1Problem, Structure, solve_stage1
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
+from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError, ProfileError, ScheduleError
 from nanosched.models.ops import COMPUTE
 from nanosched.models.spec import ModelSpec
@@ -54,19 +55,19 @@ class SearchConfig:
 
 def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
     """The steady-state mix, the decode/prefill boundary placed on the 128-token grid."""
-    from nanosched.autosearch.costmodel import batch_mix
+    from nanosched.costmodel import batch_mix
 
     mix = batch_mix(workload, dense_batch)
-    num_decode = min(dense_batch, round(mix.num_decode / QUANTUM) * QUANTUM)
+    num_decode = min(dense_batch, round(mix.num_decode / TOKEN_QUANTUM) * TOKEN_QUANTUM)
     return BatchInfo(dense_batch, num_decode, max(1, round(workload.input_len)),
                      mix.decode_context, mix.prefill_context, workload.name)
 
 
 def _check_config(cfg: SearchConfig) -> None:
     b = cfg.dense_batch
-    if b < 2 * QUANTUM or b % QUANTUM:
-        raise ConfigError(f"--dense-batch must be a multiple of {QUANTUM} of at least "
-                          f"{2 * QUANTUM} (two nano-batches), got {b}")
+    if b < 2 * TOKEN_QUANTUM or b % TOKEN_QUANTUM:
+        raise ConfigError(f"--dense-batch must be a multiple of {TOKEN_QUANTUM} of at least "
+                          f"{2 * TOKEN_QUANTUM} (two nano-batches), got {b}")
     if b > cfg.profile.dense_batch:
         raise ConfigError(f"--dense-batch {b} exceeds the profile's largest measured batch "
                           f"{cfg.profile.dense_batch}")
@@ -88,7 +89,7 @@ def bubble_candidates(st: Structure, prob: Stage1Problem) -> list[str]:
     """Ops next to the largest gap on the compute stream, nearest first."""
     tau, durs = st.period, {}
     for n in expand(prob.graph, st.split, prob.mix, st.forms):
-        durs[n.id] = prob.tables[n.op][n.work_tokens // QUANTUM]
+        durs[n.id] = prob.tables[n.op][n.work_tokens // TOKEN_QUANTUM]
     chain = st.orders.get(COMPUTE, [])
     if not chain:
         return []
@@ -118,7 +119,7 @@ def search_structure(prob: Stage1Problem, budget_s: float, workers: int, max_nan
                                 progress)
     if best is None:
         return None, report
-    q = prob.mix.dense_batch // QUANTUM
+    q = prob.mix.dense_batch // TOKEN_QUANTUM
     tries = 0
     while (tries < 2 if deterministic else time.perf_counter() < deadline - 0.5):
         tries += 1

@@ -24,7 +24,8 @@ import math
 from dataclasses import dataclass
 
 from nanosched.autosearch.durations import PARTITION, compatible, op_context
-from nanosched.autosearch.opgraph import QUANTUM, TokenMix, layer_graph
+from nanosched.autosearch.opgraph import TokenMix, layer_graph
+from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile
@@ -52,7 +53,8 @@ def lm_head_us(profile: Profile, batch: BatchInfo) -> float:
     if not profile.token_grid("lm_head"):
         return 0.0
     sampled = batch.num_decode + (batch.dense_batch - batch.num_decode) / batch.prompt_len
-    tokens = min(batch.dense_batch, max(QUANTUM, math.ceil(sampled / QUANTUM) * QUANTUM))
+    rounded = math.ceil(sampled / TOKEN_QUANTUM) * TOKEN_QUANTUM
+    tokens = min(batch.dense_batch, max(TOKEN_QUANTUM, rounded))
     return profile.kernel_time_us("lm_head", tokens)
 
 

@@ -87,7 +87,8 @@ from typing import Any
 
 from nanosched.autosearch.cpsat import Limits, Progress, gap, solve
 from nanosched.autosearch.durations import TICKS_PER_US
-from nanosched.autosearch.opgraph import QUANTUM, GraphOp, OpGraph, TokenMix, expand
+from nanosched.autosearch.opgraph import GraphOp, OpGraph, TokenMix, expand
+from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import StageReport
@@ -158,7 +159,7 @@ def period_lower_bound(prob: Stage1Problem) -> int:
 def _const_loads(prob: Stage1Problem) -> dict[str, int]:
     """Per class (compute, memory, network; `other` ops may go on compute or memory): the least
     work that must run on it per period, Σ_A m_A; a collective group adds its cheapest form."""
-    q, nd = prob.mix.dense_batch // QUANTUM, prob.mix.num_decode // QUANTUM
+    q, nd = prob.mix.dense_batch // TOKEN_QUANTUM, prob.mix.num_decode // TOKEN_QUANTUM
     size = {"all": q, "decode": nd, "prefill": q - nd}
     load = dict.fromkeys((COMPUTE, MEMORY, NETWORK, OTHER), 0)
     by_form: dict[str, dict[str, dict[str, int]]] = {}
@@ -178,7 +179,8 @@ def _const_loads(prob: Stage1Problem) -> dict[str, int]:
 
 def _add_cuts(m: Any, op: str, count: int, q: int) -> list[Any]:
     if not 1 <= count <= q:
-        raise ConfigError(f"op {op!r}: {count} nano-ops need at least {count * QUANTUM} tokens")
+        raise ConfigError(f"op {op!r}: {count} nano-ops need at least "
+                          f"{count * TOKEN_QUANTUM} tokens")
     cuts = [m.new_constant(0)]
     for i in range(1, count):
         cuts.append(m.new_int_var(i, q - count + i, f"cut_{op}_{i}"))
@@ -257,7 +259,7 @@ def _add_deps(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]
                 dep = m.new_bool_var(f"dep_{tag}")
                 m.add(y["s"] + edge.shift * tau >= x["e"]).only_enforce_if(dep)
                 before, after = m.new_bool_var(f"before_{tag}"), m.new_bool_var(f"after_{tag}")
-                scale = QUANTUM if edge.kind == "prompt" else 1
+                scale = TOKEN_QUANTUM if edge.kind == "prompt" else 1
                 m.add(scale * x["we"] <= lo).only_enforce_if(before)
                 m.add(x["ws"] >= hi).only_enforce_if(after)
                 m.add_bool_or([dep, ~x["p"], ~y["p"], before, after, *cond])
@@ -266,7 +268,7 @@ def _add_deps(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]
 def _add_loads(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
                tau: Any) -> None:
     """Redundant load bounds: Σ_i d_{A,i} ≥ m_A per op; τ ≥ Σ_{x on σ} d_x per stream σ."""
-    q, nd = prob.mix.dense_batch // QUANTUM, prob.mix.num_decode // QUANTUM
+    q, nd = prob.mix.dense_batch // TOKEN_QUANTUM, prob.mix.num_decode // TOKEN_QUANTUM
     size = {"all": q, "decode": nd, "prefill": q - nd}
     on: dict[str, list[Any]] = {}
     for o in prob.graph.ops:
@@ -293,7 +295,7 @@ def _add_lanes(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]
     in the first (last) nano-op of every op whose domain holds it, so those nano-ops depend on
     each other whatever the cuts. A collective group between two ops is bridged by the load
     L_g of its present form: s_B + δ τ ≥ e_A + Σ_{G: A → G → B} L_G."""
-    q, nd = prob.mix.dense_batch // QUANTUM, prob.mix.num_decode // QUANTUM
+    q, nd = prob.mix.dense_batch // TOKEN_QUANTUM, prob.mix.num_decode // TOKEN_QUANTUM
     span = {"all": (0, q), "decode": (0, nd), "prefill": (nd, q)}
     ops = {o.name: o for o in prob.graph.ops}
     out: dict[str, list[Any]] = {}
@@ -341,7 +343,7 @@ def token_cycle_ops(prob: Stage1Problem, j: int) -> list[str] | None:
     of them that are active form one cycle of data edges with total shift 1; else None."""
     import itertools
 
-    q, nd = prob.mix.dense_batch // QUANTUM, prob.mix.num_decode // QUANTUM
+    q, nd = prob.mix.dense_batch // TOKEN_QUANTUM, prob.mix.num_decode // TOKEN_QUANTUM
     span = {"all": (0, q), "decode": (0, nd), "prefill": (nd, q)}
     holds = {o.name for o in prob.graph.ops
              if span[o.domain][0] <= j < span[o.domain][1]}
@@ -374,7 +376,7 @@ def _add_token_cycles(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[st
     domain holds j; of a collective group only the present form's) depend on each other
     along the layer's cycle of data edges (shift 1), so Σ_A d_{A(j)} ≤ τ. D_{A,j} ≥ d_{A,i}
     when c_{A,i} ≤ j < c_{A,i+1} (and the form of A is present), D_{A,j} ≥ 0 otherwise."""
-    q = prob.mix.dense_batch // QUANTUM
+    q = prob.mix.dense_batch // TOKEN_QUANTUM
     ge: dict[tuple[str, int, int], Any] = {}
 
     def at_least(op: str, i: int, j: int) -> Any:  # literal c_{op,i} ≤ j
@@ -424,7 +426,7 @@ def _prompt_start(m: Any, y: dict[str, Any], nd: int, plen: int, b: int) -> Any:
         return nd
     name = f"{y['op'].name}_{y['id'][1]}"
     num = m.new_int_var(0, b, f"psnum_{name}")
-    m.add(num == QUANTUM * y["ws"] - nd)
+    m.add(num == TOKEN_QUANTUM * y["ws"] - nd)
     k = m.new_int_var(0, b // plen + 1, f"prompt_{name}")
     m.add_division_equality(k, num, plen)
     return nd + plen * k
@@ -438,8 +440,8 @@ def build_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool = F
     from ortools.sat.python import cp_model
 
     m = cp_model.CpModel()
-    q = prob.mix.dense_batch // QUANTUM
-    nd = prob.mix.num_decode // QUANTUM
+    q = prob.mix.dense_batch // TOKEN_QUANTUM
+    nd = prob.mix.num_decode // TOKEN_QUANTUM
     top = sum(prob.counts[o.name] * max(prob.tables[o.name]) for o in prob.graph.ops)
     for cap in (prob.max_period_ticks, upper):
         top = min(top, cap) if cap else top
@@ -555,12 +557,12 @@ def extract(prob: Stage1Problem, solver: Any, v: dict[str, Any]) -> Structure:
              for g, lits in v["forms"].items()}
     split, placed = {}, {}
     for op, xs in v["by_op"].items():
-        cuts = [0] + [QUANTUM * solver.value(x["cut_end"]) for x in xs]
+        cuts = [0] + [TOKEN_QUANTUM * solver.value(x["cut_end"]) for x in xs]
         split[op] = list(zip(cuts[:-1], cuts[1:], strict=True))
         for x in xs:
             if solver.boolean_value(x["p"]):
                 stream = next(sn for sn, lit in x["q"].items() if solver.boolean_value(lit))
-                placed[(op, QUANTUM * solver.value(x["ws"]))] = (stream, solver.value(x["s"]))
+                placed[(op, TOKEN_QUANTUM * solver.value(x["ws"]))] = (stream, solver.value(x["s"]))
     nanos = expand(prob.graph, split, prob.mix, forms)
     streams, starts = {}, {}
     for n in nanos:
@@ -578,7 +580,7 @@ def heuristic_structure(prob: Stage1Problem) -> Structure | None:
              for o in prob.graph.ops}
     nanos = expand(prob.graph, split, prob.mix, forms)
     pos = {o.name: i for i, o in enumerate(prob.graph.ops)}
-    durations = {n.id: prob.tables[n.op][n.work_tokens // QUANTUM] for n in nanos}
+    durations = {n.id: prob.tables[n.op][n.work_tokens // TOKEN_QUANTUM] for n in nanos}
     deps = [(x, y, shift) for y, ds in nano_deps(prob.graph, nanos, prob.mix, forms).items()
             for x, shift, _ in ds]
     best: Structure | None = None
@@ -605,7 +607,7 @@ def add_hint(prob: Stage1Problem, m: Any, v: dict[str, Any], hint: Structure) ->
     for op, xs in v["by_op"].items():
         for x, (s, e) in zip(xs, hint.split[op], strict=True):
             if not isinstance(x["cut_end"], int) and e < prob.mix.dense_batch:
-                m.add_hint(x["cut_end"], e // QUANTUM)
+                m.add_hint(x["cut_end"], e // TOKEN_QUANTUM)
             n = nanos.get((op, s))
             if n is None:
                 continue

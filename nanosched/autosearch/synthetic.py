@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 from datetime import date
 
-from nanosched.autosearch.costmodel import nano_mix, op_demands
-from nanosched.autosearch.opgraph import QUANTUM, layer_graph
+from nanosched.autosearch.opgraph import layer_graph
+from nanosched.constants import TOKEN_QUANTUM
+from nanosched.costmodel import nano_mix, op_demands
 from nanosched.errors import ConfigError
 from nanosched.hardware import GPUSpec
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK
@@ -103,8 +104,8 @@ def synthetic_profile(spec: ModelSpec, gpu: GPUSpec, tp: int, dense_batch: int,
     Attention rows are tabulated at each of `contexts` (mean KV context lengths).
     """
     spec.check_tp(tp)
-    if dense_batch < QUANTUM or dense_batch % QUANTUM:
-        raise ConfigError(f"--dense-batch must be a positive multiple of {QUANTUM}, "
+    if dense_batch < TOKEN_QUANTUM or dense_batch % TOKEN_QUANTUM:
+        raise ConfigError(f"--dense-batch must be a positive multiple of {TOKEN_QUANTUM}, "
                           f"got {dense_batch}")
     if not contexts or min(contexts) < 1:
         raise ConfigError(f"synthetic profile: contexts must be positive, got {contexts}")
@@ -115,7 +116,7 @@ def synthetic_profile(spec: ModelSpec, gpu: GPUSpec, tp: int, dense_batch: int,
     for op, resource in ops:
         ctxs = sorted(set(contexts)) if op.startswith("attn_") else [0]
         for context in ctxs:
-            for tokens in range(QUANTUM, dense_batch + 1, QUANTUM):
+            for tokens in range(TOKEN_QUANTUM, dense_batch + 1, TOKEN_QUANTUM):
                 t = _time_us(spec, tp, ceil, op, resource, tokens, context)
                 rows.extend(_sm_rows(op, resource, tokens, context, t, num_sms))
     notes = ("SYNTHETIC profile: roofline times from the NanoFlow cost model and GPU priors, "

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanosched.autosearch.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
+from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
 from nanosched.errors import ConfigError
 from nanosched.hardware import GIB, GPUSpec
 from nanosched.models.spec import load_spec

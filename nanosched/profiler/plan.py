@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from nanosched.autosearch.costmodel import TOKEN_QUANTUM
+from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
 from nanosched.models.spec import ModelSpec

@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
 
 if TYPE_CHECKING:
     from nanosched.schedules.format import NanoOp, Schedule
 
-QUANTUM = 128
 EPS_US = 1e-6
 RESOURCES = ("compute", "memory", "network", "other")
 DEP_KINDS = ("data", "prompt", "resource")
@@ -57,8 +57,8 @@ def _check_batch(s: Schedule, where: str) -> None:
     b = s.batch
     if s.tp < 1 or s.num_sms < 1:
         raise _fail(where, "tp/num_sms", f"must be positive, got {s.tp}/{s.num_sms}")
-    if b.dense_batch < QUANTUM or b.dense_batch % QUANTUM:
-        raise _fail(where, "batch.dense_batch", f"must be a positive multiple of {QUANTUM}, "
+    if b.dense_batch < TOKEN_QUANTUM or b.dense_batch % TOKEN_QUANTUM:
+        raise _fail(where, "batch.dense_batch", f"must be a positive multiple of {TOKEN_QUANTUM}, "
                     f"got {b.dense_batch}")
     if not 0 <= b.num_decode <= b.dense_batch or b.prompt_len < 1:
         raise _fail(where, "batch", f"num_decode {b.num_decode} must be in 0..{b.dense_batch} "

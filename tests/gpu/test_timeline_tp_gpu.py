@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanosched.runtime.timeline import STRATEGIES, TimelineConfig, run
+from nanosched.benchmarks.timeline import STRATEGIES, TimelineConfig, run
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]

@@ -27,13 +27,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.hardware import GPUSpec
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
 from nanosched.models.spec import ModelSpec
 from nanosched.workloads import Workload
 
-TOKEN_QUANTUM = 128  # dense batches and nano-batches are multiples of this
 DEFAULT_MAX_DENSE_BATCH = 2048  # `auto` caps here: NanoFlow's best for 70B on 8 GPUs
 
 

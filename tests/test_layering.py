@@ -1,0 +1,93 @@
+"""The layering of DESIGN.md, read from the code: every `import` of every module (at any depth,
+lazy imports inside functions included) against the rules below.
+
+- the runtime never imports the search (a server loads a schedule without OR-Tools);
+- the search never imports the runtime or the kernels (it reads profiles, never a GPU);
+- schedules (the contract) import neither the runtime nor the search;
+- models know nothing of the runtime or of schedules;
+- kernels import only kernels, constants and errors;
+- the profiler imports neither the search nor the runtime.
+Top-level pure modules (constants, errors, hardware, workloads, costmodel, fileio) and the
+benchmark harnesses (`nanosched.benchmarks`, which may import both sides) are not restricted.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+FORBIDDEN = {
+    "runtime": {"autosearch"},
+    "autosearch": {"runtime", "kernels"},
+    "schedules": {"runtime", "autosearch"},
+    "models": {"runtime", "schedules"},
+    "profiler": {"autosearch", "runtime"},
+}
+KERNELS_MAY_IMPORT = {"kernels", "constants", "errors"}
+ROOT = Path(__file__).resolve().parents[1] / "nanosched"
+
+
+def imported(path: Path) -> set[str]:
+    """Every absolute module name `path` imports, at any depth of its syntax tree."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def violations(root: Path, package: str = "nanosched") -> list[str]:
+    """`file: imports module` for every import that breaks the rules, under `root`."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if len(parts) < 2:
+            continue  # a top-level module: not restricted
+        layer = parts[0]
+        for name in sorted(imported(path)):
+            bits = name.split(".")
+            if bits[0] != package or len(bits) < 2:
+                continue
+            target = bits[1]
+            bad = (target not in KERNELS_MAY_IMPORT if layer == "kernels"
+                   else target in FORBIDDEN.get(layer, set()))
+            if bad:
+                out.append(f"{path.relative_to(root)}: imports {name}")
+    return sorted(set(out))
+
+
+def test_the_package_keeps_its_layers():
+    assert violations(ROOT) == []
+
+
+@pytest.mark.parametrize("layer, line", [
+    ("runtime", "from nanosched.autosearch.simulate import simulate"),
+    ("autosearch", "import nanosched.runtime.engine"),
+    ("kernels", "from nanosched.models.spec import ModelSpec"),
+    ("profiler", "from nanosched.runtime import graphs"),
+    ("models", "from nanosched.schedules.format import load_schedule"),
+    ("schedules", "from nanosched.autosearch import search"),
+])
+def test_a_planted_violation_is_found_even_inside_a_function(tmp_path, layer, line):
+    pkg = tmp_path / "nanosched"
+    (pkg / layer).mkdir(parents=True)
+    (pkg / layer / "ok.py").write_text("from nanosched.errors import ConfigError\n")
+    (pkg / layer / "bad.py").write_text(f"def lazy():\n    {line}\n")
+    found = violations(pkg)
+    assert len(found) >= 1 and all(f.startswith(f"{layer}/bad.py: imports ") for f in found)
+
+
+def test_allowed_imports_pass(tmp_path):
+    pkg = tmp_path / "nanosched"
+    (pkg / "kernels").mkdir(parents=True)
+    (pkg / "kernels" / "k.py").write_text(
+        "from nanosched.constants import PAGE_SIZE\nfrom nanosched.kernels import impls\n")
+    (pkg / "benchmarks").mkdir()
+    (pkg / "benchmarks" / "b.py").write_text(
+        "import nanosched.runtime.engine\nimport nanosched.autosearch.simulate\n")
+    assert violations(pkg) == []

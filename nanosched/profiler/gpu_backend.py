@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from nanosched.greenctx import PartitionPair, split_sms
 from nanosched.profiler import impls, timing
 from nanosched.profiler.backend import (
     NetworkRequest,
@@ -31,7 +32,6 @@ from nanosched.profiler.backend import (
     Unsupported,
 )
 from nanosched.profiler.format import Ceilings, Identity
-from nanosched.profiler.partitions import PartitionPair, split_sms
 from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
 from nanosched.profiler.shapes import GEMM_OPS, gemm_dims
 from nanosched.profiler.telemetry import open_telemetry

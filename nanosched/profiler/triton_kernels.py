@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanosched.greenctx import Partition
+
 
 @triton.jit
 def _smid_kernel(out_ptr, BLOCK: tl.constexpr):
@@ -27,3 +29,9 @@ def sm_ids(num_ctas: int, device: torch.device | str = "cuda") -> set[int]:
     _smid_kernel[(num_ctas,)](out, BLOCK=32, num_warps=1)
     torch.cuda.current_stream().synchronize()
     return set(out.tolist())
+
+
+def partition_sm_ids(part: Partition, num_ctas: int = 1024) -> set[int]:
+    """SM ids that `num_ctas` tiny programs launched on `part`'s stream ran on."""
+    with torch.cuda.stream(part.stream):
+        return sm_ids(num_ctas, device=part.stream.device)

@@ -10,7 +10,8 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("small", [32, 40, 48])
 def test_split_gives_disjoint_sm_sets(small):
-    from nanosched.profiler.partitions import partition_sm_ids, split_sms
+    from nanosched.greenctx import split_sms
+    from nanosched.profiler.triton_kernels import partition_sm_ids
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     pair = split_sms(0, small)
@@ -26,7 +27,7 @@ def test_split_gives_disjoint_sm_sets(small):
 
 
 def test_gemm_on_a_partition_stream_is_right():
-    from nanosched.profiler.partitions import split_sms
+    from nanosched.greenctx import split_sms
 
     pair = split_sms(0, 32)
     try:

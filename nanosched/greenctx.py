@@ -7,9 +7,9 @@ non-blocking stream in it (`cuGreenCtxStreamCreate`), wrapped as `torch.cuda.Ext
 Work launched on the two streams runs on disjoint SMs. `Partition.sms` is what the driver
 granted. torch's own `GreenContext.create()` is not used: its contexts overlap (DESIGN.md).
 
-Runtime code may import this module. cuda-python is imported inside functions, through
-`cuda.bindings.driver` (cuda-python >= 12.6) or the older `cuda.cuda`. Every CUresult is
-checked; a failure raises PartitionError naming the driver call.
+The profiler and the runtime both use it (a top-level module: no layer owns it). cuda-python
+is imported inside functions, through `cuda.bindings.driver` (cuda-python >= 12.6) or the older
+`cuda.cuda`. Every CUresult is checked; a failure raises PartitionError naming the driver call.
 """
 
 from __future__ import annotations
@@ -116,13 +116,3 @@ def split_sms(device_index: int, small_sms: int, small_priority: int = 0,
         small.close()
         raise
     return PartitionPair(small, other)
-
-
-def partition_sm_ids(part: Partition, num_ctas: int = 1024) -> set[int]:
-    """SM ids that `num_ctas` tiny programs launched on `part`'s stream ran on."""
-    import torch
-
-    from nanosched.profiler.triton_kernels import sm_ids
-
-    with torch.cuda.stream(part.stream):
-        return sm_ids(num_ctas, device=part.stream.device)

@@ -24,7 +24,7 @@ needs_interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                      reason="needs TRITON_INTERPRET=1 (tests/conftest.py)")
 
 
-def call(spec: ModelSpec, op: str, ws: impls.Workspace, mechanism: str = "full",
+def call(spec: ModelSpec, op: str, ws: impls.ScratchSpace, mechanism: str = "full",
          sms: int = 3) -> impls.OpCall:
     return impls.OpCall(spec, 1, op, 24, 40, sms, mechanism, 8, ws, max_tokens=32)
 
@@ -42,7 +42,7 @@ def test_every_registered_name_is_a_runtime_name():
 
 
 def test_rows_get_the_runtime_launch_dict():
-    ws = impls.Workspace(torch.device("cpu"), torch.float32)
+    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
     assert impls.launch_of(call(TINY, "attn_decode", ws, "cta_bound", 16), "triton_paged") == \
         {"impl": "triton_paged", "max_ctas": 16}
     assert impls.launch_of(call(TINY, "ug", ws, "green_ctx", 100), "cublaslt") == \
@@ -54,7 +54,7 @@ def test_rows_get_the_runtime_launch_dict():
 @needs_interpret
 @pytest.mark.parametrize("spec", [TINY, TINY_MOE])
 def test_every_impl_runs_and_matches_its_torch_twin(spec):
-    ws = impls.Workspace(torch.device("cpu"), torch.float32)
+    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
     table, _ = impls.available([op.name for op in layer_ops(spec, 1)])
     for op in layer_ops(spec, 1):
         names = [i.name for i in table[op.name]]
@@ -75,7 +75,7 @@ def test_every_impl_runs_and_matches_its_torch_twin(spec):
 
 @needs_interpret
 def test_gemm_rows_compute_linear_at_their_sm_count():
-    ws = impls.Workspace(torch.device("cpu"), torch.float32)
+    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
     for name in ("cublas", "triton_persistent_128x128"):
         impls.get("ug", name).kernel(call(TINY, "ug", ws, "green_ctx", 1)).fn()
         x, w = ws.cache["x_ug"][:24], ws.cache["w_ug"]
@@ -84,7 +84,7 @@ def test_gemm_rows_compute_linear_at_their_sm_count():
 
 
 def test_workspace_refuses_tensors_larger_than_free_memory():
-    small = impls.Workspace(torch.device("cpu"), torch.float32, max_bytes=1000)
+    small = impls.ScratchSpace(torch.device("cpu"), torch.float32, max_bytes=1000)
     with pytest.raises(Unsupported, match=r"decode_k_pages \[96, 16, 2, 16\] needs"):
         impls.get("attn_decode", "triton_paged").kernel(call(TINY, "attn_decode", small))
     with pytest.raises(Unsupported, match=r"attn_decode/torch at 24 x 40 gathers"):

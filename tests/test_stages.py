@@ -188,12 +188,12 @@ def test_stage1_below_the_optimum_is_infeasible():
     """The proof solve's claim: the model with τ ≤ U is infeasible exactly when U is below the
     brute-force optimum (then U + 1 is a valid bound)."""
     from nanosched.autosearch.cpsat import solve
-    from nanosched.autosearch.stage1 import build_model
+    from nanosched.autosearch.stage1 import build_cp_model
 
     for batch in (256, 384):
         prob = Stage1Problem(GRAPH, TokenMix(batch, 0, batch), TABLES, {"a": 2, "m": 2, "c": 2})
         best = brute_force_stage1(batch)
         for cap, status in ((best - 1, "INFEASIBLE"), (best, "OPTIMAL")):
-            m, _ = build_model(prob, cap)
+            m, _ = build_cp_model(prob, cap)
             _, rep, _ = solve(m, "proof", Limits(10, 2), None, subsolvers=("no_lp", "max_lp"))
             assert rep.status == status

@@ -432,7 +432,7 @@ def _prompt_start(m: Any, y: dict[str, Any], nd: int, plen: int, b: int) -> Any:
     return nd + plen * k
 
 
-def build_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool = False,
+def build_cp_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool = False,
                 lower: int | None = None) -> tuple[Any, dict[str, Any]]:
     """The CP-SAT model of stage I for fixed op counts; `upper`: a known feasible period;
     `relaxed`: the lane-and-load relaxation R (no intervals, no reified dependencies);
@@ -495,7 +495,7 @@ def solve_stage1(prob: Stage1Problem, limits: Limits, progress: Progress | None 
         return None, StageReport("stage I", "INFEASIBLE", math.nan, math.nan, math.nan,
                                  round(time.perf_counter() - start, 3), limits.time_limit_s,
                                  limits.num_workers, "the relaxation R is infeasible")
-    m, v = build_model(prob, upper, lower=lower)
+    m, v = build_cp_model(prob, upper, lower=lower)
     if hint is not None:
         add_hint(prob, m, v, hint)
 
@@ -518,7 +518,7 @@ def solve_stage1(prob: Stage1Problem, limits: Limits, progress: Progress | None 
         return best, report
     if progress:
         progress(f"stage I: proving no period <= {target / TICKS_PER_US:g} us")
-    m2, v2 = build_model(prob, target, lower=lower)
+    m2, v2 = build_cp_model(prob, target, lower=lower)
     solver2, rep2, found2 = solve(m2, "stage I (proof)", replace(limits, time_limit_s=rest),
                                   progress, subsolvers=PROOF_SUBSOLVERS)
     wall = round(report.wall_s + rep2.wall_s, 3)
@@ -543,7 +543,7 @@ PROOF_SUBSOLVERS = ("no_lp", "max_lp")
 def relaxation_bound(prob: Stage1Problem, upper: int | None, limits: Limits) -> int | None:
     """R's best bound (its optimum when solved): a lower bound of stage I's τ; None when R is
     infeasible (then so is stage I)."""
-    m, v = build_model(prob, upper, relaxed=True)
+    m, v = build_cp_model(prob, upper, relaxed=True)
     solver, report, found = solve(m, "stage I relaxation", limits, None)
     if report.status == "INFEASIBLE":
         return None

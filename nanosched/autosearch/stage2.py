@@ -135,7 +135,7 @@ def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int
     return s, e, d, [(lit, t, o.share) for lit, t, o in zip(lits, ticks, opts, strict=True)]
 
 
-def build_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[str, Any]]:
+def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[str, Any]]:
     """The CP-SAT model of stage II for a fixed structure; `rows`: add the exclusive-set
     rows (redundant; left out of the warm start, whose bound is not reported)."""
     from ortools.sat.python import cp_model
@@ -398,7 +398,7 @@ def _set_hint(v: dict[str, Any], m: Any, prob: Stage2Problem, tau: int,
 def _solve(prob: Stage2Problem, limits: Limits, progress: Progress | None,
            hint: tuple[int, dict[str, int], dict[str, AllocOption]] | None, stage: str,
            rows: bool = True) -> tuple[Allocation | None, StageReport]:
-    m, v = build_model(prob, rows)
+    m, v = build_cp_model(prob, rows)
     if hint is not None:
         _set_hint(v, m, prob, *hint)
     solver, report, found = solve(m, stage, limits, progress)

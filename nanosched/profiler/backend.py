@@ -1,4 +1,4 @@
-"""The measuring side of the profiler, as an interface: the loop in `runner.py` drives a Backend.
+"""The measuring side of the profiler, as an interface: `runner.py` drives a ProfilerBackend.
 
 `gpu_backend.GPUBackend` measures on a CUDA GPU; `fake.FakeBackend` answers from a deterministic
 model, so the loop, resume and table building are tested on a CPU. A backend times one task at a
@@ -57,7 +57,7 @@ class NetworkResult:
     pairs: list[tuple[PairTask, tuple[float, float, float, float]]] = field(default_factory=list)
 
 
-class Backend(Protocol):
+class ProfilerBackend(Protocol):
     def identity(self, command: str) -> Identity:
         """The GPU, its driver and the software versions measured with."""
 

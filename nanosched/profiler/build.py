@@ -17,7 +17,7 @@ from typing import Any
 from nanosched.errors import ProfileError
 from nanosched.hardware import GPUS, prior_for
 from nanosched.models.ops import NETWORK
-from nanosched.profiler.backend import Backend, NetworkRequest, NetworkResult
+from nanosched.profiler.backend import NetworkRequest, NetworkResult, ProfilerBackend
 from nanosched.profiler.format import Ceilings, KernelRow, PairRow, Profile
 from nanosched.profiler.interference import FIT_LIMIT, derive_rp
 from nanosched.profiler.network_model import (
@@ -31,7 +31,7 @@ from nanosched.profiler.plan import ImplInfo, ProfileSettings, network_pair_task
 from nanosched.profiler.state import RunState
 
 
-def network_request(settings: ProfileSettings, backend: Backend, num_sms: int,
+def network_request(settings: ProfileSettings, backend: ProfilerBackend, num_sms: int,
                     impls: dict[str, list[ImplInfo]], state: RunState) -> NetworkRequest | None:
     """What to measure on several GPUs, or None (tp 1, or a single GPU visible)."""
     if settings.tp == 1:

@@ -16,7 +16,7 @@ from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
 from nanosched.errors import ConfigError
 from nanosched.hardware import GIB, GPUSpec
 from nanosched.models.spec import load_spec
-from nanosched.profiler.backend import Backend
+from nanosched.profiler.backend import ProfilerBackend
 from nanosched.profiler.format import Profile
 from nanosched.profiler.plan import ProfileSettings
 from nanosched.profiler.runner import RunOptions, run_profile
@@ -47,7 +47,7 @@ def dense_batch_for(spec_name: str, tp: int, workload: Workload, memory_bytes: i
     return min(max_dense_batch(spec, gpu, tp, workload), DEFAULT_MAX_DENSE_BATCH)
 
 
-def make_backend(cfg: ProfileConfig) -> Backend:
+def make_backend(cfg: ProfileConfig) -> ProfilerBackend:
     if cfg.gpu < 0:
         raise ConfigError(f"--gpu must be a CUDA device index (0, 1, ...), got {cfg.gpu}")
     if cfg.fake:

@@ -61,7 +61,7 @@ class GPUBackend:
         self.props = torch.cuda.get_device_properties(self.device)
         self.num_sms = self.props.multi_processor_count
         free, _ = torch.cuda.mem_get_info(self.device)
-        self.ws = impls.Workspace(self.device, max_bytes=0.35 * free)
+        self.ws = impls.ScratchSpace(self.device, max_bytes=0.35 * free)
         self.pairs: dict[int, PartitionPair] = {}  # by partition SM count -> its pair
         lo, hi = torch.cuda.Stream.priority_range()
         self.high = torch.cuda.Stream(self.device, priority=hi)
@@ -158,7 +158,7 @@ class GPUBackend:
             raise Unsupported(f"out of memory while timing: {exc}") from exc
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
-        ws = impls.Workspace(self.device)
+        ws = impls.ScratchSpace(self.device)
         a = ws.tensor("a", (8192, 8192))
         b = ws.tensor("b", (8192, 8192))
         t = timing.bench_us(lambda: a @ b, self.device, rep_ms=50, flush=False)

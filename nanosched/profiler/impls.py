@@ -8,7 +8,7 @@ names a row's implementation is launched exactly as it was measured.
 
 An `Impl` says which SM-allocation mechanisms it supports and how to set it up:
 `kernel(call: OpCall) -> Kernel`, where `OpCall` gives the model, tp, op, tokens, context, the
-SMs (or CTAs, for `cta_bound`) it may use, the GPU's SM count and a `Workspace` of cached random
+SMs (or CTAs, for `cta_bound`) it may use, the GPU's SM count and a `ScratchSpace` of cached random
 tensors; `Kernel.fn()` launches the op once on the current stream, inside `Kernel.scope()`
 (global settings around the timing loop, if any). setup allocates; fn only launches.
 The implementations live in `impls_kernels.py`; set `quick=False` on variants that `--quick`
@@ -33,7 +33,7 @@ from nanosched.profiler.plan import ImplInfo
 
 
 @dataclass
-class Workspace:
+class ScratchSpace:
     """Random tensors reused across rows; one live tensor per name (a new shape replaces it)."""
 
     device: torch.device
@@ -76,7 +76,7 @@ class OpCall:
     sms: int  # SMs of its partition / SM target, or CTAs for cta_bound
     mechanism: str
     num_sms: int
-    ws: Workspace
+    ws: ScratchSpace
     max_tokens: int = 0  # largest token count of the run: inputs are sliced from one buffer
 
 

@@ -165,7 +165,7 @@ def _pair(settings: ProfileSettings, task: PairTask, groups: dict[int, Any],
 
     from nanosched.profiler import impls, timing
 
-    ws = impls.Workspace(torch.device("cuda", torch.cuda.current_device()))
+    ws = impls.ScratchSpace(torch.device("cuda", torch.cuda.current_device()))
     device = ws.device
 
     def kernel(impl: str, sms: int) -> impls.Kernel:

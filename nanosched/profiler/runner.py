@@ -1,6 +1,6 @@
 """The profiling loop: ceilings, kernel table, co-run pairs, network rows -> a checked profile.
 
-`run_profile(settings, backend, options)` drives any `Backend`. It saves `FILE.partial.json`
+`run_profile(settings, backend, options)` drives any `ProfilerBackend`. It saves `FILE.partial.json`
 atomically every `SAVE_EVERY` rows; on Ctrl-C it saves it and raises `ProfileInterrupted`,
 whose message says how to resume; `--resume` measures only the rows missing from it. A busy GPU
 and clock drift (a reference GEMM re-timed every `DRIFT_EVERY` rows, more than `DRIFT_LIMIT`
@@ -17,7 +17,7 @@ from typing import Any
 
 from nanosched.errors import NanoschedError
 from nanosched.models.ops import MEMORY
-from nanosched.profiler.backend import Backend, Timing, Unsupported
+from nanosched.profiler.backend import ProfilerBackend, Timing, Unsupported
 from nanosched.profiler.build import build_profile, network_request, record_network
 from nanosched.profiler.format import KernelRow, PairRow, Profile, save_profile
 from nanosched.profiler.plan import (
@@ -54,7 +54,7 @@ class RunOptions:
 @dataclass
 class _Loop:
     settings: ProfileSettings
-    backend: Backend
+    backend: ProfilerBackend
     state: RunState
     opts: RunOptions
     bar: Any = None
@@ -95,7 +95,7 @@ class _Loop:
                       f"{ref:.1f} us at the start ({why}); rows measured around now are suspect")
 
 
-def run_profile(settings: ProfileSettings, backend: Backend, opts: RunOptions) -> Profile:
+def run_profile(settings: ProfileSettings, backend: ProfilerBackend, opts: RunOptions) -> Profile:
     """Measure everything `settings` asks for, write `opts.out`, return the profile."""
     identity = backend.identity(opts.command)
     ppath = partial_path(opts.out)

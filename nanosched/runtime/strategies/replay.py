@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.program import LaunchConfig, Program
-from nanosched.runtime.scheduler import MAIN_STREAM, NanoOp, OpScheduler, SchedContext
+from nanosched.runtime.scheduler import MAIN_STREAM, OpInstance, OpScheduler, SchedContext
 from nanosched.schedules.format import NanoOp as ScheduledOp
 from nanosched.schedules.format import Schedule
 
@@ -155,9 +155,9 @@ class Replay(OpScheduler):
         pending = list(self.entries)
         while pending:
             e = pending.pop(self._first_ready(ctx, pending, index))
-            group = [NanoOp(index[(e.op, e.layer)], i, *ctx.ranges[i])
+            group = [OpInstance(index[(e.op, e.layer)], i, *ctx.ranges[i])
                      for i in self._mbs(e.lo, e.hi)]
-            after = [NanoOp(index[(op, layer)], i, *ctx.ranges[i])
+            after = [OpInstance(index[(op, layer)], i, *ctx.ranges[i])
                      for op, layer, lo, hi in e.waits for i in self._mbs(lo, hi)]
             ctx.execute(group, stream=e.stream, launch=e.launch, after=after)
 

@@ -38,6 +38,7 @@ from nanosched.runtime.batcher import Batch, Batcher
 from nanosched.runtime.device import CudaDevice, SerialDevice
 from nanosched.runtime.graphs import BucketRunner, GraphStats
 from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.preempt import AdmissionConfig, make_pool
 from nanosched.runtime.program import LaunchConfig
 from nanosched.runtime.requests import Request
 from nanosched.runtime.sampling import sample
@@ -75,7 +76,8 @@ class Engine:
                  time_forwards: bool = False,
                  on_token: Callable[[Request, int], None] | None = None,
                  graphs: str = "off", graph_align: int = 32,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None,
+                 admission: AdmissionConfig | None = None) -> None:
         if graphs not in ("off", "on", "layout"):
             raise ConfigError(f"graphs must be 'off', 'on' or 'layout', got {graphs!r}")
         if graphs == "on" and model.device.type != "cuda":
@@ -85,7 +87,9 @@ class Engine:
         self.ws = model.new_workspace(dense_batch, num_pages, page_size)
         max_context = max_context or model.spec.max_position_embeddings
         align = graph_align if graphs != "off" else 1
-        self.batcher = Batcher(dense_batch, num_pages, page_size, max_context, decode_align=align)
+        pool = make_pool(model, self.ws.kv, admission or AdmissionConfig())
+        self.batcher = Batcher(dense_batch, num_pages, page_size, max_context, decode_align=align,
+                               pool=pool)
         self.strategy = strategy or Sequential()
         self.fallback = fallback or Sequential()
         self.stream_configs = stream_configs
@@ -169,7 +173,7 @@ class Engine:
             elif e.is_decode:
                 ids[row] = r.output_ids[-1]
             else:
-                ids[row:row + e.num_tokens] = r.prompt_ids[e.start:e.start + e.num_tokens]
+                ids[row:row + e.num_tokens] = r.prefill_ids(e.start, e.num_tokens)
             segments.append((row, row + e.num_tokens, e.is_decode))
             row += e.num_tokens
             if e.samples:

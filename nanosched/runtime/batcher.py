@@ -57,11 +57,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from nanosched.errors import ConfigError
 from nanosched.models.bucket import round_up
 from nanosched.runtime.predict import OutputLengths
-from nanosched.runtime.preempt import KVPool
+from nanosched.runtime.preempt import KVPool, PreemptStats
 from nanosched.runtime.requests import Request
 
 
@@ -113,9 +114,6 @@ def peak_kv_tokens(held: list[int], remaining: list[int]) -> int:
 class BatcherStats:
     batches: int = 0  # non-empty batches formed
     full_batches: int = 0  # of those, batches that left no row of the dense batch unused
-
-    def as_dict(self) -> dict[str, int]:
-        return {"batches": self.batches, "full_batches": self.full_batches}
 
 
 class Batcher:
@@ -287,3 +285,16 @@ class Batcher:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def reset_stats(self) -> None:
+        """Count batches and preemptions afresh (after a benchmark's warm-up)."""
+        self.stats = BatcherStats()
+        if self.pool is not None:
+            self.pool.stats = PreemptStats()
+
+    def report(self) -> dict[str, Any]:
+        """The admission policy; the share of batches that left no row of the dense batch unused
+        (decode rows rounded up to `decode_align` count as used); preemptions by kind."""
+        s = self.stats
+        return {"admission": self.policy, "full_batch_share": s.full_batches / max(1, s.batches),
+                "preemptions": (self.pool.stats if self.pool else PreemptStats()).as_dict()}

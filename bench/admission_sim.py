@@ -15,7 +15,9 @@ length, requests declare that many but stop (EOS) at their output length, as cha
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
 import time
 
 from nanosched.runtime.kvsim import KVSim, sim_cost
@@ -82,7 +84,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     chosen = set(args.policies.split(",")) if args.policies else None
-    out = {"args": vars(args), "runs": {}}
+    out = {"what": "CPU simulation of the batcher and paged cache (runtime/kvsim.py): "
+                   "iterations, not time", "command": " ".join(sys.argv),
+           "date": datetime.date.today().isoformat(), "args": vars(args), "runs": {}}
     print(f"{'policy':22} {'iters':>6} {'tok/it':>7} {'useful':>7} {'full':>5} "
           f"{'recomp':>6} {'swap':>5} {'recomp tok':>10}")
     for name, admission in POLICIES:

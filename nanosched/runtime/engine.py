@@ -1,6 +1,7 @@
 """The serving engine (NanoFlow §4.2.1): `step()` = form batch -> run the scheduler -> post-process.
 
-A fixed dense batch per iteration (decode first, chunked prefill after; see batcher.py). The
+A fixed dense batch per iteration (decode first, chunked prefill after; see batcher.py, which
+also admits requests and preempts them when KV pages run out, as `admission` says). The
 model step goes through a scheduling strategy (`Sequential` by default; any `OpScheduler`), with
 a fallback strategy for batches the main one does not accept, counted in `stats`.
 
@@ -17,9 +18,10 @@ what a graph replays). `stats.graphs` counts captures, replays and padding.
 
 Serving hooks. `on_token(request, token)`, when given, is called once for every token appended
 to a request's output, in order, during post-processing. `abort(request_id)` ends a request
-wherever it is: a waiting one leaves the queue; a running one is retired and its KV pages are
-freed at once. A token of it still in flight (async loop) is dropped when read back, as a token
-past EOS is. Aborted requests end with `finish_reason == "abort"` and are not in `finished`.
+wherever it is: a waiting one leaves the queue (a swapped-out one's host copy is dropped); a
+running one is retired and its KV pages are freed at once. A token of it still in flight
+(async loop) is dropped when read back, as a token past EOS is. Aborted requests end with
+`finish_reason == "abort"` and are not in `finished`.
 """
 
 from __future__ import annotations

@@ -57,6 +57,8 @@ def test_engine_preemption_on_the_gpu_keeps_the_tokens(model, mode):
                          admission=AdmissionConfig(preemption=mode))
     stats = eng.batcher.pool.stats
     assert stats.preemptions > 0 and (stats.swapped > 0) == (mode == "swap")
-    same = sum(a == b for x, y in zip(want, got, strict=True) for a, b in zip(x, y))
     assert all(len(x) == len(y) for x, y in zip(want, got, strict=True))
-    assert same / sum(map(len, want)) > 0.95  # bf16: other batch shapes may flip a near tie
+    # bf16: other batch shapes (and recomputed prefills) may flip a near tie and the greedy
+    # continuation after it; a misordered copy would garble most requests
+    same = sum(x == y for x, y in zip(want, got, strict=True))
+    assert same >= 0.9 * len(want), same

@@ -55,14 +55,15 @@ def test_kvsim_fuzz_same_tokens_no_leak_no_deadlock():
                               headroom=rng.choice((0.0, 0.0, 0.1)),
                               swap_space_gib=rng.choice((1.0, 1.0, 2e-7, 0.0)))
         got, steps, pool = sim_outputs(
-            fresh(reqs), stops, num_pages=fit + rng.randint(0, 12), page_size=page,
+            fresh(reqs), stops, num_pages=fit + rng.randint(0, 6), page_size=page,
             dense_batch=rng.choice((4, 8, 32)), decode_align=rng.choice((1, 4)),
             async_loop=seed % 2 == 1, admission=cfg, cost=sim_cost(rng.random() < 0.5))
         assert got == want, (seed, cfg)
         for k in totals:
             totals[k] += getattr(pool.stats, k)
-    assert totals["recomputed"] > 50 and totals["swapped"] > 30  # both paths ran, often
-    assert totals["swap_ins"] == totals["swapped"]  # every swapped request came back
+    assert totals["recomputed"] > 100 and totals["swapped"] > 60  # both paths ran, often
+    # swapped requests came back (not all: one whose in-flight token was its EOS ends swapped)
+    assert totals["swapped"] - 5 <= totals["swap_ins"] <= totals["swapped"]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_engine_fuzz_preemption_keeps_greedy_tokens(model, one_thread):
         want, _ = engine_outputs(model, fresh(reqs), 400, eos_ids=eos,
                                  admission=AdmissionConfig(policy="reserve"))
         fit = max(-(-(len(r.prompt_ids) + r.params.max_tokens) // 4) + 1 for r in reqs)
-        got, eng = engine_outputs(model, fresh(reqs), fit + rng.randint(0, 4), eos_ids=eos,
+        got, eng = engine_outputs(model, fresh(reqs), fit + rng.randint(0, 2), eos_ids=eos,
                                   async_loop=is_async, graphs=graphs, graph_align=4,
                                   admission=AdmissionConfig(preemption=mode))
         for r, a, b in zip(reqs, want, got, strict=True):
@@ -118,7 +119,7 @@ def test_engine_fuzz_preemption_keeps_greedy_tokens(model, one_thread):
                 assert len(a) == len(b) or eos, (seed, r.request_id)
         for k in totals:
             totals[k] += getattr(eng.batcher.pool.stats, k)
-    assert totals["recomputed"] >= 8 and totals["swapped"] >= 8
+    assert totals["recomputed"] >= 10 and totals["swapped"] >= 10
 
 
 def test_abort_of_a_swapped_out_request_frees_its_host_copy(model, one_thread):

@@ -21,6 +21,7 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
+from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.requests import Request, make_requests, poisson_arrivals
 from nanosched.runtime.scheduler import OpScheduler
 
@@ -52,6 +53,16 @@ class BenchConfig:
     # batch bucket, captured as the buckets first appear: in the warm-up or the run), or "both"
     # (every strategy eager, then with graphs)
     graphs: str = "auto"
+    # KV admission and preemption (runtime/batcher.py, runtime/preempt.py)
+    admission: str = "use"
+    kv_headroom: float = 0.0
+    preemption: str = "recompute"
+    swap_space_gib: float = 4.0
+
+    def admission_config(self, gemm_tflops: float | None = None) -> AdmissionConfig:
+        return AdmissionConfig(policy=self.admission, headroom=self.kv_headroom,
+                               preemption=self.preemption, swap_space_gib=self.swap_space_gib,
+                               gemm_tflops=gemm_tflops)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -317,6 +328,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     one after another in this process); return the figures as a dict."""
     if cfg.tp != 1:
         raise ConfigError("--tp > 1 is not benchmarked yet: run with --tp 1")
+    cfg.admission_config()  # range-check the admission flags before loading anything
     spec = load_spec(cfg.model)
     device = _device(cfg)
     graphs = resolve_graphs(cfg.graphs, device, tuple(GRAPH_MODES))
@@ -380,7 +392,8 @@ def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: floa
     longest = max(r.peak_tokens for r in reqs + warm_reqs)
     engine = Engine(model, dense_batch=dense, num_pages=pages, page_size=cfg.page_size,
                     strategy=run.strategy, seed=cfg.seed, device=run.device,
-                    graphs="on" if run.graphs else "off", max_context=longest)
+                    graphs="on" if run.graphs else "off", max_context=longest,
+                    admission=cfg.admission_config(gemm))
     warm_graphs = None
     with torch.inference_mode():
         if warm_reqs:
@@ -388,6 +401,7 @@ def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: floa
             warm_graphs = engine.stats.graphs.as_dict() if engine.stats.graphs else None
             engine.stats = EngineStats(graphs=engine.graphs.reset_stats()
                                        if engine.graphs else None)
+            engine.batcher.reset_stats()
         bar = _progress(len(reqs), progress)
         elapsed = _drain(engine, reqs, bar)
         bar.close()
@@ -396,13 +410,14 @@ def _serve(cfg: BenchConfig, spec: ModelSpec, model: Any, dense: int, gemm: floa
         fwd, n_dec, ctx = forward_ms(model, engine.ws, run.strategy, engine.backend.device,
                                      dense, n_dec, prompt + (cfg.output_len or 512) // 2, prompt,
                                      graphs=run.graphs)
-    stats = engine.stats
+    stats, batches = engine.stats, engine.batcher.report()
     graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
     del engine
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
     out = {"strategy": run.strategy.name, **run.info, "graphs": run.graphs, "kv_pages": pages,
            "iterations": stats.iterations, "fallbacks": stats.fallbacks,
+           "tokens_per_iteration": stats.tokens / max(1, stats.iterations), **batches,
            "forward_ms_full_batch": fwd, "forward_decode_tokens": n_dec,
            "forward_decode_context": ctx,
            "layer_us_full_batch": fwd * 1e3 / spec.num_layers,

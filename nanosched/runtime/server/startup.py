@@ -24,6 +24,7 @@ from nanosched.models.generate import checkpoint_folder
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.bench import build_model, kv_pages, resolve_device, resolve_graphs
 from nanosched.runtime.engine import Engine
+from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.server.text import TextCodec
 
 log = logging.getLogger("nanosched.serve")
@@ -47,6 +48,14 @@ class ServeConfig:
     mem_util: float = 0.85
     drain_timeout_s: float = 30.0
     graphs: str = "auto"  # auto (on with a GPU) | on | off: CUDA graphs per batch bucket
+    admission: str = "use"  # KV admission and preemption (runtime/preempt.py)
+    kv_headroom: float = 0.0
+    preemption: str = "recompute"
+    swap_space_gib: float = 4.0
+
+    def admission_config(self) -> AdmissionConfig:
+        return AdmissionConfig(policy=self.admission, headroom=self.kv_headroom,
+                               preemption=self.preemption, swap_space_gib=self.swap_space_gib)
 
 
 @dataclass
@@ -79,6 +88,7 @@ def _check_flags(cfg: ServeConfig) -> None:
         raise ConfigError(f"--max-queue must be at least 1, got {cfg.max_queue}")
     if cfg.dense_batch is not None and cfg.dense_batch < 1:
         raise ConfigError(f"--dense-batch must be positive, got {cfg.dense_batch}")
+    cfg.admission_config()  # range-checks the admission flags
 
 
 def gpu_name(device: torch.device) -> str:
@@ -140,7 +150,8 @@ def prepare(cfg: ServeConfig) -> Served:
     pages = kv_pages(model, dense, cfg.page_size, cfg.mem_util, None)
     engine = Engine(model, dense_batch=dense, num_pages=pages, page_size=cfg.page_size,
                     strategy=choice.strategy, eos_ids=eos_ids(cfg.model), seed=cfg.seed,
-                    device=streams.device if streams else None, graphs=graphs)
+                    device=streams.device if streams else None, graphs=graphs,
+                    admission=cfg.admission_config())
     log.info("%s on %s: strategy %s, dense batch %d, %d KV pages of %d tokens, CUDA graphs %s",
              spec.name, gpu_name(device), choice.name, dense, pages, cfg.page_size, graphs)
     return Served(cfg.model, spec, engine, TextCodec.for_model(cfg.model), choice.name,

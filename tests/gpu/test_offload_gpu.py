@@ -43,7 +43,9 @@ def test_swap_copies_wait_for_compute_and_compute_waits_for_them():
 
 @pytest.fixture(scope="module")
 def model():
-    m = CausalLM(SPEC, dtype=torch.bfloat16, device="cuda")
+    # fp32: with random weights the logits are near ties, and bf16 rounding that differs with
+    # the batch's shape alone flips greedy tokens in about half the requests
+    m = CausalLM(SPEC, dtype=torch.float32, device="cuda")
     init_random(m, seed=0)
     return m
 
@@ -51,14 +53,14 @@ def model():
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_engine_preemption_on_the_gpu_keeps_the_tokens(model, mode):
     reqs = lambda: make_requests(None, 200, 64, 48, SPEC.vocab_size, 4096, seed=3)  # noqa: E731
-    want, _ = serve_all(model, reqs(), 4096, dense_batch=512,
-                        admission=AdmissionConfig(policy="reserve"))
+    want, _ = serve_all(model, reqs(), 4096, dense_batch=512, graphs="on",
+                        admission=AdmissionConfig(preemption=mode))  # room for all: none
     got, eng = serve_all(model, reqs(), 300, dense_batch=512, graphs="on",
                          admission=AdmissionConfig(preemption=mode))
     stats = eng.batcher.pool.stats
     assert stats.preemptions > 0 and (stats.swapped > 0) == (mode == "swap")
     assert all(len(x) == len(y) for x, y in zip(want, got, strict=True))
-    # bf16: other batch shapes (and recomputed prefills) may flip a near tie and the greedy
-    # continuation after it; a misordered copy would garble most requests
+    # other batch shapes (and recomputed prefills) may still flip a rare near tie and the
+    # greedy continuation after it; a misordered copy would garble most requests
     same = sum(x == y for x, y in zip(want, got, strict=True))
     assert same >= 0.9 * len(want), same

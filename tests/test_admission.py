@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from runtime_helpers import apply_batch
 
 from nanosched.errors import ConfigError
 from nanosched.models.kvcache import KVCache
@@ -30,24 +31,6 @@ def batcher(pages, dense=64, swap=False, **cfg):
     return Batcher(dense, pages, PAGE, max_context=1024, pool=pool), kv
 
 
-def apply(b, kv, batch):
-    """The engine's step after the batch: plan it into the cache, emit a token per sampler,
-    retire and free the finished."""
-    kv.plan([(e.request.request_id, e.num_tokens, e.is_decode) for e in batch.entries])
-    done = []
-    for e in batch.entries:
-        r = e.request
-        if not e.is_decode:
-            r.num_prefilled += e.num_tokens
-        if e.samples:
-            r.output_ids.append(len(r.output_ids))
-            if len(r.output_ids) == r.params.max_tokens:
-                r.finished = True
-                done.append(r)
-    for r in done:
-        kv.release(r.request_id)
-    b.retire(done)
-    return done
 
 
 def ids(rs):
@@ -71,20 +54,20 @@ def test_decode_that_lacks_a_page_preempts_the_newest_request_first():
     reqs = [req(i, 12, 20) for i in range(3)]  # 3 pages each; every 4th decode needs a page
     for r in reqs:
         b.add(r)
-    apply(b, kv, b.form())
+    apply_batch(b, kv, b.form())
     assert ids(b.running) == [0, 1, 2] and kv.allocator.num_free == 1
-    apply(b, kv, b.form())  # first decodes: request 0 takes the free page, 1 lacks one
+    apply_batch(b, kv, b.form())  # first decodes: request 0 takes the free page, 1 lacks one
     assert ids(b.running) == [0, 1] and ids(b.waiting) == [2]
     assert b.pool.stats.recomputed == 1 and kv.num_held(2) == 0
     victim = b.waiting[0]
     assert victim.num_recompute == 1 and victim.num_prefilled == 0 and victim.prefill_len == 13
     for _ in range(3):  # no admission while the two decode: request 2 needs 4 pages, 2 free
-        apply(b, kv, b.form())
+        apply_batch(b, kv, b.form())
         assert ids(b.waiting) == [2]
     for _ in range(100):  # to the end: request 0, the oldest, is never preempted
         if not b.has_work:
             break
-        apply(b, kv, b.form())
+        apply_batch(b, kv, b.form())
         assert 0 not in ids(b.waiting)
     assert not b.has_work and kv.allocator.num_free == 10 and b.pool.stats.recomputed >= 2
     for r in reqs:  # every token once, in order: none lost or sampled twice by a recompute
@@ -96,7 +79,7 @@ def test_victims_go_back_to_the_queue_head_in_admission_order():
     for i, prompt in enumerate((16, 16, 4, 4)):  # 4, 4, 1 and 1 pages: the cache is full
         b.add(req(i, prompt, 8))
     b.add(req(9, 1, 1))
-    apply(b, kv, b.form())
+    apply_batch(b, kv, b.form())
     assert ids(b.running) == [0, 1, 2, 3] and kv.allocator.num_free == 0
     batch = b.form()  # every decode needs a page: 3 goes for 0's, then 2 for 1's
     assert ids(b.running) == [0, 1] and ids(b.waiting) == [2, 3, 9]
@@ -107,9 +90,9 @@ def test_headroom_holds_back_admission_unless_nothing_runs():
     b, kv = batcher(20, headroom=0.5)  # 10 pages must stay free past an admission
     b.add(req(0, 40, 30))  # 10 pages: more than the headroom allows beside others
     b.add(req(1, 4, 1))
-    apply(b, kv, b.form())
+    apply_batch(b, kv, b.form())
     assert ids(b.running) == [0]  # admitted alone, headroom waived
-    apply(b, kv, b.form())
+    apply_batch(b, kv, b.form())
     assert ids(b.waiting) == [1]  # 10 free - 1 needed < 10 headroom
 
 
@@ -128,8 +111,8 @@ def test_swap_preemption_resumes_the_request_where_it_stopped():
     b, kv = batcher(10, swap=True)
     for i in range(3):
         b.add(req(i, 12, 20))
-    apply(b, kv, b.form())
-    apply(b, kv, b.form())
+    apply_batch(b, kv, b.form())
+    apply_batch(b, kv, b.form())
     victim = b.waiting[0]
     assert b.pool.stats.swapped == 1 and b.pool.swap.holds(2) and kv.num_held(2) == 0
     assert victim.num_prefilled == 12 and victim.num_recompute == 0  # keeps its progress

@@ -31,8 +31,6 @@ def batcher(pages, dense=64, swap=False, **cfg):
     return Batcher(dense, pages, PAGE, max_context=1024, pool=pool), kv
 
 
-
-
 def ids(rs):
     return [r.request_id for r in rs]
 

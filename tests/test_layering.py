@@ -91,3 +91,15 @@ def test_allowed_imports_pass(tmp_path):
     (pkg / "benchmarks" / "b.py").write_text(
         "import nanosched.runtime.engine\nimport nanosched.autosearch.simulate\n")
     assert violations(pkg) == []
+
+
+def test_every_folder_of_modules_is_a_package_that_setup_installs():
+    """find_packages skips a folder without __init__.py, and everything below it: an installed
+    (not editable) nanosched would then lack it."""
+    from setuptools import find_packages
+
+    folders = {p.parent for p in ROOT.rglob("*.py")}
+    assert [str(f) for f in folders if not (f / "__init__.py").exists()] == []
+    found = set(find_packages(str(ROOT.parent), include=["nanosched", "nanosched.*"]))
+    want = {".".join(f.relative_to(ROOT.parent).parts) for f in folders}
+    assert want <= found

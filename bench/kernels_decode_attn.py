@@ -73,7 +73,7 @@ class Batch:
 
 def places(sms_list: list[int]) -> list[tuple[int, object, object]]:
     """(granted SMs, stream) for each requested partition, then the whole GPU."""
-    from nanosched.gpu.greenctx import split_sms
+    from nanosched.greenctx import split_sms
 
     out = []
     for small in sms_list:

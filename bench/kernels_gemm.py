@@ -9,7 +9,7 @@ tile configurations; the best is reported beside cuBLAS, in TFLOP/s and as a rat
 warm-up, medians (triton.testing.do_bench); GEMMs are compute-bound, so inputs are not rotated.
 
 With `--partition-sms`, the same GEMMs are timed again on a disjoint green-context partition of
-each size (nanosched.gpu.greenctx.split_sms; the Triton GEMM then runs NUM_SMS = the
+each size (nanosched.greenctx.split_sms; the Triton GEMM then runs NUM_SMS = the
 partition's SMs), and each row also gives its speed relative to cuBLAS on the whole GPU
 (`vs_full_cublas`; ideal = partition SMs / all SMs).
 JSON to $OUT or bench/results/; a table last.
@@ -81,7 +81,7 @@ def main() -> None:
                          **bench_shape(tokens, n, k, num_sms)})
     full = {(r["op"], r["tokens"]): r["cublas_ms"] for r in rows}
     for sms in [int(s) for s in args.partition_sms.split(",") if s]:
-        from nanosched.gpu.greenctx import split_sms
+        from nanosched.greenctx import split_sms
 
         pair = split_sms(0, sms)
         try:

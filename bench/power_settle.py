@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--idle", type=float, default=3.0)
     args = ap.parse_args()
-    from nanosched.gpu.greenctx import split_sms
+    from nanosched.greenctx import split_sms
 
     env = environment()
     tele = Telemetry(0).start()

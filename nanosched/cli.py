@@ -216,6 +216,11 @@ def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> Non
         typer.echo(f"  {res['percent_of_optimal']:.1f}% of optimal "
                    f"({res['optimal_tokens_per_s_per_gpu']:.0f} tokens/s/GPU at the measured "
                    f"{gemm_tflops:.0f} TFLOP/s)")
+    p = run["preemptions"]
+    typer.echo(f"  {run['tokens_per_iteration']:.1f} tokens per iteration, "
+               f"{100 * run['full_batch_share']:.1f}% of iterations at the dense batch; "
+               f"admission {run['admission']}: {p['preemptions']} preemptions "
+               f"({p['recomputed']} recomputed, {p['swapped']} swapped)")
     typer.echo(f"  latency per output token: mean {res['normalized_latency_s'] * 1e3:.1f} ms, "
                f"p99 {res['latency_per_output_token_p99_s'] * 1e3:.1f} ms; time to first "
                f"token mean {res['ttft_mean_s'] * 1e3:.0f} ms")
@@ -233,6 +238,23 @@ def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> Non
     if "predicted_period_us" in run:
         line += f" (schedule predicted {run['predicted_period_us']:.0f} us)"
     typer.echo(line)
+
+
+ADMISSION_HELP = (
+    "KV admission: 'use' (default, as vLLM and SGLang: admit while the request's prompt pages "
+    "plus --kv-headroom are free; when a decode lacks a page, preempt the most recently "
+    "admitted requests), 'reserve' (admit only if the peak with every request at max_tokens "
+    "fits; never preempts, holds back when requests stop early), or 'predict' (NanoFlow: that "
+    "peak with outputs predicted from requests that ended; preempts when short).")
+HEADROOM_HELP = ("Share of the KV cache, in [0, 1), left free after admitting a request under "
+                 "'use' or 'predict' (waived when nothing else runs): fewer preemptions, fewer "
+                 "requests at once.")
+PREEMPTION_HELP = (
+    "How a preempted request gives up its KV pages: 'recompute' (default: dropped; it prefills "
+    "prompt + outputs again, no token is sampled twice), 'swap' (copied to host memory and "
+    "back before it runs again; recompute when --swap-space is full), or 'auto' (swap when "
+    "copying out and in over the host link costs less than recomputing at the GEMM peak).")
+SWAP_HELP = "Host memory in GiB, in [0, 1048576], for swapped-out KV (pinned on a GPU)."
 
 
 @app.command()
@@ -273,6 +295,10 @@ def bench(
                                "appears), or 'both' (every strategy eager, then with graphs)."),
     json_out: str | None = typer.Option(None, "--json", help="Write every figure, the "
                                         "configuration and the environment to this file."),
+    admission: str = typer.Option("use", "--admission", help=ADMISSION_HELP),
+    kv_headroom: float = typer.Option(0.0, "--kv-headroom", help=HEADROOM_HELP),
+    preemption: str = typer.Option("recompute", "--preemption", help=PREEMPTION_HELP),
+    swap_space: float = typer.Option(4.0, "--swap-space", help=SWAP_HELP),
 ) -> None:
     """Serve a workload with the engine and report throughput and latency (NanoFlow §6).
 
@@ -282,10 +308,13 @@ def bench(
     from nanosched.benchmarks.throughput import BenchConfig, run_bench
     from nanosched.fileio import write_json_atomic
     from nanosched.runtime.config import EngineConfig
+    from nanosched.runtime.preempt import AdmissionConfig
 
+    admit = AdmissionConfig(policy=admission, headroom=kv_headroom, preemption=preemption,
+                            swap_space_gib=swap_space)
     engine = EngineConfig(model=model, tp=tp, weights=weights, device=device, seed=seed,
                           schedule=schedule, force=force, dense_batch=dense_batch,
-                          graphs=graphs)
+                          graphs=graphs, admission=admit)
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,
                       warmup_prompts=warmup_prompts)
@@ -452,6 +481,10 @@ def serve(
                                         "for open requests."),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs per batch bucket: 'auto' "
                                "(on with a GPU), 'on' or 'off' (eager launches)."),
+    admission: str = typer.Option("use", "--admission", help=ADMISSION_HELP),
+    kv_headroom: float = typer.Option(0.0, "--kv-headroom", help=HEADROOM_HELP),
+    preemption: str = typer.Option("recompute", "--preemption", help=PREEMPTION_HELP),
+    swap_space: float = typer.Option(4.0, "--swap-space", help=SWAP_HELP),
 ) -> None:
     """Serve the model over HTTP with OpenAI's completions and chat completions APIs."""
     try:
@@ -462,9 +495,13 @@ def serve(
                           f"pip install -e '.[serve]'") from None
 
     from nanosched.runtime.config import EngineConfig
+    from nanosched.runtime.preempt import AdmissionConfig
 
+    admit = AdmissionConfig(policy=admission, headroom=kv_headroom, preemption=preemption,
+                            swap_space_gib=swap_space)
     engine = EngineConfig(model=model, weights=weights, tp=tp, schedule=schedule,
-                          dense_batch=dense_batch, device=device, seed=seed, graphs=graphs)
+                          dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
+                          admission=admit)
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout))
 

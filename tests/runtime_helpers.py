@@ -100,3 +100,24 @@ class ShuffledDevice:
                 item()
             elif kind == "record":
                 self.done_events.add(item)
+
+
+def apply_batch(batcher, kv, batch):
+    """The engine's step after `batch`, without a model: plan it into the cache, emit a token
+    per sampler (its index in the output), retire and free the requests that reached
+    max_tokens. Returns them."""
+    kv.plan([(e.request.request_id, e.num_tokens, e.is_decode) for e in batch.entries])
+    done = []
+    for e in batch.entries:
+        r = e.request
+        if not e.is_decode:
+            r.num_prefilled += e.num_tokens
+        if e.samples:
+            r.output_ids.append(len(r.output_ids))
+            if len(r.output_ids) == r.params.max_tokens:
+                r.finished = True
+                done.append(r)
+    for r in done:
+        kv.release(r.request_id)
+    batcher.retire(done)
+    return done

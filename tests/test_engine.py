@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from runtime_helpers import make_engine, step
+from runtime_helpers import apply_batch, make_engine, step
 
 from nanosched.errors import ConfigError
 from nanosched.models.model import CausalLM
@@ -142,20 +142,7 @@ def test_async_loop_gives_the_same_tokens_as_the_synchronous_one(model):
 
 def _plan_and_advance(kv, batcher):
     """One step without a model: plan the batch into the cache, emit a token per sampler."""
-    batch = batcher.form()
-    kv.plan([(e.request.request_id, e.num_tokens, e.is_decode) for e in batch.entries])
-    ended = []
-    for e in batch.entries:
-        r = e.request
-        r.num_prefilled += 0 if e.is_decode else e.num_tokens
-        if e.samples:
-            r.output_ids.append(0)
-            if len(r.output_ids) == r.params.max_tokens:
-                r.finished = True
-                ended.append(r)
-    for r in ended:
-        kv.release(r.request_id)
-    batcher.retire(ended)
+    apply_batch(batcher, kv, batcher.form())
 
 
 def test_no_kv_page_leaks_over_10000_steps_with_random_arrivals():

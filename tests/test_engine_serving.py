@@ -7,6 +7,7 @@ from nanosched.models.model import CausalLM
 from nanosched.models.weights import init_random
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
+from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams
 
 
@@ -37,7 +38,8 @@ def test_on_token_reports_each_token_once_in_order(model, is_async):
 
 @pytest.mark.parametrize("is_async", [False, True])
 def test_abort_running_and_waiting_requests_frees_their_pages(model, is_async):
-    eng = Engine(model, EngineConfig(dense_batch=24, num_pages=9, async_loop=is_async))  # 2 fit
+    eng = Engine(model, EngineConfig(dense_batch=24, num_pages=9, async_loop=is_async,
+                                     admission=AdmissionConfig(policy="reserve")))  # 2 fit
     reqs = make(4, max_tokens=12)
     for r in reqs:
         eng.add_request(r)

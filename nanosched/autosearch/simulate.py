@@ -53,8 +53,8 @@ def lm_head_us(profile: Profile, batch: BatchInfo) -> float:
     if not profile.token_grid("lm_head"):
         return 0.0
     sampled = batch.num_decode + (batch.dense_batch - batch.num_decode) / batch.prompt_len
-    q = TOKEN_QUANTUM
-    tokens = min(batch.dense_batch, max(q, math.ceil(sampled / q) * q))
+    rounded = math.ceil(sampled / TOKEN_QUANTUM) * TOKEN_QUANTUM
+    tokens = min(batch.dense_batch, max(TOKEN_QUANTUM, rounded))
     return profile.kernel_time_us("lm_head", tokens)
 
 

@@ -22,7 +22,7 @@ import math
 from datetime import date
 
 from nanosched.autosearch.opgraph import layer_graph
-from nanosched.constants import DEFAULT_NUM_SMS, TOKEN_QUANTUM
+from nanosched.constants import TOKEN_QUANTUM
 from nanosched.costmodel import nano_mix, op_demands
 from nanosched.errors import ConfigError
 from nanosched.hardware import GPUSpec
@@ -33,6 +33,7 @@ from nanosched.profiler.format import Ceilings, Identity, KernelRow, Profile, RP
 LAUNCH_US = 3.0
 NET_LATENCY_US = 8.0
 GEMM_HALF_TOKENS = 64.0
+DEFAULT_SMS = 132
 MEMORY_RP = ((0.1, 0.2), (0.2, 0.3), (0.3, 0.55), (0.4, 0.8), (0.5, 0.82), (0.6, 0.83),
              (0.7, 0.84), (0.8, 0.85), (0.9, 0.95))
 NETWORK_RP = ((0.1, 0.3), (0.2, 0.5), (0.3, 0.6), (0.4, 0.7), (0.5, 0.75), (0.6, 0.8),
@@ -108,7 +109,7 @@ def synthetic_profile(spec: ModelSpec, gpu: GPUSpec, tp: int, dense_batch: int,
                           f"got {dense_batch}")
     if not contexts or min(contexts) < 1:
         raise ConfigError(f"synthetic profile: contexts must be positive, got {contexts}")
-    num_sms = gpu.num_sms or DEFAULT_NUM_SMS
+    num_sms = gpu.num_sms or DEFAULT_SMS
     ceil = synthetic_ceilings(gpu, tp)
     ops = [(o.name, o.resource) for o in layer_graph(spec, tp).ops] + [("lm_head", COMPUTE)]
     rows: list[KernelRow] = []
@@ -121,7 +122,7 @@ def synthetic_profile(spec: ModelSpec, gpu: GPUSpec, tp: int, dense_batch: int,
     notes = ("SYNTHETIC profile: roofline times from the NanoFlow cost model and GPU priors, "
              "NanoFlow Table 3 R->P; nothing here was measured",
              f"launch floor {LAUNCH_US} us, GEMM efficiency T/(T+{GEMM_HALF_TOKENS:g})"
-             + ("" if gpu.num_sms else f"; SM count unknown, assumed {DEFAULT_NUM_SMS}"))
+             + ("" if gpu.num_sms else f"; SM count unknown, assumed {DEFAULT_SMS}"))
     identity = Identity(f"synthetic-{gpu.name}", num_sms, int(gpu.mem_bytes),
                         date=date.today().isoformat(), command="synthetic_profile")
     return Profile(identity, spec, tp, dense_batch, ceil, tuple(rows),

@@ -1,3 +1,2 @@
-"""Benchmark harnesses: `nanosched bench` (throughput.py), the per-strategy forward timeline
-(timeline.py) and their shared helpers (common.py). They may import the search (to predict
-what they measure); the runtime never imports them."""
+"""Benchmark harnesses that run the engine and compare it with the search's predictions: they
+may import both the runtime and the search, which the runtime itself never does."""

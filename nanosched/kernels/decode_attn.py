@@ -10,10 +10,11 @@ by their log-sum-exp. `max_ctas` and `num_splits` are launch arguments: the prof
 
 Two configurations of the one kernel (`DecodeConfig`) are two implementations: `triton_paged`
 (`PAGED`: no load pipelining, four programs per SM) and `triton_pipelined` (`PIPELINED`: K/V
-blocks of several pages loaded `num_stages - 1` steps ahead through a shared-memory ring). HBM
+steps of several pages loaded `num_stages - 1` steps ahead through a shared-memory ring). HBM
 bandwidth needs bytes in flight (Little's law: about 2.7 MB device-wide on an H100/H200), and a
-program keeps only one block in flight without pipelining, so `triton_paged` needs most SMs to
-reach bandwidth while `triton_pipelined` gets there on a quarter of them.
+program keeps only one step in flight without pipelining, so `triton_paged` needs most SMs to
+reach bandwidth; `triton_pipelined` gets more of it from few SMs (docs/overlap.md has both
+against SMs).
 
 A request with context length 0 (a padded row of a CUDA-graph bucket) gets a zero output, never
 NaN, whatever the split count, and reads no page.

@@ -7,6 +7,10 @@ batch will write, advances each request's length and returns the batch's `BatchM
 Pages are zero-initialised so that padded reads never meet NaNs. One page past the allocator's
 (`scratch_slot`) is never handed out: the padded rows of a CUDA-graph bucket write their K/V
 there, so they never touch a request's pages.
+
+Every tensor that holds a page's data has the page on dim 1 (`page_tensors()`: K and V; a
+quantised cache adds its scales there), so code that moves pages (runtime/offload.py) and
+sizes them (`bytes_per_token`) works for any KV dtype and layout.
 """
 
 from __future__ import annotations
@@ -66,6 +70,30 @@ class KVCache:
         self.scratch_slot = num_pages * page_size  # the first slot of the scratch page
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+
+    def page_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by page on dim 1 ([L, P + 1, ...]): what a page's data is."""
+        return [self.k, self.v]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token keeps in the cache, all layers, every page tensor."""
+        page = sum(t[:, 0].numel() * t.element_size() for t in self.page_tensors())
+        return page // self.page_size
+
+    def num_held(self, request: int) -> int:
+        """Pages `request` holds (0 for an unknown request)."""
+        return len(self.tables.get(request, ()))
+
+    def adopt(self, request: int, pages: list[int], length: int) -> None:
+        """Give `request` (holding no pages) the block table `pages`, `length` tokens written
+        (a swap-in: the caller copies the data)."""
+        if self.tables.get(request):
+            raise ConfigError(f"request {request} already holds KV pages")
+        if len(pages) * self.page_size < length:
+            raise ConfigError(f"{len(pages)} pages cannot hold {length} tokens")
+        self.tables[request] = list(pages)
+        self.lengths[request] = length
 
     def length(self, request: int) -> int:
         """Tokens of `request` already written (0 for an unknown request)."""

@@ -1,5 +1,4 @@
-"""The measuring side of the profiler, as an interface: the loop in `runner.py` drives a
-`ProfilerBackend`.
+"""The measuring side of the profiler, as an interface: `runner.py` drives a ProfilerBackend.
 
 `gpu_backend.GPUBackend` measures on a CUDA GPU; `fake.FakeBackend` answers from a deterministic
 model, so the loop, resume and table building are tested on a CPU. A backend times one task at a

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nanosched.gpu.greenctx import PartitionPair, split_sms
+from nanosched.greenctx import PartitionPair, split_sms
 from nanosched.profiler import impls, timing
 from nanosched.profiler.backend import (
     NetworkRequest,

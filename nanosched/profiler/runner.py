@@ -1,11 +1,10 @@
 """The profiling loop: ceilings, kernel table, co-run pairs, network rows -> a checked profile.
 
-`run_profile(settings, backend, options)` drives any `ProfilerBackend`. It saves
-`FILE.partial.json` atomically every `SAVE_EVERY` rows; on Ctrl-C it saves it and raises
-`ProfileInterrupted`, whose message says how to resume; `--resume` measures only the rows
-missing from it. A busy GPU and clock drift (a reference GEMM re-timed every `DRIFT_EVERY`
-rows, more than `DRIFT_LIMIT` away from the first timing) are reported on the console and in
-the profile's notes.
+`run_profile(settings, backend, options)` drives any `ProfilerBackend`. It saves `FILE.partial.json`
+atomically every `SAVE_EVERY` rows; on Ctrl-C it saves it and raises `ProfileInterrupted`,
+whose message says how to resume; `--resume` measures only the rows missing from it. A busy GPU
+and clock drift (a reference GEMM re-timed every `DRIFT_EVERY` rows, more than `DRIFT_LIMIT`
+away from the first timing) are reported on the console and in the profile's notes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The profiler's one Triton kernel (GPU-only module: imports triton).
 
-- `sm_ids(num_ctas)`: the `%smid` of each program, to check which SMs a stream may use;
-  `partition_sm_ids(part)`: the SMs a green-context partition's stream ran on. The kernels the
-  profiler measures are the model's own (nanosched/kernels/,
+- `sm_ids(num_ctas)`: the `%smid` of each program, to check which SMs a stream may use
+  (partitions.py). The kernels the profiler measures are the model's own (nanosched/kernels/,
   registered in impls_kernels.py), never copies of them.
 """
 
@@ -12,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanosched.gpu.greenctx import Partition
+from nanosched.greenctx import Partition
 
 
 @triton.jit

@@ -1,2 +1,2 @@
-"""The runtime: the scheduler API, strategies, streams and CUDA graphs, the engine and its loader,
-the server. It reads schedules, never the search that makes them."""
+"""The runtime: the scheduler API, strategies, executor, engine and server. It reads schedules,
+never the search (tests/test_layering.py)."""

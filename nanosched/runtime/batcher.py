@@ -15,6 +15,41 @@ decodes. The bound sum_prefilling P_i + max_t U(t), plus a page of slack per req
 rounding, never grows as requests progress, so admitting a request only when the bound with it
 fits the cache means a run never runs out of KV memory mid-way. A request whose own peak exceeds
 the cache can never run and is rejected.
+
+Admission policies (`AdmissionConfig.policy`, runtime/preempt.py):
+
+- "reserve": the bound above. Never preempts; holds back whenever requests end before
+  max_tokens (an EOS), since it counts each at max_tokens.
+- "predict" (NanoFlow): the same bound with each request's remaining output predicted from the
+  outputs of requests that ended (runtime/predict.py; max_tokens until one has), under the
+  invariant below; a prediction that falls short is caught by preemption.
+- "use" (the default, as in vLLM and SGLang): admit while the pages of the request's whole
+  prefill plus `headroom` (a share of the cache) are free.
+
+Under "use" and "predict" a `KVPool` holds the pages. Invariant after each `form()`: every
+running request holds pages for each position it has written, for its whole prefill (taken at
+admission, so a prompt chunk never needs a page) and for the position its decode writes in this
+batch; planning the batch never runs out. To keep it, `form()` first frees the pages of requests
+whose every token is sampled (the last may be in flight), then gives each decode its page, oldest
+request first; while none is free it preempts the most recently admitted running request that
+holds pages (possibly the decoding request itself, never an older one) and puts it back at the
+head of the queue, victims in their admission order. By recompute the pages are dropped and the
+request prefills prompt + every output it has (`num_recompute`), the last position sampling its
+next, new, token; by swap the pages go to host memory and come back one step before the request
+runs again, so the copy overlaps a forward. Either way no token is lost or produced twice.
+
+Progress: the oldest running request is never preempted (it would have to be alone, and a
+request whose peak does not fit the cache alone is refused by `add`), so it finishes, and first
+come first served makes every request the oldest in turn. A waiting request is admitted only
+with every token it sampled on the host (async loop), never in a step that preempted (that
+would undo the preemption), and with the headroom waived when nothing runs (else a request
+larger than cache - headroom would wait forever).
+
+Async loop: `form()` for batch i+1 runs while batch i is on the device. Requests count their
+in-flight tokens (`num_output`), and a page freed here is next written by batch i+1 or by a
+copy ordered after batch i (runtime/offload.py), so these decisions hold whatever batch i
+brings back; a victim's in-flight token is appended when read back, and ends it there if it is
+its last or an EOS (`retire` then takes it out of the queue).
 """
 
 from __future__ import annotations
@@ -22,9 +57,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from nanosched.errors import ConfigError
 from nanosched.models.bucket import round_up
+from nanosched.runtime.predict import OutputLengths
+from nanosched.runtime.preempt import KVPool, PreemptStats
 from nanosched.runtime.requests import Request
 
 
@@ -40,7 +78,7 @@ class BatchEntry:
     @property
     def samples(self) -> bool:
         """Whether this entry yields a new token (decode, or the prompt's last chunk)."""
-        return self.is_decode or self.start + self.num_tokens == self.request.prompt_len
+        return self.is_decode or self.start + self.num_tokens == self.request.prefill_len
 
 
 @dataclass(frozen=True)
@@ -72,11 +110,18 @@ def peak_kv_tokens(held: list[int], remaining: list[int]) -> int:
     return max(best, sum(held))
 
 
+@dataclass
+class BatcherStats:
+    batches: int = 0  # non-empty batches formed
+    full_batches: int = 0  # of those, batches that left no row of the dense batch unused
+
+
 class Batcher:
-    """Forms each iteration's batch and decides admission; knows nothing of the model."""
+    """Forms each iteration's batch and decides admission; knows nothing of the model.
+    `pool` None: the "reserve" policy; else the pool's, "use" or "predict" (module docstring)."""
 
     def __init__(self, dense_batch: int, kv_capacity_pages: int, page_size: int,
-                 max_context: int, decode_align: int = 1) -> None:
+                 max_context: int, decode_align: int = 1, pool: KVPool | None = None) -> None:
         if dense_batch < 1:
             raise ConfigError(f"--dense-batch must be positive, got {dense_batch}")
         if decode_align < 1:
@@ -86,8 +131,15 @@ class Batcher:
         self.capacity_pages = kv_capacity_pages
         self.page_size = page_size
         self.max_context = max_context
+        self.pool = pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.stats = BatcherStats()
+        self.output_lengths = OutputLengths()  # of ended requests, for "predict"
+
+    @property
+    def policy(self) -> str:
+        return "reserve" if self.pool is None else self.pool.cfg.policy
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -106,22 +158,72 @@ class Batcher:
         self.check_fits(req)
         self.waiting.append(req)
 
+    def _remaining(self, r: Request) -> int:
+        """Tokens `r` is expected to generate still: all it may ("reserve"), or the mean
+        remainder of ended requests that got as far ("predict", runtime/predict.py)."""
+        if self.policy == "predict":
+            return self.output_lengths.remaining(r.num_output, r.params.max_tokens)
+        return max(0, r.params.max_tokens - r.num_output)
+
     def predicted_peak_pages(self, extra: Request | None = None) -> int:
         reqs = self.running + ([extra] if extra is not None else [])
         decoding = [r for r in reqs if not r.is_prefilling]
         held = [r.prompt_len + r.num_output for r in decoding]
-        remaining = [max(0, r.params.max_tokens - r.num_output) for r in decoding]
-        prefilling = sum(r.peak_tokens for r in reqs if r.is_prefilling)
+        remaining = [self._remaining(r) for r in decoding]
+        prefilling = sum(r.prompt_len + r.num_output + self._remaining(r)
+                         for r in reqs if r.is_prefilling)
         return math.ceil((prefilling + peak_kv_tokens(held, remaining)) / self.page_size) + \
             len(reqs)
 
     def _can_admit(self, req: Request) -> bool:
-        return (len(self.running) < self.dense_batch and
+        if len(self.running) >= self.dense_batch:
+            return False
+        if self.pool is None:
+            return self.predicted_peak_pages(req) <= self.capacity_pages
+        alone = not self.running
+        if not self.pool.can_admit(req, alone):
+            return False
+        return (alone or self.policy != "predict" or
                 self.predicted_peak_pages(req) <= self.capacity_pages)
+
+    # ---- the "use" policy: pages for this step's decodes -----------------------------------
+    def _make_room(self) -> bool:
+        """Free the pages of requests with every token sampled, then give each decode its page,
+        preempting the newest page holders (module docstring). True if any was preempted."""
+        pool = self.pool
+        pool.begin_step()
+        for r in self.running:
+            if r.num_output >= r.params.max_tokens:
+                pool.release(r)
+        preempted: set[int] = set()
+        for r in list(self.running):  # oldest first; victims are newer, so not yet visited
+            if id(r) in preempted:
+                continue
+            while pool.decode_need(r) > pool.num_free:
+                victim = self._newest_holder(r)
+                self.running.remove(victim)
+                self.waiting.appendleft(victim)
+                pool.preempt(victim)
+                preempted.add(id(victim))
+                if victim is r:
+                    break
+            else:
+                pool.reserve_decode(r)
+        return bool(preempted)
+
+    def _newest_holder(self, r: Request) -> Request:
+        """The most recently admitted running request after `r` that holds pages, else `r`."""
+        for v in reversed(self.running):
+            if v is r:
+                return r
+            if self.pool.held(v) > 0:
+                return v
+        return r
 
     # ---- formation -------------------------------------------------------------------------
     def form(self, now_s: float = math.inf) -> Batch:
         """The next batch: decodes, continuing prefills, then new requests that fit."""
+        preempted = self._make_room() if self.pool is not None else False
         entries = [BatchEntry(r, r.prompt_len + r.num_output - 1, 1, True)
                    for r in self.running if not r.is_prefilling and not r.finished
                    and r.num_output < r.params.max_tokens]
@@ -133,29 +235,46 @@ class Batcher:
                 break
             if r.is_prefilling:
                 budget -= self._chunk(entries, r, budget)
-        while budget > 0 and self.waiting and self.waiting[0].arrival_s <= now_s:
+        while (not preempted and budget > 0 and self.waiting and
+               self.waiting[0].arrival_s <= now_s):
             if not self._can_admit(self.waiting[0]):
                 break  # first come first served: later requests wait behind it
             r = self.waiting.popleft()
             self.running.append(r)
+            if self.pool is not None and self.pool.admit(r):
+                continue  # swapped in: runs from the next step, once its copy is done
             budget -= self._chunk(entries, r, budget)
+        if entries:
+            self.stats.batches += 1
+            self.stats.full_batches += budget == 0
         return Batch(tuple(entries))
 
     @staticmethod
     def _chunk(entries: list[BatchEntry], r: Request, budget: int) -> int:
-        n = min(budget, r.prompt_len - r.num_prefilled)
+        n = min(budget, r.prefill_len - r.num_prefilled)
         entries.append(BatchEntry(r, r.num_prefilled, n, False))
         return n
 
     def retire(self, finished: list[Request]) -> None:
+        """Drop ended requests: running ones, and preempted ones whose last token in flight
+        ended them while they waited (async loop)."""
         done = {id(r) for r in finished}
+        for r in finished:
+            self.output_lengths.record(len(r.output_ids))
         self.running = [r for r in self.running if id(r) not in done]
+        if any(id(r) in done for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if id(r) not in done)
+        if self.pool is not None:
+            for r in finished:
+                self.pool.drop(r)
 
     def remove(self, request_id: int) -> Request | None:
         """Take a request out of the queue or the running set (an abort); None if absent."""
         for r in self.waiting:
             if r.request_id == request_id:
                 self.waiting.remove(r)
+                if self.pool is not None:
+                    self.pool.drop(r)
                 return r
         for r in self.running:
             if r.request_id == request_id:
@@ -166,3 +285,16 @@ class Batcher:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def reset_stats(self) -> None:
+        """Count batches and preemptions afresh (after a benchmark's warm-up)."""
+        self.stats = BatcherStats()
+        if self.pool is not None:
+            self.pool.stats = PreemptStats()
+
+    def report(self) -> dict[str, Any]:
+        """The admission policy; the share of batches that left no row of the dense batch unused
+        (decode rows rounded up to `decode_align` count as used); preemptions by kind."""
+        s = self.stats
+        return {"admission": self.policy, "full_batch_share": s.full_batches / max(1, s.batches),
+                "preemptions": (self.pool.stats if self.pool else PreemptStats()).as_dict()}

@@ -1,6 +1,7 @@
 """The serving engine (NanoFlow §4.2.1): `step()` = form batch -> run the scheduler -> post-process.
 
-A fixed dense batch per iteration (decode first, chunked prefill after; see batcher.py). The
+A fixed dense batch per iteration (decode first, chunked prefill after; see batcher.py, which
+also admits requests and preempts them when KV pages run out, as `config.admission` says). The
 model step goes through a scheduling strategy (`Sequential` by default; any `OpScheduler`), with
 a fallback strategy for batches the main one does not accept, counted in `stats`.
 
@@ -17,9 +18,10 @@ what a graph replays). `stats.graphs` counts captures, replays and padding.
 
 Serving hooks. `on_token(request, token)`, when given, is called once for every token appended
 to a request's output, in order, during post-processing. `abort(request_id)` ends a request
-wherever it is: a waiting one leaves the queue; a running one is retired and its KV pages are
-freed at once. A token of it still in flight (async loop) is dropped when read back, as a token
-past EOS is. Aborted requests end with `finish_reason == "abort"` and are not in `finished`.
+wherever it is: a waiting one leaves the queue (a swapped-out one's host copy is dropped); a
+running one is retired and its KV pages are freed at once. A token of it still in flight
+(async loop) is dropped when read back, as a token past EOS is. Aborted requests end with
+`finish_reason == "abort"` and are not in `finished`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from nanosched.runtime.config import GRAPH_MODES, EngineConfig
 from nanosched.runtime.device import CudaDevice, SerialDevice
 from nanosched.runtime.graphs import BucketRunner, GraphStats
 from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.preempt import make_pool
 from nanosched.runtime.program import LaunchConfig
 from nanosched.runtime.requests import Request
 from nanosched.runtime.sampling import sample
@@ -91,8 +94,9 @@ class Engine:
         self.ws = model.new_workspace(cfg.dense_batch, cfg.num_pages, cfg.page_size)
         max_context = cfg.max_context or model.spec.max_position_embeddings
         align = cfg.graph_align if cfg.graphs != "off" else 1
+        pool = make_pool(model, self.ws.kv, cfg.admission)
         self.batcher = Batcher(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
-                               decode_align=align)
+                               decode_align=align, pool=pool)
         self.strategy = strategy or Sequential()
         self.fallback = fallback or Sequential()
         self.stream_configs = stream_configs
@@ -176,7 +180,7 @@ class Engine:
             elif e.is_decode:
                 ids[row] = r.output_ids[-1]
             else:
-                ids[row:row + e.num_tokens] = r.prompt_ids[e.start:e.start + e.num_tokens]
+                ids[row:row + e.num_tokens] = r.prefill_ids(e.start, e.num_tokens)
             segments.append((row, row + e.num_tokens, e.is_decode))
             row += e.num_tokens
             if e.samples:

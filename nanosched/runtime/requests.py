@@ -49,7 +49,8 @@ class Request:
     arrival_s: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     pending: int = 0  # tokens sampled on the device but not yet read back (async loop)
-    num_prefilled: int = 0  # prompt tokens already in the KV cache
+    num_prefilled: int = 0  # tokens of the prefill (see `prefill_len`) already in the KV cache
+    num_recompute: int = 0  # output tokens prefilled again after a recompute preemption
     finished: bool = False
     finish_reason: str = ""
     first_token_s: float | None = None
@@ -65,8 +66,21 @@ class Request:
         return len(self.output_ids) + self.pending
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens to prefill before decoding: the prompt, then the outputs whose KV a recompute
+        preemption dropped (their last position samples the next, new, token)."""
+        return self.prompt_len + self.num_recompute
+
+    def prefill_ids(self, start: int, num_tokens: int) -> list[int]:
+        """Token ids of prefill positions [start, start + num_tokens): prompt, then outputs."""
+        end = start + num_tokens
+        if end <= self.prompt_len:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_prefilled < self.prompt_len
+        return self.num_prefilled < self.prefill_len
 
     @property
     def peak_tokens(self) -> int:

@@ -33,8 +33,10 @@ MAIN_STREAM = "main"
 
 
 @dataclass(frozen=True)
-class OpSlice:
-    """Op `index` of the program on micro-batch `mb`, covering tokens [start, end)."""
+class OpInstance:
+    """Op `index` of the program on micro-batch `mb`, covering tokens [start, end): one nano-op
+    as the scheduler API hands it to a strategy (the schedule file's record is
+    `schedules.format.NanoOp`)."""
 
     index: int
     mb: int
@@ -101,26 +103,26 @@ class SchedContext:
     def num_micro_batches(self) -> int:
         return len(self.ranges)
 
-    def get_ready_ops(self, i: int) -> list[OpSlice]:
+    def get_ready_ops(self, i: int) -> list[OpInstance]:
         k = self._cursor[i]
         if k >= len(self.program.ops):
             return []
-        nano = OpSlice(k, i, *self.ranges[i])
+        nano = OpInstance(k, i, *self.ranges[i])
         return [nano] if self._blocker(nano) is None else []
 
     def is_ready(self, index: int, i: int) -> bool:
         """Whether op `index` of micro-batch `i` is ready (cheaper than get_ready_ops)."""
         if self._cursor[i] != index:
             return False
-        return self._blocker(OpSlice(index, i, *self.ranges[i])) is None
+        return self._blocker(OpInstance(index, i, *self.ranges[i])) is None
 
-    def execute(self, ops: OpSlice | Sequence[OpSlice], stream: str | None = None,
-                replace_func: Callable[[Sequence[OpSlice]], None] | None = None,
-                launch: LaunchConfig | None = None, after: Sequence[OpSlice] = ()) -> None:
+    def execute(self, ops: OpInstance | Sequence[OpInstance], stream: str | None = None,
+                replace_func: Callable[[Sequence[OpInstance]], None] | None = None,
+                launch: LaunchConfig | None = None, after: Sequence[OpInstance] = ()) -> None:
         """Dispatch ready nano-ops on `stream`. Beyond DynaFlow's API: `launch` overrides the
         stream's launch config, and `after` orders this launch behind earlier dispatched
         nano-ops with no data dependency (a schedule keeping two kernels apart)."""
-        ops = (ops,) if isinstance(ops, OpSlice) else tuple(ops)
+        ops = (ops,) if isinstance(ops, OpInstance) else tuple(ops)
         if not ops:
             raise ScheduleError("execute() needs at least one nano-op")
         for nano in ops:
@@ -148,7 +150,7 @@ class SchedContext:
         return all(self._cursor[j] >= len(self.program.ops) for j in idx)
 
     # ---- internals -------------------------------------------------------------------------
-    def _launch(self, group: Sequence[OpSlice], stream: str, fn: Callable[[], None],
+    def _launch(self, group: Sequence[OpInstance], stream: str, fn: Callable[[], None],
                 after: list[tuple[str, Any]]) -> None:
         reads, writes = [], []
         for n in group:
@@ -163,7 +165,7 @@ class SchedContext:
         for n in group:
             self._events[(n.index, n.mb)] = (stream, event)
 
-    def _check_ready(self, nano: OpSlice, batch: Sequence[OpSlice]) -> None:
+    def _check_ready(self, nano: OpInstance, batch: Sequence[OpInstance]) -> None:
         if nano.index != self._cursor[nano.mb] or (nano.start, nano.end) != \
                 self.ranges[nano.mb]:
             raise ScheduleError(f"{self.program.ops[nano.index].name} of micro-batch "
@@ -175,7 +177,7 @@ class SchedContext:
                                 f"is not ready: it needs {self.program.ops[blocker[0]].name} "
                                 f"of micro-batch {blocker[1]} first")
 
-    def _blocker(self, nano: OpSlice, also_done: set[tuple[int, int]] = frozenset()
+    def _blocker(self, nano: OpInstance, also_done: set[tuple[int, int]] = frozenset()
                  ) -> tuple[int, int] | None:
         if (nano.index, nano.mb) in self._unblocked:
             return None
@@ -203,8 +205,8 @@ def _conflict(a, a_lo: int, a_hi: int, b, b_lo: int, b_hi: int) -> bool:
     return False
 
 
-def _adjacent_groups(ops: Sequence[OpSlice]) -> list[list[OpSlice]]:
-    groups: list[list[OpSlice]] = []
+def _adjacent_groups(ops: Sequence[OpInstance]) -> list[list[OpInstance]]:
+    groups: list[list[OpInstance]] = []
     for n in sorted(ops, key=lambda n: n.start):
         if groups and groups[-1][-1].end == n.start:
             groups[-1].append(n)

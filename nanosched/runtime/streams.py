@@ -2,7 +2,7 @@
 
 Replay names a stream by its schedule stream and SM mechanism: `compute`, `memory@prio`,
 `compute@gc100`, `memory@gc32`. A `@gc<N>` stream is one side of a disjoint split of the GPU
-made with the driver's SM-resource split (nanosched/gpu/greenctx.py): N SMs on one side,
+made with the driver's SM-resource split (nanosched/greenctx.py): N SMs on one side,
 the rest on the other, so the two nano-ops that the profile measured side by side on a 100/32
 split run on the same pair here. A `@prio` stream gets the highest CUDA priority, as the
 profile's `stream_priority` rows did. GPU-only module (`partition_sides` is plain Python).
@@ -50,7 +50,7 @@ class ReplayStreams:
     def __init__(self, keys: set[str], device_index: int = 0) -> None:
         import torch
 
-        from nanosched.gpu.greenctx import split_sms
+        from nanosched.greenctx import split_sms
 
         self.total = torch.cuda.get_device_properties(device_index).multi_processor_count
         self.pairs: dict[int, Any] = {}

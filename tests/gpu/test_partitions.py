@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("small", [32, 40, 48])
 def test_split_gives_disjoint_sm_sets(small):
-    from nanosched.gpu.greenctx import split_sms
+    from nanosched.greenctx import split_sms
     from nanosched.profiler.triton_kernels import partition_sm_ids
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -27,7 +27,7 @@ def test_split_gives_disjoint_sm_sets(small):
 
 
 def test_gemm_on_a_partition_stream_is_right():
-    from nanosched.gpu.greenctx import split_sms
+    from nanosched.greenctx import split_sms
 
     pair = split_sms(0, 32)
     try:
@@ -54,19 +54,25 @@ def test_gpu_backend_times_a_row_and_a_pair():
         s = ProfileSettings(load_spec("llama3-8b"), 1, fixed(1024, 512), 512, quick=True)
         small, rest = backend.make_partitions((32,))[0]
         n = backend.num_sms
-        full = backend.time_kernel(s, KernelTask("ug", 512, 0, n, "full", "cublas"))
+        timed = backend.time_kernel(s, KernelTask("ug", 512, 0, n, "full", "cublas"))
+        assert timed.clock_mhz is not None and 0 < timed.power_w < 2000  # NVML sampled
+        full = timed.us
         part = backend.time_kernel(s, KernelTask("ug", 512, 0, rest, "green_ctx",
-                                                 "triton_persistent_128x128"))
+                                                 "triton_persistent_128x128")).us
         attn = backend.time_kernel(s, KernelTask("attn_decode", 512, 1024, n, "full",
-                                                 "triton_paged"))
+                                                 "triton_pipelined")).us
         bound = backend.time_kernel(s, KernelTask("attn_decode", 512, 1024, 16, "cta_bound",
-                                                  "triton_paged"))
-        norm = backend.time_kernel(s, KernelTask("add_norm_ffn", 512, 0, n, "full", "triton"))
+                                                  "triton_pipelined")).us
+        norm = backend.time_kernel(s, KernelTask("add_norm_ffn", 512, 0, n, "full",
+                                                 "triton")).us
         assert attn < bound and 0 < norm < attn
         assert 0 < full < part < 10 * full
+        alone = backend.time_sustained(s, KernelTask("ug", 512, 0, n, "full", "cublas"), full)
+        assert alone.us > 0.9 * full and alone.clock_mhz is not None
         task = PairTask("ug", 512, "attn_decode", "memory", 1024, "green_ctx", "cublas", rest,
-                        small, "triton_paged")
-        c_us, o_us = backend.time_pair(s, task, (full, attn))
-        assert c_us > 0.9 * full and o_us > 0.9 * attn
+                        small, "triton_pipelined")
+        pair = backend.time_pair(s, task, (full, attn))
+        assert pair.compute_us > 0.9 * full and pair.other_us > 0.9 * attn
+        assert pair.clock_mhz is not None and pair.power_w > 0
     finally:
         backend.close()

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.program import LaunchConfig, Program
-from nanosched.runtime.scheduler import MAIN_STREAM, OpScheduler, OpSlice, SchedContext
-from nanosched.schedules.format import NanoOp, Schedule
+from nanosched.runtime.scheduler import MAIN_STREAM, OpInstance, OpScheduler, SchedContext
+from nanosched.schedules.format import NanoOp as ScheduledOp
+from nanosched.schedules.format import Schedule
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class _Entry:
     period: int = 0  # layer + layer offset: the period the stream issues it in
 
 
-def stream_key(n: NanoOp) -> str:
+def stream_key(n: ScheduledOp) -> str:
     mech = n.alloc.mechanism
     if mech == "green_ctx":
         return f"{n.stream}@gc{n.alloc.units}"
@@ -49,7 +50,7 @@ def stream_key(n: NanoOp) -> str:
     return n.stream
 
 
-def launch_config(n: NanoOp) -> LaunchConfig | None:
+def launch_config(n: ScheduledOp) -> LaunchConfig | None:
     # a compute point's implementation is a GEMM's; LaunchConfig applies it where it fits
     impl = None if n.alloc.impl in ("", "default") else n.alloc.impl
     mech, units = n.alloc.mechanism, n.alloc.units
@@ -154,9 +155,9 @@ class Replay(OpScheduler):
         pending = list(self.entries)
         while pending:
             e = pending.pop(self._first_ready(ctx, pending, index))
-            group = [OpSlice(index[(e.op, e.layer)], i, *ctx.ranges[i])
+            group = [OpInstance(index[(e.op, e.layer)], i, *ctx.ranges[i])
                      for i in self._mbs(e.lo, e.hi)]
-            after = [OpSlice(index[(op, layer)], i, *ctx.ranges[i])
+            after = [OpInstance(index[(op, layer)], i, *ctx.ranges[i])
                      for op, layer, lo, hi in e.waits for i in self._mbs(lo, hi)]
             ctx.execute(group, stream=e.stream, launch=e.launch, after=after)
 

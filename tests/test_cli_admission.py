@@ -1,0 +1,59 @@
+"""`bench` and `serve` admission flags: range-checked (exit 2 naming the flag), explained in
+--help, and bench's report of tokens per iteration, full batches and preemptions."""
+
+import json
+
+import pytest
+from runtime_helpers import DATA
+from typer.testing import CliRunner
+
+from nanosched.cli import app
+
+CONFIG = str(DATA / "tiny_llama_config.json")
+BENCH = ["bench", "--model", CONFIG, "--input-len", "32", "--output-len", "8",
+         "--num-prompts", "10", "--dense-batch", "64", "--device", "cpu"]
+
+
+def run(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--admission", "greedy", "--admission must be one of reserve, use, predict; got 'greedy'"),
+    ("--kv-headroom", "1", "--kv-headroom must be in [0, 1) (a share of the KV cache), got 1.0"),
+    ("--preemption", "drop", "--preemption must be one of recompute, swap, auto; got 'drop'"),
+    ("--swap-space", "-2", "--swap-space must be in [0, 1048576] GiB, got -2.0"),
+])
+@pytest.mark.parametrize("command", ["bench", "serve"])
+def test_bad_admission_flags_exit_2_naming_the_flag(command, flag, value, message):
+    args = BENCH if command == "bench" else ["serve", "--model", CONFIG, "--device", "cpu"]
+    r = run(*args, flag, value)
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+
+
+@pytest.mark.parametrize("command", ["bench", "serve"])
+def test_help_explains_the_admission_flags(command):
+    r = run(command, "--help")
+    text = " ".join(r.output.replace("│", " ").split())  # rich wraps help in boxes
+    assert r.exit_code == 0
+    for words in ("--admission", "most recently admitted", "--kv-headroom", "--preemption",
+                  "prefills prompt + outputs again", "--swap-space"):
+        assert words in text, words
+
+
+def test_bench_reports_tokens_per_iteration_full_batches_and_preemptions(tmp_path):
+    outs = {}
+    for policy in ("use", "reserve"):
+        path = tmp_path / f"{policy}.json"
+        r = run(*BENCH, "--admission", policy, "--json", str(path))
+        assert r.exit_code == 0, r.output
+        assert "tokens per iteration" in r.output and "preemptions (0 recomputed" in r.output
+        outs[policy] = json.loads(path.read_text())["runs"]["sequential"]
+    for policy, run_ in outs.items():
+        # each request: 32 prompt tokens, then 7 decode tokens (its first token ends the prompt)
+        assert run_["tokens_per_iteration"] == pytest.approx(10 * (32 + 7) / run_["iterations"])
+        assert 0 < run_["full_batch_share"] < 1 and run_["admission"] == policy
+        assert run_["preemptions"] == {"recomputed": 0, "swapped": 0, "swap_ins": 0,
+                                       "recomputed_tokens": 0, "swapped_tokens": 0,
+                                       "preemptions": 0}  # the CPU cache holds every request

@@ -7,16 +7,9 @@ non-blocking stream in it (`cuGreenCtxStreamCreate`), wrapped as `torch.cuda.Ext
 Work launched on the two streams runs on disjoint SMs. `Partition.sms` is what the driver
 granted. torch's own `GreenContext.create()` is not used: its contexts overlap (DESIGN.md).
 
-<<<<<<<< HEAD:nanosched/gpu/greenctx.py
-The profiler measures kernels on these partitions and the runtime replays schedules on them.
-cuda-python is imported inside functions, through `cuda.bindings.driver` (cuda-python >= 12.6)
-or the older `cuda.cuda`. Every CUresult is checked; a failure raises PartitionError naming the
-driver call.
-========
 The profiler and the runtime both use it (a top-level module: no layer owns it). cuda-python
 is imported inside functions, through `cuda.bindings.driver` (cuda-python >= 12.6) or the older
 `cuda.cuda`. Every CUresult is checked; a failure raises PartitionError naming the driver call.
->>>>>>>> main:nanosched/greenctx.py
 """
 
 from __future__ import annotations
@@ -123,7 +116,3 @@ def split_sms(device_index: int, small_sms: int, small_priority: int = 0,
         small.close()
         raise
     return PartitionPair(small, other)
-<<<<<<<< HEAD:nanosched/gpu/greenctx.py
-
-========
->>>>>>>> main:nanosched/greenctx.py

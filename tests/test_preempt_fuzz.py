@@ -7,8 +7,9 @@ import random
 
 import pytest
 import torch
-from runtime_helpers import tiny_llama
+from runtime_helpers import make_engine, tiny_llama
 
+from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.kvsim import KVSim, sim_cost
 from nanosched.runtime.preempt import AdmissionConfig
@@ -81,8 +82,8 @@ def one_thread():
 
 
 def engine_outputs(model, reqs, num_pages, **kw):
-    eng = Engine(model, dense_batch=kw.pop("dense_batch", 16), num_pages=num_pages,
-                 page_size=4, **kw)
+    eng = make_engine(model, dense_batch=kw.pop("dense_batch", 16), num_pages=num_pages,
+                      page_size=4, **kw)
     for r in reqs:
         eng.add_request(r)
     with torch.inference_mode():
@@ -125,8 +126,8 @@ def test_engine_fuzz_preemption_keeps_greedy_tokens(model, one_thread):
 def test_abort_of_a_swapped_out_request_frees_its_host_copy(model, one_thread):
     reqs = [Request(i, list(range(1, 13)), SamplingParams(max_tokens=12, ignore_eos=True))
             for i in range(3)]
-    eng = Engine(model, dense_batch=16, num_pages=10, page_size=4,
-                 admission=AdmissionConfig(preemption="swap"))
+    eng = Engine(model, EngineConfig(dense_batch=16, num_pages=10, page_size=4,
+                                     admission=AdmissionConfig(preemption="swap")))
     for r in reqs:
         eng.add_request(r)
     swap = eng.batcher.pool.swap

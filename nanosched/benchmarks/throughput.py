@@ -187,14 +187,18 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                        kernels=eng.kernels)
     gemm = measured_gemm_tflops(device)
     record = {k: v for k, v in asdict(cfg).items() if k != "engine"} | \
-        {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids")}
+        {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids", "admission")}
+    adm = eng.admission
+    record |= {"admission": adm.policy, "kv_headroom": adm.headroom,
+               "preemption": adm.preemption, "swap_space_gib": adm.swap_space_gib}
     out: dict[str, Any] = {"config": record | {"dense_batch": dense, "graphs": graphs},
                            "environment": environment(device), "model_params": spec.num_params(),
                            "gemm_tflops_8192": gemm, "runs": {}, "warmup_prompts": warm}
     # every run times its full-batch forward on the same batch: the schedule's mix if any
     num_decode = next((r.info["num_decode"] for r in runs if r.info), None)
     for r in runs:
-        run_cfg = replace(eng, dense_batch=dense, graphs="on" if r.graphs else "off")
+        run_cfg = replace(eng, dense_batch=dense, graphs="on" if r.graphs else "off",
+                          admission=replace(eng.admission, gemm_tflops=gemm))
         out["runs"][r.name] = _serve(cfg, run_cfg, model, gemm, r, warm, progress, num_decode)
     tps = {name: run["results"]["tokens_per_s"] for name, run in out["runs"].items()}
 
@@ -235,6 +239,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                 warm_graphs = engine.stats.graphs.as_dict() if engine.stats.graphs else None
                 engine.stats = EngineStats(graphs=engine.graphs.reset_stats()
                                            if engine.graphs else None)
+                engine.batcher.reset_stats()
             bar = _progress(len(reqs), progress)
             elapsed = _drain(engine, reqs, bar)
             bar.close()
@@ -244,13 +249,15 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                                          engine.backend.device, dense, n_dec,
                                          prompt + (cfg.output_len or 512) // 2, prompt,
                                          graphs=run.graphs)
-        stats, pages = engine.stats, loaded.config.num_pages
+        stats, batches = engine.stats, engine.batcher.report()
+        pages = loaded.config.num_pages
         graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
     del engine, loaded  # the KV cache and graphs go before the next run allocates its own
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
     out = {"strategy": run.choice.strategy.name, **run.info, "graphs": run.graphs,
            "kv_pages": pages, "iterations": stats.iterations, "fallbacks": stats.fallbacks,
+           "tokens_per_iteration": stats.tokens / max(1, stats.iterations), **batches,
            "forward_ms_full_batch": fwd, "forward_decode_tokens": n_dec,
            "forward_decode_context": ctx,
            "layer_us_full_batch": fwd * 1e3 / spec.num_layers,

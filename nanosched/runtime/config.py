@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
+from nanosched.runtime.preempt import AdmissionConfig
 
 GRAPH_MODES = ("off", "on", "layout")  # what an Engine runs; the loader also takes "auto"
 
@@ -34,7 +35,8 @@ class EngineConfig:
     fits); `max_context` the longest request (the longest known request, else the model's
     positions); `graphs` off, on (a CUDA graph per batch bucket), layout (bucket layout, run
     eagerly) or auto (on with a GPU); `eos_ids` (the checkpoint's); `async_loop` (on with a
-    GPU); `time_forwards` times every forward (it synchronises).
+    GPU); `time_forwards` times every forward (it synchronises); `admission` how the batcher
+    admits requests and preempts them when KV pages run out (runtime/preempt.py).
     """
 
     model: str | None = None
@@ -55,6 +57,7 @@ class EngineConfig:
     eos_ids: frozenset[int] | None = None
     async_loop: bool | None = None
     time_forwards: bool = False
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         for name in ("tp", "page_size", "graph_align"):

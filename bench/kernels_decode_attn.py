@@ -1,7 +1,7 @@
 """Decode-attention bandwidth against SMs, both Triton kernels, beside a copy ceiling.
 
     python bench/kernels_decode_attn.py [--requests 64,256,640] [--contexts 1024,4096,8192]
-                                        [--sms 16,32,48] [--sweep]
+                                        [--sms 16,32,48] [--sweep] [--kv-dtype auto,fp8]
 
 Llama-3-8B heads (Hq 32, Hkv 8, d 128), bf16, page 16, pages shuffled, random data. Each
 kernel runs on a green-context partition of about `--sms` SMs (the driver rounds to its 8-SM
@@ -9,6 +9,8 @@ granularity; the granted count is reported) with `ctas_per_sm` programs per gran
 the whole GPU. Bandwidth = K/V bytes read / median time (triton.testing.do_bench); the ceiling
 is a device-to-device copy ((read + write) bytes / time) of 4 GiB, measured in the same run.
 `triton_paged` is today's kernel (no load pipelining), `triton_pipelined` the deep-pipelined one.
+`--kv-dtype fp8` reads an FP8 cache (e4m3 values + one fp32 scale per token and KV head; the
+bytes counted are those of values and scales), `auto` a bf16 one; each row names its dtype.
 
 `--sweep` first times every `DecodeConfig` (block, stages, warps, programs per SM, limited by
 shared memory) at 256 requests x 4,096 context on each partition and on the whole GPU, checks
@@ -29,6 +31,7 @@ import torch
 from _common import environment, median_ms, print_table, write_result
 
 from nanosched.kernels.common import PAGED, PIPELINED, DecodeConfig
+from nanosched.kernels.reference import quantize_fp8
 
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
 SMEM_PER_SM = 227 * 1024  # what an H100/H200 SM offers one or more programs
@@ -47,13 +50,21 @@ def copy_bandwidth_gbs(nbytes: int = 2**32) -> float:
 class Batch:
     """A paged decode batch: `requests` requests of `context` tokens each."""
 
-    def __init__(self, requests: int, context: int, seed: int = 0) -> None:
+    def __init__(self, requests: int, context: int, seed: int = 0,
+                 kv_dtype: str = "auto") -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         pages_per = math.ceil(context / PAGE)
         pages = requests * pages_per
         self.k = torch.randn(pages, PAGE, HKV, HD, device="cuda", dtype=torch.bfloat16,
                              generator=gen)
         self.v = torch.randn_like(self.k)
+        self.scales = {"k_scale": None, "v_scale": None}
+        token_bytes = HKV * HD * 2
+        if kv_dtype == "fp8":
+            self.k, ks = quantize_fp8(self.k)
+            self.v, vs = quantize_fp8(self.v)
+            self.scales = {"k_scale": ks, "v_scale": vs}
+            token_bytes = HKV * (HD + 4)
         self.tables = torch.randperm(pages, device="cuda", generator=gen).int().view(
             requests, pages_per)
         self.lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
@@ -61,13 +72,14 @@ class Batch:
                              generator=gen)
         self.out = torch.empty_like(self.q)
         self.context = context
-        self.kv_bytes = 2 * requests * context * HKV * HD * 2
+        self.kv_dtype = kv_dtype
+        self.kv_bytes = 2 * requests * context * token_bytes
 
     def run(self, config: DecodeConfig, ctas: int) -> torch.Tensor:
         from nanosched.kernels.decode_attn import decode_attention
 
         decode_attention(self.q, self.k, self.v, self.tables, self.lens, self.context,
-                         HD ** -0.5, self.out, max_ctas=ctas, config=config)
+                         HD ** -0.5, self.out, max_ctas=ctas, config=config, **self.scales)
         return self.out
 
 
@@ -134,14 +146,15 @@ def sweep(where: list, copy_gbs: float, ok_file: str) -> tuple[list[dict], Decod
 
 
 def table(where: list, configs: dict[str, DecodeConfig], requests: list[int],
-          contexts: list[int], copy_gbs: float) -> list[dict]:
+          contexts: list[int], copy_gbs: float, kv_dtypes: list[str]) -> list[dict]:
     rows = []
-    for n, ctx in itertools.product(requests, contexts):
-        batch = Batch(n, ctx)
+    for n, ctx, kv_dtype in itertools.product(requests, contexts, kv_dtypes):
+        batch = Batch(n, ctx, kv_dtype=kv_dtype)
         for name, cfg in configs.items():
             for sms, stream, _ in where:
                 r = time_on(batch, cfg, sms, stream)
-                rows.append({"kernel": name, "requests": n, "context": ctx, "sms": sms, **r,
+                rows.append({"kernel": name, "kv_dtype": kv_dtype, "requests": n,
+                             "context": ctx, "sms": sms, **r,
                              "pct_of_copy": 100 * r["gbs"] / copy_gbs})
         del batch
         torch.cuda.empty_cache()
@@ -156,6 +169,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--config", default="", help="BN,STAGES,WARPS,CTAS_PER_SM")
     ap.add_argument("--ok-file", default="", help="bench/decode_config_check.py --ok-file")
+    ap.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8, or both: auto,fp8")
+    ap.add_argument("--kernels", default="triton_paged,triton_pipelined")
     args = ap.parse_args()
     env = environment()
     copy_gbs = copy_bandwidth_gbs()
@@ -165,13 +180,15 @@ def main() -> None:
         sweep_rows, pipelined = sweep(where, copy_gbs, args.ok_file)
     if args.config:
         pipelined = DecodeConfig(*(int(x) for x in args.config.split(",")))
-    configs = {"triton_paged": PAGED, "triton_pipelined": pipelined}
+    configs = {k: v for k, v in {"triton_paged": PAGED, "triton_pipelined": pipelined}.items()
+               if k in args.kernels.split(",")}
     rows = table(where, configs, [int(x) for x in args.requests.split(",")],
-                 [int(x) for x in args.contexts.split(",")], copy_gbs)
+                 [int(x) for x in args.contexts.split(",")], copy_gbs, args.kv_dtype.split(","))
     path = write_result("kernels_decode_attn", {
         "env": env, "copy_gbs": copy_gbs, "configs": {k: vars(v) for k, v in configs.items()},
         "shapes": {"num_heads": HQ, "num_kv_heads": HKV, "head_dim": HD, "page_size": PAGE,
-                   "dtype": "bfloat16"}, "sweep": sweep_rows, "rows": rows})
+                   "dtype": "bfloat16", "kv_dtypes": args.kv_dtype.split(",")},
+        "sweep": sweep_rows, "rows": rows})
     print(f"{env['device']}: copy {copy_gbs:.0f} GB/s; pipelined config {pipelined}; {path}")
     if sweep_rows:
         top = sorted(sweep_rows, key=lambda r: -r["pct_of_copy"])
@@ -183,11 +200,21 @@ def main() -> None:
                                                          ("rel_err", "err", ".1e")])
     summary = {}
     for r in rows:
-        summary.setdefault((r["kernel"], r["sms"]), []).append(r["pct_of_copy"])
-    print_table([{"kernel": k, "sms": s, "min": min(v), "max": max(v)}
-                 for (k, s), v in sorted(summary.items())],
-                [("kernel", "kernel", ""), ("sms", "SMs", ""), ("min", "min % copy", ".1f"),
-                 ("max", "max % copy", ".1f")])
+        summary.setdefault((r["kernel"], r["kv_dtype"], r["sms"]), []).append(r["pct_of_copy"])
+    print_table([{"kernel": k, "kv": kv, "sms": s, "min": min(v), "max": max(v)}
+                 for (k, kv, s), v in sorted(summary.items())],
+                [("kernel", "kernel", ""), ("kv", "KV", ""), ("sms", "SMs", ""),
+                 ("min", "min % copy", ".1f"), ("max", "max % copy", ".1f")])
+    if len(set(args.kv_dtype.split(","))) > 1:  # time of fp8 against bf16, same shapes
+        times = {(r["kernel"], r["kv_dtype"], r["requests"], r["context"], r["sms"]): r["ms"]
+                 for r in rows}
+        print_table([{"kernel": k, "requests": n, "context": c, "sms": s,
+                      "bf16": t * 1e3, "fp8": times[(k, "fp8", n, c, s)] * 1e3,
+                      "speedup": t / times[(k, "fp8", n, c, s)]}
+                     for (k, kv, n, c, s), t in sorted(times.items()) if kv == "auto"],
+                    [("kernel", "kernel", ""), ("requests", "req", ""), ("context", "ctx", ""),
+                     ("sms", "SMs", ""), ("bf16", "bf16 us", ".0f"), ("fp8", "fp8 us", ".0f"),
+                     ("speedup", "x", ".2f")])
     for _, _, pair in where:
         if pair is not None:
             pair.close()

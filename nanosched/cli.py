@@ -159,6 +159,11 @@ def _print_analysis(a: Any) -> None:
     typer.echo(f"optimal throughput (Eq. 5): {a.optimal_tokens_per_s_per_gpu:.0f} tokens/s/GPU")
 
 
+KV_DTYPE_HELP = ("KV cache element type, as vLLM's flag: 'auto' (the model's dtype) or 'fp8' "
+                 "(e4m3 with one scale per token and KV head: about half the bytes, so twice "
+                 "the tokens fit and the decode attention reads half as much).")
+
+
 @app.command()
 @reports_errors
 def generate(
@@ -174,6 +179,7 @@ def generate(
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (processes)."),
     seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_DTYPE_HELP),
 ) -> None:
     """Generate a continuation: the prompt served as one request by the engine."""
     from nanosched.errors import ConfigError
@@ -188,7 +194,7 @@ def generate(
         except ValueError:
             raise ConfigError(f"--prompt-ids must be comma-separated integers, got "
                               f"{prompt_ids!r}") from None
-    engine = EngineConfig(model=model, device=device, tp=tp, seed=seed)
+    engine = EngineConfig(model=model, device=device, tp=tp, seed=seed, kv_dtype=kv_cache_dtype)
     cfg = GenerateConfig(engine, prompt=prompt, prompt_ids=ids, max_tokens=max_tokens,
                          temperature=temperature)
     result = run_generate(cfg)
@@ -299,6 +305,7 @@ def bench(
     kv_headroom: float = typer.Option(0.0, "--kv-headroom", help=HEADROOM_HELP),
     preemption: str = typer.Option("recompute", "--preemption", help=PREEMPTION_HELP),
     swap_space: float = typer.Option(4.0, "--swap-space", help=SWAP_HELP),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_DTYPE_HELP),
 ) -> None:
     """Serve a workload with the engine and report throughput and latency (NanoFlow §6).
 
@@ -314,7 +321,7 @@ def bench(
                             swap_space_gib=swap_space)
     engine = EngineConfig(model=model, tp=tp, weights=weights, device=device, seed=seed,
                           schedule=schedule, force=force, dense_batch=dense_batch,
-                          graphs=graphs, admission=admit)
+                          graphs=graphs, admission=admit, kv_dtype=kv_cache_dtype)
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,
                       warmup_prompts=warmup_prompts)
@@ -485,6 +492,7 @@ def serve(
     kv_headroom: float = typer.Option(0.0, "--kv-headroom", help=HEADROOM_HELP),
     preemption: str = typer.Option("recompute", "--preemption", help=PREEMPTION_HELP),
     swap_space: float = typer.Option(4.0, "--swap-space", help=SWAP_HELP),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_DTYPE_HELP),
 ) -> None:
     """Serve the model over HTTP with OpenAI's completions and chat completions APIs."""
     try:
@@ -501,7 +509,7 @@ def serve(
                             swap_space_gib=swap_space)
     engine = EngineConfig(model=model, weights=weights, tp=tp, schedule=schedule,
                           dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
-                          admission=admit)
+                          admission=admit, kv_dtype=kv_cache_dtype)
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout))
 

@@ -106,8 +106,7 @@ class _Rank:
         self.ws = self.model.new_workspace(
             b.dense_batch, num_pages=b.num_decode * (int(b.decode_context) // PAGE_SIZE + 2) + 512)
         gen = torch.Generator(self.device).manual_seed(cfg.seed * 1000 + tp.rank)
-        self.ws.kv.k.normal_(generator=gen)  # cached context: finite values (this rank's heads)
-        self.ws.kv.v.normal_(generator=gen)
+        self.ws.kv.fill_random(gen)  # cached context: finite values (this rank's heads)
         torch.manual_seed(cfg.seed)  # the same token ids on every rank
         self.meta, self.segments, _ = synthetic_batch(self.ws, b.dense_batch, b.num_decode,
                                                       int(b.decode_context), b.prompt_len, 0)

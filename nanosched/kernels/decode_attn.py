@@ -16,6 +16,11 @@ program keeps only one step in flight without pipelining, so `triton_paged` need
 reach bandwidth; `triton_pipelined` gets more of it from few SMs (docs/overlap.md has both
 against SMs).
 
+An FP8 cache (e4m3 K/V, one fp32 scale per (token, KV head) in `k_scale`, `v_scale`
+[P, S, Hkv]) is read at half the bytes: each step converts its K/V tile to the query's dtype,
+multiplies the logits of a token by its K scale and the probabilities by its V scale, so the
+dots stay bf16 and the scales cost two [BLOCK_N] loads per step.
+
 A request with context length 0 (a padded row of a CUDA-graph bucket) gets a zero output, never
 NaN, whatever the split count, and reads no page.
 
@@ -35,13 +40,13 @@ from nanosched.kernels.common import PAGED, DecodeConfig, dot_precision, num_sms
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr,
     num_items, num_kv_heads, num_splits, split_len, scale,
-    s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_btn,
+    s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_sp, s_ss, s_sh, s_btn,
     s_on, s_oh, s_os, s_ln, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
@@ -65,6 +70,8 @@ def _decode_partial_kernel(
         bt_row = bt_ptr + req * s_btn
         k_head = k_ptr + kvh * s_kh
         v_head = v_ptr + kvh * s_vh
+        ks_head = ks_ptr + kvh * s_sh
+        vs_head = vs_ptr + kvh * s_sh
         # Each step's page ids are loaded one step ahead, so the K/V addresses depend on a
         # loop-carried value rather than on a load of the same step: the pipeliner then keeps
         # NUM_STAGES - 1 steps of K and V in flight (with the ids loaded in the step that uses
@@ -83,13 +90,24 @@ def _decode_partial_kernel(
                         mask=kv_mask, other=0.0)  # [BN, BD]
             v = tl.load(v_head + page[:, None] * s_vp + slot[:, None] * s_vs + offs_d[None, :],
                         mask=kv_mask, other=0.0)  # [BN, BD]
+            if FP8:  # e4m3 -> the query's dtype; each token's scale folds into its column
+                ks = tl.load(ks_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
+                vs = tl.load(vs_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BG, BN]
+            if FP8:
+                s = s * ks[None, :]
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            if FP8:
+                pv = (p * vs[None, :]).to(v.dtype)
+            else:
+                pv = p.to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
             m_i = m_new
         has = l_i > 0
         res = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -145,7 +163,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
                      max_ctas: int | None = None, num_splits: int | None = None,
-                     config: DecodeConfig = PAGED) -> None:
+                     config: DecodeConfig = PAGED, *, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
     """Triton paged decode attention; see the module docstring for shapes and launch args."""
     n, num_q, d = q.shape
     if n == 0:
@@ -165,15 +184,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((n, num_q, splits), dtype=torch.float32, device=q.device)
         s_part = part.stride()[:3]
     block_d = triton.next_power_of_2(d)
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused without FP8
+    if fp8 and k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must share a layout")
     _decode_partial_kernel[(min(max_ctas, num_items),)](
-        q, k_cache, v_cache, block_tables, context_lens, part, lse,
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, part, lse,
         num_items, num_kv, splits, split_len, scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), *s_part,
+        *ks.stride()[:3], block_tables.stride(0), *s_part,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=block_d, BLOCK_N=config.block_n, PAGE=page, STORE_LSE=splits > 1,
-        DOT_PREC=dot_precision(q.dtype), NUM_STAGES=config.num_stages,
+        DOT_PREC=dot_precision(q.dtype), NUM_STAGES=config.num_stages, FP8=fp8,
         num_warps=config.num_warps)
     if splits == 1:
         return

@@ -143,23 +143,30 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, opts: KernelOptions,
 def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                 sin_table: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, q_out: torch.Tensor, opts: KernelOptions,
-                launch: Launch = None) -> None:
-    """Rotary embedding of q and k; q → q_out [n, Hq, d], k and v → the paged cache."""
+                launch: Launch = None, *, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> None:
+    """Rotary embedding of q and k; q → q_out [n, Hq, d], k and v → the paged cache (quantised
+    to e4m3 with per-(token, KV head) scales into `k_scale`, `v_scale` for an FP8 cache)."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     if _elementwise(opts, qkv, launch):
         from nanosched.kernels.elementwise import rope_append as kernel
 
-        kernel(qkv, positions, cos_table, sin_table, slot_mapping, k_cache, v_cache, q_out)
+        kernel(qkv, positions, cos_table, sin_table, slot_mapping, k_cache, v_cache, q_out,
+               **scales)
     else:
         ref.rope_append(qkv, positions, cos_table, sin_table, slot_mapping, k_cache, v_cache,
-                        q_out)
+                        q_out, **scales)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
-                     opts: KernelOptions, launch: Launch = None) -> None:
+                     opts: KernelOptions, launch: Launch = None, *,
+                     k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
     """Paged GQA decode attention. q, out [n, Hq, d]; launch: impl, max_ctas or num_sms,
-    num_splits."""
+    num_splits; k_scale, v_scale [P, S, Hkv] for an FP8 cache."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     args = impls.read_launch(launch)
     name = _chosen(args, impls.DECODE, lambda: opts.decode_impl if use_triton(opts, q) else "torch")
     if name in impls.DECODE_CONFIGS:
@@ -169,30 +176,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         config = impls.DECODE_CONFIGS[name]
         kernel(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
                max_ctas=impls.decode_ctas(args["max_ctas"], args["num_sms"], config.ctas_per_sm),
-               num_splits=args["num_splits"], config=config)
+               num_splits=args["num_splits"], config=config, **scales)
     else:
         ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
-                             scale, out)
+                             scale, out, **scales)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, segments: Sequence[Segment] | PrefillSegments,
                       scale: float, out: torch.Tensor, opts: KernelOptions,
-                      launch: Launch = None) -> None:
+                      launch: Launch = None, *, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Chunked causal prefill attention. q, out [n, Hq, d]; segments: (start, end, first_pos)
     tuples or device `PrefillSegments` (what a CUDA graph captures); launch: impl (`triton` |
-    `torch`). `torch` reads the segments' host tuples (the device tensors when it has none)."""
+    `torch`). `torch` reads the segments' host tuples (the device tensors when it has none).
+    k_scale, v_scale [P, S, Hkv] for an FP8 cache."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     name = _chosen(impls.read_launch(launch), impls.PREFILL,
                    lambda: "triton" if use_triton(opts, q) else "torch")
     if name == "triton":
         _triton_ok(q)
         from nanosched.kernels.prefill_attn import prefill_attention as kernel
 
-        kernel(q, k_cache, v_cache, block_tables, segments, scale, out)
+        kernel(q, k_cache, v_cache, block_tables, segments, scale, out, **scales)
     else:
         if isinstance(segments, PrefillSegments):
             segments = segments.as_list()
-        ref.prefill_attention(q, k_cache, v_cache, block_tables, list(segments), scale, out)
+        ref.prefill_attention(q, k_cache, v_cache, block_tables, list(segments), scale, out,
+                              **scales)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,

@@ -1,5 +1,5 @@
 """Row-wise Triton kernels: RMSNorm with fused residual add, SiLU-and-multiply, rotary
-embedding fused with the paged KV-cache write.
+embedding fused with the paged KV-cache write (and, for an FP8 cache, its quantisation).
 
 Each function has the contract of its twin in `reference.py` (same arguments, writes into the
 given outputs). Math runs in fp32; values are rounded to the model dtype where HF rounds them
@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nanosched.kernels.common import FP8_MAX, FP8_MIN_SCALE
 
 
 @triton.jit
@@ -74,8 +76,9 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
 
 @triton.jit
 def _rope_append_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_ptr, v_ptr, q_ptr,
-                        s_qkv, s_cos, s_kslot, s_kh, s_vslot, s_vh, s_qn, s_qh, num_q, num_kv,
-                        HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                        ks_ptr, vs_ptr, s_qkv, s_cos, s_kslot, s_kh, s_vslot, s_vh, s_qn, s_qh,
+                        s_sslot, s_sh, num_q, num_kv, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                        FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK_H)
@@ -86,8 +89,8 @@ def _rope_append_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_ptr, v_p
     src = qkv_ptr + tok * s_qkv + head * (2 * HALF)
     x1 = tl.load(src + offs, mask=mask, other=0.0)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
-    y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-    y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
+    y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
+    y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
     if head < num_q:
         dst = q_ptr + tok * s_qn + head * s_qh
         tl.store(dst + offs, y1.to(q_ptr.dtype.element_ty), mask=mask)
@@ -95,28 +98,49 @@ def _rope_append_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_ptr, v_p
     else:
         kvh = head - num_q
         slot = tl.load(slot_ptr + tok)
+        v_src = src + num_kv * (2 * HALF)
+        v1 = tl.load(v_src + offs, mask=mask, other=0.0)
+        v2 = tl.load(v_src + HALF + offs, mask=mask, other=0.0)
+        if FP8:  # one scale per (token, KV head): the vector's amax lands on e4m3's largest
+            k_amax = tl.maximum(tl.max(tl.abs(y1.to(tl.float32)), 0),
+                                tl.max(tl.abs(y2.to(tl.float32)), 0))
+            v_amax = tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 0),
+                                tl.max(tl.abs(v2.to(tl.float32)), 0))
+            k_sc = tl.maximum(k_amax / FP8_MAX, MIN_SCALE)
+            v_sc = tl.maximum(v_amax / FP8_MAX, MIN_SCALE)
+            tl.store(ks_ptr + slot * s_sslot + kvh * s_sh, k_sc)
+            tl.store(vs_ptr + slot * s_sslot + kvh * s_sh, v_sc)
+            y1 = y1.to(tl.float32) / k_sc
+            y2 = y2.to(tl.float32) / k_sc
+            v1 = v1.to(tl.float32) / v_sc
+            v2 = v2.to(tl.float32) / v_sc
         k_dst = k_ptr + slot * s_kslot + kvh * s_kh
         tl.store(k_dst + offs, y1.to(k_ptr.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF + offs, y2.to(k_ptr.dtype.element_ty), mask=mask)
-        v_src = src + num_kv * (2 * HALF)
         v_dst = v_ptr + slot * s_vslot + kvh * s_vh
-        tl.store(v_dst + offs, tl.load(v_src + offs, mask=mask, other=0.0), mask=mask)
-        tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs, mask=mask, other=0.0),
-                 mask=mask)
+        tl.store(v_dst + offs, v1.to(v_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst + HALF + offs, v2.to(v_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                 sin_table: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, q_out: torch.Tensor) -> None:
-    """Triton twin of `reference.rope_append`: one program per (token, q or kv head)."""
+                v_cache: torch.Tensor, q_out: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> None:
+    """Triton twin of `reference.rope_append`: one program per (token, q or kv head); with
+    scales (an FP8 cache) each (token, KV head) vector is quantised with its own scale."""
     n, num_q, d = q_out.shape
     if n == 0:
         return
     num_kv = k_cache.shape[2]
     k_flat = k_cache.view(-1, num_kv, d)  # [P*S, Hkv, d]
     v_flat = v_cache.view(-1, num_kv, d)
+    fp8 = k_scale is not None
+    ks = k_scale.view(-1, num_kv) if fp8 else k_flat  # [P*S, Hkv]; unused without FP8
+    vs = v_scale.view(-1, num_kv) if fp8 else v_flat
     _rope_append_kernel[(n, num_q + num_kv)](
-        qkv, positions, cos_table, sin_table, slot_mapping, k_flat, v_flat, q_out,
+        qkv, positions, cos_table, sin_table, slot_mapping, k_flat, v_flat, q_out, ks, vs,
         qkv.stride(0), cos_table.stride(0), k_flat.stride(0), k_flat.stride(1),
-        v_flat.stride(0), v_flat.stride(1), q_out.stride(0), q_out.stride(1), num_q, num_kv,
-        HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), num_warps=1)
+        v_flat.stride(0), v_flat.stride(1), q_out.stride(0), q_out.stride(1),
+        ks.stride(0), ks.stride(1), num_q, num_kv,
+        HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), FP8=fp8, FP8_MAX=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE, num_warps=1)

@@ -16,7 +16,9 @@ token * GROUP + g, i.e. query head h * GROUP + g of token f // GROUP, so one pro
 K/V tile once for all the query heads of its group. Each program walks the K/V tiles every row
 of it sees in full without a mask, then the diagonal tiles with the causal mask; tiles past its
 last row's position are never loaded. Within a segment the last m-tile (the heaviest) runs first.
-fp16/bf16/fp32 in, fp32 accumulation; tiles and warps are launch parameters
+fp16/bf16/fp32 in, fp32 accumulation; an FP8 cache (e4m3 K/V with per-(token, KV head) scales,
+as in decode_attn.py) is converted tile by tile to the query's dtype, its scales folded into the
+logits and probabilities; tiles and warps are launch parameters
 (`PrefillConfig`) so a bench can tune them.
 
 Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
@@ -39,10 +41,11 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh, scale_log2,
-            s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
+def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh,
+            scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_sp, s_ss, s_sh,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-            PAGE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+            PAGE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+            FP8: tl.constexpr):
     """One K/V tile [kv, kv + BLOCK_N) folded into the online softmax of the rows."""
     keys = kv + tl.arange(0, BLOCK_N)  # [BN] positions in the request
     offs_d = tl.arange(0, BLOCK_D)
@@ -62,7 +65,15 @@ def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh, scal
                     + offs_d[None, :])
         v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh
                     + offs_d[None, :])
+    if FP8:  # e4m3 -> the query's dtype; a key's scale multiplies its logits, a value's its p
+        s_off = page * s_sp + slot * s_ss + kvh * s_sh
+        ks = tl.load(ks_ptr + s_off, mask=keys < kv_end, other=0.0)
+        vs = tl.load(vs_ptr + s_off, mask=keys < kv_end, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [BM, BN], log2 units
+    if FP8:
+        s = s * ks[None, :]
     if MASKED:
         s = tl.where(keys[None, :] <= q_pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -71,16 +82,19 @@ def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh, scal
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        p = p * vs[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, start_ptr, len_ptr, pos_ptr, o_ptr, scale_log2, num_segments,
-    s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_bt, s_on, s_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, start_ptr, len_ptr, pos_ptr, o_ptr, scale_log2,
+    num_segments, s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_sp, s_ss, s_sh, s_bt, s_on,
+    s_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_PREC: tl.constexpr, FP8: tl.constexpr,
 ):
     # program -> (segment, m-tile): segments' m-tiles laid end to end, counted on the device
     tile = tl.program_id(0)
@@ -115,13 +129,15 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for kv in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh,
-                                scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, HEAD_DIM,
-                                BLOCK_D, BLOCK_N, PAGE, False, DOT_PREC)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, ks_ptr,
+                                vs_ptr, bt_row, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
+                                s_vh, s_sp, s_ss, s_sh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, False,
+                                DOT_PREC, FP8)
     for kv in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, bt_row, kvh,
-                                scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, HEAD_DIM,
-                                BLOCK_D, BLOCK_N, PAGE, True, DOT_PREC)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, ks_ptr,
+                                vs_ptr, bt_row, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
+                                s_vh, s_sp, s_ss, s_sh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,
+                                DOT_PREC, FP8)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + (start + tok)[:, None] * s_on + head[:, None] * s_oh + offs_d[None, :],
              res.to(o_ptr.dtype.element_ty), mask=io_mask)
@@ -168,7 +184,9 @@ def grid(num_rows: int, num_segments: int, num_kv_heads: int, group: int,
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor,
                       segments: Sequence[Segment] | PrefillSegments, scale: float,
-                      out: torch.Tensor, config: PrefillConfig | None = None) -> None:
+                      out: torch.Tensor, config: PrefillConfig | None = None, *,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Triton paged causal prefill attention; see the module docstring for shapes.
 
     segments: (start, end, first_pos) tuples (turned into device tensors: one small H2D copy) or
@@ -183,15 +201,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return
     cfg = config or default_config(q.dtype)
     group = num_q // num_kv
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused without FP8
     _prefill_kernel[grid(n, segments.num_segments, num_kv, group, cfg.block_m)](
-        q, k_cache, v_cache, block_tables, segments.start, segments.length, segments.first_pos,
-        out, scale * LOG2E, segments.num_segments,
+        q, k_cache, v_cache, ks, vs, block_tables, segments.start, segments.length,
+        segments.first_pos, out, scale * LOG2E, segments.num_segments,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        *ks.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page,
         BLOCK_S=max(2, triton.next_power_of_2(segments.num_segments)),
-        DOT_PREC=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PREC=dot_precision(q.dtype), FP8=fp8, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

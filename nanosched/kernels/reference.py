@@ -5,6 +5,11 @@ buffers) and returns nothing, exactly as its Triton twin does. Numerics follow H
 (residual add in the model dtype, RMSNorm in fp32, rotary embedding with cos/sin cast to the
 model dtype), so the torch path matches HF to rounding.
 
+An FP8 KV cache (`kv_dtype="fp8"`, models/kvcache.py) holds e4m3 K and V with one fp32 scale
+per (token, KV head): `k_scale`, `v_scale` [P, S, Hkv] beside `k_cache`, `v_cache`
+[P, S, Hkv, d]. The attention functions take them as keyword arguments (None: a cache in the
+model dtype); the value is `cache * scale`.
+
 Legend: n = tokens in the range, D = hidden, Hq/Hkv = query/KV heads (local to this tp rank),
 d = head dim, P = pages, S = page size, E = experts, I = intermediate size.
 """
@@ -16,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from nanosched.kernels.common import FP8_MAX, FP8_MIN_SCALE
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
@@ -55,13 +62,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and fp32 scales of x [..., d]: one scale per vector along the last dim
+    (amax / 448, so the largest element lands on e4m3's largest finite value)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(FP8_MIN_SCALE)  # [...]
+    return (xf / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 values of a cache slice [..., d] and its scales [...] (None: not quantised)."""
+    return cache.float() if scale is None else cache.float() * scale[..., None]
+
+
 def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                 sin_table: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, q_out: torch.Tensor) -> None:
+                v_cache: torch.Tensor, q_out: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> None:
     """Rotate q and k of each token; write q to q_out and k, v into the paged cache.
 
     qkv [n, (Hq + 2 Hkv) d]; positions, slot_mapping [n] (slot = page * S + offset);
     cos_table, sin_table [max_pos, d/2] fp32; k_cache, v_cache [P, S, Hkv, d]; q_out [n, Hq, d].
+    With scales (an FP8 cache) k and v are rounded to the model dtype, then quantised per
+    (token, KV head).
     """
     num_q, d = q_out.shape[1], q_out.shape[2]
     num_kv = k_cache.shape[2]
@@ -71,20 +94,30 @@ def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Ten
     cos = torch.cat((cos_table[positions],) * 2, dim=-1).to(qkv.dtype)[:, None, :]  # [n, 1, d]
     sin = torch.cat((sin_table[positions],) * 2, dim=-1).to(qkv.dtype)[:, None, :]
     q_out.copy_(_rotate(q, cos, sin))
-    k_cache.view(-1, num_kv, d).index_copy_(0, slot_mapping, _rotate(k, cos, sin))
-    v_cache.view(-1, num_kv, d).index_copy_(0, slot_mapping, v)
+    k = _rotate(k, cos, sin)
+    for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        if scales is not None:
+            x, sx = quantize_fp8(x)
+            scales.view(-1, num_kv).index_copy_(0, slot_mapping, sx)
+        if x.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, num_kv, d).index_copy_(0, slot_mapping, x)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one request: [length, Hkv, d]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `length` cached tokens of one request, fp32: [length, Hkv, d]."""
     page = cache.shape[1]
     pages = block_table[: math.ceil(length / page)].long()
-    return cache[pages].flatten(0, 1)[:length]
+    sc = None if scale is None else scale[pages].flatten(0, 1)[:length]
+    return dequantize(cache[pages].flatten(0, 1)[:length], sc)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     max_context_len: int, scale: float, out: torch.Tensor) -> None:
+                     max_context_len: int, scale: float, out: torch.Tensor, *,
+                     k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
     """One query token per request attends to its whole cached context (GQA), in fp32.
 
     q, out [n, Hq, d]; block_tables [n, max_pages] int32; context_lens [n] int32. A request of
@@ -96,8 +129,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     page, num_kv = k_cache.shape[1], k_cache.shape[2]
     num_pages = math.ceil(max_context_len / page)
     pages = block_tables[:, :num_pages].long()  # [n, p]
-    k = k_cache[pages].flatten(1, 2).float()  # [n, L, Hkv, d]
-    v = v_cache[pages].flatten(1, 2).float()
+    k = dequantize(k_cache[pages], None if k_scale is None else k_scale[pages]).flatten(1, 2)
+    v = dequantize(v_cache[pages], None if v_scale is None else v_scale[pages]).flatten(1, 2)
+    # k, v [n, L, Hkv, d] fp32
     qg = q.float().view(n, num_kv, num_q // num_kv, d)  # [n, Hkv, G, d]
     scores = torch.einsum("nhgd,nlhd->nhgl", qg, k) * scale  # [n, Hkv, G, L]
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None].long()
@@ -110,7 +144,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, segments: list[tuple[int, int, int]],
-                      scale: float, out: torch.Tensor) -> None:
+                      scale: float, out: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Chunked causal prefill attention through torch SDPA.
 
     Segment i = (start, end, first_pos): tokens q[start:end] of one request at positions
@@ -122,8 +157,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         length, m = first_pos + end - start, end - start
         # [1, Hq, L, d]: K/V repeated over each KV head's query heads, so SDPA picks its fused
         # (flash / memory-efficient) kernels, which take a lower-right causal mask natively
-        k = gather_kv(k_cache, block_tables[i], length).repeat_interleave(group, 1)
-        v = gather_kv(v_cache, block_tables[i], length).repeat_interleave(group, 1)
+        k = gather_kv(k_cache, block_tables[i], length, k_scale).to(q.dtype)
+        v = gather_kv(v_cache, block_tables[i], length, v_scale).to(q.dtype)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         qs = q[start:end].transpose(0, 1)[None]  # [1, Hq, m, d]
         res = F.scaled_dot_product_attention(qs, k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None],

@@ -107,12 +107,13 @@ class CausalLM(nn.Module):
         """The layer's ops in program order (network ops only when tp > 1)."""
         return list(self._ops)
 
-    def new_workspace(self, max_tokens: int, num_pages: int,
-                      page_size: int = PAGE_SIZE) -> Workspace:
-        """Buffers for batches of up to `max_tokens` tokens and a cache of `num_pages` pages."""
+    def new_workspace(self, max_tokens: int, num_pages: int, page_size: int = PAGE_SIZE,
+                      kv_dtype: str = "auto") -> Workspace:
+        """Buffers for batches of up to `max_tokens` tokens and a cache of `num_pages` pages
+        (`kv_dtype`: "auto" = the model's dtype, "fp8" = e4m3 with scales; models/kvcache.py)."""
         s, loc = self.spec, self.local
         kv = KVCache(s.num_layers, num_pages, loc.num_kv_heads, s.head_dim, self.dtype,
-                     self.device, page_size)
+                     self.device, page_size, kv_dtype)
         k = s.num_experts_per_tok if s.is_moe else 1
         return allocate_workspace(
             max_tokens=max_tokens, hidden=s.hidden_size, qkv_size=loc.qkv_size,

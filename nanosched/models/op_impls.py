@@ -34,9 +34,9 @@ def kqv(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
 def rope_append(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
                 launch: Launch) -> None:
     """Rotate q → q[s:e]; rotate k and write k, v into layer i's pages."""
-    r = meta.slice(s, e)
-    K.rope_append(ws.qkv[s:e], r.positions, m.rope_cos, m.rope_sin, r.slot_mapping,
-                  ws.kv.k[i], ws.kv.v[i], ws.q[s:e], m.kernels, launch)
+    r, kv = meta.slice(s, e), ws.kv.layer(i)
+    K.rope_append(ws.qkv[s:e], r.positions, m.rope_cos, m.rope_sin, r.slot_mapping, kv.k, kv.v,
+                  ws.q[s:e], m.kernels, launch, **kv.scales)
 
 
 def attn_decode(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -47,8 +47,9 @@ def attn_decode(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: 
     if nd == 0:
         return
     tables, lens = r.decode_tables()
-    K.decode_attention(ws.q[s:s + nd], ws.kv.k[i], ws.kv.v[i], tables, lens,
-                       r.max_decode_context, m.scale, ws.attn[s:s + nd], m.kernels, launch)
+    kv = ws.kv.layer(i)
+    K.decode_attention(ws.q[s:s + nd], kv.k, kv.v, tables, lens, r.max_decode_context, m.scale,
+                       ws.attn[s:s + nd], m.kernels, launch, **kv.scales)
 
 
 def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -58,8 +59,10 @@ def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e:
     nd = r.num_decode
     if nd == e - s:
         return
-    K.prefill_attention(ws.q[s + nd:e], ws.kv.k[i], ws.kv.v[i], r.prefill_block_tables(),
-                        r.prefill_tensors(), m.scale, ws.attn[s + nd:e], m.kernels, launch)
+    kv = ws.kv.layer(i)
+    K.prefill_attention(ws.q[s + nd:e], kv.k, kv.v, r.prefill_block_tables(),
+                        r.prefill_tensors(), m.scale, ws.attn[s + nd:e], m.kernels, launch,
+                        **kv.scales)
 
 
 def o(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,

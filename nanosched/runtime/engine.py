@@ -91,7 +91,8 @@ class Engine:
         self.config = cfg
         self.model = model
         self.is_cuda = model.device.type == "cuda"
-        self.ws = model.new_workspace(cfg.dense_batch, cfg.num_pages, cfg.page_size)
+        self.ws = model.new_workspace(cfg.dense_batch, cfg.num_pages, cfg.page_size,
+                                      cfg.kv_dtype)
         max_context = cfg.max_context or model.spec.max_position_embeddings
         align = cfg.graph_align if cfg.graphs != "off" else 1
         pool = make_pool(model, self.ws.kv, cfg.admission)

@@ -31,6 +31,7 @@ from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.checkpoint import checkpoint_folder, eos_ids, load_checkpoint
+from nanosched.models.kvcache import token_bytes
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel
 from nanosched.models.spec import ModelSpec, load_spec
@@ -86,13 +87,13 @@ def load_model(spec: ModelSpec, weights: str, device: torch.device, seed: int = 
 
 
 def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
-             requests: list[Request] | None) -> int:
+             requests: list[Request] | None, kv_dtype: str = "auto") -> int:
     """Pages that fit in the GPU memory left after weights and buffers (CPU: what the
     requests could ever need, at most 1 GiB). Unknown requests (None, a server): all the GPU
     memory left, or on the CPU room for 64 requests of the model's full context."""
     spec = model.spec
-    page_bytes = 2 * spec.num_layers * page_size * spec.num_kv_heads * spec.head_dim * \
-        model.dtype.itemsize
+    page_bytes = page_size * token_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                         model.dtype, kv_dtype)
     peaks = [r.peak_tokens for r in requests] if requests is not None else \
         [spec.max_position_embeddings] * 64
     need = sum(-(-p // page_size) + 1 for p in peaks)
@@ -236,7 +237,8 @@ def build_engine(model: CausalLM, cfg: EngineConfig, choice: StrategyChoice, *,
     device = model.device
     graphs = resolve_graphs(cfg.graphs, device, GRAPH_MODES)
     dense = resolve_dense_batch(cfg.dense_batch, choice, device)
-    pages = cfg.num_pages or kv_pages(model, dense, cfg.page_size, cfg.mem_util, requests)
+    pages = cfg.num_pages or kv_pages(model, dense, cfg.page_size, cfg.mem_util, requests,
+                                      cfg.kv_dtype)
     longest = max((r.peak_tokens for r in requests), default=None) if requests else None
     eos = cfg.eos_ids if cfg.eos_ids is not None or cfg.model is None else \
         frozenset(eos_ids(cfg.model))

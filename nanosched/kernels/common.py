@@ -32,6 +32,13 @@ class DecodeConfig:
     num_stages: int
     num_warps: int
     ctas_per_sm: int
+    fp8_block_n: int | None = None  # tokens per step on an FP8 cache (None: block_n)
+
+    def block_for(self, fp8: bool) -> int:
+        """Tokens per loop step: an FP8 step of `fp8_block_n` tokens moves the bytes of a
+        smaller bf16 one, and the kernel is bound per SM by the elements it converts and
+        multiplies, so FP8 takes longer steps where that measured faster."""
+        return (self.fp8_block_n or self.block_n) if fp8 else self.block_n
 
     def smem_bytes(self, head_dim: int, itemsize: int) -> int:
         """Shared memory of the K/V ring: what bounds the programs an SM can hold."""
@@ -40,8 +47,10 @@ class DecodeConfig:
 
 # `triton_paged`: one block of 32 tokens per step, loads not pipelined, four programs per SM.
 PAGED = DecodeConfig(block_n=32, num_stages=1, num_warps=4, ctas_per_sm=CTAS_PER_SM)
-# `triton_pipelined`: a deep page-load pipeline, so that few SMs keep enough bytes in flight.
-PIPELINED = DecodeConfig(block_n=64, num_stages=4, num_warps=4, ctas_per_sm=2)
+# `triton_pipelined`: a deep page-load pipeline, so that few SMs keep enough bytes in flight;
+# on an FP8 cache 128-token steps (H100, 640 requests x 1K-4K context, all SMs: 70-81% of copy
+# against 59-67% with 64; bench/results/kernels_decode_attn-*-20261124T0155*.json).
+PIPELINED = DecodeConfig(block_n=64, num_stages=4, num_warps=4, ctas_per_sm=2, fp8_block_n=128)
 
 
 def is_interpret() -> bool:

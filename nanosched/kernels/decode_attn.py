@@ -17,9 +17,10 @@ reach bandwidth; `triton_pipelined` gets more of it from few SMs (docs/overlap.m
 against SMs).
 
 An FP8 cache (e4m3 K/V, one fp32 scale per (token, KV head) in `k_scale`, `v_scale`
-[P, S, Hkv]) is read at half the bytes: each step converts its K/V tile to the query's dtype,
-multiplies the logits of a token by its K scale and the probabilities by its V scale, so the
-dots stay bf16 and the scales cost two [BLOCK_N] loads per step.
+[P, S, Hkv]) is read at half the bytes: each step converts its K/V tile to the query's dtype
+(fp16 for a bf16 model: e4m3 converts to fp16 in one instruction, to bf16 through fp32; the
+query is cast once per work item), multiplies the logits of a token by its K scale and the
+probabilities by its V scale, so the scales cost two [BLOCK_N] loads per step.
 
 A request with context length 0 (a padded row of a CUDA-graph bucket) gets a zero output, never
 NaN, whatever the split count, and reads no page.
@@ -46,7 +47,7 @@ def _decode_partial_kernel(
     s_on, s_oh, s_os, s_ln, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
-    NUM_STAGES: tl.constexpr, FP8: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
@@ -64,6 +65,8 @@ def _decode_partial_kernel(
         heads = kvh * GROUP + offs_g  # [BG]
         q = tl.load(q_ptr + req * s_qn + heads[:, None] * s_qh + offs_d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BG, BD]
+        if F16_DOTS:  # bf16 q, e4m3 cache: e4m3 converts to fp16 in one instruction (to
+            q = q.to(tl.float16)  # bf16 through fp32), so the dots run in fp16
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -90,7 +93,7 @@ def _decode_partial_kernel(
                         mask=kv_mask, other=0.0)  # [BN, BD]
             v = tl.load(v_head + page[:, None] * s_vp + slot[:, None] * s_vs + offs_d[None, :],
                         mask=kv_mask, other=0.0)  # [BN, BD]
-            if FP8:  # e4m3 -> the query's dtype; each token's scale folds into its column
+            if FP8:  # e4m3 -> q's dtype (fp16 for bf16); a token's scale folds into its column
                 ks = tl.load(ks_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
                 vs = tl.load(vs_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
                 k = k.to(q.dtype)
@@ -172,8 +175,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     if max_ctas is None:
         max_ctas = config.ctas_per_sm * num_sms(q.device)
-    splits, split_len = plan_splits(n, num_kv, max_context_len, max_ctas, num_splits,
-                                    config.block_n)
+    fp8 = k_scale is not None
+    block_n = config.block_for(fp8)
+    splits, split_len = plan_splits(n, num_kv, max_context_len, max_ctas, num_splits, block_n)
     group = num_q // num_kv
     num_items = n * num_kv * splits
     if splits == 1:
@@ -184,7 +188,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((n, num_q, splits), dtype=torch.float32, device=q.device)
         s_part = part.stride()[:3]
     block_d = triton.next_power_of_2(d)
-    fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused without FP8
     if fp8 and k_scale.stride() != v_scale.stride():
         raise ValueError("k_scale and v_scale must share a layout")
@@ -195,8 +198,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *ks.stride()[:3], block_tables.stride(0), *s_part,
         lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_D=block_d, BLOCK_N=config.block_n, PAGE=page, STORE_LSE=splits > 1,
+        BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, STORE_LSE=splits > 1,
         DOT_PREC=dot_precision(q.dtype), NUM_STAGES=config.num_stages, FP8=fp8,
+        F16_DOTS=fp8 and q.dtype == torch.bfloat16,
         num_warps=config.num_warps)
     if splits == 1:
         return

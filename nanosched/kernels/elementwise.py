@@ -101,25 +101,22 @@ def _rope_append_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_ptr, v_p
         v_src = src + num_kv * (2 * HALF)
         v1 = tl.load(v_src + offs, mask=mask, other=0.0)
         v2 = tl.load(v_src + HALF + offs, mask=mask, other=0.0)
+        k1, k2 = y1.to(tl.float32), y2.to(tl.float32)
+        w1, w2 = v1.to(tl.float32), v2.to(tl.float32)
         if FP8:  # one scale per (token, KV head): the vector's amax lands on e4m3's largest
-            k_amax = tl.maximum(tl.max(tl.abs(y1.to(tl.float32)), 0),
-                                tl.max(tl.abs(y2.to(tl.float32)), 0))
-            v_amax = tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 0),
-                                tl.max(tl.abs(v2.to(tl.float32)), 0))
-            k_sc = tl.maximum(k_amax / FP8_MAX, MIN_SCALE)
-            v_sc = tl.maximum(v_amax / FP8_MAX, MIN_SCALE)
+            k_sc = tl.maximum(tl.maximum(tl.max(tl.abs(k1), 0), tl.max(tl.abs(k2), 0)) / FP8_MAX,
+                              MIN_SCALE)
+            v_sc = tl.maximum(tl.maximum(tl.max(tl.abs(w1), 0), tl.max(tl.abs(w2), 0)) / FP8_MAX,
+                              MIN_SCALE)
             tl.store(ks_ptr + slot * s_sslot + kvh * s_sh, k_sc)
             tl.store(vs_ptr + slot * s_sslot + kvh * s_sh, v_sc)
-            y1 = y1.to(tl.float32) / k_sc
-            y2 = y2.to(tl.float32) / k_sc
-            v1 = v1.to(tl.float32) / v_sc
-            v2 = v2.to(tl.float32) / v_sc
+            k1, k2, w1, w2 = k1 / k_sc, k2 / k_sc, w1 / v_sc, w2 / v_sc
         k_dst = k_ptr + slot * s_kslot + kvh * s_kh
-        tl.store(k_dst + offs, y1.to(k_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_dst + HALF + offs, y2.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst + offs, k1.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst + HALF + offs, k2.to(k_ptr.dtype.element_ty), mask=mask)
         v_dst = v_ptr + slot * s_vslot + kvh * s_vh
-        tl.store(v_dst + offs, v1.to(v_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst + HALF + offs, v2.to(v_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst + offs, w1.to(v_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst + HALF + offs, w2.to(v_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,

@@ -17,8 +17,8 @@ K/V tile once for all the query heads of its group. Each program walks the K/V t
 of it sees in full without a mask, then the diagonal tiles with the causal mask; tiles past its
 last row's position are never loaded. Within a segment the last m-tile (the heaviest) runs first.
 fp16/bf16/fp32 in, fp32 accumulation; an FP8 cache (e4m3 K/V with per-(token, KV head) scales,
-as in decode_attn.py) is converted tile by tile to the query's dtype, its scales folded into the
-logits and probabilities; tiles and warps are launch parameters
+as in decode_attn.py) is converted tile by tile to fp16, with the query, its scales folded into
+the logits and probabilities; tiles and warps are launch parameters
 (`PrefillConfig`) so a bench can tune them.
 
 Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
@@ -65,7 +65,7 @@ def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, ks_ptr, vs_ptr, b
                     + offs_d[None, :])
         v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh
                     + offs_d[None, :])
-    if FP8:  # e4m3 -> the query's dtype; a key's scale multiplies its logits, a value's its p
+    if FP8:  # e4m3 -> q's dtype (fp16 for bf16); a key's scale scales its logits, a value's p
         s_off = page * s_sp + slot * s_ss + kvh * s_sh
         ks = tl.load(ks_ptr + s_off, mask=keys < kv_end, other=0.0)
         vs = tl.load(vs_ptr + s_off, mask=keys < kv_end, other=0.0)
@@ -94,7 +94,7 @@ def _prefill_kernel(
     num_segments, s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_sp, s_ss, s_sh, s_bt, s_on,
     s_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PREC: tl.constexpr, FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     # program -> (segment, m-tile): segments' m-tiles laid end to end, counted on the device
     tile = tl.program_id(0)
@@ -119,6 +119,8 @@ def _prefill_kernel(
     io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + (start + tok)[:, None] * s_qn + head[:, None] * s_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)  # [BM, BD]
+    if F16_DOTS:  # bf16 q, e4m3 cache: e4m3 converts to fp16 in one instruction (to
+        q = q.to(tl.float16)  # bf16 through fp32), so the dots run in fp16
     q_pos = first + tok  # [BM]
     tok_lo = (m_tile * BLOCK_M) // GROUP
     tok_hi = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // GROUP, length - 1)
@@ -211,7 +213,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page,
         BLOCK_S=max(2, triton.next_power_of_2(segments.num_segments)),
-        DOT_PREC=dot_precision(q.dtype), FP8=fp8, num_warps=cfg.num_warps,
+        DOT_PREC=dot_precision(q.dtype), FP8=fp8,
+        F16_DOTS=fp8 and q.dtype == torch.bfloat16, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 

@@ -29,7 +29,7 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 OPS_OF_KIND = {"all_reduce": ("ar_attn", "ar_ffn"), "reduce_scatter": ("rs_attn", "rs_ffn"),
                "all_gather": ("ag_attn", "ag_ffn")}
 NVLINK_HOP_US = 1.9  # NCCL tuning.cc, hwLat[NVLINK][RING][LL128]
-# Two H200s, NCCL 2.28 (DESIGN.md): 33 us for a 4 MiB all-reduce at 228 GB/s busbw leaves
+# Two H200s, NCCL 2.28 (docs/measurements.md): 33 us for a 4 MiB all-reduce at 228 GB/s busbw leaves
 # about 15 us of latency: two ring steps and the fixed rest. Used only when no second GPU could
 # be measured.
 PRIOR_LATENCY_US = 15.0 - 2 * NVLINK_HOP_US

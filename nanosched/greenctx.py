@@ -5,7 +5,7 @@
 the device as the other group; each group gets a green context (`cuGreenCtxCreate`) and a
 non-blocking stream in it (`cuGreenCtxStreamCreate`), wrapped as `torch.cuda.ExternalStream`.
 Work launched on the two streams runs on disjoint SMs. `Partition.sms` is what the driver
-granted. torch's own `GreenContext.create()` is not used: its contexts overlap (DESIGN.md).
+granted. torch's own `GreenContext.create()` is not used: its contexts overlap (docs/design.md).
 
 The profiler and the runtime both use it (a top-level module: no layer owns it). cuda-python
 is imported inside functions, through `cuda.bindings.driver` (cuda-python >= 12.6) or the older

@@ -1,4 +1,4 @@
-"""The layering of DESIGN.md, read from the code: every `import` of every module (at any depth,
+"""The layering of docs/design.md, read from the code: every `import` of every module (at any depth,
 lazy imports inside functions included) against the rules below.
 
 - the runtime never imports the search (a server loads a schedule without OR-Tools);

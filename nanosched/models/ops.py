@@ -1,4 +1,4 @@
-"""The named ops of a decoder layer, in order, with their resource class (DESIGN.md, op graph).
+"""The named ops of a decoder layer, in order, with their resource class (docs/design.md, op graph).
 
 This list is the single source of op names: models implement them, the cost model prices them,
 the profiler measures them, the search splits them and the runtime launches them.

@@ -5,7 +5,7 @@ default all-reduce over all token counts (bandwidth term: the large-message limi
 Network rows: measured on `world` GPUs when `world == tp`; when fewer GPUs were visible, fitted
 with NCCL's ring formulas (network_model.py) on the measured GPUs and evaluated at tp, marked
 `modelled`; with one GPU visible, modelled from the GPU's prior link bandwidth (hardware.py)
-and a latency taken from DESIGN.md's two-H200 measurement. Every modelled row is noted.
+and a latency taken from a two-H200 measurement (docs/measurements.md). Every modelled row is noted.
 """
 
 from __future__ import annotations

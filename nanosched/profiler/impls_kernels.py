@@ -17,8 +17,8 @@ Names (nanosched/kernels/impls.py):
   A row (T, p) is T tokens cut from prompts of p = `context` tokens, so the causal mean context
   is (p + 1) / 2 as the cost model keys it: T >= p: fresh prompts of p tokens (the last one
   shorter when p does not divide T); T < p: the middle T-token chunk of one p-token prompt, which
-  continues a cached prefix of (p - T) // 2 tokens. (Before the Triton kernel, T < p rows were one
-  fresh T-token prompt: profiles made then underprice those rows.)
+  continues a cached prefix of (p - T) // 2 tokens (timing a fresh T-token prompt instead would
+  underprice the chunk, which reads its prefix).
 - experts_ug, experts_d: `triton` (grouped GEMM; bounded to the SMs given when they are fewer
   than the GPU's outside a partition, impls.grouped_programs) and `torch` (loop over experts),
   over the T·k rows, uniform routing (row i → expert i mod E; routing itself not timed).

@@ -12,7 +12,7 @@ NCCL's own tuning model (latency = base + steps x per-hop):
 Measurements on one GPU count give B and a0 + steps h, not a0 and h apart; h is taken from
 NCCL's tuning table (ring, LL128 over NVLink: 1.9 us per step, `NVLINK_HOP_US`) and a0 is what
 remains of the fitted intercept. (Treating the whole two-GPU intercept as per-step latency, as a
-pure ring formula does, made a 2 MB all-reduce on 8 H200s cost 145 us, about 3x NCCL's own
+pure ring formula does, would price a 2 MB all-reduce on 8 H200s at 145 us, about 3x NCCL's own
 tuning model there.)
 
 `fit_ring` finds B and a0 by least squares from measurements on `world` GPUs at several sizes;
@@ -29,7 +29,7 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 OPS_OF_KIND = {"all_reduce": ("ar_attn", "ar_ffn"), "reduce_scatter": ("rs_attn", "rs_ffn"),
                "all_gather": ("ag_attn", "ag_ffn")}
 NVLINK_HOP_US = 1.9  # NCCL tuning.cc, hwLat[NVLINK][RING][LL128]
-# Two H200s, NCCL 2.28 (DESIGN.md): 33 us for a 4 MiB all-reduce at 228 GB/s busbw leaves
+# Two H200s, NCCL 2.28 (docs/measurements.md): 33 us for a 4 MiB all-reduce at 228 GB/s busbw leaves
 # about 15 us of latency: two ring steps and the fixed rest. Used only when no second GPU could
 # be measured.
 PRIOR_LATENCY_US = 15.0 - 2 * NVLINK_HOP_US

@@ -4,8 +4,10 @@ Tables: identity and ceilings; the best time per op and token count on all SMs; 
 best time scales with SMs at the middle token count; the mean SM clock and board power of the
 kernel rows per op; the co-run pairs with their clock and power; the R->P tables, each point
 with the clock its pairs ran at and whether that was throttled (under 97% of the GPU's maximum);
-whether the pairs were timed sustained; the notes. The plot (lazy
-matplotlib import, Agg backend) has the R->P curves per class and kernel time vs SMs.
+whether the pairs were timed sustained; the notes. The plot (lazy matplotlib import, Agg
+backend) shows, per class, every co-run pair as a point coloured by its SM-allocation mechanism
+(R against P, and P_other against P_compute with the P_compute + P_other = 1 line that overlap
+must beat), and GEMM time against SMs.
 """
 
 from __future__ import annotations
@@ -78,31 +80,104 @@ def show_profile(prof: Profile, echo: Callable[[str], None] = print) -> None:
         echo(f"note: {note}")
 
 
+MECH_STYLE = {"green_ctx": ("#1f77b4", "o"), "cta_bound": ("#d62728", "^"),
+              "stream_priority": ("#2ca02c", "s")}
+DIAGONAL_LABEL = "P_compute + P_other = 1"
+
+
+def _style(mechanism: str, index: int) -> tuple[str, str]:
+    return MECH_STYLE.get(mechanism, (f"C{3 + index}", "D"))
+
+
+def _rp_data(prof: Profile, cls: str) -> dict[str, list[tuple[float, float, float]]]:
+    """(R, P_other, P_compute) per mechanism: every measured pair of the class, else the table."""
+    from nanosched.profiler.interference import r_of
+
+    n = prof.identity.num_sms
+    by_mech: dict[str, list[tuple[float, float, float]]] = {}
+    pairs = [p for p in prof.pairs if p.other_class == cls]
+    if pairs:
+        for p in pairs:
+            by_mech.setdefault(p.mechanism, []).append((r_of(p, n), p.p_other, p.p_compute))
+    else:
+        for q in prof.rp.get(cls, ()):
+            by_mech.setdefault(q.mechanism, []).append((q.r, q.p_other, q.p_compute))
+    return by_mech
+
+
+def plot_rp(prof: Profile, ax_r: object, ax_p: object, cls: str) -> None:
+    """Draw class `cls` on two axes, one colour and marker per mechanism, points not lines.
+
+    `ax_r`: R (share given to the non-compute kernel) against P, P_other filled and P_compute
+    hollow. `ax_p`: P_other against P_compute with the line P_compute + P_other = 1: a point
+    above it means the pair together beat running the two kernels one after the other. The
+    R->P table's points (the Pareto front the search uses) are ringed in black.
+    """
+    by_mech = _rp_data(prof, cls)
+    for i, (mech, pts) in enumerate(sorted(by_mech.items())):
+        color, marker = _style(mech, i)
+        r, p_other, p_compute = zip(*pts, strict=True)
+        ax_r.scatter(r, p_other, color=color, marker=marker, alpha=0.7, s=22,  # type: ignore
+                     label=f"{mech}: P_{cls}")
+        ax_r.scatter(r, p_compute, facecolors="none", edgecolors=color,  # type: ignore
+                     marker=marker, alpha=0.7, s=22, label=f"{mech}: P_compute")
+        ax_p.scatter(p_other, p_compute, color=color, marker=marker, alpha=0.7,  # type: ignore
+                     s=22, label=mech)
+    top = max([1.15] + [v + 0.05 for pts in by_mech.values() for _, a, b in pts for v in (a, b)])
+    table = prof.rp.get(cls, ())
+    if table:
+        ax_p.scatter([q.p_other for q in table], [q.p_compute for q in table],  # type: ignore
+                     facecolors="none", edgecolors="black", s=90, linewidths=1.2,
+                     label="R->P table (Pareto)")
+    ax_p.plot([0, 1], [1, 0], color="grey", linestyle="--", linewidth=1,  # type: ignore
+              label=DIAGONAL_LABEL)
+    ax_r.set(xlabel=f"R (share of the GPU given to {cls})", ylabel="P (vs alone)",  # type: ignore
+             title=f"R->P, {cls} beside a GEMM", xlim=(0, 1), ylim=(0, top))
+    ax_p.set(xlabel=f"P_{cls}", ylabel="P_compute", xlim=(0, top), ylim=(0, top),  # type: ignore
+             title=f"P_compute vs P_{cls} (above the line: overlap pays)")
+    ax_p.set_aspect("equal")  # type: ignore[attr-defined]
+    ax_r.legend(fontsize=7)  # type: ignore[attr-defined]
+    ax_p.legend(fontsize=7)  # type: ignore[attr-defined]
+
+
+def profile_figure(prof: Profile) -> object:
+    """The figure `plot_profile` saves: per R->P class a row (R vs P, P vs P), then GEMMs vs SMs.
+
+    Needs matplotlib with a backend already chosen (plot_profile picks Agg).
+    """
+    import matplotlib.pyplot as plt
+
+    classes = sorted(set(prof.rp) | {p.other_class for p in prof.pairs})
+    rows = max(1, len(classes))
+    fig, axes = plt.subplots(rows, 3, figsize=(16, 4.8 * rows), squeeze=False)
+    for row, cls in enumerate(classes):
+        plot_rp(prof, axes[row][0], axes[row][1], cls)
+    f = _frames(prof)
+    ax_sm = axes[0][2]
+    for op, row_ in f["by_sms"].iterrows():  # type: ignore[attr-defined]
+        ax_sm.plot(row_.index, row_.values, "o-", label=op)
+    ax_sm.set(xlabel="SMs", ylabel="best time (us)", title=f"GEMMs at {f['mid']} tokens")
+    ax_sm.legend(fontsize=8)
+    for row in range(len(classes), rows):
+        for ax in axes[row][:2]:
+            ax.set_axis_off()
+    for row in range(1, rows):
+        axes[row][2].set_axis_off()
+    fig.suptitle(f"{prof.model.name} tp {prof.tp} on {prof.identity.gpu_name}: every measured "
+                 "pair, one colour and marker per mechanism")
+    fig.tight_layout()
+    return fig
+
+
 def plot_profile(prof: Profile, out: str | os.PathLike[str]) -> Path:
-    """Write R->P curves and GEMM time vs SMs to a PNG; returns its path."""
+    """Write the R->P plots and GEMM time vs SMs to a PNG; returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    f = _frames(prof)
-    fig, (ax_rp, ax_sm) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for cls, pts in sorted(prof.rp.items()):
-        pts = sorted(pts, key=lambda p: p.r)
-        ax_rp.plot([p.r for p in pts], [p.p_other for p in pts], "o-", label=f"P {cls}")
-        ax_rp.plot([p.r for p in pts], [p.p_compute for p in pts], "s--",
-                   label=f"P compute beside {cls}")
-    ax_rp.set(xlabel="R (share given to the non-compute kernel)", ylabel="P (vs alone)",
-              title="R->P", xlim=(0, 1), ylim=(0, 1.1))
-    ax_rp.legend(fontsize=8)
-    by_sms = f["by_sms"]
-    for op, row in by_sms.iterrows():  # type: ignore[attr-defined]
-        ax_sm.plot(row.index, row.values, "o-", label=op)
-    ax_sm.set(xlabel="SMs", ylabel="best time (us)", title=f"GEMMs at {f['mid']} tokens")
-    ax_sm.legend(fontsize=8)
-    fig.suptitle(f"{prof.model.name} tp {prof.tp} on {prof.identity.gpu_name}")
-    fig.tight_layout()
+    fig = profile_figure(prof)
     path = Path(out)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.savefig(path, dpi=110)  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]
     return path

@@ -9,9 +9,9 @@ attention reads only its own row of this iteration (the rest is cache from earli
 
 The two attention ops touch only their own kind of rows: on a range [s, e), decode attention
 reads and writes the decode rows in it, prefill attention the prompt rows. Declaring the whole
-range made a range's attention of the other kind (a no-op: no rows of its kind) look like a
-writer of `attn`, and prefill attention then waited behind it on the decode stream: 322 us per
-layer on the H100 (bench/nanoop_timeline.py, session 4), with no data to wait for.
+range would make a range's attention of the other kind (a no-op: no rows of its kind) a writer
+of `attn`, and prefill attention would wait behind it on the decode stream with no data to wait
+for (docs/runtime.md has the measured cost).
 """
 
 from __future__ import annotations

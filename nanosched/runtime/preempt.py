@@ -8,14 +8,11 @@ its outputs again) or by swap (its pages to host memory, runtime/offload.py), co
 `PreemptStats`. Which of the two: `--preemption recompute` or `swap` as asked (swap falls back
 to recompute when host memory is full), `auto` by the cost rule `offload.prefer_swap`.
 
-Defaults, from `bench/admission_sim.py` on Llama-3-8B 1024 / 512, 1,000 prompts, dense batch
-1,024, the H100's 24,959 pages (bench/results/admission-sim-*): policy "use" takes as many
-iterations as "reserve" there (every request generates its max_tokens, so the reserve bound is
-exact) and half as many when max_tokens is 4x the output (requests stop at an EOS), where
-"reserve" holds back. Headroom 0 took the fewest iterations (a share of the cache held free
-only lowers how many requests run). Recompute is the default preemption: it needs no host
-memory and has one code path on every device; swap saved 1% of the iterations in that run and
-its CUDA stream ordering is tested by tests/gpu/test_offload_gpu.py.
+Defaults: policy "use" (never worse than "reserve" in iterations, and far better when requests
+stop before max_tokens, where "reserve" holds back), headroom 0 (a share of the cache held free
+only lowers how many requests run) and preemption by recompute (no host memory, one code path
+on every device; swap's CUDA stream ordering is tested by tests/gpu/test_offload_gpu.py). The
+simulation behind them (`bench/admission_sim.py`) and its figures are in docs/admission.md.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ profile's `stream_priority` rows did. GPU-only module (`partition_sides` is plai
 
 Two schedule streams never share a side of a split. The search allocates shares, not SM sets:
 `compute@gc64` beside `memory@gc64` means 64 SMs each, side by side; were both put on the
-64-SM side, the compute nano-op would queue behind the attention on one CUDA stream (measured:
-bench/nanoop_timeline.py, 3,053 us per layer instead of 2,374 predicted). So the non-compute
+64-SM side, the compute nano-op would queue behind the attention on one CUDA stream
+(docs/runtime.md has the measured cost). So the non-compute
 streams claim their sides first and a stream whose side is taken by another stream runs on the
 complement (68 SMs here: a few more than asked, never shared).
 """

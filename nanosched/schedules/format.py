@@ -1,6 +1,6 @@
 """The schedule contract, `nanosched.schedule/1`: one JSON file the runtime replays.
 
-Pure Python: a server loads schedules without OR-Tools. Contents (DESIGN.md, "The schedule"):
+Pure Python: a server loads schedules without OR-Tools. Contents (docs/design.md, "The schedule"):
 - `model` (name + the numbers that matter) and `tp`; `gpu` (name, SM count); `profile_digest`.
 - `batch`: dense batch B and its mix: `num_decode` decode tokens first ([0, n_d)), then prefill
   tokens ([n_d, B)) as prompts of `prompt_len`; the mean KV contexts.

@@ -1,8 +1,9 @@
 """Present a schedule: the pipeline as rows, a summary, and a per-stream Gantt chart.
 
 The chart follows NanoFlow's Figure 6: one lane per stream, one box per nano-op of the
-steady-state period (two layers unrolled), labelled with the op, its nano-batch and its share R.
-matplotlib is imported only when a chart is drawn (the `plot` extra).
+steady-state period (two layers unrolled), labelled with the op, its nano-batch and its share R
+where the label fits inside the box (the others are listed under the chart, so no two labels
+overlap). matplotlib is imported only when a chart is drawn (the `plot` extra).
 """
 
 from __future__ import annotations
@@ -58,6 +59,72 @@ def summary_lines(s: Schedule) -> list[str]:
     return lines + [f"note: {n}" for n in s.notes]
 
 
+def _fit_label(ax: Any, renderer: Any, x0: float, width: float, lane: int,
+               candidates: list[tuple[str, int]]) -> Any:
+    """Place the first (label, rotation) that fits inside the bar; None when none does."""
+    (left, bottom), (right, top) = ax.transData.transform([(x0, lane - 0.4),
+                                                           (x0 + width, lane + 0.4)])
+    room_w, room_h = right - left - 4, top - bottom - 4  # pixels, a 2-pixel margin
+    for label, rotation in candidates:
+        text = ax.text(x0 + width / 2, lane, label, ha="center", va="center", fontsize=7,
+                       rotation=rotation, rotation_mode="anchor",
+                       bbox={"facecolor": "white", "alpha": 0.75, "pad": 1, "linewidth": 0})
+        box = text.get_window_extent(renderer)
+        if box.width <= room_w and box.height <= room_h:
+            return text
+        text.remove()
+    return None
+
+
+def gantt_figure(s: Schedule) -> Any:
+    """The steady-state pipeline (layers l and l + 1) per stream, as a matplotlib Figure.
+
+    Bars are labelled (op and nano-batch, then the share R) only where the label fits inside the
+    bar, across or else upright, and only in layer l (layer l + 1 repeats it, faded); so no two
+    labels overlap. The nano-ops too narrow for any
+    label are listed under the chart, per stream in issue order. Needs matplotlib with a
+    backend chosen (plot_gantt picks Agg).
+    """
+    import matplotlib.pyplot as plt
+
+    period = s.prediction.solver_period_us
+    lanes = [st.name for st in s.streams]
+    fig, ax = plt.subplots(figsize=(14, 1.6 + 0.9 * len(lanes)))
+    end = 0.0
+    for n in s.nano_ops:
+        for layer in (0, 1):
+            x0 = n.start_us + layer * period
+            end = max(end, x0 + n.duration_us)
+            ax.broken_barh([(x0, n.duration_us)], (lanes.index(n.stream) - 0.4, 0.8),
+                           facecolors=COLORS.get(n.resource, "#999"), edgecolors="black",
+                           alpha=1.0 if layer == 0 else 0.55, hatch=None if n.start == 0 else "//")
+    for t in (period, 2 * period):
+        ax.axvline(t, color="red", linestyle="--", linewidth=1)
+    ax.set_xlim(min(0.0, min((n.start_us for n in s.nano_ops), default=0.0)) - 0.02 * period,
+                max(end, 2 * period) + 0.02 * period)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("time (us); layer l solid, layer l+1 faded; hatched: a nano-batch after the "
+                  "first; red lines: period boundaries")
+    ax.set_title(f"{s.model['name']} tp={s.tp} on {s.gpu_name}: period {period:.0f} us, "
+                 f"B={s.batch.dense_batch}")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    renderer = fig.canvas.get_renderer()
+    unlabelled: dict[str, list[str]] = {}
+    for n in sorted(s.nano_ops, key=lambda n: (n.stream, n.order)):
+        lane = lanes.index(n.stream)
+        text = _fit_label(ax, renderer, n.start_us, n.duration_us, lane,
+                          [(f"{n.id}\nR={n.alloc.share:g}", 0), (n.id, 0),
+                           (f"{n.id} R={n.alloc.share:g}", 90), (n.id, 90)])
+        if text is None:
+            unlabelled.setdefault(n.stream, []).append(n.id)
+    if unlabelled:
+        note = "too narrow to label: " + "; ".join(
+            f"{lane}: {', '.join(ids)}" for lane, ids in unlabelled.items())
+        fig.text(0.01, 0.01, note, fontsize=7, ha="left", va="bottom", wrap=True)
+    return fig
+
+
 def plot_gantt(s: Schedule, path: str | os.PathLike[str]) -> None:
     """Draw the steady-state pipeline (layers l and l + 1) per stream to `path` (PNG/SVG)."""
     try:
@@ -67,24 +134,6 @@ def plot_gantt(s: Schedule, path: str | os.PathLike[str]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install 'nanosched[plot]'") from None
-    period = s.prediction.solver_period_us
-    lanes = [st.name for st in s.streams]
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.9 * len(lanes)))
-    for n in s.nano_ops:
-        for layer in (0, 1):
-            x0 = n.start_us + layer * period
-            ax.broken_barh([(x0, n.duration_us)], (lanes.index(n.stream) - 0.4, 0.8),
-                           facecolors=COLORS.get(n.resource, "#999"), edgecolors="black",
-                           alpha=1.0 if layer == 0 else 0.55, hatch=None if n.start == 0 else "//")
-            if n.duration_us > 0.03 * period:
-                ax.text(x0 + n.duration_us / 2, lanes.index(n.stream),
-                        f"{n.id}\nR={n.alloc.share:g}", ha="center", va="center", fontsize=7)
-    for t in (period, 2 * period):
-        ax.axvline(t, color="red", linestyle="--", linewidth=1)
-    ax.set_yticks(range(len(lanes)), lanes)
-    ax.set_xlabel("time (us); layer l solid, layer l+1 faded; red lines: period boundaries")
-    ax.set_title(f"{s.model['name']} tp={s.tp} on {s.gpu_name}: period {period:.0f} us, "
-                 f"B={s.batch.dense_batch}")
-    fig.tight_layout()
+    fig = gantt_figure(s)
     fig.savefig(path, dpi=120)
     plt.close(fig)

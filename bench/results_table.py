@@ -6,12 +6,13 @@
 
 An experiment is what was asked, not when: for a `nanosched bench` record (`bench-*.json`) the
 model, tp, GPU, workload (input/output lengths or a dataset, arrival rate), number of prompts,
-dense batch, weights, `--graphs`, `--admission` and the kind of `--schedule` (sequential,
-two_batch, auto or a searched file); for another script's record the script, its arguments and
-the device. Only the latest file of each experiment is current: the README's table has one row
-per run of each current `bench` record, INDEX.md one line per experiment, and older files
-belong in bench/results/archive/ (git keeps their history). Schedules (`*.schedule.json`) and
-profiles (`profile-*.json`) are inputs that records name, so they stay. Pure Python, no torch.
+dense batch, weights, `--graphs`, `--admission`, `--kv-cache-dtype` and the kind of
+`--schedule` (sequential, two_batch, auto or a searched file); for another script's record the
+script, its arguments and the device. Only the latest file of each experiment is current: the
+README's table has one row per run of each current `bench` record, INDEX.md one line per
+experiment, and older files belong in bench/results/archive/ (git keeps their history).
+Schedules (`*.schedule.json`) and profiles (`profile-*.json`) are inputs that records name, so
+they stay. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
            ("workload", workload_label(c)), ("prompts", str(c.get("num_prompts"))),
            ("dense batch", str(c.get("dense_batch"))), ("weights", str(c.get("weights"))),
            ("graphs", str(c.get("graphs") or "off")), ("admission", str(c.get("admission"))),
+           ("KV", str(c.get("kv_dtype") or "auto")),
            ("schedule", schedule_kind(c.get("schedule"))))
     summary = ", ".join(f"{run}: {_num(r.get('results', {}).get('tokens_per_s'))} tokens/s"
                         for run, r in bench_runs(data).items())
@@ -216,13 +218,14 @@ def table_rows(entries: list[Entry]) -> list[list[str]]:
                   isinstance(tps, (int, float)) and base else "—")
             pct = res.get("percent_of_optimal")
             rows.append([k["gpu"], k["model"], k["workload"], k["prompts"], k["dense batch"],
-                         graphs, k["admission"] if k["admission"] != "None" else "—", strategy,
+                         graphs, k["admission"] if k["admission"] != "None" else "—",
+                         "bf16" if k["KV"] == "auto" else k["KV"], strategy,
                          _num(tps), f"{pct:.1f}%" if isinstance(pct, (int, float)) else "—", vs,
                          e.date[:10], f"[`{e.name}`](bench/results/{e.name})"])
     return rows
 
 
-HEADER = ["GPU", "model", "workload", "prompts", "batch", "graphs", "admission", "strategy",
+HEADER = ["GPU", "model", "workload", "prompts", "batch", "graphs", "admission", "KV", "strategy",
           "tokens/s", "% of optimal", "vs Sequential", "date", "file"]
 
 

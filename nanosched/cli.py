@@ -366,6 +366,10 @@ def profile(
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
     fake_gpu: bool = typer.Option(False, "--fake-gpu", help="Dry run on a simulated GPU "
                                   "(deterministic numbers, no CUDA needed)."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache the attention "
+                                       "and rope_append rows run on: 'auto' (the model's dtype) "
+                                       "or 'fp8'. A schedule searched on the profile runs only "
+                                       "on that cache (serve/bench --kv-cache-dtype)."),
 ) -> None:
     """Profile kernels alone and in pairs on a GPU and write the profile (nanosched.profile/1).
 
@@ -382,7 +386,8 @@ def profile(
     if model is None:
         raise ConfigError("nanosched profile needs --model (e.g. --model llama3-8b)")
     cfg = ProfileConfig(gpu, model, tp, resolve_workload(workload, input_len, output_len), out,
-                        quick, resume, dense_batch, not no_progress, fake_gpu)
+                        quick, resume, dense_batch, not no_progress, fake_gpu,
+                        kv_dtype=kv_cache_dtype)
     try:
         profile_gpu(cfg, log=typer.echo)
     except ProfileInterrupted as exc:

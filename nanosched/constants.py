@@ -3,4 +3,5 @@ this module (tests/test_layering.py allows it everywhere)."""
 
 TOKEN_QUANTUM = 128  # dense batches and nano-batch ranges are multiples of this many tokens
 PAGE_SIZE = 16  # tokens per page of the paged KV cache (the engine's and the profiler's default)
+KV_DTYPES = ("auto", "fp8")  # KV cache element types: the model's dtype, or e4m3 with scales
 DEFAULT_NUM_SMS = 132  # SMs of an H100 / H200 SXM: the default where no GPU is at hand

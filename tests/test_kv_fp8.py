@@ -235,3 +235,47 @@ def test_fp8_cache_greedy_tokens_agree(seed, tmp_path):
                              prompt_ids=(5, 9, 2, 77, 31, 4), max_tokens=GREEDY_TOKENS)
         outs.append(generate(cfg).output_ids)
     assert len(outs[0]) == GREEDY_TOKENS and outs[1] == outs[0]
+
+
+def test_profile_records_its_kv_dtype_and_schedules_carry_it(tmp_path):
+    """An FP8 profile says so (its digest changes), a schedule searched on it says so, and the
+    runtime's compatibility check refuses it on a cache of another dtype."""
+    import dataclasses
+    import json
+
+    from search_fixtures import small_profile, small_schedule
+    from typer.testing import CliRunner
+
+    from nanosched.cli import app
+    from nanosched.errors import ScheduleError
+    from nanosched.models.spec import load_spec
+    from nanosched.profiler.format import Profile
+    from nanosched.schedules.format import Schedule, check_compatible
+
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", "--fake-gpu", "--model", "llama3-8b", "--quick",
+                                 "--dense-batch", "256", "--out", str(out), "--no-progress",
+                                 "--kv-cache-dtype", "fp8"])
+    assert r.exit_code == 0, r.output
+    assert "FP8 KV cache" in r.output and json.loads(out.read_text())["kv_dtype"] == "fp8"
+    r = CliRunner().invoke(app, ["profile", "--fake-gpu", "--model", "llama3-8b",
+                                 "--kv-cache-dtype", "int8", "--out", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and "'int8' is not one of ('auto', 'fp8')" in r.output
+
+    prof = small_profile()
+    assert "kv_dtype" not in prof.to_json()  # bf16 profiles keep their digest
+    fp8 = dataclasses.replace(prof, kv_dtype="fp8")
+    assert fp8.digest() != prof.digest()
+    assert Profile.from_json(fp8.to_json()).kv_dtype == "fp8"
+
+    spec = load_spec("llama3-8b")
+    sched = dataclasses.replace(small_schedule(), kv_dtype="fp8")
+    sched = Schedule.from_json(sched.to_json())
+    assert sched.kv_dtype == "fp8"
+    assert check_compatible(sched, spec, 1, sched.gpu_name, kv_dtype="fp8") == []
+    with pytest.raises(ScheduleError, match="searched on a 'fp8' profile, running "
+                                            "--kv-cache-dtype auto"):
+        check_compatible(sched, spec, 1, sched.gpu_name)
+    old = small_schedule().to_json()
+    old.pop("kv_dtype")  # a schedule written before the field: a bf16 cache's
+    assert Schedule.from_json(old).kv_dtype == "auto"

@@ -81,16 +81,16 @@ def test_the_table_has_the_latest_record_of_each_experiment(repo):
     readme = (repo / "README.md").read_text()
     assert readme.startswith("# x\n\nintro\n\n") and readme.endswith("\n\nafter\n")
     assert "old table" not in readme
-    rows = {(r[0], r[7]): r for r in _table_rows(readme)}
+    rows = {(r[0], r[8]): r for r in _table_rows(readme)}
     assert len(rows) == 4  # a-new, b's two runs, the legacy record; a-old is superseded
     h100 = rows[("H100", "sequential")]
-    assert h100[8] == "12,000" and h100[9] == "36.0%" and h100[10] == "—"
-    assert "bench-a-new.json" in h100[12] and h100[11] == "2026-11-23"
+    assert h100[9] == "12,000" and h100[10] == "36.0%" and h100[11] == "—"
+    assert "bench-a-new.json" in h100[13] and h100[12] == "2026-11-23"
     replay = rows[("H200", "searched schedule (predicts 1.04×)")]
-    assert replay[2] == "sharegpt" and replay[3] == "600" and replay[8] == "16,200"
-    assert replay[10] == "0.90×"  # 16,200 / 18,000, Sequential of the same file and graphs
+    assert replay[2] == "sharegpt" and replay[3] == "600" and replay[9] == "16,200"
+    assert replay[11] == "0.90×"  # 16,200 / 18,000, Sequential of the same file and graphs
     legacy = rows[("2×H200", "two_batch")]
-    assert legacy[5] == "off" and legacy[8] == "1,234" and legacy[9] == "—"
+    assert legacy[5] == "off" and legacy[9] == "1,234" and legacy[10] == "—"
     assert "bench-a-old.json" not in readme
     index = (repo / "bench" / "results" / "INDEX.md").read_text()
     assert "bench-a-new.json" in index and "bench-a-old.json" not in index

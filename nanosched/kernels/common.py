@@ -16,7 +16,6 @@ from nanosched.errors import ConfigError
 
 INTERPRET_NUM_SMS = 4  # stand-in SM count under TRITON_INTERPRET=1 (CPU tensors)
 CTAS_PER_SM = 4  # default grid of a persistent memory-bound kernel, per SM
-KV_DTYPES = ("auto", "fp8")  # KV cache: the model's dtype, or e4m3 with per-(token, head) scales
 FP8_MAX = 448.0  # largest finite e4m3 (float8_e4m3fn) value
 FP8_MIN_SCALE = 1e-12  # floor of a quantisation scale: an all-zero vector stays zero, not NaN
 

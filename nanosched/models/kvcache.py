@@ -27,9 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from nanosched.constants import PAGE_SIZE
+from nanosched.constants import KV_DTYPES, PAGE_SIZE
 from nanosched.errors import ConfigError, NanoschedError
-from nanosched.kernels.common import KV_DTYPES
 from nanosched.kernels.reference import quantize_fp8
 from nanosched.models.batch import BatchMeta, SeqChunk
 

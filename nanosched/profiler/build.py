@@ -167,4 +167,4 @@ def build_profile(settings: ProfileSettings, state: RunState) -> Profile:
     return Profile(identity=state.identity, model=settings.model, tp=settings.tp,
                    dense_batch=settings.dense_batch, ceilings=ceilings, kernels=tuple(kernels),
                    pairs=tuple(state.pairs.values()), rp=rp, notes=tuple(state.notes),
-                   rp_shapes=rp_shapes)
+                   rp_shapes=rp_shapes, kv_dtype=settings.kv_dtype)

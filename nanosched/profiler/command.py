@@ -35,6 +35,7 @@ class ProfileConfig:
     dense_batch: int | None = None
     progress: bool = True
     fake: bool = False  # a simulated GPU (fake.FakeBackend): a dry run of the whole flow
+    kv_dtype: str = "auto"  # the KV cache the attention rows read (auto | fp8)
 
 
 def default_out(model: str, tp: int, quick: bool) -> Path:
@@ -74,12 +75,14 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     identity = backend.identity("")
     dense = cfg.dense_batch or dense_batch_for(cfg.model, cfg.tp, cfg.workload,
                                                identity.memory_bytes)
-    settings = ProfileSettings(spec, cfg.tp, cfg.workload, dense, cfg.quick)
+    settings = ProfileSettings(spec, cfg.tp, cfg.workload, dense, cfg.quick,
+                               kv_dtype=cfg.kv_dtype)
     out = cfg.out or default_out(cfg.model, cfg.tp, cfg.quick)
     opts = RunOptions(out=out, resume=cfg.resume, progress=cfg.progress,
                       command="nanosched " + shlex.join(sys.argv[1:]), log=log,
                       resume_hint=resume_hint(cfg))
     log(f"profiling {spec.name} tp {cfg.tp} on {identity.gpu_name} ({identity.num_sms} SMs): "
         f"dense batch {dense}, workload p={cfg.workload.input_len:g} "
-        f"d={cfg.workload.output_len:g}{', quick grid' if cfg.quick else ''} -> {out}")
+        f"d={cfg.workload.output_len:g}{', quick grid' if cfg.quick else ''}"
+        f"{', FP8 KV cache' if cfg.kv_dtype == 'fp8' else ''} -> {out}")
     return run_profile(settings, backend, opts)

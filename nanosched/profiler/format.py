@@ -4,7 +4,9 @@ Pure Python: the search reads profiles on machines without a GPU. The profiler w
 
 Contents
 - `identity`: GPU name, SM count, memory, driver, CUDA, torch, triton, date, command line.
-- `model` (ModelSpec JSON) and `tp`; `dense_batch`, the largest token count measured.
+- `model` (ModelSpec JSON) and `tp`; `dense_batch`, the largest token count measured;
+  `kv_dtype`, the KV cache the attention and rope_append rows ran on ("fp8": e4m3 with scales;
+  absent = "auto", the model's dtype). A schedule searched on it runs only on that cache.
 - `ceilings`: measured bf16 GEMM TFLOP/s (at 8192^3 and at the model's shapes), HBM copy GB/s,
   all-reduce bus GB/s and latency (tp > 1; `modelled` when derived rather than measured).
 - `kernels`: rows (op, tokens, context, sms, mechanism, impl) -> time_us, every measurement kept;
@@ -172,6 +174,7 @@ class Profile:
     rp: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     rp_shapes: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
+    kv_dtype: str = "auto"
 
     # ---- lookups ---------------------------------------------------------------------------
     def unsettled(self) -> str | None:
@@ -271,6 +274,8 @@ class Profile:
         }
         if self.rp_shapes:  # written only when kept, so older profiles keep their digest
             data["rp_shapes"] = {c: [_row(p) for p in pts] for c, pts in self.rp_shapes.items()}
+        if self.kv_dtype != "auto":  # likewise
+            data["kv_dtype"] = self.kv_dtype
         return data
 
     def digest(self) -> str:
@@ -297,6 +302,7 @@ class Profile:
             notes=tuple(data.get("notes", [])),
             rp_shapes={c: tuple(_build_list(RPPoint, data["rp_shapes"], c, f"{where}: rp_shapes"))
                        for c in _get(data, "rp_shapes", dict, where, required=False) or {}},
+            kv_dtype=_get(data, "kv_dtype", str, where, required=False) or "auto",
         )
         validate(prof, where)
         return prof

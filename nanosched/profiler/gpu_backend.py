@@ -141,7 +141,7 @@ class GPUBackend:
                 sms: int, mechanism: str) -> impls.Kernel:
         self.max_tokens = max(self.max_tokens, settings.dense_batch)
         call = impls.OpCall(settings.model, settings.tp, op, tokens, context, sms, mechanism,
-                            self.num_sms, self.ws, settings.dense_batch)
+                            self.num_sms, self.ws, settings.dense_batch, settings.kv_dtype)
         try:
             return impls.get(op, impl).kernel(call)
         except torch.cuda.OutOfMemoryError as exc:

@@ -55,7 +55,9 @@ class ScratchSpace:
         if size > self.max_bytes:
             raise Unsupported(f"{name} {list(shape)} needs {size / 2**30:.1f} GiB, more than "
                               f"the {self.max_bytes / 2**30:.1f} GiB free")
-        if dtype.is_floating_point:
+        if dtype == torch.float8_e4m3fn:  # no randn in fp8: N(0, scale) rounded to e4m3
+            t = torch.randn(shape, device=self.device).mul_(scale).to(dtype)
+        elif dtype.is_floating_point:
             t = torch.randn(shape, device=self.device, dtype=dtype).mul_(scale)
         else:
             t = torch.randint(0, 1 << 20, shape, device=self.device, dtype=dtype)
@@ -78,6 +80,7 @@ class OpCall:
     num_sms: int
     ws: ScratchSpace
     max_tokens: int = 0  # largest token count of the run: inputs are sliced from one buffer
+    kv_dtype: str = "auto"  # KV cache of the attention ops and rope_append (ProfileSettings)
 
 
 @dataclass(frozen=True)

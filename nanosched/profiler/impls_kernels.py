@@ -69,17 +69,30 @@ def _grouped(call: OpCall, launch: Launch) -> Kernel:
     return Kernel(lambda: dispatch.grouped_linear(x, w, ids, None, out, OPTS, launch))
 
 
-def _paged_cache(call: OpCall, requests: int, context: int,
-                 prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K, V pages [P, S, Hkv, d] and block tables [requests, pages per request] (int32) of
-    `requests` requests of `context` tokens, their pages in random order."""
+def _kv_pages(call: OpCall, prefix: str, pages: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                dict[str, Any]]:
+    """K, V pages [P, S, Hkv, d] of the run's KV cache dtype, and the scale keywords of the
+    attention kernels ([P, S, Hkv] fp32 for an FP8 cache, None otherwise)."""
     h = heads(call.spec, call.tp)
+    shape = (pages, PAGE_SIZE, h.num_kv_heads, h.head_dim)
+    if call.kv_dtype != "fp8":
+        k, v = call.ws.tensor(prefix + "k_pages", shape), call.ws.tensor(prefix + "v_pages", shape)
+        return k, v, {"k_scale": None, "v_scale": None}
+    k = call.ws.tensor(prefix + "k_pages8", shape, dtype=torch.float8_e4m3fn)
+    v = call.ws.tensor(prefix + "v_pages8", shape, dtype=torch.float8_e4m3fn)
+    scales = {name: call.ws.tensor(prefix + name, shape[:-1], scale=0.01, dtype=torch.float32)
+              for name in ("k_scale", "v_scale")}
+    return k, v, scales
+
+
+def _paged_cache(call: OpCall, requests: int, context: int, prefix: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """K, V pages and their scales (`_kv_pages`) and block tables [requests, pages per
+    request] (int32) of `requests` requests of `context` tokens, their pages in random order."""
     per = math.ceil(context / PAGE_SIZE)
-    shape = (requests * per, PAGE_SIZE, h.num_kv_heads, h.head_dim)
-    k = call.ws.tensor(prefix + "k_pages", shape)
-    v = call.ws.tensor(prefix + "v_pages", shape)
+    k, v, scales = _kv_pages(call, prefix, requests * per)
     tables = torch.randperm(requests * per, device=k.device).view(requests, per).int()
-    return k, v, tables
+    return k, v, tables, scales
 
 
 def _check_gather(call: OpCall, context: int) -> None:
@@ -96,14 +109,14 @@ def _decode(call: OpCall, launch: Launch) -> Kernel:
     if launch["impl"] == "torch":
         _check_gather(call, call.context)
     h = heads(call.spec, call.tp)
-    k, v, tables = _paged_cache(call, _rows(call), call.context, "decode_")
+    k, v, tables, scales = _paged_cache(call, _rows(call), call.context, "decode_")
     tables = tables[:call.tokens]
     lens = torch.full((call.tokens,), call.context, dtype=torch.int32, device=k.device)
     q = call.ws.tensor("q_decode", (_rows(call), h.num_heads, h.head_dim))[:call.tokens]
     out = call.ws.tensor("y_decode", (_rows(call), h.num_heads, h.head_dim))[:call.tokens]
     scale = h.head_dim ** -0.5
     return Kernel(lambda: dispatch.decode_attention(q, k, v, tables, lens, call.context, scale,
-                                                    out, OPTS, launch))
+                                                    out, OPTS, launch, **scales))
 
 
 def prefill_rows(tokens: int, prompt: int) -> list[Segment]:
@@ -117,14 +130,14 @@ def prefill_rows(tokens: int, prompt: int) -> list[Segment]:
 def _prefill(call: OpCall, launch: Launch) -> Kernel:
     h = heads(call.spec, call.tp)
     segments = prefill_rows(call.tokens, call.context)
-    k, v, tables = _paged_cache(call, len(segments), max(e - s + p for s, e, p in segments),
-                                "prefill_")
+    k, v, tables, scales = _paged_cache(call, len(segments),
+                                        max(e - s + p for s, e, p in segments), "prefill_")
     meta = PrefillSegments.build(segments, k.device)  # setup: the launch copies nothing
     q = call.ws.tensor("q_prefill", (call.tokens, h.num_heads, h.head_dim))
     out = call.ws.tensor("y_prefill", (call.tokens, h.num_heads, h.head_dim))
     scale = h.head_dim ** -0.5
     return Kernel(lambda: dispatch.prefill_attention(q, k, v, tables, meta, scale, out, OPTS,
-                                                     launch))
+                                                     launch, **scales))
 
 
 def _rope_append(call: OpCall, launch: Launch) -> Kernel:
@@ -136,12 +149,11 @@ def _rope_append(call: OpCall, launch: Launch) -> Kernel:
     sin = call.ws.tensor("rope_sin", (max_pos, d // 2), dtype=torch.float32)
     positions = torch.randint(0, max_pos, (t,), device=qkv.device)
     pages = math.ceil(4 * rows / PAGE_SIZE)  # the batch's new tokens land on 1/4 of the slots
-    k_cache = call.ws.tensor("rope_k_pages", (pages, PAGE_SIZE, h.num_kv_heads, d))
-    v_cache = call.ws.tensor("rope_v_pages", (pages, PAGE_SIZE, h.num_kv_heads, d))
+    k_cache, v_cache, scales = _kv_pages(call, "rope_", pages)
     slots = torch.randperm(pages * PAGE_SIZE, device=qkv.device)[:t]
     q_out = call.ws.tensor("q_rope", (rows, h.num_heads, d))[:t]
     return Kernel(lambda: dispatch.rope_append(qkv, positions, cos, sin, slots, k_cache, v_cache,
-                                               q_out, OPTS, launch))
+                                               q_out, OPTS, launch, **scales))
 
 
 def _add_norm(call: OpCall, launch: Launch) -> Kernel:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from nanosched.constants import TOKEN_QUANTUM
+from nanosched.constants import KV_DTYPES, TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
 from nanosched.models.spec import ModelSpec
@@ -55,9 +55,12 @@ class ProfileSettings:
     quick: bool = False
     pair_settle_ms: float = 300.0  # bench/power_settle.py: the clock settles in about 200 ms
     pair_window_ms: float = 1000.0  # about one period of the power controller's ripple
+    kv_dtype: str = "auto"  # the KV cache the attention rows read and rope_append writes
 
     def __post_init__(self) -> None:
         self.model.check_tp(self.tp)
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
         if not (self.pair_settle_ms >= 0 and self.pair_window_ms > 0):
             raise ConfigError(f"pair settle ({self.pair_settle_ms} ms) must be >= 0 and pair "
                               f"window ({self.pair_window_ms} ms) > 0")
@@ -101,7 +104,8 @@ class ProfileSettings:
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model.name, "tp": self.tp, "workload": self.workload.to_json(),
                 "dense_batch": self.dense_batch, "quick": self.quick,
-                "pair_settle_ms": self.pair_settle_ms, "pair_window_ms": self.pair_window_ms}
+                "pair_settle_ms": self.pair_settle_ms, "pair_window_ms": self.pair_window_ms,
+                "kv_dtype": self.kv_dtype}
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class StrategyChoice:
 
 def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> StrategyChoice:
     """The strategy of `cfg.schedule` (sequential | two_batch | auto | FILE), a schedule
-    checked against this model, tp and GPU (refused unless `cfg.force`)."""
+    checked against this model, tp, GPU and KV cache dtype (refused unless `cfg.force`)."""
     from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
     if cfg.schedule == "sequential":
@@ -158,7 +158,7 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
     if cfg.schedule == "auto":
         from nanosched.schedules.shipped import pick_shipped
 
-        pick = pick_shipped(spec, cfg.tp, gpu_name(device))
+        pick = pick_shipped(spec, cfg.tp, gpu_name(device), kv_dtype=cfg.kv_dtype)
         if pick.schedule is None:
             log.info("--schedule auto: running Sequential: %s", pick.reason)
             return StrategyChoice(Sequential(), "sequential")
@@ -166,7 +166,8 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
         sched, where, forced = pick.schedule, str(pick.path), []
     else:
         sched, where = load_schedule(cfg.schedule), cfg.schedule
-        forced = check_compatible(sched, spec, cfg.tp, gpu_name(device), force=cfg.force)
+        forced = check_compatible(sched, spec, cfg.tp, gpu_name(device), force=cfg.force,
+                                  kv_dtype=cfg.kv_dtype)
         log.info("replaying schedule %s", where)
     return replay_choice(sched, where, spec, forced)
 

@@ -1,7 +1,9 @@
 """The schedule contract, `nanosched.schedule/1`: one JSON file the runtime replays.
 
 Pure Python: a server loads schedules without OR-Tools. Contents (docs/design.md, "The schedule"):
-- `model` (name + the numbers that matter) and `tp`; `gpu` (name, SM count); `profile_digest`.
+- `model` (name + the numbers that matter) and `tp`; `gpu` (name, SM count); `profile_digest`;
+  `kv_dtype`, the KV cache of the profile it was searched on ("auto" when absent): the runtime
+  replays it only on that cache, whose attention times it was built from.
 - `batch`: dense batch B and its mix: `num_decode` decode tokens first ([0, n_d)), then prefill
   tokens ([n_d, B)) as prompts of `prompt_len`; the mean KV contexts.
 - `ranges`: per op its nano-batch work ranges [start, end) in tokens; they cover the op's domain
@@ -139,6 +141,7 @@ class Schedule:
     created: str = ""
     command: str = ""
     notes: tuple[str, ...] = ()
+    kv_dtype: str = "auto"
 
     def nano_op(self, id_: str) -> NanoOp:
         for n in self.nano_ops:
@@ -222,8 +225,9 @@ def model_info(spec: Any) -> dict[str, Any]:
 
 
 def check_compatible(schedule: Schedule, model_spec: Any, tp: int, gpu_name: str,
-                     force: bool = False) -> list[str]:
-    """Refuse a schedule made for another model, tp or GPU; with `force`, return the reasons."""
+                     force: bool = False, kv_dtype: str = "auto") -> list[str]:
+    """Refuse a schedule made for another model, tp, GPU or KV cache dtype; with `force`, return
+    the reasons."""
     reasons = []
     want = model_info(model_spec)
     diff = [k for k in MODEL_FIELDS if schedule.model.get(k) != want[k]]
@@ -236,6 +240,9 @@ def check_compatible(schedule: Schedule, model_spec: Any, tp: int, gpu_name: str
         reasons.append(f"tp: schedule is for tp={schedule.tp}, running tp={tp}")
     if _gpu_key(schedule.gpu_name) != _gpu_key(gpu_name):
         reasons.append(f"gpu: schedule is for {schedule.gpu_name!r}, running on {gpu_name!r}")
+    if schedule.kv_dtype != kv_dtype:
+        reasons.append(f"KV cache: schedule was searched on a {schedule.kv_dtype!r} profile, "
+                       f"running --kv-cache-dtype {kv_dtype}")
     if reasons and not force:
         raise ScheduleError("schedule does not match this setup: " + "; ".join(reasons)
                             + " (search a schedule for it, or force)")

@@ -35,8 +35,10 @@ def shipped_schedules(folder: Path = SHIPPED_DIR) -> list[Path]:
     return sorted(folder.glob("*.json"))
 
 
-def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR) -> Pick:
-    """The first shipped schedule made for `spec`, `tp` and `gpu_name`, or why none is."""
+def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR,
+                 kv_dtype: str = "auto") -> Pick:
+    """The first shipped schedule made for `spec`, `tp`, `gpu_name` and `kv_dtype`, or why none
+    is."""
     paths = shipped_schedules(folder)
     if not paths:
         return Pick(None, None, f"no schedules are shipped in {folder}")
@@ -44,7 +46,7 @@ def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR) 
     for path in paths:
         sched = load_schedule(path)
         try:
-            check_compatible(sched, spec, tp, gpu_name)
+            check_compatible(sched, spec, tp, gpu_name, kv_dtype=kv_dtype)
         except ScheduleError:
             continue
         if sched.prediction.speedup < MIN_SPEEDUP:
@@ -55,5 +57,6 @@ def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR) 
         return Pick(None, None, f"{'; '.join(weak)} over Sequential (auto needs "
                                 f"{MIN_SPEEDUP:.2f}x): running Sequential")
     names = ", ".join(p.name for p in paths)
-    return Pick(None, None, f"no shipped schedule is for {spec.name} tp={tp} on {gpu_name} "
+    kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
+    return Pick(None, None, f"no shipped schedule is for {spec.name} tp={tp} on {gpu_name}{kv} "
                             f"(shipped: {names})")

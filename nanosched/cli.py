@@ -437,6 +437,9 @@ def search(
         False, "--allow-unsettled", help="Search on a profile whose co-run pairs were timed in "
         "bursts, before the SM clock settled under the power cap (refused by default: its "
         "R->P points overstate overlap)."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache the schedule "
+                                       "will run on: picks (or checks) a profile measured on "
+                                       "it ('auto' = the model's dtype, 'fp8')."),
 ) -> None:
     """Search a nano-batch pipeline (two-stage CP-SAT) and write the JSON schedule."""
     from nanosched.autosearch.search import search_and_save
@@ -446,7 +449,7 @@ def search(
                     time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
                     max_period_us=max_period_us, out=out, echo=typer.echo,
                     print_table=print_table, command=" ".join(["nanosched", *sys.argv[1:]]),
-                    allow_unsettled=allow_unsettled)
+                    allow_unsettled=allow_unsettled, kv_dtype=kv_cache_dtype)
 
 
 @app.command()

@@ -279,3 +279,32 @@ def test_profile_records_its_kv_dtype_and_schedules_carry_it(tmp_path):
     old = small_schedule().to_json()
     old.pop("kv_dtype")  # a schedule written before the field: a bf16 cache's
     assert Schedule.from_json(old).kv_dtype == "auto"
+
+
+def test_search_picks_profiles_of_the_requested_kv_dtype(tmp_path):
+    import dataclasses
+    import json
+
+    from search_fixtures import small_profile
+
+    from nanosched.autosearch.request import resolve
+    from nanosched.models.spec import load_spec
+    from nanosched.workloads import fixed
+
+    spec = load_spec("llama3-8b")
+    bf16 = small_profile()
+    (tmp_path / "a-bf16.json").write_text(json.dumps(bf16.to_json()))
+    (tmp_path / "b-fp8.json").write_text(json.dumps(
+        dataclasses.replace(bf16, kv_dtype="fp8", dense_batch=512).to_json()))
+    wl = fixed(512, 512)
+    assert resolve(spec, 1, None, None, wl, "512", tmp_path).profile.kv_dtype == "auto"
+    assert resolve(spec, 1, None, None, wl, "512", tmp_path, kv_dtype="fp8").profile.kv_dtype \
+        == "fp8"
+    with pytest.raises(ConfigError, match="measured on a 'auto' KV cache, not "
+                                          "--kv-cache-dtype fp8"):
+        resolve(spec, 1, str(tmp_path / "a-bf16.json"), None, wl, "512", tmp_path,
+                kv_dtype="fp8")
+    (tmp_path / "b-fp8.json").unlink()
+    with pytest.raises(ConfigError, match="no shipped profile for llama3-8b with a fp8 KV "
+                                          "cache: measure one"):
+        resolve(spec, 1, None, None, wl, "512", tmp_path, kv_dtype="fp8")

@@ -3,9 +3,12 @@
 Profile: `--profile FILE` or the NAME of a shipped profile (`nanosched/profiler/profiles/`);
 without one, the shipped profile closest to the request — same model required, then same tp,
 then same GPU, then the largest measured batch — and failing that a synthetic profile for
-`--gpu`, announced loudly. tp: `--tp`, else the profile's, else the smallest power of two that
-leaves room for the dense batch's KV cache. Dense batch: `auto` is the largest multiple of 128
-that fits (costmodel.max_dense_batch), capped at 2048 and at the profile's largest batch.
+`--gpu`, announced loudly. A profile is measured on one KV cache dtype (`kv_dtype`); only
+profiles of the requested `--kv-cache-dtype` are picked or accepted, and FP8 needs a measured
+one (the synthetic profile models a cache in the model's dtype). tp: `--tp`, else the
+profile's, else the smallest power of two that leaves room for the dense batch's KV cache.
+Dense batch: `auto` is the largest multiple of 128 that fits (costmodel.max_dense_batch),
+capped at 2048 and at the profile's largest batch.
 """
 
 from __future__ import annotations
@@ -55,12 +58,14 @@ def _read(path: Path) -> Profile | None:
 
 
 def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
-                 folder: Path | None = None) -> tuple[Profile | None, str]:
+                 folder: Path | None = None, kv_dtype: str = "auto") -> tuple[Profile | None, str]:
     """The shipped profile closest to the request, with the reason; (None, why) if none fits."""
     found = [(name, prof) for name, path in shipped_profiles(folder).items()
-             if (prof := _read(path)) is not None and prof.model.name == spec.name]
+             if (prof := _read(path)) is not None and prof.model.name == spec.name
+             and prof.kv_dtype == kv_dtype]
     if not found:
-        return None, f"no shipped profile for {spec.name}"
+        kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
+        return None, f"no shipped profile for {spec.name}{kv}"
 
     def rank(item: tuple[str, Profile]) -> tuple[bool, bool, int]:
         prof = item[1]
@@ -91,7 +96,8 @@ def load_named_profile(arg: str, folder: Path | None = None) -> Profile:
 
 
 def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: str | None,
-            workload: Workload, dense_batch: str, folder: Path | None = None) -> Choice:
+            workload: Workload, dense_batch: str, folder: Path | None = None,
+            kv_dtype: str = "auto") -> Choice:
     """Decide tp, profile (None means: build a synthetic one) and dense batch."""
     gpu = get_gpu(gpu_name or "h100")
     msgs: list[str] = []
@@ -104,9 +110,16 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
                           f"{2 * TOKEN_QUANTUM} (two nano-batches), got {target}")
     if profile_arg:
         prof: Profile | None = load_named_profile(profile_arg, folder)
+        if prof.kv_dtype != kv_dtype:
+            raise ConfigError(f"--profile {profile_arg} was measured on a {prof.kv_dtype!r} KV "
+                              f"cache, not --kv-cache-dtype {kv_dtype}: pass "
+                              f"--kv-cache-dtype {prof.kv_dtype} or another profile")
         msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")
     else:
-        prof, why = pick_shipped(spec, tp, gpu_name, folder)
+        prof, why = pick_shipped(spec, tp, gpu_name, folder, kv_dtype)
+        if prof is None and kv_dtype != "auto":
+            raise ConfigError(f"{why}: measure one with `nanosched profile --model {spec.name} "
+                              f"--kv-cache-dtype {kv_dtype}` and pass it with --profile")
         msgs.append(f"profile: {why}")
     if tp is None:
         tp = prof.tp if prof else choose_tp(spec, gpu, workload, target, max_tp=8)

@@ -199,7 +199,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
                     dense_batch: str, time_limit: float, workers: int, max_nano_ops: int,
                     max_period_us: float | None, out: str | None, echo: Progress,
                     print_table: object, command: str = "",
-                    allow_unsettled: bool = False) -> Schedule:
+                    allow_unsettled: bool = False, kv_dtype: str = "auto") -> Schedule:
     """What `nanosched search` does: resolve, search with live progress, report, write.
 
     A measured profile whose pairs were timed in bursts is refused (its R->P points overstate
@@ -214,7 +214,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
 
     spec = load_spec(model)
     wl = resolve_workload(workload, input_len, output_len)
-    choice = resolve(spec, tp, profile, gpu, wl, dense_batch)
+    choice = resolve(spec, tp, profile, gpu, wl, dense_batch, kv_dtype=kv_dtype)
     for msg in choice.messages:
         echo(msg)
     prof = choice.profile

@@ -1,7 +1,8 @@
 """Checks every decode-attention `DecodeConfig` of the sweep against the torch reference, each
 in its own process (an illegal address poisons a CUDA context), several processes at a time.
 
-    python bench/decode_config_check.py [--jobs 8]
+    python bench/decode_config_check.py [--jobs 8] [--blocks 32,64,128] [--stages 1,2,3,4,5]
+                                        [--warps 4,8]
 
 Prints one line per configuration (ok / error / wrong), writes the good ones to `--ok-file`
 (kernels_decode_attn.py --sweep reads it) and exits non-zero if any is not ok.
@@ -62,8 +63,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--ok-file", default="", help="write the configurations that pass (JSON)")
+    ap.add_argument("--blocks", default="32,64,128")
+    ap.add_argument("--stages", default="1,2,3,4,5")
+    ap.add_argument("--warps", default="4,8")
     args = ap.parse_args()
-    configs = [(bn, st, nw) for bn in (32, 64, 128) for st in (1, 2, 3, 4, 5) for nw in (4, 8)]
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
+    configs = [(bn, st, nw) for bn in ints(args.blocks) for st in ints(args.stages)
+               for nw in ints(args.warps)]
     bad, good = 0, []
     with ThreadPoolExecutor(args.jobs) as pool:
         for cfg, res in pool.map(run, configs):

@@ -103,33 +103,53 @@ def time_on(batch: Batch, config: DecodeConfig, sms: int, stream) -> dict:
     return {"ms": ms, "gbs": batch.kv_bytes / ms / 1e6, "ctas": ctas}
 
 
-def sweep_configs(ok_file: str = "") -> list[DecodeConfig]:
-    """Every configuration whose K/V ring fits `ctas_per_sm` times in an SM; only those that
-    bench/decode_config_check.py passed when `ok_file` (its output) is given."""
-    kernels = list(itertools.product((32, 64, 128), (2, 3, 4, 5), (4, 8)))
+def sweep_configs(ok_file: str = "", grid: dict[str, tuple[int, ...]] | None = None,
+                  itemsize: int = 2) -> list[DecodeConfig]:
+    """Every configuration of `grid` (block_n, stages, warps, ctas_per_sm values) whose K/V ring
+    fits `ctas_per_sm` times in an SM; only those that bench/decode_config_check.py passed when
+    `ok_file` (its output) is given."""
+    grid = grid or SWEEP_GRID
+    kernels = list(itertools.product(grid["block_n"], grid["stages"], grid["warps"]))
     if ok_file:
         passed = {tuple(c) for c in json.loads(Path(ok_file).read_text())}
         kernels = [k for k in kernels if k in passed]
     out = []
     for bn, stages, warps in kernels:
-        for cps in (1, 2, 3, 4):
+        for cps in grid["ctas_per_sm"]:
             cfg = DecodeConfig(bn, stages, warps, cps)
-            if cfg.smem_bytes(HD, 2) * SMEM_SLACK * cps <= SMEM_PER_SM:
+            if cfg.smem_bytes(HD, itemsize) * SMEM_SLACK * cps <= SMEM_PER_SM:
                 out.append(cfg)
     return out
 
 
-def sweep(where: list, copy_gbs: float, ok_file: str) -> tuple[list[dict], DecodeConfig]:
-    batch = Batch(256, 4096)
+SWEEP_GRID = {"block_n": (32, 64, 128), "stages": (2, 3, 4, 5), "warps": (4, 8),
+              "ctas_per_sm": (1, 2, 3, 4)}
+
+
+def parse_grid(text: str) -> dict[str, tuple[int, ...]]:
+    """'block_n=16,32;warps=1,2' -> the sweep grid with those axes replaced."""
+    grid = dict(SWEEP_GRID)
+    for part in filter(None, text.split(";")):
+        key, _, values = part.partition("=")
+        if key not in grid:
+            raise SystemExit(f"--sweep-grid: unknown axis {key!r}; axes: {sorted(grid)}")
+        grid[key] = tuple(int(v) for v in values.split(","))
+    return grid
+
+
+def sweep(where: list, copy_gbs: float, ok_file: str, grid: dict[str, tuple[int, ...]],
+          kv_dtype: str) -> tuple[list[dict], DecodeConfig]:
+    batch = Batch(256, 4096, kv_dtype=kv_dtype)
     want = batch.run(PAGED, 1024).clone()
     rows = []
-    for cfg in sweep_configs(ok_file):
+    for cfg in sweep_configs(ok_file, grid, 1 if kv_dtype == "fp8" else 2):
         print(f"sweep: {cfg}", flush=True)  # an illegal address is reported asynchronously
         err = ((batch.run(cfg, 264).float() - want.float()).norm() / want.float().norm()).item()
         for sms, stream, _ in where:
             r = time_on(batch, cfg, sms, stream)
             rows.append({"block_n": cfg.block_n, "stages": cfg.num_stages,
                          "warps": cfg.num_warps, "ctas_per_sm": cfg.ctas_per_sm, "sms": sms,
+                         "kv_dtype": kv_dtype,
                          "rel_err": err, **r, "pct_of_copy": 100 * r["gbs"] / copy_gbs})
     small = sorted({r["sms"] for r in rows})[:-1]
 
@@ -171,13 +191,16 @@ def main() -> None:
     ap.add_argument("--ok-file", default="", help="bench/decode_config_check.py --ok-file")
     ap.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8, or both: auto,fp8")
     ap.add_argument("--kernels", default="triton_paged,triton_pipelined")
+    ap.add_argument("--sweep-grid", default="", help="axes of the sweep to replace, e.g. "
+                    "'block_n=16,32;warps=1,2;ctas_per_sm=4,8'")
     args = ap.parse_args()
     env = environment()
     copy_gbs = copy_bandwidth_gbs()
     where = places([int(s) for s in args.sms.split(",")])
     sweep_rows, pipelined = [], PIPELINED
     if args.sweep:
-        sweep_rows, pipelined = sweep(where, copy_gbs, args.ok_file)
+        sweep_rows, pipelined = sweep(where, copy_gbs, args.ok_file, parse_grid(args.sweep_grid),
+                                      args.kv_dtype.split(",")[0])
     if args.config:
         pipelined = DecodeConfig(*(int(x) for x in args.config.split(",")))
     configs = {k: v for k, v in {"triton_paged": PAGED, "triton_pipelined": pipelined}.items()

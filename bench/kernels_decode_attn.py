@@ -165,6 +165,15 @@ def sweep(where: list, copy_gbs: float, ok_file: str, grid: dict[str, tuple[int,
     return rows, DecodeConfig(*best)
 
 
+def print_sweep(rows: list[dict]) -> None:
+    top = sorted(rows, key=lambda r: -r["pct_of_copy"])
+    for sms in sorted({r["sms"] for r in rows}):
+        print_table([r for r in top if r["sms"] == sms][:8],
+                    [(k, k, "") for k in ("block_n", "stages", "warps", "ctas_per_sm", "sms")]
+                    + [("gbs", "GB/s", ".0f"), ("pct_of_copy", "% copy", ".1f"),
+                       ("rel_err", "err", ".1e")])
+
+
 def table(where: list, configs: dict[str, DecodeConfig], requests: list[int],
           contexts: list[int], copy_gbs: float, kv_dtypes: list[str]) -> list[dict]:
     rows = []
@@ -201,6 +210,9 @@ def main() -> None:
     if args.sweep:
         sweep_rows, pipelined = sweep(where, copy_gbs, args.ok_file, parse_grid(args.sweep_grid),
                                       args.kv_dtype.split(",")[0])
+        print_sweep(sweep_rows)  # before the table: a configuration may fail on its shapes
+        write_result("kernels_decode_attn_sweep", {"env": env, "copy_gbs": copy_gbs,
+                                                   "grid": args.sweep_grid, "rows": sweep_rows})
     if args.config:
         pipelined = DecodeConfig(*(int(x) for x in args.config.split(",")))
     configs = {k: v for k, v in {"triton_paged": PAGED, "triton_pipelined": pipelined}.items()
@@ -213,14 +225,6 @@ def main() -> None:
                    "dtype": "bfloat16", "kv_dtypes": args.kv_dtype.split(",")},
         "sweep": sweep_rows, "rows": rows})
     print(f"{env['device']}: copy {copy_gbs:.0f} GB/s; pipelined config {pipelined}; {path}")
-    if sweep_rows:
-        top = sorted(sweep_rows, key=lambda r: -r["pct_of_copy"])
-        for sms in sorted({r["sms"] for r in sweep_rows}):
-            print_table([r for r in top if r["sms"] == sms][:6],
-                        [(k, k, "") for k in ("block_n", "stages", "warps", "ctas_per_sm",
-                                              "sms")] + [("gbs", "GB/s", ".0f"),
-                                                         ("pct_of_copy", "% copy", ".1f"),
-                                                         ("rel_err", "err", ".1e")])
     summary = {}
     for r in rows:
         summary.setdefault((r["kernel"], r["kv_dtype"], r["sms"]), []).append(r["pct_of_copy"])

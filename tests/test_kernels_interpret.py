@@ -14,7 +14,7 @@ from hf_models import make_hf
 
 from nanosched.errors import ConfigError
 from nanosched.kernels import reference as ref
-from nanosched.kernels.common import PAGED, PIPELINED, DecodeConfig
+from nanosched.kernels.common import PAGED, PIPELINED, PIPELINED_2W, DecodeConfig
 from nanosched.kernels.dispatch import KernelOptions, triton_available
 
 pytestmark = pytest.mark.skipif(
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 DTYPES = [torch.float32, torch.float16]
 # the shipped decode-attention configurations, and a deeper pipeline of small steps
-DECODE_CONFIGS = [PAGED, PIPELINED, DecodeConfig(16, 5, 4, 1)]
+DECODE_CONFIGS = [PAGED, PIPELINED, PIPELINED_2W, DecodeConfig(16, 5, 4, 1)]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

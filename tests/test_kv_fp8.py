@@ -12,7 +12,7 @@ from hf_models import make_hf
 
 from nanosched.errors import ConfigError
 from nanosched.kernels import reference as ref
-from nanosched.kernels.common import FP8_MAX, PAGED, PIPELINED, DecodeConfig
+from nanosched.kernels.common import FP8_MAX, PAGED, PIPELINED, PIPELINED_2W, DecodeConfig
 from nanosched.kernels.dispatch import KernelOptions, triton_available
 from nanosched.models.kvcache import KVCache, token_bytes
 
@@ -128,7 +128,7 @@ def test_triton_rope_append_writes_the_reference_fp8_cache(dtype):
 @interpret
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("max_ctas, num_splits", [(3, None), (16, 3)])
-@pytest.mark.parametrize("config", [PAGED, PIPELINED, DecodeConfig(16, 5, 4, 1)])
+@pytest.mark.parametrize("config", [PAGED, PIPELINED, PIPELINED_2W, DecodeConfig(16, 5, 4, 1)])
 def test_triton_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, config):
     from nanosched.kernels.decode_attn import decode_attention
 

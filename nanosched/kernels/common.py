@@ -50,6 +50,16 @@ PAGED = DecodeConfig(block_n=32, num_stages=1, num_warps=4, ctas_per_sm=CTAS_PER
 # on an FP8 cache 128-token steps (H100, 640 requests x 1K-4K context, all SMs: 70-81% of copy
 # against 59-67% with 64; bench/results/kernels_decode_attn-*-20261124T0155*.json).
 PIPELINED = DecodeConfig(block_n=64, num_stages=4, num_warps=4, ctas_per_sm=2, fp8_block_n=128)
+# `triton_pipelined_2w`: short steps on two warps, four programs per SM. Each step's softmax
+# and P.V stay within fewer warps (fewer barriers in the per-step chain) and more programs run
+# side by side: on an H100 partition of 32-48 SMs it reads 10-13% faster than PIPELINED at 256-640
+# requests x 4-8K context, but slower on the whole GPU for small batches (64 requests, 1K:
+# 40% of copy against 74%) (kernels_decode_attn-*-20261124T0235*.json). The dispatcher and the
+# runtime launch it by name; the profiler does not measure it yet: an R->P point names only the
+# compute side's implementation, and the runtime launches the default decode kernel on the
+# memory side, so a partition's rows of another kernel would tell the search a time the replay
+# does not run (docs/overlap.md, next step).
+PIPELINED_2W = DecodeConfig(block_n=32, num_stages=3, num_warps=2, ctas_per_sm=4)
 
 
 def is_interpret() -> bool:

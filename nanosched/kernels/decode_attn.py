@@ -8,9 +8,11 @@ bounds the kernel's SM footprint; each item handles the whole GQA group of its K
 `tl.dot`. With more than one split, a second kernel (same CTA bound) merges the partial results
 by their log-sum-exp. `max_ctas` and `num_splits` are launch arguments: the profiler sweeps them.
 
-Two configurations of the one kernel (`DecodeConfig`) are two implementations: `triton_paged`
-(`PAGED`: no load pipelining, four programs per SM) and `triton_pipelined` (`PIPELINED`: K/V
-steps of several pages loaded `num_stages - 1` steps ahead through a shared-memory ring). HBM
+Three configurations of the one kernel (`DecodeConfig`) are three implementations:
+`triton_paged` (`PAGED`: no load pipelining, four programs per SM), `triton_pipelined`
+(`PIPELINED`: K/V steps of several pages loaded `num_stages - 1` steps ahead through a
+shared-memory ring) and `triton_pipelined_2w` (`PIPELINED_2W`: the same on two warps, four
+programs per SM, for partitions of few SMs). HBM
 bandwidth needs bytes in flight (Little's law: about 2.7 MB device-wide on an H100/H200), and a
 program keeps only one step in flight without pipelining, so `triton_paged` needs most SMs to
 reach bandwidth; `triton_pipelined` gets more of it from few SMs (docs/overlap.md has both

@@ -6,8 +6,9 @@ schedule that names one is launched exactly as it was measured.
 Families (ops → names):
 - gemm (kqv, o, ug, d): `cublas` (torch.matmul), `cublaslt` (cuBLASLt with an SM-count
   target), `triton_persistent_<BM>x<BN>` (kernels/gemm.py on `num_sms` programs).
-- decode (attn_decode): `triton_paged` and `triton_pipelined` (kernels/decode_attn.py, two
-  `DecodeConfig`s of one kernel: `DECODE_CONFIGS`), `torch` (reference).
+- decode (attn_decode): `triton_paged`, `triton_pipelined` and `triton_pipelined_2w`
+  (kernels/decode_attn.py, three `DecodeConfig`s of one kernel: `DECODE_CONFIGS`), `torch`
+  (reference).
 - elementwise (rope_append, add_norm_ffn, add_norm_attn, act): `triton`
   (kernels/elementwise.py), `torch` (reference).
 - grouped (experts_ug, experts_d): `triton` (kernels/grouped_gemm.py), `torch` (a loop over
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.kernels.common import PAGED, PIPELINED, DecodeConfig
+from nanosched.kernels.common import PAGED, PIPELINED, PIPELINED_2W, DecodeConfig
 
 GEMM, DECODE, ELEMENTWISE, GROUPED, PREFILL = ("gemm", "decode", "elementwise", "grouped",
                                                "prefill")
@@ -55,7 +56,7 @@ OP_FAMILY = {
 }
 FIXED_NAMES = {
     GEMM: ("cublas", "cublaslt"),
-    DECODE: ("triton_paged", "triton_pipelined", "torch"),
+    DECODE: ("triton_paged", "triton_pipelined", "triton_pipelined_2w", "torch"),
     ELEMENTWISE: ("triton", "torch"),
     GROUPED: ("triton", "torch"),
     PREFILL: ("triton", "torch"),
@@ -66,7 +67,8 @@ TILE_SIZES = (16, 32, 64, 128, 256)
 # partition: the launch runs on a green-context partition of `num_sms` SMs, so an SM target
 # (cuBLASLt's carve-out) must not shrink it again
 LAUNCH_KEYS = ("impl", "num_sms", "max_ctas", "num_splits", "partition")
-DECODE_CONFIGS: dict[str, DecodeConfig] = {"triton_paged": PAGED, "triton_pipelined": PIPELINED}
+DECODE_CONFIGS: dict[str, DecodeConfig] = {"triton_paged": PAGED, "triton_pipelined": PIPELINED,
+                                           "triton_pipelined_2w": PIPELINED_2W}
 DEFAULT_DECODE = "triton_pipelined"  # what the models launch when no launch dict names one
 
 

@@ -52,7 +52,7 @@ def paged_batch(contexts: list[int], seed: int):
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 @pytest.mark.parametrize("max_ctas, num_splits", [(8, None), (132, None), (None, None),
                                                   (264, 1), (64, 16)])
-@pytest.mark.parametrize("config", ["PAGED", "PIPELINED"])
+@pytest.mark.parametrize("config", ["PAGED", "PIPELINED", "PIPELINED_2W"])
 def test_decode_attention(dtype, tol, max_ctas, num_splits, config):
     from nanosched.kernels import common
     from nanosched.kernels.decode_attn import decode_attention

@@ -4,8 +4,8 @@
 `config.num_sms` programs that walk the output tiles in GROUP_M-swizzled order (each program
 takes tiles pid, pid + NUM_SMS, ...). Bounding NUM_SMS bounds the SMs the GEMM occupies, so a
 GEMM sized for a green-context partition or beside a CTA-bounded memory kernel is one launch
-argument away (DESIGN.md: on a 100-SM partition a persistent GEMM with NUM_SMS = 100 kept
-73-76% of full-GPU speed where cuBLAS kept 55-64%). Reference: `reference.linear`.
+argument away (docs/measurements.md compares it with cuBLAS on partitions). Reference:
+`reference.linear`.
 
 Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
 """

@@ -43,7 +43,7 @@ class GroupedGemmConfig:
     """Launch arguments: tiles, and `num_programs` (None: one program per upper-bound tile).
 
     The default tile is the fastest of bench/kernels_moe.py on an H100 at Mixtral-8x7B shapes
-    for 256..2,048 tokens (bench/results/kernels_moe-*.json); 64x256 wins at 128 by 3%.
+    (bench/results/kernels_moe-*.json).
     """
 
     num_programs: int | None = None

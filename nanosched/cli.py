@@ -79,6 +79,31 @@ def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]])
 
 @app.command()
 @reports_errors
+def models(
+    gpu: str = typer.Option("h100", "--gpu", help="GPU the 'tp' column is sized for."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+) -> None:
+    """List the registered models: size, memory, and the tp that fits on --gpu.
+
+    Any of these names works wherever --model is asked for (random weights unless a checkpoint
+    folder is given instead); `smollm2-135m` and `qwen2.5-0.5b` run in seconds on a CPU.
+    """
+    from nanosched.models.spec import registry_rows
+
+    rows = registry_rows(gpu)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    print_table(rows, [("name", "model", ""), ("arch", "arch", ""),
+                       ("params_b", "params (B)", ".3f"), ("bf16_gib", "bf16 GiB", ".1f"),
+                       ("fp32_gib", "fp32 GiB", ".1f"), ("kv_kib_per_token", "KV KiB/token", ".0f"),
+                       ("tp", f"tp on {gpu}", "")])
+    typer.echo("GiB: the weights alone; tp: the smallest whose GPUs hold the weights and the KV "
+               "cache of a 1,024-token dense batch at 1024 / 512 (nanosched analyze)")
+
+
+@app.command()
+@reports_errors
 def analyze(
     model: str = typer.Option(..., "--model", "-m",
                               help="Model name (e.g. llama3-70b) or an HF config.json / folder."),

@@ -51,3 +51,22 @@ def test_help_explains_commands():
     assert r.exit_code == 0 and "analyze" in r.output
     r = run("analyze", "--help")
     assert r.exit_code == 0 and "--dense-batch" in r.output and "Table 2" in r.output
+
+
+def test_models_lists_the_registry_with_sizes():
+    r = CliRunner().invoke(app, ["models", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["name"]: row for row in json.loads(r.output)}
+    assert {"llama3-8b", "smollm2-135m", "qwen2.5-0.5b", "mixtral-8x7b"} <= set(rows)
+    assert 0.13 < rows["smollm2-135m"]["params_b"] < 0.14  # SmolLM2-135M's real config
+    assert 0.49 < rows["qwen2.5-0.5b"]["params_b"] < 0.50
+    assert rows["llama3-8b"]["tp"] == 1 and rows["llama3-70b"]["tp"] > 1
+    r = CliRunner().invoke(app, ["models", "--gpu", "tpu"])
+    assert r.exit_code == 2 and "not a known GPU" in r.output
+
+
+def test_the_small_model_generates_on_the_cpu():
+    r = CliRunner().invoke(app, ["generate", "--model", "smollm2-135m", "--prompt-ids", "1,2,3",
+                                 "--max-tokens", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.output.splitlines()[-1])["output_ids"]) == 3

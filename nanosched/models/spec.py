@@ -170,6 +170,15 @@ REGISTRY: dict[str, ModelSpec] = {
         _llama("deepseek-67b", hidden_size=8192, num_layers=95, num_heads=64, num_kv_heads=8,
                head_dim=128, intermediate_size=22016, vocab_size=102400,
                max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6),
+        # small real configs (SmolLM2-135M, Qwen2.5-0.5B): random weights run in seconds on a CPU
+        _llama("smollm2-135m", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+               head_dim=64, intermediate_size=1536, vocab_size=49152,
+               max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=True),
+        _llama("qwen2.5-0.5b", arch="qwen2", hidden_size=896, num_layers=24, num_heads=14,
+               num_kv_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
+               max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+               qkv_bias=True, tie_word_embeddings=True),
         _llama("mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, num_heads=32,
                num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
                max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
@@ -257,3 +266,25 @@ def load_spec(name_or_path: str) -> ModelSpec:
         return spec_from_hf_config(cfg, name=name, where=str(path))
     raise ConfigError(f"--model {name_or_path!r} is neither a known model nor a config.json or "
                       f"checkpoint folder; known models: {', '.join(sorted(REGISTRY))}")
+
+
+def registry_rows(gpu_name: str) -> list[dict[str, Any]]:
+    """One row per registered model: parameters, weight memory at bf16 and fp32, KV bytes per
+    token, and the smallest tp whose GPUs of `gpu_name` hold the weights and the KV cache of a
+    1,024-token dense batch at 1024 / 512 (None when none up to 64 does)."""
+    from nanosched.costmodel import choose_tp
+    from nanosched.hardware import get_gpu
+    from nanosched.workloads import fixed
+
+    gpu = get_gpu(gpu_name)
+    rows = []
+    for spec in REGISTRY.values():
+        try:
+            tp: int | None = choose_tp(spec, gpu, fixed(1024, 512), dense_batch=1024)
+        except ConfigError:
+            tp = None
+        params = spec.num_params()
+        rows.append({"name": spec.name, "arch": spec.arch, "params_b": params / 1e9,
+                     "bf16_gib": 2 * params / 2**30, "fp32_gib": 4 * params / 2**30,
+                     "kv_kib_per_token": spec.kv_bytes_per_token() / 1024, "tp": tp})
+    return rows

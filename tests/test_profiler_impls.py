@@ -36,7 +36,8 @@ def test_every_registered_name_is_a_runtime_name():
         for info in infos:
             assert kernel_impls.check_op_impl(op, info.name) == info.name
             assert LaunchConfig(impl={op: info.name}).launch_dict(op)["impl"] == info.name
-    assert {i.name for i in table["attn_decode"]} == {"triton_pipelined", "triton_paged", "torch"}
+    assert {i.name for i in table["attn_decode"]} == {"triton_pipelined", "triton_pipelined_2w",
+                                                  "triton_paged", "torch"}
     with pytest.raises(ConfigError, match=r"'triton_decode' is unknown for op 'attn_decode'"):
         impls.register("attn_decode", impls.Impl("triton_decode", ("full",), lambda c, k: None))
 

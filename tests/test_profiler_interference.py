@@ -100,3 +100,38 @@ def test_fit_caps_a_latency_bound_bandwidth_at_the_link():
     # times that even fall with size (noise around a flat latency) take the link's bandwidth
     bw, lat = fit_ring("all_gather", 2, [1e6, 2e6], [50.0, 40.0], 450.0)
     assert bw == pytest.approx(450.0) and lat > 0
+
+
+def test_pairs_run_the_attention_kernel_fastest_at_their_placement_and_points_name_it():
+    """A partition's pair runs the attention implementation fastest alone on its SMs; the R->P
+    point and the search's allocation option carry that name, so the replay launches it."""
+    import dataclasses
+
+    from nanosched.autosearch.durations import alloc_options
+    from nanosched.models.spec import load_spec
+    from nanosched.profiler.plan import ImplInfo, ProfileSettings, memory_pair_tasks
+    from nanosched.workloads import fixed
+
+    settings = ProfileSettings(load_spec("llama3-8b"), 1, fixed(1024, 512), 256, quick=True)
+    gemm = {op: [ImplInfo("cublas", ("full", "green_ctx"))] for op in ("kqv", "o", "ug", "d")}
+
+    def best_memory(tokens, context, sms, mechanism):
+        return "triton_pipelined_2w" if sms == 32 else None  # faster only on 32 SMs
+
+    tasks = memory_pair_tasks(settings, 132, [(32, 100), (64, 68)], gemm, "triton_pipelined",
+                              lambda *a: "cublas", best_memory)
+    by = {(t.mechanism, t.other_sms): t.other_impl for t in tasks}
+    assert by[("green_ctx", 32)] == "triton_pipelined_2w"
+    assert by[("green_ctx", 64)] == "triton_pipelined"
+    assert by[("stream_priority", 132)] == "triton_pipelined"
+
+    pair = PairRow("ug", "attn_decode", "memory", 256, "green_ctx", "cublas", 100, 32,
+                   100.0, 50.0, 160.0, 120.0, context=768, other_impl="triton_pipelined_2w")
+    table = derive_rp([pair, dataclasses.replace(pair, other_impl="", other_us=200.0)], 132)
+    assert [p.other_impl for p in table.points] == ["triton_pipelined_2w"]  # the faster one
+    from search_fixtures import small_profile
+
+    prof = dataclasses.replace(small_profile(), rp={**small_profile().rp,
+                                                    "memory": table.points})
+    impls = {o.impl for o in alloc_options(prof, "memory") if o.mechanism == "green_ctx"}
+    assert impls == {"triton_pipelined_2w"}

@@ -48,7 +48,7 @@ def test_every_op_token_sm_impl_row_is_present_and_best_is_marked(tmp_path):
     assert {k.context for k in prof.kernels if k.op == "attn_decode"} == {512, 1024, 1280, 1536}
     # row impls are the runtime's names, so a schedule naming one launches what was measured
     assert {k.impl for k in prof.kernels if k.op == "attn_decode"} == {
-        "triton_pipelined", "triton_paged", "torch"}
+        "triton_pipelined", "triton_pipelined_2w", "triton_paged", "torch"}
     assert {k.impl for k in prof.kernels if k.op == "rope_append"} == {"triton", "torch"}
     for k in prof.kernels:
         if family_of(k.op):

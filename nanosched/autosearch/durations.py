@@ -130,7 +130,8 @@ def alloc_options(profile: Profile, resource: str) -> list[AllocOption]:
                                   f"{table}:{i}", "compute")
             else:
                 opt = AllocOption(round(pt.r * FULL_SHARE), pt.p_other, pt.mechanism,
-                                  pt.other_sms, "default", table, f"{table}:{i}", "other")
+                                  pt.other_sms, pt.other_impl or "default", table,
+                                  f"{table}:{i}", "other")
             if pt.mechanism != PARTITION:
                 if not _dominated(pt, i, pts):
                     points.append(opt)

@@ -54,11 +54,9 @@ PIPELINED = DecodeConfig(block_n=64, num_stages=4, num_warps=4, ctas_per_sm=2, f
 # and P.V stay within fewer warps (fewer barriers in the per-step chain) and more programs run
 # side by side: on an H100 partition of 32-48 SMs it reads 10-13% faster than PIPELINED at 256-640
 # requests x 4-8K context, but slower on the whole GPU for small batches (64 requests, 1K:
-# 40% of copy against 74%) (kernels_decode_attn-*-20261124T0235*.json). The dispatcher and the
-# runtime launch it by name; the profiler does not measure it yet: an R->P point names only the
-# compute side's implementation, and the runtime launches the default decode kernel on the
-# memory side, so a partition's rows of another kernel would tell the search a time the replay
-# does not run (docs/overlap.md, next step).
+# 40% of copy against 74%) (kernels_decode_attn-*-20261124T0235*.json). The profiler measures
+# it, a co-run pair on a partition runs whichever attention kernel is fastest alone there, and
+# its R->P point names it, so a replayed schedule launches it where it was measured.
 PIPELINED_2W = DecodeConfig(block_n=32, num_stages=3, num_warps=2, ctas_per_sm=4)
 
 

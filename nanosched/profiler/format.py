@@ -18,8 +18,11 @@ Contents
   were visible are derived from the measured two-GPU bus bandwidth and latency with NCCL's ring
   formulas and marked `modelled`; a note says so.
 - `pairs`: raw co-run measurements of a compute kernel beside a memory or network kernel.
-  `compute_alone_us`/`other_alone_us` are each kernel's best time alone on the whole GPU, so
-  P = alone / co-run is normalised to the kernel's best, as in NanoFlow section 4.1.1.
+  `compute_alone_us`/`other_alone_us` are each op's best time alone on the whole GPU (of any
+  implementation), so P = alone / co-run is normalised to the op's best, as in NanoFlow section
+  4.1.1. `other_impl` names the memory kernel that ran (the one fastest alone at the pair's
+  placement; absent: the runtime's default), and R->P points carry it, so a schedule launches
+  the attention kernel that was measured there.
   Under a power cap the SM clock depends on what ran in the last few hundred milliseconds, so
   a pair (and the alone times it is normalised to) is measured as serving meets it: each
   kernel looped for `settle_ms` until the clock has settled, then timed over `window_ms`
@@ -131,6 +134,7 @@ class PairRow:
     power_w: float | None = None
     compute_alone_clock_mhz: float | None = None  # over the windows of the alone times
     other_alone_clock_mhz: float | None = None
+    other_impl: str = ""  # the memory kernel's implementation ("": the runtime's default)
 
     @property
     def sustained(self) -> bool:
@@ -160,6 +164,7 @@ class RPPoint:
     tokens: int = 0
     context: int = 0
     clock_mhz: float | None = None  # mean SM clock of the co-runs behind this point
+    other_impl: str = ""  # the other side's implementation ("": the runtime's default)
 
 
 @dataclass(frozen=True)
@@ -312,7 +317,7 @@ class Profile:
 # existed keep their digest (schedules name the profile they were searched on by digest).
 _OPTIONAL = {"clock_mhz": None, "power_w": None, "settle_ms": 0.0, "window_ms": 0.0,
              "compute_alone_clock_mhz": None, "other_alone_clock_mhz": None,
-             "max_clock_mhz": 0.0, "power_limit_w": 0.0}
+             "max_clock_mhz": 0.0, "power_limit_w": 0.0, "other_impl": ""}
 
 
 def _row(obj: Any) -> dict[str, Any]:

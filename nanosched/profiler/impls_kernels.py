@@ -193,6 +193,8 @@ def register_all() -> None:
         register(op, Impl("torch", SM_MECHANISMS, _grouped))
     register("attn_decode", Impl("triton_pipelined", ("full", "green_ctx", "cta_bound"),
                                  _decode, requires=triton_missing))
+    register("attn_decode", Impl("triton_pipelined_2w", ("full", "green_ctx", "cta_bound"),
+                                 _decode, requires=triton_missing))
     register("attn_decode", Impl("triton_paged", ("full", "green_ctx", "cta_bound"), _decode,
                                  quick=False, requires=triton_missing))
     register("attn_decode", Impl("torch", SM_MECHANISMS, _decode, quick=False))

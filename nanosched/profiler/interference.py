@@ -42,7 +42,8 @@ def point_of(pair: PairRow, num_sms: int, per_shape: bool = False) -> RPPoint:
     return RPPoint(r=r_of(pair, num_sms), p_other=_p(pair.p_other),
                    p_compute=_p(pair.p_compute), mechanism=pair.mechanism,
                    compute_sms=pair.compute_sms, other_sms=pair.other_sms,
-                   compute_impl=pair.compute_impl, clock_mhz=pair.clock_mhz, **shape)
+                   compute_impl=pair.compute_impl, clock_mhz=pair.clock_mhz,
+                   other_impl=pair.other_impl, **shape)
 
 
 def pareto(points: Iterable[RPPoint]) -> list[RPPoint]:
@@ -59,8 +60,8 @@ def pareto(points: Iterable[RPPoint]) -> list[RPPoint]:
     return sorted(keep, key=lambda p: (p.r, -p.p_other))
 
 
-def _realisation(p: RPPoint) -> tuple[str, str, int, int]:
-    return (p.mechanism, p.compute_impl, p.compute_sms, p.other_sms)
+def _realisation(p: RPPoint) -> tuple[str, str, int, int, str]:
+    return (p.mechanism, p.compute_impl, p.compute_sms, p.other_sms, p.other_impl)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ def derive_rp(pairs: Iterable[PairRow], num_sms: int) -> RPTable:
         folded.append(RPPoint(
             r=min(max(statistics.fmean(p.r for p in same), R_MIN), R_MAX), p_other=mean_other,
             p_compute=statistics.fmean(p.p_compute for p in same), mechanism=key[0],
-            compute_sms=key[2], other_sms=key[3], compute_impl=key[1], std_rel=std,
+            compute_sms=key[2], other_sms=key[3], compute_impl=key[1], other_impl=key[4],
+            std_rel=std,
             clock_mhz=round(statistics.fmean(clocks), 1) if clocks else None))
     table = pareto(folded)
     fit = max((p.std_rel for p in table), default=0.0)

@@ -215,12 +215,19 @@ BestImpl = Callable[..., str | None]
 
 def memory_pair_tasks(settings: ProfileSettings, num_sms: int,
                       partitions: list[tuple[int, int]], impls: dict[str, list[ImplInfo]],
-                      memory_impl: str, best: BestImpl) -> list[PairTask]:
+                      memory_impl: str, best: BestImpl,
+                      best_memory: BestImpl | None = None) -> list[PairTask]:
     """GEMM x decode attention pairs for every pair shape and every way of sharing the GPU:
     plain prioritised streams, disjoint partitions, and a CTA-bounded attention kernel. `best`
-    names the GEMM implementation fastest alone at a placement (None: not measured there)."""
+    names the GEMM implementation fastest alone at a placement (None: not measured there);
+    `best_memory(tokens, context, sms, mechanism)` the attention implementation fastest alone
+    on a partition or CTA bound (None: `memory_impl`, which also runs beside the full GPU)."""
     contexts = settings.decode_contexts()
     context = contexts[len(contexts) // 2]
+
+    def attn(tokens: int, sms: int, mechanism: str) -> str:
+        return (best_memory and best_memory(tokens, context, sms, mechanism)) or memory_impl
+
     tasks = []
     for op, tokens in settings.pair_shapes():
         gemms = {i.name: i for i in _pair_impls(settings, impls, op)}
@@ -234,11 +241,13 @@ def memory_pair_tasks(settings: ProfileSettings, num_sms: int,
             impl = best(op, tokens, rest, "green_ctx")
             if impl is not None:
                 tasks.append(replace(base, mechanism="green_ctx", compute_impl=impl,
-                                     compute_sms=rest, other_sms=small))
+                                     compute_sms=rest, other_sms=small,
+                                     other_impl=attn(tokens, small, "green_ctx")))
         told = [n for n, i in gemms.items() if i.targets_sms]
         sharer = gemms.get(best(op, tokens, num_sms, "full", told) or full, gemms[full])
         for small, _ in partitions:
-            tasks.append(_sharing(base, sharer, num_sms, small))
+            tasks.append(replace(_sharing(base, sharer, num_sms, small),
+                                 other_impl=attn(tokens, small, "cta_bound")))
     return tasks
 
 

@@ -34,7 +34,9 @@ SAVE_EVERY_S = 15.0  # seconds, whichever comes first
 DRIFT_EVERY = 200
 DRIFT_LIMIT = 0.05
 REFERENCE_REPEATS = 5  # the start reference is the fastest of these
-MEMORY_PAIR_IMPL = "triton_pipelined"  # the memory kernel of the pairs: the best few-SM one
+MEMORY_PAIR_IMPL = "triton_pipelined"  # the memory kernel of the pairs: the runtime's default
+# attention kernels a pair may run on a partition or CTA bound: the fastest alone there
+PARTITION_MEMORY_IMPLS = ("triton_pipelined", "triton_pipelined_2w")
 
 
 class ProfileInterrupted(NanoschedError):
@@ -161,8 +163,12 @@ def _measure(loop: _Loop) -> None:
     def pairs() -> list[PairTask]:  # after the kernel rows: each placement's best GEMM
         if not has_memory_impl:
             return []
+        few_sm = [i.name for i in impls.get("attn_decode", [])
+                  if i.name in PARTITION_MEMORY_IMPLS]
         return memory_pair_tasks(settings, num_sms, state.partitions, impls, MEMORY_PAIR_IMPL,
-                                 lambda *a: best_impl(state, *a))
+                                 lambda *a: best_impl(state, *a),
+                                 lambda t, c, s, m: best_at(state, "attn_decode", t, c, s, m,
+                                                            few_sm))
 
     request = network_request(settings, backend, num_sms, impls, state)
     _run_tasks(loop, ktasks, pairs, request is not None)
@@ -221,6 +227,16 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
+def best_at(state: RunState, op: str, tokens: int, context: int, sms: int, mechanism: str,
+            among: list[str] | None = None) -> str | None:
+    """The implementation of `op` (of `among` when given) fastest alone at (tokens, context,
+    sms, mechanism); None when none was measured there."""
+    rows = [row for key, row in state.kernels.items()
+            if key[:5] == (op, tokens, context, sms, mechanism)
+            and (among is None or row.impl in among)]
+    return min(rows, key=lambda r: r.time_us).impl if rows else None
+
+
 def best_impl(state: RunState, op: str, tokens: int, sms: int, mechanism: str,
               among: list[str] | None = None) -> str | None:
     """The implementation of `op` fastest alone at (tokens, sms, mechanism), of `among` when
@@ -254,7 +270,9 @@ def _pair(loop: _Loop, task: PairTask) -> None:
     try:
         best_c = best_impl(state, task.compute_op, task.tokens, full, "full")
         alone_c = best_c and _alone(loop, task.compute_op, best_c, task.tokens, 0)
-        alone_o = _alone(loop, task.other_op, task.other_impl, task.tokens, task.context)
+        best_o = best_at(state, task.other_op, task.tokens, task.context, full, "full") \
+            or task.other_impl
+        alone_o = _alone(loop, task.other_op, best_o, task.tokens, task.context)
         if not alone_c or not alone_o:
             state.skipped[str(task.key)] = "a kernel of the pair has no full-GPU row"
             loop.done_one()
@@ -271,5 +289,6 @@ def _pair(loop: _Loop, task: PairTask) -> None:
             other_us=t.other_us, context=task.context,
             settle_ms=loop.settings.pair_settle_ms, window_ms=loop.settings.pair_window_ms,
             clock_mhz=_round(t.clock_mhz), power_w=_round(t.power_w),
-            compute_alone_clock_mhz=alone_c.clock_mhz, other_alone_clock_mhz=alone_o.clock_mhz)
+            compute_alone_clock_mhz=alone_c.clock_mhz, other_alone_clock_mhz=alone_o.clock_mhz,
+            other_impl=task.other_impl if task.other_impl != MEMORY_PAIR_IMPL else "")
     loop.done_one()

@@ -46,9 +46,8 @@ Redundant constraints (implied by the above; they give the LP and propagation a 
                              shift 1; `token_cycle_ops` checks the cycle for every choice of
                              forms) gives Σ d ≤ τ, and D ≥ d only loosens it. The lane rows
                              are this for j = 0 and Q − 1 with precedences; the middle quanta
-                             matter when ops are cut at different points (shipped llama3-70b
-                             tp=8 H200 quick: decode attention cut at 384 tokens, o at 1024:
-                             R 700 → 740 us).
+                             matter when ops are cut at different points (e.g. decode
+                             attention cut at 384 tokens and o at 1024).
 Relaxation R (solved first, its bound becomes τ's lower bound): the same cuts, durations,
 forms, stream literals, e_x ≤ 2τ, op-work, stream-load, lane and token-cycle rows, without
 the interval no-overlaps, the reified dependencies and the translation row. Every constraint
@@ -57,8 +56,8 @@ dependencies, as said above), so R's optimum, and any bound CP-SAT proves for it
 optimum of stage I.
 Unlike the constant bound LB, R ties each op's nano-op durations to one set of cuts, so the
 first and last token's lane cycles (Σ of their nano-ops' durations ≤ τ, one periodic edge)
-and the loads are priced on the same split (shipped llama3-70b tp=8 H200 quick: LB 681 us,
-R 700 us). R is small (no scheduling) and solves in about a second.
+and the loads are priced on the same split, so R's bound is at least LB and often above it.
+R is small (no scheduling) and quick to solve.
 Symmetry and search:
   translation:               some present nano-op starts at 0 (shifting all starts changes no
                              constraint but s ≥ 0)
@@ -72,10 +71,9 @@ proof solve of the same model with τ ≤ U = ⌈0.95 τ_inc⌉ − 1 on CP-SAT 
 with full LP (they close it several times faster than the default portfolio). INFEASIBLE
 proves τ ≥ U + 1 for every structure of these counts: the reported bound. A solution would
 beat τ_inc, and that solve's bound holds for the whole problem (every solution with τ ≤ U is
-one of its solutions, so the optimum is its optimum). On the shipped llama3-70b tp=8 H200
-quick profile the incumbent 868 us (found in < 1 s) is optimal (a 94 s solve proved it), but
-the whole model's bound stays at R's until its search closes; τ ≤ 824 is refuted in 7-15 s
-(2 workers, shared machine), which makes the bound 825 and the gap 4.95%.
+one of its solutions, so the optimum is its optimum). The hinted solve often finds the
+optimal τ early while the whole model's bound stays at R's until its search closes; refuting
+τ ≤ U is a far smaller proof, and lifts the bound to U + 1 (a gap of at most `TARGET_GAP`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Constraints
                              e_{q,c} ∈ {1000, 0}. The nominal R of a cta_bound /
                              stream_priority point says nothing of the GPU its side occupies
                              (e.g. a compute side at R = 0.03 with P = 0.62), so the nominal
-                             row alone left the bound far below any schedule.
+                             row alone leaves the bound far below any schedule.
   exclusive sets (redundant): a set S of (nano-op, option) pairs no two of which can run at
                              once gives Σ_{(x,j) ∈ S} o_{x,j} ⌈t_x / P_j⌉ ≤ τ. Proof: in the
                              steady state nano-op x occupies an arc of length d_x ≤ τ of the
@@ -49,13 +49,11 @@ Constraints
                              against full (share 1000) or green_ctx options they are
                              incompatible too. Rows for σ_p = compute for all p, = other for
                              all p, and for each point q: σ_q = s, σ_p = the other side for
-                             p ≠ q (s ∈ {compute, other}); e.g. shipped llama3-70b tp=8 H200
-                             quick, one structure: bound 1416 → 1507 us, the mixed rows
-                             pairing an all-reduce's slow cta_bound side with every other
-                             point's compute side. Sets that are subsets of another are
-                             dropped. Example: shipped llama3-8b H100, one structure, the
-                             relaxation without capacity and A_xy no-overlaps rises from
-                             1604 us (energy rows) to 1665 us (optimum 1744 us).
+                             p ≠ q (s ∈ {compute, other}): the mixed rows pair, e.g., an
+                             all-reduce's slow cta_bound side with every other point's
+                             compute side. Sets that are subsets of another are dropped.
+                             These rows lift the bound of the relaxation without capacity
+                             and A_xy no-overlaps above what the energy rows give.
   point consistency:         only measured combinations run at once (durations.compatible).
       Per nano-op: F_x = o_{x,full}, G_x = Σ_{j green_ctx} o_{x,j}, and for each option j of a
       non-partition point q_j (cta_bound, stream_priority) on side σ_j ∈ {compute, other}:
@@ -84,9 +82,9 @@ no A_xy) and becomes the whole problem's complete hint. The whole problem gets t
 time (all of it: a warm start that proves its problem optimal early hands its unused time on)
 and gives the reported incumbent, bound and gap (the restricted bound is no bound of the
 whole problem); if the whole problem finds nothing in its time (too short to load it), the
-warm start's answer is returned with its own bound and a note saying so. Without the warm
-start CP-SAT's LNS rarely left the sequential hint: every improvement needs two nano-ops to
-change option together and many starts to move.
+warm start's answer is returned with its own bound and a note saying so. The warm start is
+needed because from the sequential hint alone CP-SAT's LNS rarely finds an improvement: every
+improvement needs two nano-ops to change option together and many starts to move.
 """
 
 from __future__ import annotations

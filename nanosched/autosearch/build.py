@@ -126,8 +126,8 @@ def _assemble(spec: ModelSpec, tp: int, profile: Profile, nanos: list[NanoOpDef]
         ops.append(NanoOp(
             n.id, n.op, n.resource, n.work_start, n.work_end, structure.streams[n.id],
             rank[n.id], structure.offsets[n.id], _deps(n, data[n.id], res[n.id]),
-            Alloc(opt.share / FULL_SHARE, opt.p, opt.mechanism, opt.units, opt.impl, opt.point,
-                  opt.side),
+            Alloc(opt.share / FULL_SHARE, opt.p, opt.mechanism.value, opt.units, opt.impl,
+                  opt.point, opt.side.value if opt.side else ""),
             alloc.starts[n.id] / TICKS_PER_US, alloc.durations[n.id] / TICKS_PER_US))
     ranges: dict[str, tuple[tuple[int, int], ...]] = {}
     for n in ops:

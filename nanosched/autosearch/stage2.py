@@ -94,7 +94,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nanosched.autosearch.cpsat import Limits, Progress, solve
-from nanosched.autosearch.durations import FULL_SHARE, PARTITION, AllocOption, to_ticks
+from nanosched.autosearch.durations import (
+    FULL_SHARE,
+    PARTITION,
+    SIDES,
+    AllocOption,
+    Mechanism,
+    Side,
+    to_ticks,
+)
 from nanosched.autosearch.periodic import min_period
 from nanosched.schedules.format import StageReport
 
@@ -179,11 +187,7 @@ def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[st
 def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
                            ) -> dict[tuple[str, str], Any]:
     """A_xy literals and their no-overlaps (see the module docstring); {} when not needed."""
-    def nonpartition(x: str) -> list[int]:
-        return [j for j, o in enumerate(prob.options[x])
-                if o.mechanism not in ("full", PARTITION)]
-
-    npj = {x: nonpartition(x) for x in prob.alone}
+    npj = {x: [j for j, o in enumerate(prob.options[x]) if o.paired] for x in prob.alone}
     if not any(npj.values()):
         return {}
     stream = {x: sn for sn, chain in prob.orders.items() for x in chain}
@@ -194,7 +198,7 @@ def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
 
     green = {x: [j for j, o in enumerate(prob.options[x]) if o.mechanism == PARTITION]
              for x in prob.alone}
-    nonfull = {x: [j for j, o in enumerate(prob.options[x]) if o.mechanism != "full"]
+    nonfull = {x: [j for j, o in enumerate(prob.options[x]) if o.mechanism != Mechanism.FULL]
                for x in prob.alone}
     ids = list(prob.alone)
     apart: dict[tuple[str, str], Any] = {}
@@ -246,10 +250,8 @@ def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
     can run at once, so Σ over a set of o_{x,j} ⌈t_x / P_j⌉ ≤ τ."""
     stream = {x: sn for sn, chain in prob.orders.items() for x in chain}
     used = {stream.get(x, x) for x in prob.alone}
-    consistent = any(o.mechanism not in ("full", PARTITION)
-                     for opts in prob.options.values() for o in opts)
-    points = sorted({o.point for opts in prob.options.values() for o in opts
-                     if o.mechanism not in ("full", PARTITION)})
+    consistent = any(o.paired for opts in prob.options.values() for o in opts)
+    points = sorted({o.point for opts in prob.options.values() for o in opts if o.paired})
     sets, seen = [], set()
     for sn in sorted(used):
         levels = sorted({o.share for x in prob.alone if stream.get(x, x) == sn
@@ -264,18 +266,18 @@ def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
                 for j, o in enumerate(prob.options[x]):
                     if o.share < need:
                         continue
-                    (base if o.mechanism in ("full", PARTITION) else by_share).append((x, j))
+                    (by_share if o.paired else base).append((x, j))
             variants = [base + by_share]
             if consistent:
                 variants += [base + [(x, j) for x in prob.alone
                                      for j, o in enumerate(prob.options[x]) if o.side == side
-                                     and o.mechanism not in ("full", PARTITION) and o.share > 0]
-                             for side in ("compute", "other")]
+                                     and o.paired and o.share > 0]
+                             for side in SIDES]
                 variants += [base + [(x, j) for x in prob.alone
                                      for j, o in enumerate(prob.options[x])
-                                     if o.mechanism not in ("full", PARTITION) and o.share > 0
+                                     if o.paired and o.share > 0
                                      and (o.side == side) == (o.point == q)]
-                             for q in points for side in ("compute", "other")]
+                             for q in points for side in SIDES]
             for pick in variants:
                 key = frozenset(pick)
                 if pick and key not in seen:
@@ -295,22 +297,22 @@ def _fair_energies(prob: Stage2Problem, v: dict[str, Any]) -> list[list[Any]]:
     pts: dict[str, dict[str, float]] = {}
     for opts in prob.options.values():
         for o in opts:
-            if o.mechanism not in ("full", PARTITION):
+            if o.paired:
                 pts.setdefault(o.point, {})[o.side] = o.p
     if not pts:
         return []
     rows: list[list[Any]] = [[], [], []]
     for x, opts in v["opts"].items():
         for (lit, t, share), o in zip(opts, prob.options[x], strict=True):
-            if o.mechanism in ("full", PARTITION):
+            if not o.paired:
                 for row in rows:
                     row.append(lit * (share * t))
                 continue
             sides = pts[o.point]
-            mate = sides.get("other" if o.side == "compute" else "compute", 0.0)
+            mate = sides.get(o.side.mate, 0.0)
             fair = FULL_SHARE * o.p / (o.p + mate) if o.p + mate > 0 else FULL_SHARE
-            for row, e in zip(rows, (fair, FULL_SHARE * (o.side == "compute"),
-                                     FULL_SHARE * (o.side != "compute")), strict=True):
+            for row, e in zip(rows, (fair, FULL_SHARE * (o.side == Side.COMPUTE),
+                                     FULL_SHARE * (o.side != Side.COMPUTE)), strict=True):
                 row.append(lit * math.floor(e * t))
     return rows
 
@@ -358,14 +360,13 @@ def paired_options(prob: Stage2Problem) -> Stage2Problem:
     have: dict[tuple[str, str], set[str]] = {}
     for x, opts in prob.options.items():
         for o in opts:
-            if o.mechanism not in ("full", PARTITION):
+            if o.paired:
                 have.setdefault((o.point, o.side), set()).add(stream.get(x, x))
 
     def keep(x: str, o: AllocOption) -> bool:
-        if o.mechanism in ("full", PARTITION):
+        if not o.paired:
             return True
-        mate = "other" if o.side == "compute" else "compute"
-        return bool(have.get((o.point, mate), set()) - {stream.get(x, x)})
+        return bool(have.get((o.point, o.side.mate), set()) - {stream.get(x, x)})
 
     options = {x: [o for o in opts if keep(x, o)] for x, opts in prob.options.items()}
     return replace(prob, options=options)
@@ -429,7 +430,7 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
         full = {x: next(o for o in opts if o.share == FULL_SHARE)
                 for x, opts in prob.options.items()}
         hint = (seq[0], seq[1], full)
-    plain = {x: [o for o in opts if o.mechanism in ("full", PARTITION)]
+    plain = {x: [o for o in opts if not o.paired]
              for x, opts in prob.options.items()}
     if plain == prob.options:
         return _solve(prob, limits, progress, hint, "stage II")

@@ -90,8 +90,8 @@ improvement needs two nano-ops to change option together and many starts to move
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 from nanosched.autosearch.cpsat import Limits, Progress, solve
 from nanosched.autosearch.durations import (
@@ -127,8 +127,41 @@ class Allocation:
     period: int
 
 
-def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int
-              ) -> tuple[Any, Any, Any, list[tuple[Any, int, int]]]:
+class OptionVar(NamedTuple):
+    """Option j of a nano-op x in the model: literal o_{x,j}, duration ⌈t_x / P_j⌉ in ticks,
+    share r_j in per-mille."""
+
+    lit: Any
+    ticks: int
+    share: int
+
+
+@dataclass(frozen=True)
+class NanoVars:
+    """The solver variables of one nano-op x: start s_x, end e_x, duration d_x, the start
+    s_x + τ of the next layer's copy, and one `OptionVar` per allocation option (in the order
+    of `Stage2Problem.options`)."""
+
+    start: Any
+    end: Any
+    dur: Any
+    start1: Any
+    options: list[OptionVar]
+
+
+@dataclass(frozen=True)
+class Stage2Vars:
+    """The variables of a stage II model: τ, the time horizon, every nano-op's variables,
+    the next layer's ends e_x + τ made for the A_xy no-overlaps, and the A_xy literals."""
+
+    tau: Any
+    horizon: int
+    nanos: dict[str, NanoVars] = field(default_factory=dict)  # nano-op id -> its variables
+    end1: dict[str, Any] = field(default_factory=dict)  # nano-op id -> e_x + τ
+    apart: dict[tuple[str, str], Any] = field(default_factory=dict)  # (x, y) -> A_xy
+
+
+def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int) -> NanoVars:
     opts = prob.options[x]
     lits = [m.new_bool_var(f"opt_{x}_{j}") for j in range(len(opts))]
     m.add_exactly_one(lits)
@@ -138,10 +171,13 @@ def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int
     m.add(d == sum(lit * t for lit, t in zip(lits, ticks, strict=True)))
     e = m.new_int_var(0, horizon, f"end_{x}")
     m.add(e == s + d)
-    return s, e, d, [(lit, t, o.share) for lit, t, o in zip(lits, ticks, opts, strict=True)]
+    s1 = m.new_int_var(0, 2 * horizon, f"start1_{x}")
+    m.add(s1 == s + tau)
+    return NanoVars(s, e, d, s1, [OptionVar(lit, t, o.share)
+                                  for lit, t, o in zip(lits, ticks, opts, strict=True)])
 
 
-def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[str, Any]]:
+def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, Stage2Vars]:
     """The CP-SAT model of stage II for a fixed structure; `rows`: add the exclusive-set
     rows (redundant; left out of the warm start, whose bound is not reported)."""
     from ortools.sat.python import cp_model
@@ -150,21 +186,16 @@ def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[st
     worst = {x: max(o.ticks(t) for o in prob.options[x]) for x, t in prob.alone.items()}
     horizon = 2 * sum(worst.values()) + 2
     tau = m.new_int_var(1, prob.max_period_ticks or horizon, "tau")
-    v: dict[str, Any] = {"tau": tau, "s": {}, "e": {}, "d": {}, "s1": {}, "opts": {},
-                         "horizon": horizon}
+    v = Stage2Vars(tau, horizon)
     intervals, demands, energy = [], [], []
     for x in prob.alone:
-        s, e, d, opts = _add_nano(m, x, prob, tau, horizon)
-        v["s"][x], v["e"][x], v["d"][x], v["opts"][x] = s, e, d, opts
-        s1 = m.new_int_var(0, 2 * horizon, f"start1_{x}")
-        m.add(s1 == s + tau)
-        v["s1"][x] = s1
+        n = v.nanos[x] = _add_nano(m, x, prob, tau, horizon)
         k = prob.offsets.get(x, 0)
-        m.add(s >= k * tau)
-        m.add(s <= k * tau + tau - 1)
-        m.add(e <= 2 * tau)
-        for lit, t, share in opts:
-            for copy, start in enumerate((s, s1)):
+        m.add(n.start >= k * tau)
+        m.add(n.start <= k * tau + tau - 1)
+        m.add(n.end <= 2 * tau)
+        for lit, t, share in n.options:
+            for copy, start in enumerate((n.start, n.start1)):
                 intervals.append(m.new_optional_interval_var(
                     start, t, start + t, lit, f"iv{copy}_{x}_{len(intervals)}"))
                 demands.append(share)
@@ -174,24 +205,24 @@ def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[st
     for fair in _fair_energies(prob, v):
         m.add(sum(fair) <= FULL_SHARE * tau)
     for pick in exclusive_sets(prob) if rows else []:
-        m.add(sum(v["opts"][x][j][0] * v["opts"][x][j][1] for x, j in pick) <= tau)
+        m.add(sum(v.nanos[x].options[j].lit * v.nanos[x].options[j].ticks for x, j in pick)
+              <= tau)
     _add_order(m, prob, v, tau)
-    v["end1"] = {}
-    v["apart"] = _add_point_consistency(m, prob, v)
+    v.apart.update(_add_point_consistency(m, prob, v))
     for x, y, shift in prob.deps:
-        m.add(v["s"][y] + shift * tau >= v["e"][x])
+        m.add(v.nanos[y].start + shift * tau >= v.nanos[x].end)
     m.minimize(tau)
     return m, v
 
 
-def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
+def _add_point_consistency(m: Any, prob: Stage2Problem, v: Stage2Vars
                            ) -> dict[tuple[str, str], Any]:
     """A_xy literals and their no-overlaps (see the module docstring); {} when not needed."""
     npj = {x: [j for j, o in enumerate(prob.options[x]) if o.paired] for x in prob.alone}
     if not any(npj.values()):
         return {}
     stream = {x: sn for sn, chain in prob.orders.items() for x in chain}
-    lits = {x: [lit for lit, _, _ in v["opts"][x]] for x in prob.alone}
+    lits = {x: [o.lit for o in v.nanos[x].options] for x in prob.alone}
 
     def total(x: str, js: list[int]) -> Any:
         return sum(lits[x][j] for j in js)
@@ -202,12 +233,12 @@ def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
                for x in prob.alone}
     ids = list(prob.alone)
     apart: dict[tuple[str, str], Any] = {}
-    ends1: dict[str, Any] = v["end1"]
+    ends1 = v.end1
 
     def end1(z: str) -> Any:
         if z not in ends1:
-            ends1[z] = m.new_int_var(0, 3 * v["horizon"], f"end1_{z}")
-            m.add(ends1[z] == v["s1"][z] + v["d"][z])
+            ends1[z] = m.new_int_var(0, 3 * v.horizon, f"end1_{z}")
+            m.add(ends1[z] == v.nanos[z].start1 + v.nanos[z].dur)
         return ends1[z]
 
     for i, x in enumerate(ids):
@@ -231,9 +262,10 @@ def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
                     m.add(a >= lits[x][j] + ny - total(y, mate) - 1)
             ivs = []
             for z in (x, y):
-                ivs.append(m.new_optional_interval_var(v["s"][z], v["d"][z], v["e"][z], a,
+                nz = v.nanos[z]
+                ivs.append(m.new_optional_interval_var(nz.start, nz.dur, nz.end, a,
                                                        f"ap0_{z}_{x}_{y}"))
-                ivs.append(m.new_optional_interval_var(v["s1"][z], v["d"][z], end1(z), a,
+                ivs.append(m.new_optional_interval_var(nz.start1, nz.dur, end1(z), a,
                                                        f"ap1_{z}_{x}_{y}"))
             m.add_no_overlap(ivs)
     return apart
@@ -287,7 +319,7 @@ def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
     return [p for p, k in zip(sets, keys, strict=True) if not any(k < o for o in keys)]
 
 
-def _fair_energies(prob: Stage2Problem, v: dict[str, Any]) -> list[list[Any]]:
+def _fair_energies(prob: Stage2Problem, v: Stage2Vars) -> list[list[Any]]:
     """The energy rows with effective shares of non-partition options (module docstring):
     a non-partition option only ever runs beside the other side of its own point, so any
     split e_c + e_o = 1000 of the GPU between the two sides is a valid demand. Rows for the
@@ -302,8 +334,8 @@ def _fair_energies(prob: Stage2Problem, v: dict[str, Any]) -> list[list[Any]]:
     if not pts:
         return []
     rows: list[list[Any]] = [[], [], []]
-    for x, opts in v["opts"].items():
-        for (lit, t, share), o in zip(opts, prob.options[x], strict=True):
+    for x, n in v.nanos.items():
+        for (lit, t, share), o in zip(n.options, prob.options[x], strict=True):
             if not o.paired:
                 for row in rows:
                     row.append(lit * (share * t))
@@ -317,15 +349,16 @@ def _fair_energies(prob: Stage2Problem, v: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
-def _add_order(m: Any, prob: Stage2Problem, v: dict[str, Any], tau: Any) -> None:
+def _add_order(m: Any, prob: Stage2Problem, v: Stage2Vars, tau: Any) -> None:
     k = prob.offsets
     for chain in prob.orders.values():
         for a, b in zip(chain, chain[1:], strict=False):
-            m.add(v["s"][b] - k.get(b, 0) * tau >= v["e"][a] - k.get(a, 0) * tau)
+            m.add(v.nanos[b].start - k.get(b, 0) * tau >= v.nanos[a].end - k.get(a, 0) * tau)
         if chain:
             a, b = chain[-1], chain[0]
-            m.add(v["s"][b] - k.get(b, 0) * tau + tau >= v["e"][a] - k.get(a, 0) * tau)
-        m.add(tau >= sum(v["e"][x] - v["s"][x] for x in chain))
+            m.add(v.nanos[b].start - k.get(b, 0) * tau + tau
+                  >= v.nanos[a].end - k.get(a, 0) * tau)
+        m.add(tau >= sum(v.nanos[x].end - v.nanos[x].start for x in chain))
 
 
 def sequential_hint(prob: Stage2Problem) -> tuple[int, dict[str, int]] | None:
@@ -372,26 +405,27 @@ def paired_options(prob: Stage2Problem) -> Stage2Problem:
     return replace(prob, options=options)
 
 
-def _set_hint(v: dict[str, Any], m: Any, prob: Stage2Problem, tau: int,
+def _set_hint(v: Stage2Vars, m: Any, prob: Stage2Problem, tau: int,
               starts: dict[str, int], choice: dict[str, AllocOption]) -> None:
     """The hint: starts, option literals and τ; complete (durations, ends, copies, A_xy = 0)
     when A_xy literals exist, as CP-SAT then needs it complete to use it (`choice` holds
     full or green options only, which never force an A_xy)."""
     for x, s in starts.items():
         j = prob.options[x].index(choice[x])
-        d = v["opts"][x][j][1]
-        m.add_hint(v["s"][x], s)
-        if v["apart"]:
-            m.add_hint(v["d"][x], d)
-            m.add_hint(v["e"][x], s + d)
-            m.add_hint(v["s1"][x], s + tau)
-        if x in v["end1"]:
-            m.add_hint(v["end1"][x], s + tau + d)
-        for i, (lit, _, _) in enumerate(v["opts"][x]):
-            m.add_hint(lit, i == j)
-    for a in v["apart"].values():
+        n = v.nanos[x]
+        d = n.options[j].ticks
+        m.add_hint(n.start, s)
+        if v.apart:
+            m.add_hint(n.dur, d)
+            m.add_hint(n.end, s + d)
+            m.add_hint(n.start1, s + tau)
+        if x in v.end1:
+            m.add_hint(v.end1[x], s + tau + d)
+        for i, o in enumerate(n.options):
+            m.add_hint(o.lit, i == j)
+    for a in v.apart.values():
         m.add_hint(a, False)
-    m.add_hint(v["tau"], tau)
+    m.add_hint(v.tau, tau)
 
 
 def _solve(prob: Stage2Problem, limits: Limits, progress: Progress | None,
@@ -404,11 +438,11 @@ def _solve(prob: Stage2Problem, limits: Limits, progress: Progress | None,
     if not found:
         return None, report
     choice, durations = {}, {}
-    for x, opts in v["opts"].items():
-        j = next(i for i, (lit, _, _) in enumerate(opts) if solver.boolean_value(lit))
-        choice[x], durations[x] = prob.options[x][j], opts[j][1]
-    starts = {x: solver.value(s) for x, s in v["s"].items()}
-    return Allocation(choice, durations, starts, solver.value(v["tau"])), report
+    for x, n in v.nanos.items():
+        j = next(i for i, o in enumerate(n.options) if solver.boolean_value(o.lit))
+        choice[x], durations[x] = prob.options[x][j], n.options[j].ticks
+    starts = {x: solver.value(n.start) for x, n in v.nanos.items()}
+    return Allocation(choice, durations, starts, solver.value(v.tau)), report
 
 
 GREEN_SHARE = 0.4  # of stage II's time for the warm start over full and green_ctx options

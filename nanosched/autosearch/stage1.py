@@ -603,7 +603,7 @@ def extract(prob: Stage1Problem, solver: Any, v: Stage1Vars) -> Structure:
 
 def heuristic_structure(prob: Stage1Problem) -> Structure | None:
     """Even splits, all-reduce forms, the best of a few simple orders: a hint and a fallback."""
-    from nanosched.autosearch.opgraph import even_split, nano_deps
+    from nanosched.autosearch.opgraph import even_split, nano_deps, precedences
     from nanosched.autosearch.periodic import min_period
 
     forms = {g: fs[0] for g, fs in prob.graph.groups().items()}
@@ -612,8 +612,7 @@ def heuristic_structure(prob: Stage1Problem) -> Structure | None:
     nanos = expand(prob.graph, split, prob.mix, forms)
     pos = {o.name: i for i, o in enumerate(prob.graph.ops)}
     durations = {n.id: prob.tables[n.op][n.work_tokens // TOKEN_QUANTUM] for n in nanos}
-    deps = [(x, y, shift) for y, ds in nano_deps(prob.graph, nanos, prob.mix, forms).items()
-            for x, shift, _ in ds]
+    deps = precedences(nano_deps(prob.graph, nanos, prob.mix, forms))
     best: Structure | None = None
     for other in (MEMORY, COMPUTE):
         streams = {n.id: other if n.resource == "other" else n.resource for n in nanos}

@@ -103,7 +103,7 @@ from nanosched.autosearch.durations import (
     Side,
     to_ticks,
 )
-from nanosched.autosearch.periodic import min_period
+from nanosched.autosearch.periodic import Precedence, min_period
 from nanosched.schedules.format import StageReport
 
 
@@ -113,7 +113,7 @@ class Stage2Problem:
     options: dict[str, list[AllocOption]]  # nano-op id -> allocation options
     orders: dict[str, list[str]]  # stream -> ids in issue order
     offsets: dict[str, int]  # id -> layer offset
-    deps: list[tuple[str, str, int]]  # (x, y, δ)
+    deps: list[Precedence]
     max_period_ticks: int | None = None
 
 

@@ -14,7 +14,16 @@ from datetime import datetime, timezone
 
 from nanosched.autosearch.check import check_points
 from nanosched.autosearch.durations import FULL_SHARE, TICKS_PER_US
-from nanosched.autosearch.opgraph import NanoOpDef, OpGraph, TokenMix, expand, nano_deps
+from nanosched.autosearch.opgraph import (
+    NanoDep,
+    NanoOpDef,
+    OpGraph,
+    TokenMix,
+    expand,
+    nano_deps,
+    precedences,
+)
+from nanosched.autosearch.periodic import Precedence, min_period
 from nanosched.autosearch.stage1 import Structure
 from nanosched.autosearch.stage2 import Allocation
 from nanosched.errors import ScheduleError
@@ -60,25 +69,21 @@ def resource_deps(structure: Structure, alloc: Allocation) -> dict[str, list[tup
     return out
 
 
-def compact(structure: Structure, alloc: Allocation, deps: list[tuple[str, str, int]]
-            ) -> Allocation:
+def compact(structure: Structure, alloc: Allocation, deps: list[Precedence]) -> Allocation:
     """The same structure and options at the least period its dependencies allow.
 
     The solver may stop with slack; with durations, orders, offsets and the (data and
     resource) dependencies fixed, `periodic.min_period` finds the tightest placement. The caller
     keeps it only if the GPU capacity still holds there.
     """
-    from nanosched.autosearch.periodic import min_period
-
     found = min_period(alloc.durations, structure.orders, deps, structure.offsets)
     if found is None or found[0] >= alloc.period:
         return alloc
     return dataclasses.replace(alloc, starts=found[1], period=found[0])
 
 
-def _deps(n: NanoOpDef, data: list[tuple[str, int, str]], res: list[tuple[str, int]]
-          ) -> tuple[Dep, ...]:
-    deps = [Dep(i, shift, kind) for i, shift, kind in data]
+def _deps(n: NanoOpDef, data: list[NanoDep], res: list[tuple[str, int]]) -> tuple[Dep, ...]:
+    deps = [Dep(d.src, d.shift, d.kind) for d in data]
     have = {(d.id, d.shift) for d in deps}
     deps += [Dep(i, shift, "resource") for i, shift in res if (i, shift) not in have]
     return tuple(deps)
@@ -95,8 +100,8 @@ def build_schedule(spec: ModelSpec, tp: int, profile: Profile, graph: OpGraph, m
     res = resource_deps(structure, alloc)
     sched = _assemble(spec, tp, profile, nanos, data, res, batch, structure,
                       alloc, stages, command)
-    edges = [(x, y, k) for y, ds in data.items() for x, k, _ in ds]
-    edges += [(x, y, k) for y, ds in res.items() for x, k in ds]
+    edges = precedences(data)
+    edges += [Precedence(x, y, k) for y, ds in res.items() for x, k in ds]
     tight = compact(structure, alloc, edges)
     if tight is not alloc:
         candidate = _assemble(spec, tp, profile, nanos, data, res, batch, structure, tight,
@@ -114,7 +119,7 @@ def build_schedule(spec: ModelSpec, tp: int, profile: Profile, graph: OpGraph, m
 
 
 def _assemble(spec: ModelSpec, tp: int, profile: Profile, nanos: list[NanoOpDef],
-              data: dict[str, list[tuple[str, int, str]]], res: dict[str, list[tuple[str, int]]],
+              data: dict[str, list[NanoDep]], res: dict[str, list[tuple[str, int]]],
               batch: BatchInfo, structure: Structure, alloc: Allocation,
               stages: tuple[StageReport, ...], command: str) -> Schedule:
     from nanosched.autosearch.simulate import sequential_baseline
@@ -126,8 +131,8 @@ def _assemble(spec: ModelSpec, tp: int, profile: Profile, nanos: list[NanoOpDef]
         ops.append(NanoOp(
             n.id, n.op, n.resource, n.work_start, n.work_end, structure.streams[n.id],
             rank[n.id], structure.offsets[n.id], _deps(n, data[n.id], res[n.id]),
-            Alloc(opt.share / FULL_SHARE, opt.p, opt.mechanism, opt.units, opt.impl, opt.point,
-                  opt.side),
+            Alloc(opt.share / FULL_SHARE, opt.p, opt.mechanism.value, opt.units, opt.impl,
+                  opt.point, opt.side.value if opt.side else ""),
             alloc.starts[n.id] / TICKS_PER_US, alloc.durations[n.id] / TICKS_PER_US))
     ranges: dict[str, tuple[tuple[int, int], ...]] = {}
     for n in ops:

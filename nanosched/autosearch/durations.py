@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from nanosched.models.ops import COMPUTE, NETWORK
@@ -23,8 +24,44 @@ from nanosched.profiler.format import Profile, RPPoint
 
 TICKS_PER_US = 1
 FULL_SHARE = 1000
-PARTITION = "green_ctx"  # the one mechanism whose shares are physical, disjoint SM fractions
-SIDES = ("compute", "other")
+
+
+class Mechanism(str, Enum):
+    """How a nano-op shares the GPU; the values are the profile's and the schedule's strings,
+    and a member compares, hashes and serialises as its value."""
+
+    FULL = "full"
+    GREEN_CTX = "green_ctx"
+    CTA_BOUND = "cta_bound"
+    STREAM_PRIORITY = "stream_priority"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @property
+    def paired(self) -> bool:
+        """A non-partition point (both kernels may use every SM, R is nominal): it may run
+        beside nothing but the other side of its own point."""
+        return self not in (Mechanism.FULL, Mechanism.GREEN_CTX)
+
+
+class Side(str, Enum):
+    """Which kernel of a measured R->P pair an option runs as."""
+
+    COMPUTE = "compute"
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @property
+    def mate(self) -> Side:
+        """The other kernel of the pair."""
+        return Side.OTHER if self is Side.COMPUTE else Side.COMPUTE
+
+
+PARTITION = Mechanism.GREEN_CTX  # the one mechanism whose shares are disjoint SM fractions
+SIDES = (Side.COMPUTE, Side.OTHER)
 
 
 def to_ticks(us: float) -> int:
@@ -50,12 +87,21 @@ class AllocOption:
 
     share: int  # per-mille of the GPU
     p: float  # performance relative to running alone
-    mechanism: str  # "full" | "green_ctx" | "cta_bound" | "stream_priority"
+    mechanism: Mechanism  # a plain string is converted
     units: int  # SMs (green_ctx, full) or CTAs (cta_bound)
     impl: str = "default"
     table: str = ""  # R->P table the point came from ("" for full)
     point: str = ""  # "table:index" of the R->P point in profile.rp ("" for full)
-    side: str = ""  # "compute" | "other": which kernel of the measured pair ("" for full)
+    side: Side | None = None  # which kernel of the measured pair (None for full; "" accepted)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mechanism", Mechanism(self.mechanism))
+        object.__setattr__(self, "side", Side(self.side) if self.side else None)
+
+    @property
+    def paired(self) -> bool:
+        """Of a non-partition point: runs beside nothing but its point's other side."""
+        return self.mechanism.paired
 
     def ticks(self, alone_us: float) -> int:
         """Ticks of a nano-op that takes `alone_us` alone, under this option: t / P."""
@@ -65,16 +111,19 @@ class AllocOption:
 class PointAlloc(Protocol):
     """What compatibility looks at: an AllocOption, or a schedule's Alloc."""
 
-    mechanism: str
-    point: str
-    side: str
+    @property
+    def mechanism(self) -> str: ...
+    @property
+    def point(self) -> str: ...
+    @property
+    def side(self) -> str | None: ...
 
 
 def compatible(a: PointAlloc, b: PointAlloc) -> bool:
     """True when allocations `a` and `b` (anything with `mechanism`, `point`, `side`: an
     AllocOption or a schedule's Alloc) were measured together, so may run at once."""
     ma, mb = a.mechanism, b.mechanism
-    if ma == "full" or mb == "full":
+    if ma == Mechanism.FULL or mb == Mechanism.FULL:
         return False
     if ma == PARTITION or mb == PARTITION:
         return ma == mb
@@ -85,7 +134,7 @@ def compatible(a: PointAlloc, b: PointAlloc) -> bool:
 def describe(a: PointAlloc) -> str:
     """An allocation's mechanism, point and side, for messages."""
     mech = a.mechanism
-    if mech == "full":
+    if mech == Mechanism.FULL:
         return "the full GPU"
     where = f" {a.point}" if a.point else ""
     return f"{mech} point{where} ({a.side or '?'} side)"
@@ -114,7 +163,7 @@ def alloc_options(profile: Profile, resource: str) -> list[AllocOption]:
     point is kept as itself (its identity decides what it may overlap) unless another pairing of
     its table is at least as fast on both sides (`_dominated`); both sides drop together.
     """
-    full = AllocOption(FULL_SHARE, 1.0, "full", profile.identity.num_sms)
+    full = AllocOption(FULL_SHARE, 1.0, Mechanism.FULL, profile.identity.num_sms)
     green: dict[int, AllocOption] = {}
     points: list[AllocOption] = []
     if resource == COMPUTE:
@@ -127,11 +176,11 @@ def alloc_options(profile: Profile, resource: str) -> list[AllocOption]:
             if resource == COMPUTE:
                 opt = AllocOption(FULL_SHARE - round(pt.r * FULL_SHARE), pt.p_compute,
                                   pt.mechanism, pt.compute_sms, pt.compute_impl, table,
-                                  f"{table}:{i}", "compute")
+                                  f"{table}:{i}", Side.COMPUTE)
             else:
                 opt = AllocOption(round(pt.r * FULL_SHARE), pt.p_other, pt.mechanism,
                                   pt.other_sms, pt.other_impl or "default", table,
-                                  f"{table}:{i}", "other")
+                                  f"{table}:{i}", Side.OTHER)
             if pt.mechanism != PARTITION:
                 if not _dominated(pt, i, pts):
                     points.append(opt)

@@ -22,7 +22,9 @@ length (the prefill part is modelled as prompts of the mean length; p ≥ B − 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from nanosched.autosearch.periodic import Precedence
 from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import COLLECTIVE_FORMS, COMPUTE, MEMORY, NETWORK, OTHER, layer_ops
@@ -152,6 +154,15 @@ class NanoOpDef:
         return self.work_end - self.work_start
 
 
+class NanoDep(NamedTuple):
+    """A dependency of a nano-op: on nano-op `src` of the layer `shift` before, of `kind`
+    "data" or "prompt" (the edge it comes from)."""
+
+    src: str
+    shift: int
+    kind: str
+
+
 def check_split(split: dict[str, list[tuple[int, int]]], ops: list[GraphOp],
                 dense_batch: int) -> None:
     """Every op's ranges are consecutive multiples of 128 covering [0, B)."""
@@ -187,23 +198,29 @@ def expand(graph: OpGraph, split: dict[str, list[tuple[int, int]]], mix: TokenMi
 
 
 def nano_deps(graph: OpGraph, nanos: list[NanoOpDef], mix: TokenMix,
-              forms: dict[str, str]) -> dict[str, list[tuple[str, int, str]]]:
-    """Nano-op id -> [(id it depends on, layer shift, kind)] from the graph's edges."""
+              forms: dict[str, str]) -> dict[str, list[NanoDep]]:
+    """Nano-op id -> the nano-ops it depends on, from the graph's edges."""
     by_op: dict[str, list[NanoOpDef]] = {}
     for n in nanos:
         by_op.setdefault(n.op, []).append(n)
-    deps: dict[str, list[tuple[str, int, str]]] = {n.id: [] for n in nanos}
+    deps: dict[str, list[NanoDep]] = {n.id: [] for n in nanos}
     for edge in graph.active_edges(forms):
         for y in by_op.get(edge.dst, []):
             lo, hi = y.work_start, y.work_end
             if edge.kind == "prompt":
                 lo, hi = mix.prompt_start(y.work_start), y.work_start
-            have = {(d[0], d[1]) for d in deps[y.id]}
+            have = {(d.src, d.shift) for d in deps[y.id]}
             for x in by_op.get(edge.src, []):
                 if lo < hi and x.work_start < hi and lo < x.work_end \
                         and (x.id, edge.shift) not in have:
-                    deps[y.id].append((x.id, edge.shift, edge.kind))
+                    deps[y.id].append(NanoDep(x.id, edge.shift, edge.kind))
     return deps
+
+
+def precedences(deps: dict[str, list[NanoDep]]) -> list[Precedence]:
+    """`nano_deps` as (x → y, δ) precedences, in its order (kinds dropped): the dependencies
+    of the period search and of stage II."""
+    return [Precedence(d.src, y, d.shift) for y, ds in deps.items() for d in ds]
 
 
 def even_split(dense_batch: int, count: int) -> list[tuple[int, int]]:

@@ -18,6 +18,15 @@ the brute-force reference in tests, and to price structures the search grows.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class Precedence(NamedTuple):
+    """Dependency (x → y, δ): y in layer l + δ starts after x in layer l ends."""
+
+    src: str
+    dst: str
+    shift: int
 
 
 def _longest_starts(nodes: list[str], arcs: list[tuple[str, str, int]]) -> dict[str, int] | None:
@@ -35,7 +44,7 @@ def _longest_starts(nodes: list[str], arcs: list[tuple[str, str, int]]) -> dict[
 
 
 def feasible_starts(durations: dict[str, int], orders: dict[str, list[str]],
-                    deps: Iterable[tuple[str, str, int]], tau: int,
+                    deps: Iterable[Precedence], tau: int,
                     offsets: dict[str, int] | None = None) -> dict[str, int] | None:
     """Starts meeting every constraint above at period `tau`, or None.
 
@@ -60,7 +69,7 @@ def feasible_starts(durations: dict[str, int], orders: dict[str, list[str]],
 
 
 def min_period(durations: dict[str, int], orders: dict[str, list[str]],
-               deps: list[tuple[str, str, int]], offsets: dict[str, int] | None = None
+               deps: list[Precedence], offsets: dict[str, int] | None = None
                ) -> tuple[int, dict[str, int]] | None:
     """(least τ, starts) for the fixed structure, or None if no τ works."""
     lo = max([sum(durations[x] for x in chain) for chain in orders.values()] + [1])

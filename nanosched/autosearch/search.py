@@ -21,7 +21,14 @@ from nanosched.autosearch.durations import (
     op_context,
     tick_table,
 )
-from nanosched.autosearch.opgraph import OpGraph, TokenMix, expand, layer_graph, nano_deps
+from nanosched.autosearch.opgraph import (
+    OpGraph,
+    TokenMix,
+    expand,
+    layer_graph,
+    nano_deps,
+    precedences,
+)
 from nanosched.autosearch.stage1 import Stage1Problem, Structure, solve_stage1
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
 from nanosched.constants import TOKEN_QUANTUM
@@ -166,8 +173,7 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
         {n.id: cfg.profile.kernel_time_us(n.op, n.work_tokens, None, ctx[n.id]) for n in nanos},
         {n.id: alloc_options(cfg.profile, n.resource) for n in nanos},
         structure.orders, structure.offsets,
-        [(x, y, s) for y, ds in nano_deps(graph, nanos, mix, structure.forms).items()
-         for x, s, _ in ds], cap)
+        precedences(nano_deps(graph, nanos, mix, structure.forms)), cap)
     margin = min(MARGIN_S, 0.02 * cfg.time_limit_s)
     left = max(deadline - time.perf_counter() - margin, 0.1 * cfg.time_limit_s)
     if cfg.deterministic:

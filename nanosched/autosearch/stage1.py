@@ -46,9 +46,8 @@ Redundant constraints (implied by the above; they give the LP and propagation a 
                              shift 1; `token_cycle_ops` checks the cycle for every choice of
                              forms) gives Σ d ≤ τ, and D ≥ d only loosens it. The lane rows
                              are this for j = 0 and Q − 1 with precedences; the middle quanta
-                             matter when ops are cut at different points (shipped llama3-70b
-                             tp=8 H200 quick: decode attention cut at 384 tokens, o at 1024:
-                             R 700 → 740 us).
+                             matter when ops are cut at different points (e.g. decode
+                             attention cut at 384 tokens and o at 1024).
 Relaxation R (solved first, its bound becomes τ's lower bound): the same cuts, durations,
 forms, stream literals, e_x ≤ 2τ, op-work, stream-load, lane and token-cycle rows, without
 the interval no-overlaps, the reified dependencies and the translation row. Every constraint
@@ -57,8 +56,8 @@ dependencies, as said above), so R's optimum, and any bound CP-SAT proves for it
 optimum of stage I.
 Unlike the constant bound LB, R ties each op's nano-op durations to one set of cuts, so the
 first and last token's lane cycles (Σ of their nano-ops' durations ≤ τ, one periodic edge)
-and the loads are priced on the same split (shipped llama3-70b tp=8 H200 quick: LB 681 us,
-R 700 us). R is small (no scheduling) and solves in about a second.
+and the loads are priced on the same split, so R's bound is at least LB and often above it.
+R is small (no scheduling) and quick to solve.
 Symmetry and search:
   translation:               some present nano-op starts at 0 (shifting all starts changes no
                              constraint but s ≥ 0)
@@ -72,17 +71,16 @@ proof solve of the same model with τ ≤ U = ⌈0.95 τ_inc⌉ − 1 on CP-SAT 
 with full LP (they close it several times faster than the default portfolio). INFEASIBLE
 proves τ ≥ U + 1 for every structure of these counts: the reported bound. A solution would
 beat τ_inc, and that solve's bound holds for the whole problem (every solution with τ ≤ U is
-one of its solutions, so the optimum is its optimum). On the shipped llama3-70b tp=8 H200
-quick profile the incumbent 868 us (found in < 1 s) is optimal (a 94 s solve proved it), but
-the whole model's bound stays at R's until its search closes; τ ≤ 824 is refuted in 7-15 s
-(2 workers, shared machine), which makes the bound 825 and the gap 4.95%.
+one of its solutions, so the optimum is its optimum). The hinted solve often finds the
+optimal τ early while the whole model's bound stays at R's until its search closes; refuting
+τ ≤ U is a far smaller proof, and lifts the bound to U + 1 (a gap of at most `TARGET_GAP`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanosched.autosearch.cpsat import Limits, Progress, gap, solve
@@ -115,6 +113,40 @@ class Structure:
     starts: dict[str, int]  # ticks
     period: int  # ticks
     counts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class NanoVars:
+    """The solver variables of nano-op x = (op, index): work range [ws, we) in quanta (a cut
+    or its clip to the op's domain), work w_x, presence p_x, duration d_x, start s_x, end e_x,
+    the cut c_{A,i+1} ending its token range, and its stream literals q_{x,σ} (`on`, filled
+    by `_add_streams`)."""
+
+    op: GraphOp
+    index: int
+    ws: Any
+    we: Any
+    w: Any
+    present: Any
+    dur: Any
+    start: Any
+    end: Any
+    cut_end: Any
+    on: dict[str, Any] = field(default_factory=dict)  # stream -> q_{x,σ}
+
+    @property
+    def name(self) -> str:
+        """The nano-op's part of its variables' names."""
+        return f"{self.op.name}_{self.index}"
+
+
+@dataclass(frozen=True)
+class Stage1Vars:
+    """The variables of a stage I model: τ, the form literals f_{g,φ} and every nano-op's."""
+
+    tau: Any
+    forms: dict[str, dict[str, Any]]  # group -> form -> literal
+    by_op: dict[str, list[NanoVars]]  # op -> its nano-ops' variables, in index order
 
 
 def make_structure(split: dict[str, list[tuple[int, int]]], forms: dict[str, str],
@@ -191,7 +223,7 @@ def _add_cuts(m: Any, op: str, count: int, q: int) -> list[Any]:
 
 
 def _add_nano(m: Any, op: GraphOp, i: int, cuts: list[Any], dom: tuple[int, int],
-              table: list[int], form_lit: Any, horizon: int) -> dict[str, Any]:
+              table: list[int], form_lit: Any, horizon: int) -> NanoVars:
     name, q = f"{op.name}_{i}", len(table) - 1
     ws, we = cuts[i], cuts[i + 1]
     w = m.new_int_var(0, q, f"w_{name}")
@@ -211,61 +243,60 @@ def _add_nano(m: Any, op: GraphOp, i: int, cuts: list[Any], dom: tuple[int, int]
     s = m.new_int_var(0, horizon, f"start_{name}")
     e = m.new_int_var(0, horizon, f"end_{name}")
     m.add(e == s + d)
-    return {"id": (op.name, i), "op": op, "ws": ws, "we": we, "w": w, "p": p, "d": d, "s": s,
-            "e": e, "q": {}, "cut_end": cuts[i + 1]}
+    return NanoVars(op, i, ws, we, w, p, d, s, e, cuts[i + 1])
 
 
-def _add_streams(m: Any, nanos: list[dict[str, Any]], tau: Any, horizon: int,
+def _add_streams(m: Any, nanos: list[NanoVars], tau: Any, horizon: int,
                  intervals: bool = True) -> None:
     """Stream choice; no-overlap per stream over two unrolled layers (shift τ). Without
     `intervals` (the relaxation) only the stream literals and e_x ≤ 2τ."""
     by_stream: dict[str, list[Any]] = {}
     for x in nanos:
-        name = f"{x['op'].name}_{x['id'][1]}"
-        streams = x["op"].streams
-        lits = [x["p"]] if len(streams) == 1 else [m.new_bool_var(f"on_{sn}_{name}")
+        name = x.name
+        streams = x.op.streams
+        lits = [x.present] if len(streams) == 1 else [m.new_bool_var(f"on_{sn}_{name}")
                                                      for sn in streams]
         if len(streams) > 1:
-            m.add(sum(lits) == x["p"])
+            m.add(sum(lits) == x.present)
         if not intervals:
-            x["q"] = dict(zip(streams, lits, strict=True))
-            m.add(x["e"] <= 2 * tau)
+            x.on.update(zip(streams, lits, strict=True))
+            m.add(x.end <= 2 * tau)
             continue
         s1 = m.new_int_var(0, 2 * horizon, f"start1_{name}")
         e1 = m.new_int_var(0, 2 * horizon, f"end1_{name}")
-        m.add(s1 == x["s"] + tau)
-        m.add(e1 == x["e"] + tau)
+        m.add(s1 == x.start + tau)
+        m.add(e1 == x.end + tau)
         for sn, lit in zip(streams, lits, strict=True):
-            x["q"][sn] = lit
+            x.on[sn] = lit
             by_stream.setdefault(sn, []).extend([
-                m.new_optional_interval_var(x["s"], x["d"], x["e"], lit, f"iv_{sn}_{name}"),
-                m.new_optional_interval_var(s1, x["d"], e1, lit, f"iv1_{sn}_{name}")])
-        m.add(x["e"] <= 2 * tau)
+                m.new_optional_interval_var(x.start, x.dur, x.end, lit, f"iv_{sn}_{name}"),
+                m.new_optional_interval_var(s1, x.dur, e1, lit, f"iv1_{sn}_{name}")])
+        m.add(x.end <= 2 * tau)
     for intervals in by_stream.values():
         m.add_no_overlap(intervals)
 
 
-def _add_deps(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
+def _add_deps(m: Any, prob: Stage1Problem, by_op: dict[str, list[NanoVars]],
               forms: dict[str, dict[str, Any]], tau: Any) -> None:
     nd, plen, b = prob.mix.num_decode, prob.mix.prompt_len, prob.mix.dense_batch
     for edge in prob.graph.edges:
         cond = [~forms[edge.cond[0]][edge.cond[1]]] if edge.cond else []
         for y in by_op[edge.dst]:
-            lo, hi = y["ws"], y["we"]
+            lo, hi = y.ws, y.we
             if edge.kind == "prompt":
-                lo, hi = _prompt_start(m, y, nd, plen, b), y["ws"]
+                lo, hi = _prompt_start(m, y, nd, plen, b), y.ws
             for x in by_op[edge.src]:
-                tag = f"{x['op'].name}_{x['id'][1]}_{y['op'].name}_{y['id'][1]}_{edge.kind}"
+                tag = f"{x.name}_{y.name}_{edge.kind}"
                 dep = m.new_bool_var(f"dep_{tag}")
-                m.add(y["s"] + edge.shift * tau >= x["e"]).only_enforce_if(dep)
+                m.add(y.start + edge.shift * tau >= x.end).only_enforce_if(dep)
                 before, after = m.new_bool_var(f"before_{tag}"), m.new_bool_var(f"after_{tag}")
                 scale = TOKEN_QUANTUM if edge.kind == "prompt" else 1
-                m.add(scale * x["we"] <= lo).only_enforce_if(before)
-                m.add(x["ws"] >= hi).only_enforce_if(after)
-                m.add_bool_or([dep, ~x["p"], ~y["p"], before, after, *cond])
+                m.add(scale * x.we <= lo).only_enforce_if(before)
+                m.add(x.ws >= hi).only_enforce_if(after)
+                m.add_bool_or([dep, ~x.present, ~y.present, before, after, *cond])
 
 
-def _add_loads(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
+def _add_loads(m: Any, prob: Stage1Problem, by_op: dict[str, list[NanoVars]],
                tau: Any) -> None:
     """Redundant load bounds: Σ_i d_{A,i} ≥ m_A per op; τ ≥ Σ_{x on σ} d_x per stream σ."""
     q, nd = prob.mix.dense_batch // TOKEN_QUANTUM, prob.mix.num_decode // TOKEN_QUANTUM
@@ -273,23 +304,23 @@ def _add_loads(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]
     on: dict[str, list[Any]] = {}
     for o in prob.graph.ops:
         xs = by_op[o.name]
-        m.add(sum(x["d"] for x in xs) >= op_min_ticks(prob.tables[o.name], len(xs),
+        m.add(sum(x.dur for x in xs) >= op_min_ticks(prob.tables[o.name], len(xs),
                                                        size[o.domain], o.domain == "all"))
         for x in xs:
-            for sn, lit in x["q"].items():
-                if len(x["q"]) == 1 and o.group is None:
-                    on.setdefault(sn, []).append(x["d"])  # d_x = 0 when absent (w_x = 0)
+            for sn, lit in x.on.items():
+                if len(x.on) == 1 and o.group is None:
+                    on.setdefault(sn, []).append(x.dur)  # d_x = 0 when absent (w_x = 0)
                     continue
                 load = m.new_int_var(0, max(prob.tables[o.name]),
-                                     f"load_{sn}_{o.name}_{x['id'][1]}")
-                m.add(load == x["d"]).only_enforce_if(lit)
+                                     f"load_{sn}_{x.name}")
+                m.add(load == x.dur).only_enforce_if(lit)
                 m.add(load == 0).only_enforce_if(~lit)
                 on.setdefault(sn, []).append(load)
     for loads in on.values():
         m.add(tau >= sum(loads))
 
 
-def _add_lanes(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
+def _add_lanes(m: Any, prob: Stage1Problem, by_op: dict[str, list[NanoVars]],
                tau: Any) -> None:
     """Redundant lane precedences, without disjunction: the first (last) token of the batch lies
     in the first (last) nano-op of every op whose domain holds it, so those nano-ops depend on
@@ -305,7 +336,7 @@ def _add_lanes(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]
             out.setdefault(e.src, []).append(e)
             into.setdefault(e.dst, []).append(e)
     for token, pick in ((0, 0), (q - 1, -1)):
-        def lane(name: str, token: int = token, pick: int = pick) -> dict[str, Any] | None:
+        def lane(name: str, token: int = token, pick: int = pick) -> NanoVars | None:
             lo, hi = span[ops[name].domain]
             return by_op[name][pick] if lo <= token < hi else None
 
@@ -314,7 +345,7 @@ def _add_lanes(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]
             if e.kind != "data" or x is None or y is None:
                 continue
             if ops[e.src].group is None and ops[e.dst].group is None and e.cond is None:
-                m.add(y["s"] + e.shift * tau >= x["e"])
+                m.add(y.start + e.shift * tau >= x.end)
         bridges: dict[tuple[str, str, int], list[Any]] = {}
         for name, g in ops.items():
             if g.group is None or lane(name) is None:
@@ -331,11 +362,11 @@ def _add_lanes(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]
                 continue
             loads = []
             for _, z in via:
-                load = m.new_int_var(0, 10**9, f"bridge_{z['op'].name}_{z['id'][1]}_{token}")
-                m.add(load == z["d"]).only_enforce_if(z["p"])
-                m.add(load == 0).only_enforce_if(~z["p"])
+                load = m.new_int_var(0, 10**9, f"bridge_{z.name}_{token}")
+                m.add(load == z.dur).only_enforce_if(z.present)
+                m.add(load == 0).only_enforce_if(~z.present)
                 loads.append(load)
-            m.add(y["s"] + shift * tau >= x["e"] + sum(loads))
+            m.add(y.start + shift * tau >= x.end + sum(loads))
 
 
 def token_cycle_ops(prob: Stage1Problem, j: int) -> list[str] | None:
@@ -370,7 +401,7 @@ def token_cycle_ops(prob: Stage1Problem, j: int) -> list[str] | None:
     return sorted(holds)
 
 
-def _add_token_cycles(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[str, Any]]],
+def _add_token_cycles(m: Any, prob: Stage1Problem, by_op: dict[str, list[NanoVars]],
                       tau: Any) -> None:
     """Redundant token cycles: for every quantum j, the nano-ops holding j (one per op whose
     domain holds j; of a collective group only the present form's) depend on each other
@@ -381,7 +412,7 @@ def _add_token_cycles(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[st
 
     def at_least(op: str, i: int, j: int) -> Any:  # literal c_{op,i} ≤ j
         if (op, i, j) not in ge:
-            cut = by_op[op][i - 1]["cut_end"]
+            cut = by_op[op][i - 1].cut_end
             lit = m.new_bool_var(f"cut_le_{op}_{i}_{j}")
             m.add(cut <= j).only_enforce_if(lit)
             m.add(cut >= j + 1).only_enforce_if(~lit)
@@ -397,43 +428,43 @@ def _add_token_cycles(m: Any, prob: Stage1Problem, by_op: dict[str, list[dict[st
             xs = by_op[op]
             dur = m.new_int_var(0, max(prob.tables[op]), f"tok_{op}_{j}")
             for i, x in enumerate(xs):
-                when = [] if x["op"].group is None else [x["p"]]
+                when = [] if x.op.group is None else [x.present]
                 if i > 0:
                     when.append(at_least(op, i, j))
                 if i < len(xs) - 1:
                     when.append(~at_least(op, i + 1, j))
-                m.add(dur >= x["d"]).only_enforce_if(when)
+                m.add(dur >= x.dur).only_enforce_if(when)
             terms.append(dur)
         m.add(sum(terms) <= tau)
 
 
-def _break_translation(m: Any, by_op: dict[str, list[dict[str, Any]]]) -> None:
+def _break_translation(m: Any, by_op: dict[str, list[NanoVars]]) -> None:
     """Some present nano-op starts at 0 (shifting every start by the same amount changes
     nothing: dependencies and overlaps are differences, and e_x ≤ 2τ only gets easier)."""
     zero = []
     for xs in by_op.values():
         for x in xs:
-            z = m.new_bool_var(f"first_{x['op'].name}_{x['id'][1]}")
-            m.add(x["s"] == 0).only_enforce_if(z)
-            m.add_implication(z, x["p"])
+            z = m.new_bool_var(f"first_{x.name}")
+            m.add(x.start == 0).only_enforce_if(z)
+            m.add_implication(z, x.present)
             zero.append(z)
     m.add_bool_or(zero)
 
 
-def _prompt_start(m: Any, y: dict[str, Any], nd: int, plen: int, b: int) -> Any:
+def _prompt_start(m: Any, y: NanoVars, nd: int, plen: int, b: int) -> Any:
     """ps(ws_y) in tokens: the first token of the prompt that work range y starts in."""
     if plen >= b - nd:
         return nd
-    name = f"{y['op'].name}_{y['id'][1]}"
+    name = y.name
     num = m.new_int_var(0, b, f"psnum_{name}")
-    m.add(num == TOKEN_QUANTUM * y["ws"] - nd)
+    m.add(num == TOKEN_QUANTUM * y.ws - nd)
     k = m.new_int_var(0, b // plen + 1, f"prompt_{name}")
     m.add_division_equality(k, num, plen)
     return nd + plen * k
 
 
 def build_cp_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool = False,
-                lower: int | None = None) -> tuple[Any, dict[str, Any]]:
+                lower: int | None = None) -> tuple[Any, Stage1Vars]:
     """The CP-SAT model of stage I for fixed op counts; `upper`: a known feasible period;
     `relaxed`: the lane-and-load relaxation R (no intervals, no reified dependencies);
     `lower`: a proven lower bound of τ (R's optimum)."""
@@ -452,7 +483,7 @@ def build_cp_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool 
              for g, fs in prob.graph.groups().items()}
     for lits in forms.values():
         m.add_exactly_one(lits.values())
-    by_op: dict[str, list[dict[str, Any]]] = {}
+    by_op: dict[str, list[NanoVars]] = {}
     for op in prob.graph.ops:
         cuts = _add_cuts(m, op.name, prob.counts[op.name], q)
         dom = {"all": (0, q), "decode": (0, nd), "prefill": (nd, q)}[op.domain]
@@ -469,7 +500,7 @@ def build_cp_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool 
     if not relaxed:
         _break_translation(m, by_op)
     m.minimize(tau)
-    return m, {"tau": tau, "forms": forms, "by_op": by_op}
+    return m, Stage1Vars(tau, forms, by_op)
 
 
 def solve_stage1(prob: Stage1Problem, limits: Limits, progress: Progress | None = None
@@ -552,27 +583,27 @@ def relaxation_bound(prob: Stage1Problem, upper: int | None, limits: Limits) -> 
     return math.ceil(solver.best_objective_bound - 1e-6)
 
 
-def extract(prob: Stage1Problem, solver: Any, v: dict[str, Any]) -> Structure:
+def extract(prob: Stage1Problem, solver: Any, v: Stage1Vars) -> Structure:
     forms = {g: next(f for f, lit in lits.items() if solver.boolean_value(lit))
-             for g, lits in v["forms"].items()}
+             for g, lits in v.forms.items()}
     split, placed = {}, {}
-    for op, xs in v["by_op"].items():
-        cuts = [0] + [TOKEN_QUANTUM * solver.value(x["cut_end"]) for x in xs]
+    for op, xs in v.by_op.items():
+        cuts = [0] + [TOKEN_QUANTUM * solver.value(x.cut_end) for x in xs]
         split[op] = list(zip(cuts[:-1], cuts[1:], strict=True))
         for x in xs:
-            if solver.boolean_value(x["p"]):
-                stream = next(sn for sn, lit in x["q"].items() if solver.boolean_value(lit))
-                placed[(op, TOKEN_QUANTUM * solver.value(x["ws"]))] = (stream, solver.value(x["s"]))
+            if solver.boolean_value(x.present):
+                stream = next(sn for sn, lit in x.on.items() if solver.boolean_value(lit))
+                placed[(op, TOKEN_QUANTUM * solver.value(x.ws))] = (stream, solver.value(x.start))
     nanos = expand(prob.graph, split, prob.mix, forms)
     streams, starts = {}, {}
     for n in nanos:
         streams[n.id], starts[n.id] = placed[(n.op, n.work_start)]
-    return make_structure(split, forms, streams, starts, solver.value(v["tau"]), prob.counts)
+    return make_structure(split, forms, streams, starts, solver.value(v.tau), prob.counts)
 
 
 def heuristic_structure(prob: Stage1Problem) -> Structure | None:
     """Even splits, all-reduce forms, the best of a few simple orders: a hint and a fallback."""
-    from nanosched.autosearch.opgraph import even_split, nano_deps
+    from nanosched.autosearch.opgraph import even_split, nano_deps, precedences
     from nanosched.autosearch.periodic import min_period
 
     forms = {g: fs[0] for g, fs in prob.graph.groups().items()}
@@ -581,8 +612,7 @@ def heuristic_structure(prob: Stage1Problem) -> Structure | None:
     nanos = expand(prob.graph, split, prob.mix, forms)
     pos = {o.name: i for i, o in enumerate(prob.graph.ops)}
     durations = {n.id: prob.tables[n.op][n.work_tokens // TOKEN_QUANTUM] for n in nanos}
-    deps = [(x, y, shift) for y, ds in nano_deps(prob.graph, nanos, prob.mix, forms).items()
-            for x, shift, _ in ds]
+    deps = precedences(nano_deps(prob.graph, nanos, prob.mix, forms))
     best: Structure | None = None
     for other in (MEMORY, COMPUTE):
         streams = {n.id: other if n.resource == "other" else n.resource for n in nanos}
@@ -596,22 +626,22 @@ def heuristic_structure(prob: Stage1Problem) -> Structure | None:
     return best
 
 
-def add_hint(prob: Stage1Problem, m: Any, v: dict[str, Any], hint: Structure) -> None:
+def add_hint(prob: Stage1Problem, m: Any, v: Stage1Vars, hint: Structure) -> None:
     """Hint the solver with a known structure (cuts, forms, streams, starts, period)."""
-    m.add_hint(v["tau"], hint.period)
-    for g, lits in v["forms"].items():
+    m.add_hint(v.tau, hint.period)
+    for g, lits in v.forms.items():
         for f, lit in lits.items():
             m.add_hint(lit, hint.forms[g] == f)
     nanos = {(n.op, n.start): n for n in expand(prob.graph, hint.split, prob.mix, hint.forms)}
     first = min(hint.starts.values())
-    for op, xs in v["by_op"].items():
+    for op, xs in v.by_op.items():
         for x, (s, e) in zip(xs, hint.split[op], strict=True):
-            if not isinstance(x["cut_end"], int) and e < prob.mix.dense_batch:
-                m.add_hint(x["cut_end"], e // TOKEN_QUANTUM)
+            if not isinstance(x.cut_end, int) and e < prob.mix.dense_batch:
+                m.add_hint(x.cut_end, e // TOKEN_QUANTUM)
             n = nanos.get((op, s))
             if n is None:
                 continue
-            m.add_hint(x["s"], hint.starts[n.id] - first)
-            for sn, lit in x["q"].items():
-                if len(x["q"]) > 1:
+            m.add_hint(x.start, hint.starts[n.id] - first)
+            for sn, lit in x.on.items():
+                if len(x.on) > 1:
                     m.add_hint(lit, hint.streams[n.id] == sn)

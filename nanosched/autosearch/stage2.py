@@ -29,7 +29,7 @@ Constraints
                              e_{q,c} ∈ {1000, 0}. The nominal R of a cta_bound /
                              stream_priority point says nothing of the GPU its side occupies
                              (e.g. a compute side at R = 0.03 with P = 0.62), so the nominal
-                             row alone left the bound far below any schedule.
+                             row alone leaves the bound far below any schedule.
   exclusive sets (redundant): a set S of (nano-op, option) pairs no two of which can run at
                              once gives Σ_{(x,j) ∈ S} o_{x,j} ⌈t_x / P_j⌉ ≤ τ. Proof: in the
                              steady state nano-op x occupies an arc of length d_x ≤ τ of the
@@ -49,13 +49,11 @@ Constraints
                              against full (share 1000) or green_ctx options they are
                              incompatible too. Rows for σ_p = compute for all p, = other for
                              all p, and for each point q: σ_q = s, σ_p = the other side for
-                             p ≠ q (s ∈ {compute, other}); e.g. shipped llama3-70b tp=8 H200
-                             quick, one structure: bound 1416 → 1507 us, the mixed rows
-                             pairing an all-reduce's slow cta_bound side with every other
-                             point's compute side. Sets that are subsets of another are
-                             dropped. Example: shipped llama3-8b H100, one structure, the
-                             relaxation without capacity and A_xy no-overlaps rises from
-                             1604 us (energy rows) to 1665 us (optimum 1744 us).
+                             p ≠ q (s ∈ {compute, other}): the mixed rows pair, e.g., an
+                             all-reduce's slow cta_bound side with every other point's
+                             compute side. Sets that are subsets of another are dropped.
+                             These rows lift the bound of the relaxation without capacity
+                             and A_xy no-overlaps above what the energy rows give.
   point consistency:         only measured combinations run at once (durations.compatible).
       Per nano-op: F_x = o_{x,full}, G_x = Σ_{j green_ctx} o_{x,j}, and for each option j of a
       non-partition point q_j (cta_bound, stream_priority) on side σ_j ∈ {compute, other}:
@@ -84,20 +82,28 @@ no A_xy) and becomes the whole problem's complete hint. The whole problem gets t
 time (all of it: a warm start that proves its problem optimal early hands its unused time on)
 and gives the reported incumbent, bound and gap (the restricted bound is no bound of the
 whole problem); if the whole problem finds nothing in its time (too short to load it), the
-warm start's answer is returned with its own bound and a note saying so. Without the warm
-start CP-SAT's LNS rarely left the sequential hint: every improvement needs two nano-ops to
-change option together and many starts to move.
+warm start's answer is returned with its own bound and a note saying so. The warm start is
+needed because from the sequential hint alone CP-SAT's LNS rarely finds an improvement: every
+improvement needs two nano-ops to change option together and many starts to move.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 from nanosched.autosearch.cpsat import Limits, Progress, solve
-from nanosched.autosearch.durations import FULL_SHARE, PARTITION, AllocOption, to_ticks
-from nanosched.autosearch.periodic import min_period
+from nanosched.autosearch.durations import (
+    FULL_SHARE,
+    PARTITION,
+    SIDES,
+    AllocOption,
+    Mechanism,
+    Side,
+    to_ticks,
+)
+from nanosched.autosearch.periodic import Precedence, min_period
 from nanosched.schedules.format import StageReport
 
 
@@ -107,7 +113,7 @@ class Stage2Problem:
     options: dict[str, list[AllocOption]]  # nano-op id -> allocation options
     orders: dict[str, list[str]]  # stream -> ids in issue order
     offsets: dict[str, int]  # id -> layer offset
-    deps: list[tuple[str, str, int]]  # (x, y, δ)
+    deps: list[Precedence]
     max_period_ticks: int | None = None
 
 
@@ -121,8 +127,41 @@ class Allocation:
     period: int
 
 
-def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int
-              ) -> tuple[Any, Any, Any, list[tuple[Any, int, int]]]:
+class OptionVar(NamedTuple):
+    """Option j of a nano-op x in the model: literal o_{x,j}, duration ⌈t_x / P_j⌉ in ticks,
+    share r_j in per-mille."""
+
+    lit: Any
+    ticks: int
+    share: int
+
+
+@dataclass(frozen=True)
+class NanoVars:
+    """The solver variables of one nano-op x: start s_x, end e_x, duration d_x, the start
+    s_x + τ of the next layer's copy, and one `OptionVar` per allocation option (in the order
+    of `Stage2Problem.options`)."""
+
+    start: Any
+    end: Any
+    dur: Any
+    start1: Any
+    options: list[OptionVar]
+
+
+@dataclass(frozen=True)
+class Stage2Vars:
+    """The variables of a stage II model: τ, the time horizon, every nano-op's variables,
+    the next layer's ends e_x + τ made for the A_xy no-overlaps, and the A_xy literals."""
+
+    tau: Any
+    horizon: int
+    nanos: dict[str, NanoVars] = field(default_factory=dict)  # nano-op id -> its variables
+    end1: dict[str, Any] = field(default_factory=dict)  # nano-op id -> e_x + τ
+    apart: dict[tuple[str, str], Any] = field(default_factory=dict)  # (x, y) -> A_xy
+
+
+def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int) -> NanoVars:
     opts = prob.options[x]
     lits = [m.new_bool_var(f"opt_{x}_{j}") for j in range(len(opts))]
     m.add_exactly_one(lits)
@@ -132,10 +171,13 @@ def _add_nano(m: Any, x: str, prob: Stage2Problem, tau: Any, horizon: int
     m.add(d == sum(lit * t for lit, t in zip(lits, ticks, strict=True)))
     e = m.new_int_var(0, horizon, f"end_{x}")
     m.add(e == s + d)
-    return s, e, d, [(lit, t, o.share) for lit, t, o in zip(lits, ticks, opts, strict=True)]
+    s1 = m.new_int_var(0, 2 * horizon, f"start1_{x}")
+    m.add(s1 == s + tau)
+    return NanoVars(s, e, d, s1, [OptionVar(lit, t, o.share)
+                                  for lit, t, o in zip(lits, ticks, opts, strict=True)])
 
 
-def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[str, Any]]:
+def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, Stage2Vars]:
     """The CP-SAT model of stage II for a fixed structure; `rows`: add the exclusive-set
     rows (redundant; left out of the warm start, whose bound is not reported)."""
     from ortools.sat.python import cp_model
@@ -144,21 +186,16 @@ def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[st
     worst = {x: max(o.ticks(t) for o in prob.options[x]) for x, t in prob.alone.items()}
     horizon = 2 * sum(worst.values()) + 2
     tau = m.new_int_var(1, prob.max_period_ticks or horizon, "tau")
-    v: dict[str, Any] = {"tau": tau, "s": {}, "e": {}, "d": {}, "s1": {}, "opts": {},
-                         "horizon": horizon}
+    v = Stage2Vars(tau, horizon)
     intervals, demands, energy = [], [], []
     for x in prob.alone:
-        s, e, d, opts = _add_nano(m, x, prob, tau, horizon)
-        v["s"][x], v["e"][x], v["d"][x], v["opts"][x] = s, e, d, opts
-        s1 = m.new_int_var(0, 2 * horizon, f"start1_{x}")
-        m.add(s1 == s + tau)
-        v["s1"][x] = s1
+        n = v.nanos[x] = _add_nano(m, x, prob, tau, horizon)
         k = prob.offsets.get(x, 0)
-        m.add(s >= k * tau)
-        m.add(s <= k * tau + tau - 1)
-        m.add(e <= 2 * tau)
-        for lit, t, share in opts:
-            for copy, start in enumerate((s, s1)):
+        m.add(n.start >= k * tau)
+        m.add(n.start <= k * tau + tau - 1)
+        m.add(n.end <= 2 * tau)
+        for lit, t, share in n.options:
+            for copy, start in enumerate((n.start, n.start1)):
                 intervals.append(m.new_optional_interval_var(
                     start, t, start + t, lit, f"iv{copy}_{x}_{len(intervals)}"))
                 demands.append(share)
@@ -168,44 +205,40 @@ def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, dict[st
     for fair in _fair_energies(prob, v):
         m.add(sum(fair) <= FULL_SHARE * tau)
     for pick in exclusive_sets(prob) if rows else []:
-        m.add(sum(v["opts"][x][j][0] * v["opts"][x][j][1] for x, j in pick) <= tau)
+        m.add(sum(v.nanos[x].options[j].lit * v.nanos[x].options[j].ticks for x, j in pick)
+              <= tau)
     _add_order(m, prob, v, tau)
-    v["end1"] = {}
-    v["apart"] = _add_point_consistency(m, prob, v)
+    v.apart.update(_add_point_consistency(m, prob, v))
     for x, y, shift in prob.deps:
-        m.add(v["s"][y] + shift * tau >= v["e"][x])
+        m.add(v.nanos[y].start + shift * tau >= v.nanos[x].end)
     m.minimize(tau)
     return m, v
 
 
-def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
+def _add_point_consistency(m: Any, prob: Stage2Problem, v: Stage2Vars
                            ) -> dict[tuple[str, str], Any]:
     """A_xy literals and their no-overlaps (see the module docstring); {} when not needed."""
-    def nonpartition(x: str) -> list[int]:
-        return [j for j, o in enumerate(prob.options[x])
-                if o.mechanism not in ("full", PARTITION)]
-
-    npj = {x: nonpartition(x) for x in prob.alone}
+    npj = {x: [j for j, o in enumerate(prob.options[x]) if o.paired] for x in prob.alone}
     if not any(npj.values()):
         return {}
     stream = {x: sn for sn, chain in prob.orders.items() for x in chain}
-    lits = {x: [lit for lit, _, _ in v["opts"][x]] for x in prob.alone}
+    lits = {x: [o.lit for o in v.nanos[x].options] for x in prob.alone}
 
     def total(x: str, js: list[int]) -> Any:
         return sum(lits[x][j] for j in js)
 
     green = {x: [j for j, o in enumerate(prob.options[x]) if o.mechanism == PARTITION]
              for x in prob.alone}
-    nonfull = {x: [j for j, o in enumerate(prob.options[x]) if o.mechanism != "full"]
+    nonfull = {x: [j for j, o in enumerate(prob.options[x]) if o.mechanism != Mechanism.FULL]
                for x in prob.alone}
     ids = list(prob.alone)
     apart: dict[tuple[str, str], Any] = {}
-    ends1: dict[str, Any] = v["end1"]
+    ends1 = v.end1
 
     def end1(z: str) -> Any:
         if z not in ends1:
-            ends1[z] = m.new_int_var(0, 3 * v["horizon"], f"end1_{z}")
-            m.add(ends1[z] == v["s1"][z] + v["d"][z])
+            ends1[z] = m.new_int_var(0, 3 * v.horizon, f"end1_{z}")
+            m.add(ends1[z] == v.nanos[z].start1 + v.nanos[z].dur)
         return ends1[z]
 
     for i, x in enumerate(ids):
@@ -229,9 +262,10 @@ def _add_point_consistency(m: Any, prob: Stage2Problem, v: dict[str, Any]
                     m.add(a >= lits[x][j] + ny - total(y, mate) - 1)
             ivs = []
             for z in (x, y):
-                ivs.append(m.new_optional_interval_var(v["s"][z], v["d"][z], v["e"][z], a,
+                nz = v.nanos[z]
+                ivs.append(m.new_optional_interval_var(nz.start, nz.dur, nz.end, a,
                                                        f"ap0_{z}_{x}_{y}"))
-                ivs.append(m.new_optional_interval_var(v["s1"][z], v["d"][z], end1(z), a,
+                ivs.append(m.new_optional_interval_var(nz.start1, nz.dur, end1(z), a,
                                                        f"ap1_{z}_{x}_{y}"))
             m.add_no_overlap(ivs)
     return apart
@@ -248,10 +282,8 @@ def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
     can run at once, so Σ over a set of o_{x,j} ⌈t_x / P_j⌉ ≤ τ."""
     stream = {x: sn for sn, chain in prob.orders.items() for x in chain}
     used = {stream.get(x, x) for x in prob.alone}
-    consistent = any(o.mechanism not in ("full", PARTITION)
-                     for opts in prob.options.values() for o in opts)
-    points = sorted({o.point for opts in prob.options.values() for o in opts
-                     if o.mechanism not in ("full", PARTITION)})
+    consistent = any(o.paired for opts in prob.options.values() for o in opts)
+    points = sorted({o.point for opts in prob.options.values() for o in opts if o.paired})
     sets, seen = [], set()
     for sn in sorted(used):
         levels = sorted({o.share for x in prob.alone if stream.get(x, x) == sn
@@ -266,18 +298,18 @@ def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
                 for j, o in enumerate(prob.options[x]):
                     if o.share < need:
                         continue
-                    (base if o.mechanism in ("full", PARTITION) else by_share).append((x, j))
+                    (by_share if o.paired else base).append((x, j))
             variants = [base + by_share]
             if consistent:
                 variants += [base + [(x, j) for x in prob.alone
                                      for j, o in enumerate(prob.options[x]) if o.side == side
-                                     and o.mechanism not in ("full", PARTITION) and o.share > 0]
-                             for side in ("compute", "other")]
+                                     and o.paired and o.share > 0]
+                             for side in SIDES]
                 variants += [base + [(x, j) for x in prob.alone
                                      for j, o in enumerate(prob.options[x])
-                                     if o.mechanism not in ("full", PARTITION) and o.share > 0
+                                     if o.paired and o.share > 0
                                      and (o.side == side) == (o.point == q)]
-                             for q in points for side in ("compute", "other")]
+                             for q in points for side in SIDES]
             for pick in variants:
                 key = frozenset(pick)
                 if pick and key not in seen:
@@ -287,7 +319,7 @@ def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
     return [p for p, k in zip(sets, keys, strict=True) if not any(k < o for o in keys)]
 
 
-def _fair_energies(prob: Stage2Problem, v: dict[str, Any]) -> list[list[Any]]:
+def _fair_energies(prob: Stage2Problem, v: Stage2Vars) -> list[list[Any]]:
     """The energy rows with effective shares of non-partition options (module docstring):
     a non-partition option only ever runs beside the other side of its own point, so any
     split e_c + e_o = 1000 of the GPU between the two sides is a valid demand. Rows for the
@@ -297,35 +329,36 @@ def _fair_energies(prob: Stage2Problem, v: dict[str, Any]) -> list[list[Any]]:
     pts: dict[str, dict[str, float]] = {}
     for opts in prob.options.values():
         for o in opts:
-            if o.mechanism not in ("full", PARTITION):
+            if o.paired:
                 pts.setdefault(o.point, {})[o.side] = o.p
     if not pts:
         return []
     rows: list[list[Any]] = [[], [], []]
-    for x, opts in v["opts"].items():
-        for (lit, t, share), o in zip(opts, prob.options[x], strict=True):
-            if o.mechanism in ("full", PARTITION):
+    for x, n in v.nanos.items():
+        for (lit, t, share), o in zip(n.options, prob.options[x], strict=True):
+            if not o.paired:
                 for row in rows:
                     row.append(lit * (share * t))
                 continue
             sides = pts[o.point]
-            mate = sides.get("other" if o.side == "compute" else "compute", 0.0)
+            mate = sides.get(o.side.mate, 0.0)
             fair = FULL_SHARE * o.p / (o.p + mate) if o.p + mate > 0 else FULL_SHARE
-            for row, e in zip(rows, (fair, FULL_SHARE * (o.side == "compute"),
-                                     FULL_SHARE * (o.side != "compute")), strict=True):
+            for row, e in zip(rows, (fair, FULL_SHARE * (o.side == Side.COMPUTE),
+                                     FULL_SHARE * (o.side != Side.COMPUTE)), strict=True):
                 row.append(lit * math.floor(e * t))
     return rows
 
 
-def _add_order(m: Any, prob: Stage2Problem, v: dict[str, Any], tau: Any) -> None:
+def _add_order(m: Any, prob: Stage2Problem, v: Stage2Vars, tau: Any) -> None:
     k = prob.offsets
     for chain in prob.orders.values():
         for a, b in zip(chain, chain[1:], strict=False):
-            m.add(v["s"][b] - k.get(b, 0) * tau >= v["e"][a] - k.get(a, 0) * tau)
+            m.add(v.nanos[b].start - k.get(b, 0) * tau >= v.nanos[a].end - k.get(a, 0) * tau)
         if chain:
             a, b = chain[-1], chain[0]
-            m.add(v["s"][b] - k.get(b, 0) * tau + tau >= v["e"][a] - k.get(a, 0) * tau)
-        m.add(tau >= sum(v["e"][x] - v["s"][x] for x in chain))
+            m.add(v.nanos[b].start - k.get(b, 0) * tau + tau
+                  >= v.nanos[a].end - k.get(a, 0) * tau)
+        m.add(tau >= sum(v.nanos[x].end - v.nanos[x].start for x in chain))
 
 
 def sequential_hint(prob: Stage2Problem) -> tuple[int, dict[str, int]] | None:
@@ -360,39 +393,39 @@ def paired_options(prob: Stage2Problem) -> Stage2Problem:
     have: dict[tuple[str, str], set[str]] = {}
     for x, opts in prob.options.items():
         for o in opts:
-            if o.mechanism not in ("full", PARTITION):
+            if o.paired:
                 have.setdefault((o.point, o.side), set()).add(stream.get(x, x))
 
     def keep(x: str, o: AllocOption) -> bool:
-        if o.mechanism in ("full", PARTITION):
+        if not o.paired:
             return True
-        mate = "other" if o.side == "compute" else "compute"
-        return bool(have.get((o.point, mate), set()) - {stream.get(x, x)})
+        return bool(have.get((o.point, o.side.mate), set()) - {stream.get(x, x)})
 
     options = {x: [o for o in opts if keep(x, o)] for x, opts in prob.options.items()}
     return replace(prob, options=options)
 
 
-def _set_hint(v: dict[str, Any], m: Any, prob: Stage2Problem, tau: int,
+def _set_hint(v: Stage2Vars, m: Any, prob: Stage2Problem, tau: int,
               starts: dict[str, int], choice: dict[str, AllocOption]) -> None:
     """The hint: starts, option literals and τ; complete (durations, ends, copies, A_xy = 0)
     when A_xy literals exist, as CP-SAT then needs it complete to use it (`choice` holds
     full or green options only, which never force an A_xy)."""
     for x, s in starts.items():
         j = prob.options[x].index(choice[x])
-        d = v["opts"][x][j][1]
-        m.add_hint(v["s"][x], s)
-        if v["apart"]:
-            m.add_hint(v["d"][x], d)
-            m.add_hint(v["e"][x], s + d)
-            m.add_hint(v["s1"][x], s + tau)
-        if x in v["end1"]:
-            m.add_hint(v["end1"][x], s + tau + d)
-        for i, (lit, _, _) in enumerate(v["opts"][x]):
-            m.add_hint(lit, i == j)
-    for a in v["apart"].values():
+        n = v.nanos[x]
+        d = n.options[j].ticks
+        m.add_hint(n.start, s)
+        if v.apart:
+            m.add_hint(n.dur, d)
+            m.add_hint(n.end, s + d)
+            m.add_hint(n.start1, s + tau)
+        if x in v.end1:
+            m.add_hint(v.end1[x], s + tau + d)
+        for i, o in enumerate(n.options):
+            m.add_hint(o.lit, i == j)
+    for a in v.apart.values():
         m.add_hint(a, False)
-    m.add_hint(v["tau"], tau)
+    m.add_hint(v.tau, tau)
 
 
 def _solve(prob: Stage2Problem, limits: Limits, progress: Progress | None,
@@ -405,11 +438,11 @@ def _solve(prob: Stage2Problem, limits: Limits, progress: Progress | None,
     if not found:
         return None, report
     choice, durations = {}, {}
-    for x, opts in v["opts"].items():
-        j = next(i for i, (lit, _, _) in enumerate(opts) if solver.boolean_value(lit))
-        choice[x], durations[x] = prob.options[x][j], opts[j][1]
-    starts = {x: solver.value(s) for x, s in v["s"].items()}
-    return Allocation(choice, durations, starts, solver.value(v["tau"])), report
+    for x, n in v.nanos.items():
+        j = next(i for i, o in enumerate(n.options) if solver.boolean_value(o.lit))
+        choice[x], durations[x] = prob.options[x][j], n.options[j].ticks
+    starts = {x: solver.value(n.start) for x, n in v.nanos.items()}
+    return Allocation(choice, durations, starts, solver.value(v.tau)), report
 
 
 GREEN_SHARE = 0.4  # of stage II's time for the warm start over full and green_ctx options
@@ -431,7 +464,7 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
         full = {x: next(o for o in opts if o.share == FULL_SHARE)
                 for x, opts in prob.options.items()}
         hint = (seq[0], seq[1], full)
-    plain = {x: [o for o in opts if o.mechanism in ("full", PARTITION)]
+    plain = {x: [o for o in opts if not o.paired]
              for x, opts in prob.options.items()}
     if plain == prob.options:
         return _solve(prob, limits, progress, hint, "stage II")

@@ -35,6 +35,19 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
+def block_tables(pages_per_row: list[int], spare: int, seed: int) -> tuple[torch.Tensor, int]:
+    """[rows, max pages] int32 over shuffled pages (`spare` left over) and the page count."""
+    num_pages = sum(pages_per_row) + spare
+    perm = torch.randperm(num_pages, device="cuda", generator=gen(seed)).int()
+    tables = torch.zeros(len(pages_per_row), max(pages_per_row), dtype=torch.int32,
+                         device="cuda")
+    at = 0
+    for i, k in enumerate(pages_per_row):
+        tables[i, :k] = perm[at:at + k]
+        at += k
+    return tables, num_pages
+
+
 def fp8_pages(num_pages: int, seed: int):
     k = torch.randn(num_pages, PAGE, HKV, HD, device="cuda", generator=gen(seed)) * 2
     v = torch.randn(num_pages, PAGE, HKV, HD, device="cuda", generator=gen(seed + 1))
@@ -76,14 +89,7 @@ def test_decode_attention_on_fp8_cache(max_ctas, num_splits, config):
 
     g = torch.Generator().manual_seed(0)
     contexts = [1, 15, 16, 17, 4096, 0] + torch.randint(1, 4097, (58,), generator=g).tolist()
-    need = [max(1, math.ceil(c / PAGE)) for c in contexts]
-    num_pages = sum(need) + 8
-    perm = torch.randperm(num_pages, device="cuda", generator=gen(4)).int()
-    tables = torch.zeros(len(contexts), max(need), dtype=torch.int32, device="cuda")
-    at = 0
-    for i, k in enumerate(need):
-        tables[i, :k] = perm[at:at + k]
-        at += k
+    tables, num_pages = block_tables([max(1, math.ceil(c / PAGE)) for c in contexts], 8, 4)
     kc, ks, vc, vs = fp8_pages(num_pages, seed=5)
     q = torch.randn(len(contexts), HQ, HD, device="cuda", generator=gen(7)).bfloat16()
     lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
@@ -102,14 +108,8 @@ def test_decode_attention_on_fp8_cache(max_ctas, num_splits, config):
 def test_prefill_attention_on_fp8_cache(segments):
     from nanosched.kernels.prefill_attn import prefill_attention
 
-    need = [math.ceil((p + e - s) / PAGE) for s, e, p in segments]
-    num_pages = sum(need) + 16
-    perm = torch.randperm(num_pages, device="cuda", generator=gen(8)).int()
-    tables = torch.zeros(len(segments), max(need), dtype=torch.int32, device="cuda")
-    at = 0
-    for i, k in enumerate(need):
-        tables[i, :k] = perm[at:at + k]
-        at += k
+    tables, num_pages = block_tables([math.ceil((p + e - s) / PAGE) for s, e, p in segments],
+                                     16, 8)
     kc, ks, vc, vs = fp8_pages(num_pages, seed=9)
     q = torch.randn(segments[-1][1], HQ, HD, device="cuda", generator=gen(11)).bfloat16()
     want, got = torch.zeros(q.shape, device="cuda"), torch.full_like(q, float("nan"))

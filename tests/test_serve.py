@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import time
 
 import httpx
@@ -146,6 +147,45 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(srv, http):
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
     assert srv.worker.engine.ws.kv.tables == {}
+
+
+def _raw_post(url: str, path: str, body: bytes, headers: str = "") -> socket.socket:
+    """Send a POST on a plain socket (so the test decides when the connection closes)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(body)}\r\n{headers}\r\n".encode() + body)
+    return sock
+
+
+def wait_for(http, url, pred, timeout=10.0):
+    """Poll /metrics until pred(metrics) holds; returns those metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http, url)
+        if pred(m):
+            return m
+        assert time.monotonic() < deadline, str(sorted(m.items()))
+        time.sleep(0.02)
+
+
+def test_client_disconnect_mid_whole_response_aborts_at_once(srv, http):
+    m0 = metrics(http, srv.url)
+    body = json.dumps({"model": srv.model, "prompt": [1, 2, 3], "max_tokens": 500,
+                       "ignore_eos": True}).encode()
+    sock = _raw_post(srv.url, "/v1/completions", body)
+    wait_for(http, srv.url, lambda m: m["nanosched_tokens_generated_total"]
+             > m0["nanosched_tokens_generated_total"])  # it is generating
+    sock.close()  # the client leaves mid-generation
+    m = wait_for(http, srv.url, lambda m: m["nanosched_requests_aborted_total"]
+                 == m0["nanosched_requests_aborted_total"] + 1 and
+                 m["nanosched_kv_pages_in_use"] == 0 and m["nanosched_requests_running"] == 0)
+    generated = m["nanosched_tokens_generated_total"] - m0["nanosched_tokens_generated_total"]
+    assert generated < 500  # stopped early, not run to max_tokens
+    assert srv.worker.engine.ws.kv.allocator.num_free == m["nanosched_kv_pages_total"]
+    assert srv.worker.engine.ws.kv.tables == {}
+    other = ask(http, srv, prompt=[4, 5], max_tokens=3, temperature=0)
+    assert other.status_code == 200  # the server still answers
 
 
 BAD = [

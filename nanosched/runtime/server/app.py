@@ -4,8 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent ev
 `"stream": true`, ending with `data: [DONE]`), GET /v1/models, /health (503 once the engine
 failed), /metrics (Prometheus text). Every error body is OpenAI's `{"error": {...}}`.
 
-A client that goes away mid-request gets its request aborted (KV pages freed) - a stream when
-Starlette cancels its generator, a whole response when a poll sees the disconnect. SIGTERM:
+A client that goes away mid-request gets its request aborted at once (KV pages and batch slot
+freed): a stream when Starlette cancels its generator, a whole response when the task watching
+the connection sees `http.disconnect`. SIGTERM:
 uvicorn stops accepting, waits for open requests (at most `drain_timeout_s`), then the worker
 drains and stops (bounded by the same time).
 """
@@ -30,7 +31,6 @@ from nanosched.runtime.server.text import Detokenizer
 from nanosched.runtime.server.worker import EngineWorker, QueueFull, Unavailable, Update
 
 log = logging.getLogger("nanosched.serve")
-DISCONNECT_POLL_S = 0.5
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -69,20 +69,25 @@ class Handler:
             raise ApiError(503, str(exc), code="unavailable", kind="server_error") from None
 
     async def whole(self, request: Request, job: Job) -> JSONResponse:
+        """Collect the whole answer. A task watches the connection meanwhile, so a client that
+        goes away aborts its request at once (KV pages and batch slot freed), not when the
+        answer would have been complete."""
         rid, queue = self.submit(job)
         ids, reason = [], None
+        gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             while reason is None:
-                try:
-                    update = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)
-                    continue
+                got = asyncio.ensure_future(queue.get())
+                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+                update = got.result()
                 _raise_error(update)
                 ids += update.tokens
                 reason = update.finish_reason
         finally:
+            gone.cancel()
             if reason is None:
                 self.worker.abort(rid)
         text = self.served.codec.decode(ids)
@@ -112,6 +117,13 @@ class Handler:
         finally:
             if not done:
                 self.worker.abort(rid)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client has gone. Once the body is read, the server's next ASGI message
+    for this request is `http.disconnect`, sent as soon as the connection closes."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _probe(job: Job) -> Any:

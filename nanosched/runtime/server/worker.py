@@ -174,6 +174,9 @@ class EngineWorker:
             self.engine.add_request(req)  # the HTTP side checked that it fits
         for rid in aborts:
             self.engine.abort(rid)
+        if aborts:  # no step may follow (nothing else to run): keep /metrics current
+            with self._cond:
+                self._num_running = len(self.engine.batcher.running)
         if self.engine.has_work:
             ended = self.engine.step()
             self._publish(ended)

@@ -494,6 +494,9 @@ def serve(
     seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits "
                                         "for open requests."),
+    max_request_bytes: int = typer.Option(8 * 2**20, "--max-request-bytes", help="Largest "
+                                          "request body accepted, in bytes (default 8 MiB); "
+                                          "larger ones get 413 before they are read."),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs per batch bucket: 'auto' "
                                "(on with a GPU), 'on' or 'off' (eager launches)."),
     admission: str = typer.Option("use", "--admission", help=ADMISSION_HELP),
@@ -519,7 +522,7 @@ def serve(
                           dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
                           admission=admit, kv_dtype=kv_cache_dtype)
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
-                           drain_timeout_s=drain_timeout))
+                           drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes))
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import socket
+import threading
 import time
 
 import httpx
@@ -186,6 +187,41 @@ def test_client_disconnect_mid_whole_response_aborts_at_once(srv, http):
     assert srv.worker.engine.ws.kv.tables == {}
     other = ask(http, srv, prompt=[4, 5], max_tokens=3, temperature=0)
     assert other.status_code == 200  # the server still answers
+
+
+def test_oversized_bodies_get_413_before_they_are_read(srv, http):
+    big = json.dumps({"model": srv.model, "prompt": "w1 " * (3 * 2**20)}).encode()  # 9 MiB
+    assert len(big) > 8 * 2**20
+    r = http.post(f"{srv.url}/v1/completions", content=big,
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted while it streams in
+        for i in range(0, len(big), 2**20):
+            yield big[i:i + 2**20]
+
+    r = http.post(f"{srv.url}/v1/chat/completions", content=chunks(),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert ask(http, srv, prompt=[1, 2], max_tokens=2).status_code == 200
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(srv, http):
+    body = {"model": srv.model, "prompt": "w1 " * 2**20}  # 3 MiB: seconds of tokenizing
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=http.post(f"{srv.url}/v1/completions",
+                                                               json=body)))
+    t.start()
+    worst = 0.0
+    with httpx.Client(timeout=10) as probe:
+        while t.is_alive():
+            t0 = time.perf_counter()
+            assert probe.get(f"{srv.url}/health").status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.05)
+    t.join()
+    assert out["r"].status_code == 400 and out["r"].json()["error"]["param"] == "prompt"
+    assert worst < 0.5, f"/health took {worst:.2f} s while the prompt was tokenized"
 
 
 BAD = [

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,7 +26,12 @@ from starlette.exceptions import HTTPException
 
 from nanosched.runtime.server.protocol import ApiError, Job, Limits, parse_chat, parse_completion
 from nanosched.runtime.server.responses import chunk_event, completion_body, render_metrics, sse
-from nanosched.runtime.server.startup import ServeConfig, Served, prepare
+from nanosched.runtime.server.startup import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServeConfig,
+    Served,
+    prepare,
+)
 from nanosched.runtime.server.text import Detokenizer
 from nanosched.runtime.server.worker import EngineWorker, QueueFull, Unavailable, Update
 
@@ -37,8 +42,28 @@ def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 once it exceeds `limit` bytes: by its declared
+    Content-Length before anything is read, else while it streams in (chunked uploads), so an
+    oversized body is never held in memory whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(found: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {found}; this server accepts at most {limit} "
+                         f"bytes (--max-request-bytes)", code="request_too_large")
+
+
+def _decode_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -141,7 +166,8 @@ def _raise_error(update: Update) -> None:
         raise ApiError(500, update.error, code="engine_failed", kind="server_error")
 
 
-def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30.0) -> FastAPI:
+def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30.0,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app; its lifespan starts the worker and, at shutdown, drains and stops it."""
 
     @contextlib.asynccontextmanager
@@ -159,15 +185,22 @@ def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30
         ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
                  else None)))
 
+    async def job(request: Request, parse: Callable[..., Job]) -> Job:
+        """Read the body (bounded), then decode, validate and tokenize it in a worker thread:
+        a huge prompt takes seconds to tokenize, and the event loop must keep serving."""
+        raw = await _read_body(request, max_request_bytes)
+        return await asyncio.to_thread(lambda: parse(_decode_json(raw), served.codec,
+                                                     handler.limits))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        job = parse_completion(await _json_body(request), served.codec, handler.limits)
-        return handler.stream(job) if job.stream else await handler.whole(request, job)
+        j = await job(request, parse_completion)
+        return handler.stream(j) if j.stream else await handler.whole(request, j)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        job = parse_chat(await _json_body(request), served.codec, handler.limits)
-        return handler.stream(job) if job.stream else await handler.whole(request, job)
+        j = await job(request, parse_chat)
+        return handler.stream(j) if j.stream else await handler.whole(request, j)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -195,7 +228,7 @@ def build_server(cfg: ServeConfig) -> Any:
 
     served = prepare(cfg)
     worker = EngineWorker(served.engine, cfg.max_queue)
-    app = create_app(served, worker, cfg.drain_timeout_s)
+    app = create_app(served, worker, cfg.drain_timeout_s, cfg.max_request_bytes)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             timeout_graceful_shutdown=int(cfg.drain_timeout_s))
     server = uvicorn.Server(config)

@@ -21,6 +21,7 @@ from nanosched.runtime.loader import LoadedEngine, gpu_name, load_engine
 from nanosched.runtime.server.text import TextCodec
 
 log = logging.getLogger("nanosched.serve")
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # OpenAI bodies are small; a 128k-token prompt fits
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ServeConfig:
     port: int = 8000
     max_queue: int = 256
     drain_timeout_s: float = 30.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 @dataclass
@@ -57,6 +59,9 @@ def _check_flags(cfg: ServeConfig) -> None:
         raise ConfigError(f"--port must be in 0..65535, got {cfg.port}")
     if cfg.max_queue < 1:
         raise ConfigError(f"--max-queue must be at least 1, got {cfg.max_queue}")
+    if cfg.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be at least 1, got "
+                          f"{cfg.max_request_bytes}")
 
 
 def prepare(cfg: ServeConfig) -> Served:

@@ -288,3 +288,67 @@ def test_past_the_queue_bound_requests_get_429(folder):
     assert busy["type"] == "rate_limit_error" and "--max-queue" in busy["message"]
     assert all(len(r.json()["choices"][0]["token_ids"]) == 24 for r in rs
                if r.status_code == 200)
+
+
+def _body(rest: str) -> str:
+    """A raw JSON object naming the served model (MODEL is replaced by the test) and `rest`."""
+    return '{"model": "MODEL", ' + rest + "}"
+
+
+HOSTILE = [  # raw bodies -> status, param
+    ("/v1/completions", _body(r'"prompt": "w1 \ud800 w2"'), 400, "prompt"),
+    ("/v1/completions", _body(r'"prompt": ["\udfff"]'), 400, "prompt"),
+    ("/v1/chat/completions", _body(r'"messages": [{"role": "user", "content": "hi \ud83d"}]'),
+     400, "messages[0].content"),
+    ("/v1/chat/completions", _body(r'"messages": [{"role": "\udc00", "content": "w1"}]'), 400,
+     "messages[0].role"),
+    ("/v1/completions", r'{"model": "\ud800", "prompt": [1]}', 404, "model"),
+    ("/v1/completions", "[" * 100_000 + "]" * 100_000, 400, None),
+    ("/v1/completions", _body('"prompt": [1], "user": ' + "[" * 40 + "]" * 40), 400, None),
+    ("/v1/chat/completions", _body('"messages": ' + "[" * 5000 + "]" * 5000), 400, None),
+    ("/v1/completions", _body('"prompt": {"x": "' + "a" * 100_000 + '"}'), 400, "prompt"),
+    ("/v1/completions", _body('"prompt": [1], "n": "' + "7" * 100_000 + '"'), 400, "n"),
+    ("/v1/completions", "", 400, None),
+    ("/v1/completions", "null", 400, None),
+    ("/v1/completions", r'"\ud800"', 400, None),
+]
+
+
+@pytest.mark.parametrize("path, raw, status, param", HOSTILE)
+def test_hostile_bodies_get_a_short_openai_error(srv, http, path, raw, status, param):
+    raw = raw.replace("MODEL", srv.model)
+    r = http.post(f"{srv.url}{path}", content=raw.encode(),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text[:300]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    assert len(err["message"]) < 400, err["message"]
+
+
+@pytest.mark.parametrize("raw, param", [(b'"prompt": "\xed\xa0\x80"', "prompt"),
+                                        (b'"prompt": "\xff\xfe"', None)])
+def test_invalid_utf8_is_a_400(srv, http, raw, param):
+    # json.loads lets UTF-8-encoded surrogates through (surrogatepass): the prompt check stops
+    # them; other invalid bytes are not JSON
+    raw = b'{"model": "%s", ' % srv.model.encode() + raw + b"}"
+    r = http.post(f"{srv.url}/v1/completions", content=raw)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_unknown_routes_and_methods_and_internal_errors_answer_json(srv, http, monkeypatch):
+    r = http.get(f"{srv.url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = http.get(f"{srv.url}/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    import nanosched.runtime.server.app as app_module
+
+    def broken(*_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(app_module, "parse_completion", broken)
+    r = ask(http, srv, prompt=[1])
+    assert r.status_code == 500 and r.json()["error"] == {
+        "message": "internal error: RuntimeError: boom", "type": "server_error",
+        "param": None, "code": "internal_error"}
+    monkeypatch.undo()
+    assert ask(http, srv, prompt=[1], max_tokens=2).status_code == 200

@@ -24,7 +24,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanosched.runtime.server.protocol import ApiError, Job, Limits, parse_chat, parse_completion
+from nanosched.runtime.server.protocol import (
+    MAX_NESTING,
+    ApiError,
+    Job,
+    Limits,
+    check_nesting,
+    parse_chat,
+    parse_completion,
+)
 from nanosched.runtime.server.responses import chunk_event, completion_body, render_metrics, sse
 from nanosched.runtime.server.startup import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -38,8 +46,23 @@ from nanosched.runtime.server.worker import EngineWorker, QueueFull, Unavailable
 log = logging.getLogger("nanosched.serve")
 
 
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error may echo text no UTF-8 encoder accepts."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return _AsciiJSON(exc.body(), status_code=exc.status)
+
+
+def _internal(request: Request, exc: Exception) -> JSONResponse:
+    """Any exception no check foresaw: logged with its traceback, answered as a JSON 500."""
+    log.error("%s %s failed", request.method, request.url.path,
+              exc_info=(type(exc), exc, exc.__traceback__))
+    return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                           code="internal_error", kind="server_error"))
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -64,11 +87,17 @@ def _too_large(found: str, limit: int) -> ApiError:
 
 
 def _decode_json(raw: bytes) -> Any:
+    """The body as JSON, refused with 400 when it is not UTF-8 JSON or nests too deep."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})",
                        code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body nests more than {MAX_NESTING} levels of "
+                            f"arrays and objects", code="invalid_body") from None
+    check_nesting(body)
+    return body
 
 
 class Handler:
@@ -181,6 +210,7 @@ def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30
     app = FastAPI(title="nanosched", lifespan=lifespan)
     handler = Handler(served, worker)
     app.add_exception_handler(ApiError, lambda _, exc: _error(exc))
+    app.add_exception_handler(Exception, _internal)
     app.add_exception_handler(HTTPException, lambda _, exc: _error(
         ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404
                  else None)))

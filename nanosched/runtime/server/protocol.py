@@ -59,8 +59,45 @@ class Limits:
     context: int
 
 
+MAX_NESTING = 32  # OpenAI bodies nest a handful of levels; deeper is refused before any work
+SHOW_CHARS = 80  # an echoed value is cut to this many characters
+
+
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def show(value: Any) -> str:
+    """`repr(value)` cut to SHOW_CHARS, for error messages (a body may be megabytes)."""
+    if isinstance(value, (list, dict)) and len(value) > SHOW_CHARS:
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= SHOW_CHARS else text[:SHOW_CHARS] + "..."
+
+
+def check_nesting(body: Any) -> None:
+    """Refuse bodies nested deeper than MAX_NESTING (walked without recursion): deep nesting
+    serves no OpenAI field and would exhaust the stack of code that recurses over it."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (list, dict)):
+            if depth > MAX_NESTING:
+                raise ApiError(400, f"the request body nests more than {MAX_NESTING} levels of "
+                                    f"arrays and objects", code="invalid_body")
+            stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict)
+                                                else value)]
+
+
+def _text(param: str, value: str) -> str:
+    """`value` if it is valid Unicode; a lone surrogate (JSON "\\ud800") cannot be encoded
+    to UTF-8, so the tokenizer and the response writer would fail on it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(param, f"contains a lone UTF-16 surrogate at character {exc.start} "
+                          f"({value[exc.start]!a}); send valid Unicode text") from None
+    return value
 
 
 def _number(body: dict, key: str, default: float) -> float:
@@ -68,7 +105,7 @@ def _number(body: dict, key: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(key, f"must be a number, got {v!r}")
+        raise _bad(key, f"must be a number, got {show(v)}")
     return float(v)
 
 
@@ -77,7 +114,7 @@ def _int(body: dict, key: str, default: int | None) -> int | None:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise _bad(key, f"must be a positive integer, got {v!r}")
+        raise _bad(key, f"must be a positive integer, got {show(v)}")
     return v
 
 
@@ -86,7 +123,7 @@ def _bool(body: dict, key: str) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise _bad(key, f"must be true or false, got {v!r}")
+        raise _bad(key, f"must be true or false, got {show(v)}")
     return v
 
 
@@ -97,13 +134,13 @@ def _check_common(body: Any, limits: Limits) -> None:
     model = body.get("model")
     if not isinstance(model, str):
         raise _bad("model", f"must be the model's name as a string ({limits.name!r}), "
-                            f"got {model!r}")
+                            f"got {show(model)}")
     if model != limits.name:
-        raise ApiError(404, f"model: {model!r} is not served here; the served model is "
+        raise ApiError(404, f"model: {show(model)} is not served here; the served model is "
                             f"{limits.name!r}", param="model", code="model_not_found")
     for key, allowed in UNSUPPORTED.items():
         if key in body and body[key] not in allowed:
-            raise _bad(key, f"{body[key]!r} is not supported by this server (allowed: "
+            raise _bad(key, f"{show(body[key])} is not supported by this server (allowed: "
                             f"{', '.join(map(repr, allowed))})")
 
 
@@ -131,7 +168,7 @@ def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits) -> list[int]:
         if not codec.has_tokenizer:
             raise _bad("prompt", f"model {limits.name!r} has no tokenizer: send the prompt as "
                                  f"a list of token ids")
-        ids = codec.encode(prompt)
+        ids = codec.encode(_text("prompt", prompt))
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in prompt):
         ids = prompt
@@ -163,13 +200,15 @@ def _messages(body: dict) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", f"must be a non-empty list of {{role, content}} objects, got "
-                               f"{msgs!r}")
+                               f"{show(msgs)}")
     for i, m in enumerate(msgs):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
             raise _bad(f"messages[{i}]", f"must be an object with string role and content, "
-                                         f"got {m!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+                                         f"got {show(m)}")
+    return [{"role": _text(f"messages[{i}].role", m["role"]),
+             "content": _text(f"messages[{i}].content", m["content"])}
+            for i, m in enumerate(msgs)]
 
 
 def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:

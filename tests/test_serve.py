@@ -242,14 +242,33 @@ BAD = [
     ({"prompt": [1], "stream": "yes"}, 400, "stream"),
     ({"prompt": [1], "n": 2}, 400, "n"),
     ({"prompt": [1], "stop": ["w1"]}, 400, "stop"),
+    ({"prompt": [1], "temperature": 2.5}, 400, "temperature"),
+    ({"prompt": [1], "temperature": float("inf")}, 400, "temperature"),
+    ({"prompt": [1], "temperature": float("nan")}, 400, "temperature"),
+    ({"prompt": [1], "top_p": float("nan")}, 400, "top_p"),
+    ({"prompt": [1], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"prompt": [1], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"prompt": [1], "tool_choice": "auto"}, 400, "tool_choice"),
+    ({"prompt": [1], "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ({"prompt": [1], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": [1], "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ({"prompt": [1], "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": [1], "guided_json": {}}, 400, "guided_json"),
 ]
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(srv, http):
+    r = ask(http, srv, prompt=[1], max_tokens=2, response_format={"type": "text"}, tools=[],
+            logit_bias={}, presence_penalty=0, frequency_penalty=0.0, temperature=2)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("body, status, param", BAD)
 def test_bad_requests_get_openai_errors_naming_the_field(srv, http, body, status, param):
     if "model" not in body and param != "model":
         body = {"model": srv.model, **body}
-    r = http.post(f"{srv.url}/v1/completions", json=body)
+    r = http.post(f"{srv.url}/v1/completions", content=json.dumps(body),  # NaN, Infinity
+                  headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -352,3 +371,44 @@ def test_unknown_routes_and_methods_and_internal_errors_answer_json(srv, http, m
         "param": None, "code": "internal_error"}
     monkeypatch.undo()
     assert ask(http, srv, prompt=[1], max_tokens=2).status_code == 200
+
+
+def test_nan_logits_end_that_request_alone_and_the_engine_goes_on(srv, http, monkeypatch):
+    import nanosched.runtime.engine as engine_module
+
+    real = engine_module.sample
+
+    def poisoned(logits, temperature, top_p, generator=None):  # rows at temperature 0.5
+        logits = logits.masked_fill((temperature == 0.5).unsqueeze(1), float("nan"))
+        return real(logits, temperature, top_p, generator)
+
+    monkeypatch.setattr(engine_module, "sample", poisoned)
+    m0 = metrics(http, srv.url)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            def post(**kw):
+                return c.post(f"{srv.url}/v1/completions", json={
+                    "model": srv.model, "prompt": [7, 8, 9], "max_tokens": 30,
+                    "ignore_eos": True, **kw})
+
+            return await asyncio.gather(post(temperature=0.5), post(temperature=0.5),
+                                        post(temperature=0), post(temperature=1.0))
+
+    bad1, bad2, greedy_r, random_r = asyncio.run(main())
+    for r in (bad1, bad2):
+        err = r.json()["error"]
+        assert r.status_code == 500 and "sampling failed" in err["message"], r.text
+    assert greedy_r.status_code == 200 and random_r.status_code == 200
+    assert len(greedy_r.json()["choices"][0]["token_ids"]) == 30
+    with http.stream("POST", f"{srv.url}/v1/completions", json={
+            "model": srv.model, "prompt": [7], "max_tokens": 5, "temperature": 0.5,
+            "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert "sampling failed" in json.loads(events[0][6:])["error"]["message"]
+    assert events[-1] == "data: [DONE]"
+    assert http.get(f"{srv.url}/health").json() == {"status": "ok"}
+    m = wait_for(http, srv.url, lambda m: m["nanosched_kv_pages_in_use"] == 0)
+    assert m["nanosched_requests_received_total"] == m0["nanosched_requests_received_total"] + 5
+    monkeypatch.undo()
+    assert ask(http, srv, prompt=[1], max_tokens=2, temperature=0.5).status_code == 200

@@ -6,9 +6,11 @@ and whose message names the field, the value found and what is allowed. Accepted
   one-element list); `max_tokens` (default 16);
 - chat: `messages` of `{"role", "content"}` strings; `max_tokens` or `max_completion_tokens`
   (default: the rest of the context);
-- both: `model` (must be the served one), `temperature` (>= 0, default 1), `top_p` in (0, 1],
+- both: `model` (must be the served one), `temperature` (in [0, 2], default 1), `top_p` in (0, 1],
   `stream`, `ignore_eos` (vLLM's extension). Fields this server cannot honour (`n` > 1,
-  `best_of` > 1, `echo`, `logprobs`, `stop`, a per-request `seed`) are refused, not ignored.
+  `best_of` > 1, `echo`, `logprobs`, `stop`, a per-request `seed`, `response_format` other
+  than text, `tools` and functions, `logit_bias`, penalties other than neutral, guided
+  decoding) are refused with a 400 naming the field, never silently ignored.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from nanosched.runtime.server.text import TextCodec
 # field -> the values accepted (anything else is refused as unsupported)
 UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
                "logprobs": (None, False), "top_logprobs": (None, 0), "stop": (None, []),
-               "seed": (None,), "suffix": (None, "")}
+               "seed": (None,), "suffix": (None, ""),
+               "response_format": (None, {"type": "text"}), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "repetition_penalty": (None, 1), "min_tokens": (None, 0),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,)}
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
 class ApiError(Exception):
@@ -146,8 +155,9 @@ def _check_common(body: Any, limits: Limits) -> None:
 
 def _params(body: dict, max_tokens: int, prompt_len: int, limits: Limits) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0)
-    if not temperature >= 0:
-        raise _bad("temperature", f"must be >= 0, got {temperature}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN and Infinity
+        raise _bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got "
+                                  f"{temperature}")
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise _bad("top_p", f"must be in (0, 1], got {top_p}")

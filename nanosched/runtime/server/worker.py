@@ -11,7 +11,9 @@ Contract with the HTTP side (any thread or event loop):
 - `abort(request_id)`: the request's updates stop and its KV pages are freed at the next turn;
 - `stop(timeout_s)`: serve what was submitted, then end the thread (bounded wait);
 - `snapshot()`: the figures /metrics reports.
-An exception in the engine fails every open request and marks the worker failed (/health 503).
+A request the engine ends with finish_reason "error" (logits not finite) gets an `Update` with
+that error; the others go on. An exception in the engine fails every open request and marks the
+worker failed (/health 503).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from nanosched.runtime.requests import Request, SamplingParams
 
 log = logging.getLogger("nanosched.serve")
 THROUGHPUT_WINDOW_S = 10.0
+SAMPLING_FAILED = ("sampling failed: the model's logits for this request are not finite (NaN or "
+                   "inf); the request was ended, other requests are unaffected")
 
 
 class QueueFull(Exception):
@@ -201,7 +205,11 @@ class EngineWorker:
                 client = self._clients.get(rid)
                 if rid in reasons:
                     self._clients.pop(rid, None)
-                if client is not None:
+                if client is None:
+                    continue
+                if reasons.get(rid) == "error":
+                    _send(client, Update(tokens.get(rid, []), error=SAMPLING_FAILED))
+                else:
                     _send(client, Update(tokens.get(rid, []), reasons.get(rid)))
 
     def _fail(self, message: str) -> None:

@@ -492,8 +492,10 @@ def serve(
                                   "admission; past it requests get 429."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
-    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits "
-                                        "for open requests."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds (a float >= 0) "
+                                        "that SIGTERM or Ctrl-C gives open requests to finish; "
+                                        "then each open stream ends with an error event and "
+                                        "each other request gets a 503 JSON error."),
     max_request_bytes: int = typer.Option(8 * 2**20, "--max-request-bytes", help="Largest "
                                           "request body accepted, in bytes (default 8 MiB); "
                                           "larger ones get 413 before they are read."),

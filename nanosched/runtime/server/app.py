@@ -6,9 +6,10 @@ failed), /metrics (Prometheus text). Every error body is OpenAI's `{"error": {..
 
 A client that goes away mid-request gets its request aborted at once (KV pages and batch slot
 freed): a stream when Starlette cancels its generator, a whole response when the task watching
-the connection sees `http.disconnect`. SIGTERM:
-uvicorn stops accepting, waits for open requests (at most `drain_timeout_s`), then the worker
-drains and stops (bounded by the same time).
+the connection sees `http.disconnect`. SIGTERM or
+SIGINT: uvicorn stops accepting, new requests on open connections get 503, open requests have
+`drain_timeout_s` to finish; then each still open ends with a 503 (a JSON body, or an error event
+and `[DONE]` on a stream) and the worker stops.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class Handler:
             while not done:
                 update: Update = await queue.get()
                 if update.error:
-                    yield sse(ApiError(500, update.error, kind="server_error").body())
+                    yield sse(_update_error(update).body())
                     break
                 done = update.finish_reason is not None
                 text = detok.push(update.tokens, final=done)
@@ -190,9 +191,14 @@ def _name(rid: int, job: Job) -> str:
     return f"{'chatcmpl' if job.is_chat else 'cmpl'}-{rid}"
 
 
+def _update_error(update: Update) -> ApiError:
+    code = "unavailable" if update.status == 503 else "engine_failed"
+    return ApiError(update.status, update.error or "", code=code, kind="server_error")
+
+
 def _raise_error(update: Update) -> None:
     if update.error:
-        raise ApiError(500, update.error, code="engine_failed", kind="server_error")
+        raise _update_error(update)
 
 
 def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30.0,
@@ -252,16 +258,36 @@ def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30
     return app
 
 
+DRAIN_EXPIRED = "the server is shutting down and the drain time (--drain-timeout) ran out; " \
+                "retry on another replica or after the restart"
+UVICORN_SLACK_S = 5.0  # uvicorn's own cut-off, after ours has answered every open request
+
+
 def build_server(cfg: ServeConfig) -> Any:
     """Prepare the model and return a `uvicorn.Server` (not started) serving it."""
     import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server whose shutdown (SIGTERM, SIGINT) refuses new requests, gives the
+        open ones `drain_timeout_s` to finish, then ends each with a 503: a JSON error body,
+        or an error event and `[DONE]` on a stream. uvicorn's own timeout, which would cut
+        connections without a word, is set past ours so it never fires first."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            worker.begin_drain()
+            timer = asyncio.get_running_loop().call_later(
+                cfg.drain_timeout_s, worker.expire, DRAIN_EXPIRED)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
     served = prepare(cfg)
     worker = EngineWorker(served.engine, cfg.max_queue)
     app = create_app(served, worker, cfg.drain_timeout_s, cfg.max_request_bytes)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
-                            timeout_graceful_shutdown=int(cfg.drain_timeout_s))
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=cfg.drain_timeout_s + UVICORN_SLACK_S)
+    server = DrainingServer(config)
     server.nanosched_worker = worker  # for tests and the bench: the engine behind the app
     return server
 

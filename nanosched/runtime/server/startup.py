@@ -59,6 +59,9 @@ def _check_flags(cfg: ServeConfig) -> None:
         raise ConfigError(f"--port must be in 0..65535, got {cfg.port}")
     if cfg.max_queue < 1:
         raise ConfigError(f"--max-queue must be at least 1, got {cfg.max_queue}")
+    if not 0 <= cfg.drain_timeout_s < float("inf"):
+        raise ConfigError(f"--drain-timeout must be a finite number of seconds >= 0, got "
+                          f"{cfg.drain_timeout_s}")
     if cfg.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be at least 1, got "
                           f"{cfg.max_request_bytes}")

@@ -9,6 +9,8 @@ Contract with the HTTP side (any thread or event loop):
   `QueueFull` when `max_queue` requests already wait for admission, `Unavailable` when the
   server is stopping or the engine failed;
 - `abort(request_id)`: the request's updates stop and its KV pages are freed at the next turn;
+- `begin_drain()`: refuse new requests; `expire(message)`: end every open request with a 503
+  error (the drain time ran out);
 - `stop(timeout_s)`: serve what was submitted, then end the thread (bounded wait);
 - `snapshot()`: the figures /metrics reports.
 A request the engine ends with finish_reason "error" (logits not finite) gets an `Update` with
@@ -54,6 +56,7 @@ class Update:
     tokens: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 500  # the HTTP status of `error`
 
 
 @dataclass
@@ -120,6 +123,27 @@ class EngineWorker:
                 self.counters.aborted += 1
                 self._cond.notify()
 
+    def begin_drain(self) -> None:
+        """Refuse new requests (503) and let the open ones finish."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def expire(self, message: str) -> int:
+        """End every open request now: each client gets `message` with status 503 and the
+        engine aborts them (pages freed). Returns how many were open."""
+        with self._cond:
+            self._stopping = True
+            clients, self._clients = self._clients, {}
+            self._aborts += list(clients)
+            self.counters.aborted += len(clients)
+            self._cond.notify()
+        for client in clients.values():
+            _send(client, Update([], error=message, status=503))
+        if clients:
+            log.warning("drain time ran out: %d open requests ended with 503", len(clients))
+        return len(clients)
+
     def stop(self, timeout_s: float) -> bool:
         """Finish every submitted request, then end the thread; False if that took longer
         than `timeout_s` (the daemon thread is then left to die with the process)."""
@@ -128,7 +152,7 @@ class EngineWorker:
             self._cond.notify()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            log.warning("engine drain timed out after %.0f s with %d requests open",
+            log.warning("engine drain timed out after %.1f s with %d requests open",
                         timeout_s, len(self._clients))
         return not self._thread.is_alive()
 

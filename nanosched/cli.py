@@ -496,6 +496,11 @@ def serve(
                                         "that SIGTERM or Ctrl-C gives open requests to finish; "
                                         "then each open stream ends with an error event and "
                                         "each other request gets a 503 JSON error."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="NANOSCHED_API_KEY",
+                                       help="Require 'Authorization: Bearer <key>' on the /v1/ "
+                                       "routes (401 without it), as vLLM's --api-key; "
+                                       "/health and /metrics stay open. Without it, binding "
+                                       "beyond loopback logs a warning."),
     max_request_bytes: int = typer.Option(8 * 2**20, "--max-request-bytes", help="Largest "
                                           "request body accepted, in bytes (default 8 MiB); "
                                           "larger ones get 413 before they are read."),
@@ -524,7 +529,8 @@ def serve(
                           dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
                           admission=admit, kv_dtype=kv_cache_dtype)
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
-                           drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes))
+                           drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
+                           api_key=api_key))
 
 
 def main() -> None:

@@ -36,7 +36,8 @@ class ThreadServer:
 
     def __init__(self, **kw) -> None:
         self.model = kw["model"]
-        server_keys = {"host", "port", "max_queue", "drain_timeout_s", "max_request_bytes"}
+        server_keys = {"host", "port", "max_queue", "drain_timeout_s", "max_request_bytes",
+                       "api_key"}
         engine = EngineConfig(device="cpu", schedule="auto", graphs="auto",
                               **{k: v for k, v in kw.items() if k not in server_keys})
         self.server = build_server(ServeConfig(engine, **{k: v for k, v in kw.items()

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from serve_helpers import ThreadServer, metrics, tiny_folder
 
+from nanosched.errors import ConfigError
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.generate import GenerateConfig, generate
 from nanosched.runtime.server.text import plain_chat_prompt
@@ -303,7 +304,9 @@ def test_past_the_queue_bound_requests_get_429(folder):
         s.close()
     codes = [r.status_code for r in rs]
     assert set(codes) == {200, 429} and codes.count(200) >= 2, codes  # 2 may wait
-    busy = next(r for r in rs if r.status_code == 429).json()["error"]
+    busy_r = next(r for r in rs if r.status_code == 429)
+    assert busy_r.headers["retry-after"] == "1"
+    busy = busy_r.json()["error"]
     assert busy["type"] == "rate_limit_error" and "--max-queue" in busy["message"]
     assert all(len(r.json()["choices"][0]["token_ids"]) == 24 for r in rs
                if r.status_code == 200)
@@ -412,3 +415,39 @@ def test_nan_logits_end_that_request_alone_and_the_engine_goes_on(srv, http, mon
     assert m["nanosched_requests_received_total"] == m0["nanosched_requests_received_total"] + 5
     monkeypatch.undo()
     assert ask(http, srv, prompt=[1], max_tokens=2, temperature=0.5).status_code == 200
+
+
+def test_api_key_guards_the_v1_routes(folder, caplog):
+    s = ThreadServer(model=str(folder), dense_batch=16, api_key="sekrit", host="0.0.0.0")
+    try:
+        with httpx.Client(timeout=30) as c:
+            body = {"model": s.model, "prompt": [1, 2], "max_tokens": 2}
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"},
+                            {"Authorization": "Basic sekrit"}, {"Authorization": "Bearer sekri"}):
+                r = c.post(f"{s.url}/v1/completions", json=body, headers=headers)
+                assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                assert "--api-key" in r.json()["error"]["message"]
+            assert c.get(f"{s.url}/v1/models").status_code == 401
+            # refused before the body is read: no 413 for an unauthenticated 9 MiB body
+            r = c.post(f"{s.url}/v1/chat/completions", content=b"x" * (9 * 2**20))
+            assert r.status_code == 401
+            ok = {"Authorization": "Bearer sekrit"}
+            assert c.post(f"{s.url}/v1/completions", json=body, headers=ok).status_code == 200
+            assert c.get(f"{s.url}/v1/models", headers=ok).status_code == 200
+            assert c.get(f"{s.url}/health").status_code == 200  # probes need no key
+            assert c.get(f"{s.url}/metrics").status_code == 200
+    finally:
+        s.close()
+    assert "no --api-key" not in caplog.text
+    caplog.clear()
+    ThreadServer(model=str(folder), dense_batch=16, host="0.0.0.0").close()
+    assert "--host 0.0.0.0 accepts requests from other machines and no --api-key" in caplog.text
+    caplog.clear()
+    ThreadServer(model=str(folder), dense_batch=16, host="::1").close()
+    assert "no --api-key" not in caplog.text
+
+
+def test_an_empty_api_key_is_refused(folder):
+    with pytest.raises(ConfigError, match="--api-key is empty"):
+        ThreadServer(model=str(folder), api_key=" ")

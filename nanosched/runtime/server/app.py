@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 `"stream": true`, ending with `data: [DONE]`), GET /v1/models, /health (503 once the engine
-failed), /metrics (Prometheus text). Every error body is OpenAI's `{"error": {...}}`.
+failed), /metrics (Prometheus text). Every error body is OpenAI's `{"error": {...}}`. With an
+API key the /v1/ routes need `Authorization: Bearer <key>` (401 otherwise); /health and
+/metrics stay open for probes. A 429 (queue full) carries `Retry-After`.
 
 A client that goes away mid-request gets its request aborted at once (KV pages and batch slot
 freed): a stream when Starlette cancels its generator, a whole response when the task watching
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -55,7 +59,7 @@ class _AsciiJSON(JSONResponse):
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    return _AsciiJSON(exc.body(), status_code=exc.status)
+    return _AsciiJSON(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -119,7 +123,8 @@ class Handler:
             return self.worker.submit(job.prompt_ids, job.params, asyncio.get_running_loop())
         except QueueFull as exc:
             raise ApiError(429, f"the server is busy: {exc}; retry later",
-                           code="rate_limit_exceeded", kind="rate_limit_error") from None
+                           code="rate_limit_exceeded", kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Unavailable as exc:
             raise ApiError(503, str(exc), code="unavailable", kind="server_error") from None
 
@@ -202,7 +207,8 @@ def _raise_error(update: Update) -> None:
 
 
 def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30.0,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               api_key: str | None = None) -> FastAPI:
     """The app; its lifespan starts the worker and, at shutdown, drains and stops it."""
 
     @contextlib.asynccontextmanager
@@ -224,6 +230,7 @@ def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30
     async def job(request: Request, parse: Callable[..., Job]) -> Job:
         """Read the body (bounded), then decode, validate and tokenize it in a worker thread:
         a huge prompt takes seconds to tokenize, and the event loop must keep serving."""
+        _authorize(request, api_key)  # before the body is read
         raw = await _read_body(request, max_request_bytes)
         return await asyncio.to_thread(lambda: parse(_decode_json(raw), served.codec,
                                                      handler.limits))
@@ -239,7 +246,8 @@ def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30
         return handler.stream(j) if j.stream else await handler.whole(request, j)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        _authorize(request, api_key)
         return {"object": "list", "data": [{
             "id": served.name, "object": "model", "created": 0, "owned_by": "nanosched",
             "max_model_len": handler.limits.context, "strategy": served.strategy}]}
@@ -256,6 +264,33 @@ def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30
                                  media_type="text/plain; version=0.0.4")
 
     return app
+
+
+RETRY_AFTER_S = 1  # 429: a queue slot frees as soon as one request is admitted
+LOOPBACK = ("localhost",)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve beyond this machine
+        return False
+
+
+def _authorize(request: Request, api_key: str | None) -> None:
+    """With an API key, /v1/ routes need `Authorization: Bearer <key>` (as vLLM's
+    --api-key); compared in constant time."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             api_key.encode()):
+        raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer "
+                            "<key>' with the key given to --api-key", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 DRAIN_EXPIRED = "the server is shutting down and the drain time (--drain-timeout) ran out; " \
@@ -284,7 +319,11 @@ def build_server(cfg: ServeConfig) -> Any:
 
     served = prepare(cfg)
     worker = EngineWorker(served.engine, cfg.max_queue)
-    app = create_app(served, worker, cfg.drain_timeout_s, cfg.max_request_bytes)
+    app = create_app(served, worker, cfg.drain_timeout_s, cfg.max_request_bytes, cfg.api_key)
+    if cfg.api_key is None and not _is_loopback(cfg.host):
+        log.warning("--host %s accepts requests from other machines and no --api-key is set: "
+                    "anyone who reaches this port can use the model; set --api-key (or "
+                    "NANOSCHED_API_KEY) or bind 127.0.0.1", cfg.host)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             timeout_graceful_shutdown=cfg.drain_timeout_s + UVICORN_SLACK_S)
     server = DrainingServer(config)

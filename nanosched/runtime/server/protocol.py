@@ -39,10 +39,12 @@ class ApiError(Exception):
     """An OpenAI-style error: HTTP status, message, type, the field at fault and a code."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = \
             status, message, param, code, kind
+        self.headers = headers or {}  # e.g. Retry-After on 429, WWW-Authenticate on 401
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,

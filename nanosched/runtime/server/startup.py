@@ -35,6 +35,7 @@ class ServeConfig:
     max_queue: int = 256
     drain_timeout_s: float = 30.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    api_key: str | None = None  # /v1/ routes need "Authorization: Bearer <api_key>"
 
 
 @dataclass
@@ -62,6 +63,9 @@ def _check_flags(cfg: ServeConfig) -> None:
     if not 0 <= cfg.drain_timeout_s < float("inf"):
         raise ConfigError(f"--drain-timeout must be a finite number of seconds >= 0, got "
                           f"{cfg.drain_timeout_s}")
+    if cfg.api_key is not None and not cfg.api_key.strip():
+        raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve "
+                          "without one")
     if cfg.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be at least 1, got "
                           f"{cfg.max_request_bytes}")

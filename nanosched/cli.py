@@ -501,6 +501,10 @@ def serve(
                                        "routes (401 without it), as vLLM's --api-key; "
                                        "/health and /metrics stay open. Without it, binding "
                                        "beyond loopback logs a warning."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model "
+                                                 "id clients send and /v1/models lists "
+                                                 "(default: the checkpoint folder's name, or "
+                                                 "the registered model name)."),
     max_request_bytes: int = typer.Option(8 * 2**20, "--max-request-bytes", help="Largest "
                                           "request body accepted, in bytes (default 8 MiB); "
                                           "larger ones get 413 before they are read."),
@@ -530,7 +534,7 @@ def serve(
                           admission=admit, kv_dtype=kv_cache_dtype)
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
-                           api_key=api_key))
+                           api_key=api_key, served_model_name=served_model_name))
 
 
 def main() -> None:

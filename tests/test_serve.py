@@ -242,7 +242,14 @@ BAD = [
     ({"prompt": [1], "top_p": 1.5}, 400, "top_p"),
     ({"prompt": [1], "stream": "yes"}, 400, "stream"),
     ({"prompt": [1], "n": 2}, 400, "n"),
-    ({"prompt": [1], "stop": ["w1"]}, 400, "stop"),
+    ({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": [1], "stop": [""]}, 400, "stop"),
+    ({"prompt": [1], "stop": 5}, 400, "stop"),
+    ({"prompt": [1], "stop": "x" * 300}, 400, "stop"),
+    ({"prompt": [1], "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": [1], "stream": True, "stream_options": {"x": 1}}, 400, "stream_options"),
+    ({"prompt": [1], "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage"),
     ({"prompt": [1], "temperature": 2.5}, 400, "temperature"),
     ({"prompt": [1], "temperature": float("inf")}, 400, "temperature"),
     ({"prompt": [1], "temperature": float("nan")}, 400, "temperature"),
@@ -296,7 +303,7 @@ def test_past_the_queue_bound_requests_get_429(folder):
         async def main():
             async with httpx.AsyncClient(timeout=60) as c:
                 return await asyncio.gather(*(c.post(f"{s.url}/v1/completions", json={
-                    "model": str(folder), "prompt": [1, 2, 3, i], "max_tokens": 24,
+                    "model": s.model, "prompt": [1, 2, 3, i], "max_tokens": 24,
                     "ignore_eos": True}) for i in range(24)))
 
         rs = asyncio.run(main())
@@ -451,3 +458,88 @@ def test_api_key_guards_the_v1_routes(folder, caplog):
 def test_an_empty_api_key_is_refused(folder):
     with pytest.raises(ConfigError, match="--api-key is empty"):
         ThreadServer(model=str(folder), api_key=" ")
+
+
+def _sse(http, url, path, body):
+    """A stream's events, parsed (the last one, [DONE], as the string)."""
+    with http.stream("POST", f"{url}{path}", json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(x[6:]) if x != "data: [DONE]" else x[6:]
+                for x in r.iter_lines() if x]
+
+
+def test_stop_strings_end_the_text_before_them_whole_and_streamed(srv, http):
+    base = {"model": srv.model, "prompt": [5, 9, 2], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    full = ask(http, srv, **base).json()["choices"][0]["text"]
+    words = full.split()
+    # a stop that spans two tokens ("w12 w3" is two words) and one inside a word
+    for stop in (f"{words[3]} {words[4]}", f"{words[6][1:]} {words[7][:2]}",
+                 [words[8], "zzz"]):
+        first = min(full.find(x) for x in ([stop] if isinstance(stop, str) else stop)
+                    if x in full)
+        r = ask(http, srv, **base, stop=stop)
+        choice = r.json()["choices"][0]
+        assert choice["text"] == full[:first] and choice["finish_reason"] == "stop"
+        events = _sse(http, srv.url, "/v1/completions", base | {"stop": stop})
+        assert events[-1] == "[DONE]"
+        streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert streamed == full[:first] and events[-2]["choices"][0]["finish_reason"] == "stop"
+    r = ask(http, srv, **base, stop="never there")  # no hit: the whole text
+    assert r.json()["choices"][0]["text"] == full
+    m = wait_for(http, srv.url, lambda m: m["nanosched_kv_pages_in_use"] == 0)
+    assert m["nanosched_requests_running"] == 0
+
+
+def test_stream_options_include_usage(srv, http):
+    body = {"model": srv.model, "prompt": [5, 9], "max_tokens": 4, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    events = _sse(http, srv.url, "/v1/completions", body)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4,
+                                   "total_tokens": 6}
+    assert all(e["usage"] is None for e in events[:-2])
+    plain = _sse(http, srv.url, "/v1/completions", body | {"stream_options": None})
+    assert all("usage" not in e for e in plain[:-1])
+
+
+def test_chat_content_as_text_parts(srv, http):
+    def chat(content, **kw):
+        return http.post(f"{srv.url}/v1/chat/completions", json={
+            "model": srv.model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 3, "temperature": 0, **kw})
+
+    want = chat("w3 w4\nw5").json()["choices"][0]["token_ids"]
+    parts = [{"type": "text", "text": "w3 w4"}, {"type": "text", "text": "w5"}]
+    assert chat(parts).json()["choices"][0]["token_ids"] == want
+    r = chat([{"type": "image_url", "image_url": {"url": "http://x"}}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]"
+    r = chat([{"type": "text", "text": 5}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].text"
+    r = chat({"text": "w1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+    events = _sse(http, srv.url, "/v1/chat/completions", {
+        "model": srv.model, "messages": [{"role": "user", "content": parts}], "max_tokens": 3,
+        "temperature": 0, "stop": "never", "stream_options": {"include_usage": True}})
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert [t for e in events[1:-2] for t in e["choices"][0]["token_ids"]] == want
+    assert events[-2]["usage"]["completion_tokens"] == 3
+
+
+def test_the_model_id_is_the_folder_name_or_the_served_model_name(srv, http, folder):
+    assert srv.model == "tiny" and str(folder) != "tiny"
+    assert [m["id"] for m in http.get(f"{srv.url}/v1/models").json()["data"]] == ["tiny"]
+    r = ask(http, srv, prompt=[1], max_tokens=1)
+    assert r.json()["model"] == "tiny"
+    r = http.post(f"{srv.url}/v1/completions", json={"model": str(folder), "prompt": [1]})
+    assert r.status_code == 404 and "'tiny'" in r.json()["error"]["message"]
+    s = ThreadServer(model=str(folder), dense_batch=16, served_model_name="my-llama")
+    try:
+        assert s.model == "my-llama"
+        r = http.post(f"{s.url}/v1/completions", json={"model": "my-llama", "prompt": [1],
+                                                       "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "my-llama"
+    finally:
+        s.close()
+    with pytest.raises(ConfigError, match="--served-model-name is empty"):
+        ThreadServer(model=str(folder), served_model_name="")

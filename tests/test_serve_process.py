@@ -23,6 +23,7 @@ from nanosched.schedules.shipped import pick_shipped, shipped_schedules
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(DATA / "tiny_llama_config.json")
+NAME = "tiny_llama_config"  # the served model id: the config file's stem
 
 
 def test_a_schedule_for_another_model_stops_the_server_with_exit_2():
@@ -86,7 +87,7 @@ def _start(*flags: str) -> tuple[subprocess.Popen, str]:
 def test_sigterm_drains_the_open_stream_then_exits():
     proc, url = _start()
     try:
-        body = {"model": CONFIG, "prompt": [3, 1, 4], "max_tokens": 300, "stream": True,
+        body = {"model": NAME, "prompt": [3, 1, 4], "max_tokens": 300, "stream": True,
                 "ignore_eos": True, "temperature": 0}
         ids, reason = [], None
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
@@ -110,7 +111,7 @@ def test_sigterm_drains_the_open_stream_then_exits():
 
 def test_when_the_drain_time_runs_out_open_requests_end_with_503(tmp_path):
     proc, url = _start("--drain-timeout", "0.5")
-    body = {"model": CONFIG, "prompt": [3, 1, 4], "max_tokens": 500, "ignore_eos": True}
+    body = {"model": NAME, "prompt": [3, 1, 4], "max_tokens": 500, "ignore_eos": True}
     try:
         async def main():
             async with httpx.AsyncClient(timeout=30) as c:

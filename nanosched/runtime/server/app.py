@@ -38,14 +38,20 @@ from nanosched.runtime.server.protocol import (
     parse_chat,
     parse_completion,
 )
-from nanosched.runtime.server.responses import chunk_event, completion_body, render_metrics, sse
+from nanosched.runtime.server.responses import (
+    chunk_event,
+    completion_body,
+    render_metrics,
+    sse,
+    usage_event,
+)
 from nanosched.runtime.server.startup import (
     DEFAULT_MAX_REQUEST_BYTES,
     ServeConfig,
     Served,
     prepare,
 )
-from nanosched.runtime.server.text import Detokenizer
+from nanosched.runtime.server.text import Detokenizer, StopText
 from nanosched.runtime.server.worker import EngineWorker, QueueFull, Unavailable, Update
 
 log = logging.getLogger("nanosched.serve")
@@ -131,9 +137,10 @@ class Handler:
     async def whole(self, request: Request, job: Job) -> JSONResponse:
         """Collect the whole answer. A task watches the connection meanwhile, so a client that
         goes away aborts its request at once (KV pages and batch slot freed), not when the
-        answer would have been complete."""
+        answer would have been complete. A stop string ends it the same way, at once."""
         rid, queue = self.submit(job)
-        ids, reason = [], None
+        ids, reason, ended = [], None, False  # ended: the engine finished the request
+        detok, stopper, text = Detokenizer(self.served.codec), StopText(job.stop), ""
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             while reason is None:
@@ -143,14 +150,18 @@ class Handler:
                     got.cancel()
                     return JSONResponse({}, status_code=499)  # nobody reads it
                 update = got.result()
+                ended = update.error is not None or update.finish_reason is not None
                 _raise_error(update)
                 ids += update.tokens
                 reason = update.finish_reason
+                if job.stop:
+                    text += stopper.push(detok.push(update.tokens, final=ended))
+                    reason = "stop" if stopper.done else reason
         finally:
             gone.cancel()
-            if reason is None:
-                self.worker.abort(rid)
-        text = self.served.codec.decode(ids)
+            if not ended:
+                self.worker.abort(rid, stopped=reason == "stop")
+        text = text + stopper.flush() if job.stop else self.served.codec.decode(ids)
         return JSONResponse(completion_body(_name(rid, job), self.served.name, job.is_chat,
                                             text, ids, reason, len(job.prompt_ids)))
 
@@ -159,24 +170,35 @@ class Handler:
         return StreamingResponse(self._events(rid, queue, job), media_type="text/event-stream")
 
     async def _events(self, rid: int, queue: asyncio.Queue, job: Job) -> AsyncIterator[str]:
-        name, model, detok, done = _name(rid, job), self.served.name, \
-            Detokenizer(self.served.codec), False
+        """The stream: (chat: a role chunk), a chunk per update, with stop strings cut out, an
+        error event if the request failed, the usage chunk if asked for, then [DONE]."""
+        name, model = _name(rid, job), self.served.name
+        detok, stopper, ended, n_out = Detokenizer(self.served.codec), StopText(job.stop), \
+            False, 0
         try:
             if job.is_chat:
-                yield chunk_event(name, model, True, None, [], None)
-            while not done:
+                yield chunk_event(name, model, True, None, [], None, job.include_usage)
+            while True:
                 update: Update = await queue.get()
+                ended = update.error is not None or update.finish_reason is not None
                 if update.error:
                     yield sse(_update_error(update).body())
                     break
-                done = update.finish_reason is not None
-                text = detok.push(update.tokens, final=done)
-                yield chunk_event(name, model, job.is_chat, text, update.tokens,
-                                  update.finish_reason)
+                n_out += len(update.tokens)
+                text = stopper.push(detok.push(update.tokens, final=ended))
+                reason = "stop" if stopper.done else update.finish_reason
+                if ended and not stopper.done:
+                    text += stopper.flush()
+                yield chunk_event(name, model, job.is_chat, text, update.tokens, reason,
+                                  job.include_usage)
+                if reason is not None:
+                    break
+            if job.include_usage:
+                yield usage_event(name, model, job.is_chat, len(job.prompt_ids), n_out)
             yield sse("[DONE]")
         finally:
-            if not done:
-                self.worker.abort(rid)
+            if not ended:
+                self.worker.abort(rid, stopped=stopper.done)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -328,6 +350,7 @@ def build_server(cfg: ServeConfig) -> Any:
                             timeout_graceful_shutdown=cfg.drain_timeout_s + UVICORN_SLACK_S)
     server = DrainingServer(config)
     server.nanosched_worker = worker  # for tests and the bench: the engine behind the app
+    server.nanosched_name = served.name
     return server
 
 

@@ -4,13 +4,14 @@ Every refusal is an `ApiError` whose body is `{"error": {"message", "type", "par
 and whose message names the field, the value found and what is allowed. Accepted:
 - completions: `prompt` as text (needs a tokenizer) or a list of token ids (also wrapped in a
   one-element list); `max_tokens` (default 16);
-- chat: `messages` of `{"role", "content"}` strings; `max_tokens` or `max_completion_tokens`
-  (default: the rest of the context);
+- chat: `messages` of `{"role", "content"}`, content a string or an array of text parts;
+  `max_tokens` or `max_completion_tokens` (default: the rest of the context);
 - both: `model` (must be the served one), `temperature` (in [0, 2], default 1), `top_p` in (0, 1],
-  `stream`, `ignore_eos` (vLLM's extension). Fields this server cannot honour (`n` > 1,
-  `best_of` > 1, `echo`, `logprobs`, `stop`, a per-request `seed`, `response_format` other
-  than text, `tools` and functions, `logit_bias`, penalties other than neutral, guided
-  decoding) are refused with a 400 naming the field, never silently ignored.
+  `stream`, `stream_options.include_usage`, `stop` (up to 4 strings), `ignore_eos` (vLLM's
+  extension). Fields this server cannot honour (`n` > 1, `best_of` > 1, `echo`, `logprobs`, a
+  per-request `seed`, `response_format` other than text, `tools` and functions, `logit_bias`,
+  penalties other than neutral, guided decoding) are refused with a 400 naming the field,
+  never silently ignored.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nanosched.runtime.server.text import TextCodec
 
 # field -> the values accepted (anything else is refused as unsupported)
 UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
-               "logprobs": (None, False), "top_logprobs": (None, 0), "stop": (None, []),
+               "logprobs": (None, False), "top_logprobs": (None, 0),
                "seed": (None,), "suffix": (None, ""),
                "response_format": (None, {"type": "text"}), "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []),
@@ -59,6 +60,8 @@ class Job:
     params: SamplingParams
     stream: bool
     is_chat: bool
+    stop: tuple[str, ...] = ()  # the text ends before the first of these
+    include_usage: bool = False  # a stream ends with a chunk carrying `usage`
 
 
 @dataclass(frozen=True)
@@ -198,14 +201,71 @@ def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits) -> list[int]:
     return ids
 
 
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's bound on stop strings; a sane length
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    """`stop`: a string or a list of at most MAX_STOPS non-empty strings."""
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not (isinstance(stops, list) and len(stops) <= MAX_STOPS
+            and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)):
+        raise _bad("stop", f"must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+                           f"{MAX_STOP_CHARS} characters, got {show(v)}")
+    return tuple(_text("stop", x) for x in stops)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(`stream`, `stream_options.include_usage`); stream_options needs stream true."""
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise _bad("stream_options", "is only allowed with \"stream\": true")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise _bad("stream_options", f"must be an object with only include_usage (true or "
+                                     f"false), got {show(opts)}")
+    return stream, _bool({"stream_options.include_usage": opts.get("include_usage")},
+                         "stream_options.include_usage")
+
+
+def _job(body: dict, ids: list[int], max_tokens: int, limits: Limits, is_chat: bool) -> Job:
+    stream, usage = _stream(body)
+    return Job(ids, _params(body, max_tokens, len(ids), limits), stream, is_chat,
+               _stop(body), usage)
+
+
 def parse_completion(body: Any, codec: TextCodec, limits: Limits) -> Job:
     """Validate a /v1/completions body."""
     _check_common(body, limits)
     if "prompt" not in body:
         raise _bad("prompt", "is required")
     ids = _prompt_ids(body["prompt"], codec, limits)
-    max_tokens = _int(body, "max_tokens", 16)
-    return Job(ids, _params(body, max_tokens, len(ids), limits), _bool(body, "stream"), False)
+    return _job(body, ids, _int(body, "max_tokens", 16), limits, False)
+
+
+def _content(i: int, content: Any) -> str:
+    """A message's content: a string, or an array of text parts (`{"type": "text", "text":
+    ...}`, as the openai SDK and LangChain send) joined by newlines; other parts (images,
+    audio) are refused since the served models read text only."""
+    if isinstance(content, str):
+        return _text(f"messages[{i}].content", content)
+    if not isinstance(content, list):
+        raise _bad(f"messages[{i}].content", f"must be a string or an array of text parts, "
+                                             f"got {show(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        param = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise _bad(param, f"only {{\"type\": \"text\", \"text\": ...}} parts are "
+                              f"supported, got {show(part)}")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{param}.text", f"must be a string, got {show(part.get('text'))}")
+        texts.append(_text(f"{param}.text", part["text"]))
+    return "\n".join(texts)
 
 
 def _messages(body: dict) -> list[dict[str, str]]:
@@ -214,12 +274,10 @@ def _messages(body: dict) -> list[dict[str, str]]:
         raise _bad("messages", f"must be a non-empty list of {{role, content}} objects, got "
                                f"{show(msgs)}")
     for i, m in enumerate(msgs):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise _bad(f"messages[{i}]", f"must be an object with string role and content, "
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            raise _bad(f"messages[{i}]", f"must be an object with a string role and a content, "
                                          f"got {show(m)}")
-    return [{"role": _text(f"messages[{i}].role", m["role"]),
-             "content": _text(f"messages[{i}].content", m["content"])}
+    return [{"role": _text(f"messages[{i}].role", m["role"]), "content": _content(i, m["content"])}
             for i, m in enumerate(msgs)]
 
 
@@ -232,5 +290,4 @@ def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:
                                f"available: use /v1/completions with token-id prompts")
     ids = _prompt_ids(codec.chat_prompt(msgs), codec, limits)
     given = _int(body, "max_completion_tokens", None) or _int(body, "max_tokens", None)
-    max_tokens = given or limits.context - len(ids)
-    return Job(ids, _params(body, max_tokens, len(ids), limits), _bool(body, "stream"), True)
+    return _job(body, ids, given or limits.context - len(ids), limits, True)

@@ -8,7 +8,8 @@ Contract with the HTTP side (any thread or event loop):
 - `submit(prompt_ids, params, loop)` → (request id, asyncio.Queue of `Update`s); raises
   `QueueFull` when `max_queue` requests already wait for admission, `Unavailable` when the
   server is stopping or the engine failed;
-- `abort(request_id)`: the request's updates stop and its KV pages are freed at the next turn;
+- `abort(request_id, stopped)`: the request's updates stop and its KV pages are freed at the
+  next turn;
 - `begin_drain()`: refuse new requests; `expire(message)`: end every open request with a 503
   error (the drain time ran out);
 - `stop(timeout_s)`: serve what was submitted, then end the thread (bounded wait);
@@ -116,11 +117,16 @@ class EngineWorker:
             self._cond.notify()
         return rid, queue
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int, stopped: bool = False) -> None:
+        """End a request early; `stopped`: it reached a stop string (counted as finished,
+        not as aborted)."""
         with self._cond:
             if self._clients.pop(request_id, None) is not None:
                 self._aborts.append(request_id)
-                self.counters.aborted += 1
+                if stopped:
+                    self.counters.finished += 1
+                else:
+                    self.counters.aborted += 1
                 self._cond.notify()
 
     def begin_drain(self) -> None:

@@ -44,7 +44,8 @@ from nanosched.runtime.requests import make_requests, poisson_arrivals
 def start_server(args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "nanosched.cli", "serve", "--model", args.model,
            "--weights", "random", "--schedule", args.schedule, "--port", str(args.port),
-           "--max-queue", "100000", "--device", "cuda"]
+           "--max-queue", "100000", "--device", "cuda",
+           "--served-model-name", args.model]  # requests name the model as given
     if args.dense_batch:
         cmd += ["--dense-batch", str(args.dense_batch)]
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(

@@ -517,8 +517,22 @@ def serve(
                                   "admission; past it requests get 429."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
-    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits "
-                                        "for open requests."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds (a float >= 0) "
+                                        "that SIGTERM or Ctrl-C gives open requests to finish; "
+                                        "then each open stream ends with an error event and "
+                                        "each other request gets a 503 JSON error."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="NANOSCHED_API_KEY",
+                                       help="Require 'Authorization: Bearer <key>' on the /v1/ "
+                                       "routes (401 without it), as vLLM's --api-key; "
+                                       "/health and /metrics stay open. Without it, binding "
+                                       "beyond loopback logs a warning."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model "
+                                                 "id clients send and /v1/models lists "
+                                                 "(default: the checkpoint folder's name, or "
+                                                 "the registered model name)."),
+    max_request_bytes: int = typer.Option(8 * 2**20, "--max-request-bytes", help="Largest "
+                                          "request body accepted, in bytes (default 8 MiB); "
+                                          "larger ones get 413 before they are read."),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs per batch bucket: 'auto' "
                                "(on with a GPU), 'on' or 'off' (eager launches)."),
     admission: str = typer.Option("use", "--admission", help=ADMISSION_HELP),
@@ -544,7 +558,8 @@ def serve(
                           dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
                           admission=admit, kv_dtype=kv_cache_dtype)
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
-                           drain_timeout_s=drain_timeout))
+                           drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
+                           api_key=api_key, served_model_name=served_model_name))
 
 
 def main() -> None:

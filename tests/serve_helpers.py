@@ -35,13 +35,14 @@ class ThreadServer:
     """`nanosched serve` in a background thread on a free loopback port."""
 
     def __init__(self, **kw) -> None:
-        self.model = kw["model"]
-        server_keys = {"host", "port", "max_queue", "drain_timeout_s"}
+        server_keys = {"host", "port", "max_queue", "drain_timeout_s", "max_request_bytes",
+                       "api_key", "served_model_name"}
         engine = EngineConfig(device="cpu", schedule="auto", graphs="auto",
                               **{k: v for k, v in kw.items() if k not in server_keys})
         self.server = build_server(ServeConfig(engine, **{k: v for k, v in kw.items()
                                                           if k in server_keys}))
         self.worker = self.server.nanosched_worker
+        self.model = self.server.nanosched_name  # the id requests name
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from nanosched.schedules.shipped import pick_shipped, shipped_schedules
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(DATA / "tiny_llama_config.json")
+NAME = "tiny_llama_config"  # the served model id: the config file's stem
 
 
 def test_a_schedule_for_another_model_stops_the_server_with_exit_2():
@@ -61,23 +63,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_the_open_stream_then_exits():
+def _start(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`nanosched serve` of the tiny config on a free loopback port, once /health answers."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "nanosched.cli", "serve", "--model", CONFIG,
-                             "--port", str(port), "--device", "cpu", "--dense-batch", "16"],
+                             "--port", str(port), "--device", "cpu", "--dense-batch", "16",
+                             *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not start: {proc.communicate()[0]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def test_sigterm_drains_the_open_stream_then_exits():
+    proc, url = _start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        body = {"model": CONFIG, "prompt": [3, 1, 4], "max_tokens": 300, "stream": True,
+        body = {"model": NAME, "prompt": [3, 1, 4], "max_tokens": 300, "stream": True,
                 "ignore_eos": True, "temperature": 0}
         ids, reason = [], None
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
@@ -97,3 +107,48 @@ def test_sigterm_drains_the_open_stream_then_exits():
             proc.kill()
         out = proc.communicate(timeout=10)[0]
     assert "Shutting down" in out and "Application shutdown complete" in out, out
+
+
+def test_when_the_drain_time_runs_out_open_requests_end_with_503(tmp_path):
+    proc, url = _start("--drain-timeout", "0.5")
+    body = {"model": NAME, "prompt": [3, 1, 4], "max_tokens": 500, "ignore_eos": True}
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as c:
+                async def streamed():
+                    events = []
+                    async with c.stream("POST", f"{url}/v1/completions",
+                                        json=body | {"stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            if line:
+                                events.append(line)
+                                if len(events) == 1:  # it runs: now stop the server
+                                    proc.send_signal(signal.SIGTERM)
+                    return events
+
+                return await asyncio.gather(streamed(), c.post(f"{url}/v1/completions",
+                                                               json=body))
+
+        t0 = time.monotonic()
+        events, whole = asyncio.run(main())
+        took = time.monotonic() - t0
+        assert whole.status_code == 503, whole.text
+        assert "--drain-timeout" in whole.json()["error"]["message"]
+        assert events[-1] == "data: [DONE]"
+        err = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert err["code"] == "unavailable" and "drain time" in err["message"]
+        assert len(events) < 400 and took < 10  # cut at the drain time, not served to the end
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate(timeout=10)[0]
+    assert "drain time ran out: 2 open requests ended with 503" in out, out
+    assert "Traceback" not in out, out
+
+
+def test_drain_timeout_is_a_float_and_negative_is_refused():
+    for bad in ("-1", "-0.5", "nan", "inf"):
+        r = CliRunner().invoke(app, ["serve", "--model", CONFIG, "--device", "cpu",
+                                     "--drain-timeout", bad])
+        assert r.exit_code == 2 and "--drain-timeout" in r.output, (bad, r.output)

@@ -21,7 +21,9 @@ to a request's output, in order, during post-processing. `abort(request_id)` end
 wherever it is: a waiting one leaves the queue (a swapped-out one's host copy is dropped); a
 running one is retired and its KV pages are freed at once. A token of it still in flight
 (async loop) is dropped when read back, as a token past EOS is. Aborted requests end with
-`finish_reason == "abort"` and are not in `finished`.
+`finish_reason == "abort"` and are not in `finished`. A request whose logits are not finite
+(NaN or +inf) cannot be sampled: it ends with `finish_reason == "error"` (pages freed, in
+`finished`) while the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -215,9 +217,10 @@ class Engine:
             logits = self.model.logits(self.ws, torch.tensor(rows, dtype=torch.int64, device=dev))
             temp = torch.tensor([r.params.temperature for r in samplers], device=dev)
             top_p = torch.tensor([r.params.top_p for r in samplers], device=dev)
-            tokens = sample(logits, temp, top_p, self.generator)
+            marked = sample(logits, temp, top_p, self.generator)  # -1: the row failed
+            tokens = marked.clamp_min(0)  # what a decode on the device may read as its input
         else:  # every entry is a prompt chunk that does not end its prompt
-            tokens = torch.empty(0, dtype=torch.int64, device=dev)
+            tokens = marked = torch.empty(0, dtype=torch.int64, device=dev)
         for e in batch.entries:
             if not e.is_decode:
                 e.request.num_prefilled += e.num_tokens
@@ -228,9 +231,9 @@ class Engine:
         self.stats.tokens += batch.num_tokens
         self.stats.batch_sizes.append(batch.num_tokens)
         if not self.is_cuda:
-            return _Launched(samplers, tokens, tokens, None)
+            return _Launched(samplers, tokens, marked, None)
         host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+        host.copy_(marked, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return _Launched(samplers, tokens, host, event)
@@ -245,6 +248,10 @@ class Engine:
             r.pending -= 1
             if r.finished:
                 continue  # ended with EOS one iteration ago; this token is past the end
+            if tok < 0:  # its logits were not finite: this request alone ends, in error
+                r.finish_reason, r.finished, r.finish_s = "error", True, now
+                ended.append(r)
+                continue
             r.output_ids.append(tok)
             if self.on_token is not None:
                 self.on_token(r, tok)

@@ -7,15 +7,20 @@ import torch
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token per row.
+    """Next token per row, or -1 for a row that cannot be sampled.
 
     logits [N, V] (any float dtype), temperature [N] (0 = greedy), top_p [N] in (0, 1].
-    Returns [N] int64 on the logits' device. Rows with temperature 0 take the argmax.
+    Returns [N] int64 on the logits' device. Rows with temperature 0 take the argmax. A row
+    whose logits hold NaN or +inf gives -1 (its request has failed; the caller ends it) and is
+    sampled as if uniform, so one bad row neither fails the batch's draw nor changes the draws
+    of the others. The check stays on the device: no synchronisation.
     """
+    bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+    logits = logits.masked_fill(bad.unsqueeze(1), 0.0)
     greedy = logits.argmax(dim=-1)
     is_random = temperature > 0
     if not bool(is_random.any()):
-        return greedy
+        return torch.where(bad, -1, greedy)
     scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)  # [N, V]
     probs = torch.softmax(scaled, dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -24,4 +29,4 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     sorted_p = sorted_p.masked_fill(before >= top_p.unsqueeze(1), 0.0)
     pick = torch.multinomial(sorted_p, 1, generator=generator).squeeze(1)  # [N]
     drawn = order.gather(1, pick.unsqueeze(1)).squeeze(1)
-    return torch.where(is_random, drawn, greedy)
+    return torch.where(bad, -1, torch.where(is_random, drawn, greedy))

@@ -4,11 +4,14 @@ Every refusal is an `ApiError` whose body is `{"error": {"message", "type", "par
 and whose message names the field, the value found and what is allowed. Accepted:
 - completions: `prompt` as text (needs a tokenizer) or a list of token ids (also wrapped in a
   one-element list); `max_tokens` (default 16);
-- chat: `messages` of `{"role", "content"}` strings; `max_tokens` or `max_completion_tokens`
-  (default: the rest of the context);
-- both: `model` (must be the served one), `temperature` (>= 0, default 1), `top_p` in (0, 1],
-  `stream`, `ignore_eos` (vLLM's extension). Fields this server cannot honour (`n` > 1,
-  `best_of` > 1, `echo`, `logprobs`, `stop`, a per-request `seed`) are refused, not ignored.
+- chat: `messages` of `{"role", "content"}`, content a string or an array of text parts;
+  `max_tokens` or `max_completion_tokens` (default: the rest of the context);
+- both: `model` (must be the served one), `temperature` (in [0, 2], default 1), `top_p` in (0, 1],
+  `stream`, `stream_options.include_usage`, `stop` (up to 4 strings), `ignore_eos` (vLLM's
+  extension). Fields this server cannot honour (`n` > 1, `best_of` > 1, `echo`, `logprobs`, a
+  per-request `seed`, `response_format` other than text, `tools` and functions, `logit_bias`,
+  penalties other than neutral, guided decoding) are refused with a 400 naming the field,
+  never silently ignored.
 """
 
 from __future__ import annotations
@@ -22,18 +25,27 @@ from nanosched.runtime.server.text import TextCodec
 
 # field -> the values accepted (anything else is refused as unsupported)
 UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
-               "logprobs": (None, False), "top_logprobs": (None, 0), "stop": (None, []),
-               "seed": (None,), "suffix": (None, "")}
+               "logprobs": (None, False), "top_logprobs": (None, 0),
+               "seed": (None,), "suffix": (None, ""),
+               "response_format": (None, {"type": "text"}), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "repetition_penalty": (None, 1), "min_tokens": (None, 0),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,)}
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
 class ApiError(Exception):
     """An OpenAI-style error: HTTP status, message, type, the field at fault and a code."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = \
             status, message, param, code, kind
+        self.headers = headers or {}  # e.g. Retry-After on 429, WWW-Authenticate on 401
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -48,6 +60,8 @@ class Job:
     params: SamplingParams
     stream: bool
     is_chat: bool
+    stop: tuple[str, ...] = ()  # the text ends before the first of these
+    include_usage: bool = False  # a stream ends with a chunk carrying `usage`
 
 
 @dataclass(frozen=True)
@@ -59,8 +73,45 @@ class Limits:
     context: int
 
 
+MAX_NESTING = 32  # OpenAI bodies nest a handful of levels; deeper is refused before any work
+SHOW_CHARS = 80  # an echoed value is cut to this many characters
+
+
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def show(value: Any) -> str:
+    """`repr(value)` cut to SHOW_CHARS, for error messages (a body may be megabytes)."""
+    if isinstance(value, (list, dict)) and len(value) > SHOW_CHARS:
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= SHOW_CHARS else text[:SHOW_CHARS] + "..."
+
+
+def check_nesting(body: Any) -> None:
+    """Refuse bodies nested deeper than MAX_NESTING (walked without recursion): deep nesting
+    serves no OpenAI field and would exhaust the stack of code that recurses over it."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (list, dict)):
+            if depth > MAX_NESTING:
+                raise ApiError(400, f"the request body nests more than {MAX_NESTING} levels of "
+                                    f"arrays and objects", code="invalid_body")
+            stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict)
+                                                else value)]
+
+
+def _text(param: str, value: str) -> str:
+    """`value` if it is valid Unicode; a lone surrogate (JSON "\\ud800") cannot be encoded
+    to UTF-8, so the tokenizer and the response writer would fail on it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(param, f"contains a lone UTF-16 surrogate at character {exc.start} "
+                          f"({value[exc.start]!a}); send valid Unicode text") from None
+    return value
 
 
 def _number(body: dict, key: str, default: float) -> float:
@@ -68,7 +119,7 @@ def _number(body: dict, key: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(key, f"must be a number, got {v!r}")
+        raise _bad(key, f"must be a number, got {show(v)}")
     return float(v)
 
 
@@ -77,7 +128,7 @@ def _int(body: dict, key: str, default: int | None) -> int | None:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise _bad(key, f"must be a positive integer, got {v!r}")
+        raise _bad(key, f"must be a positive integer, got {show(v)}")
     return v
 
 
@@ -86,7 +137,7 @@ def _bool(body: dict, key: str) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise _bad(key, f"must be true or false, got {v!r}")
+        raise _bad(key, f"must be true or false, got {show(v)}")
     return v
 
 
@@ -97,20 +148,21 @@ def _check_common(body: Any, limits: Limits) -> None:
     model = body.get("model")
     if not isinstance(model, str):
         raise _bad("model", f"must be the model's name as a string ({limits.name!r}), "
-                            f"got {model!r}")
+                            f"got {show(model)}")
     if model != limits.name:
-        raise ApiError(404, f"model: {model!r} is not served here; the served model is "
+        raise ApiError(404, f"model: {show(model)} is not served here; the served model is "
                             f"{limits.name!r}", param="model", code="model_not_found")
     for key, allowed in UNSUPPORTED.items():
         if key in body and body[key] not in allowed:
-            raise _bad(key, f"{body[key]!r} is not supported by this server (allowed: "
+            raise _bad(key, f"{show(body[key])} is not supported by this server (allowed: "
                             f"{', '.join(map(repr, allowed))})")
 
 
 def _params(body: dict, max_tokens: int, prompt_len: int, limits: Limits) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0)
-    if not temperature >= 0:
-        raise _bad("temperature", f"must be >= 0, got {temperature}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN and Infinity
+        raise _bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got "
+                                  f"{temperature}")
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise _bad("top_p", f"must be in (0, 1], got {top_p}")
@@ -131,7 +183,7 @@ def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits) -> list[int]:
         if not codec.has_tokenizer:
             raise _bad("prompt", f"model {limits.name!r} has no tokenizer: send the prompt as "
                                  f"a list of token ids")
-        ids = codec.encode(prompt)
+        ids = codec.encode(_text("prompt", prompt))
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in prompt):
         ids = prompt
@@ -149,27 +201,84 @@ def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits) -> list[int]:
     return ids
 
 
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's bound on stop strings; a sane length
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    """`stop`: a string or a list of at most MAX_STOPS non-empty strings."""
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not (isinstance(stops, list) and len(stops) <= MAX_STOPS
+            and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)):
+        raise _bad("stop", f"must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+                           f"{MAX_STOP_CHARS} characters, got {show(v)}")
+    return tuple(_text("stop", x) for x in stops)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(`stream`, `stream_options.include_usage`); stream_options needs stream true."""
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise _bad("stream_options", "is only allowed with \"stream\": true")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise _bad("stream_options", f"must be an object with only include_usage (true or "
+                                     f"false), got {show(opts)}")
+    return stream, _bool({"stream_options.include_usage": opts.get("include_usage")},
+                         "stream_options.include_usage")
+
+
+def _job(body: dict, ids: list[int], max_tokens: int, limits: Limits, is_chat: bool) -> Job:
+    stream, usage = _stream(body)
+    return Job(ids, _params(body, max_tokens, len(ids), limits), stream, is_chat,
+               _stop(body), usage)
+
+
 def parse_completion(body: Any, codec: TextCodec, limits: Limits) -> Job:
     """Validate a /v1/completions body."""
     _check_common(body, limits)
     if "prompt" not in body:
         raise _bad("prompt", "is required")
     ids = _prompt_ids(body["prompt"], codec, limits)
-    max_tokens = _int(body, "max_tokens", 16)
-    return Job(ids, _params(body, max_tokens, len(ids), limits), _bool(body, "stream"), False)
+    return _job(body, ids, _int(body, "max_tokens", 16), limits, False)
+
+
+def _content(i: int, content: Any) -> str:
+    """A message's content: a string, or an array of text parts (`{"type": "text", "text":
+    ...}`, as the openai SDK and LangChain send) joined by newlines; other parts (images,
+    audio) are refused since the served models read text only."""
+    if isinstance(content, str):
+        return _text(f"messages[{i}].content", content)
+    if not isinstance(content, list):
+        raise _bad(f"messages[{i}].content", f"must be a string or an array of text parts, "
+                                             f"got {show(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        param = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise _bad(param, f"only {{\"type\": \"text\", \"text\": ...}} parts are "
+                              f"supported, got {show(part)}")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{param}.text", f"must be a string, got {show(part.get('text'))}")
+        texts.append(_text(f"{param}.text", part["text"]))
+    return "\n".join(texts)
 
 
 def _messages(body: dict) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", f"must be a non-empty list of {{role, content}} objects, got "
-                               f"{msgs!r}")
+                               f"{show(msgs)}")
     for i, m in enumerate(msgs):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise _bad(f"messages[{i}]", f"must be an object with string role and content, "
-                                         f"got {m!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            raise _bad(f"messages[{i}]", f"must be an object with a string role and a content, "
+                                         f"got {show(m)}")
+    return [{"role": _text(f"messages[{i}].role", m["role"]), "content": _content(i, m["content"])}
+            for i, m in enumerate(msgs)]
 
 
 def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:
@@ -181,5 +290,4 @@ def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:
                                f"available: use /v1/completions with token-id prompts")
     ids = _prompt_ids(codec.chat_prompt(msgs), codec, limits)
     given = _int(body, "max_completion_tokens", None) or _int(body, "max_tokens", None)
-    max_tokens = given or limits.context - len(ids)
-    return Job(ids, _params(body, max_tokens, len(ids), limits), _bool(body, "stream"), True)
+    return _job(body, ids, given or limits.context - len(ids), limits, True)

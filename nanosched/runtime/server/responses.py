@@ -60,13 +60,26 @@ def completion_body(rid: str, model: str, is_chat: bool, text: str, ids: list[in
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if is_chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_len, "completion_tokens": len(ids),
-                      "total_tokens": prompt_len + len(ids)}}
+            "usage": usage(prompt_len, len(ids))}
+
+
+def usage(prompt_len: int, completion_len: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion_len,
+            "total_tokens": prompt_len + completion_len}
+
+
+def usage_event(rid: str, model: str, is_chat: bool, prompt_len: int,
+                completion_len: int) -> str:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return sse({"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
+                "created": int(time.time()), "model": model, "choices": [],
+                "usage": usage(prompt_len, completion_len)})
 
 
 def chunk_event(rid: str, model: str, is_chat: bool, text: str | None, ids: list[int],
-                finish_reason: str | None) -> str:
-    """One server-sent event of a stream (`text` None: the chat chunk naming the role)."""
+                finish_reason: str | None, with_usage: bool = False) -> str:
+    """One server-sent event of a stream (`text` None: the chat chunk naming the role);
+    `with_usage` adds `"usage": null`, as OpenAI does when the last chunk will carry it."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": ids,
                               "logprobs": None}
     if is_chat:
@@ -75,6 +88,8 @@ def chunk_event(rid: str, model: str, is_chat: bool, text: str | None, ids: list
         choice["text"] = text or ""
     body = {"id": rid, "object": "chat.completion.chunk" if is_chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
+    if with_usage:
+        body["usage"] = None
     return sse(body)
 
 

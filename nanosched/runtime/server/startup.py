@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec
@@ -21,6 +22,7 @@ from nanosched.runtime.loader import LoadedEngine, gpu_name, load_engine
 from nanosched.runtime.server.text import TextCodec
 
 log = logging.getLogger("nanosched.serve")
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # OpenAI bodies are small; a 128k-token prompt fits
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class ServeConfig:
     port: int = 8000
     max_queue: int = 256
     drain_timeout_s: float = 30.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    api_key: str | None = None  # /v1/ routes need "Authorization: Bearer <api_key>"
+    served_model_name: str | None = None  # default: default_model_name(--model)
 
 
 @dataclass
@@ -57,6 +62,30 @@ def _check_flags(cfg: ServeConfig) -> None:
         raise ConfigError(f"--port must be in 0..65535, got {cfg.port}")
     if cfg.max_queue < 1:
         raise ConfigError(f"--max-queue must be at least 1, got {cfg.max_queue}")
+    if not 0 <= cfg.drain_timeout_s < float("inf"):
+        raise ConfigError(f"--drain-timeout must be a finite number of seconds >= 0, got "
+                          f"{cfg.drain_timeout_s}")
+    if cfg.api_key is not None and not cfg.api_key.strip():
+        raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve "
+                          "without one")
+    if cfg.served_model_name is not None and not cfg.served_model_name.strip():
+        raise ConfigError("--served-model-name is empty: give a name, or leave the flag out to "
+                          "use the checkpoint folder's name")
+    if cfg.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be at least 1, got "
+                          f"{cfg.max_request_bytes}")
+
+
+def default_model_name(model: str) -> str:
+    """The model id clients send and /v1/models lists: a checkpoint folder's name (for
+    `.../config.json`, its folder's; for another JSON file, its stem), or the registered name.
+    Never an absolute path, which would leak the server's file layout and change per host."""
+    path = Path(model)
+    if path.is_dir():
+        return path.resolve().name
+    if path.is_file():
+        return path.resolve().parent.name if path.name == "config.json" else path.stem
+    return model
 
 
 def prepare(cfg: ServeConfig) -> Served:
@@ -67,5 +96,7 @@ def prepare(cfg: ServeConfig) -> Served:
     log.info("%s on %s: strategy %s, dense batch %d, %d KV pages of %d tokens, CUDA graphs %s",
              loaded.spec.name, gpu_name(loaded.model.device), loaded.choice.name,
              c.dense_batch, c.num_pages, c.page_size, c.graphs)
-    return Served(c.model, loaded.spec, loaded.engine, TextCodec.for_model(c.model),
+    name = cfg.served_model_name or default_model_name(c.model)
+    log.info("serving as model %r", name)
+    return Served(name, loaded.spec, loaded.engine, TextCodec.for_model(c.model),
                   loaded.choice.name, loaded)

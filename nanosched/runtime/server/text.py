@@ -78,3 +78,32 @@ class Detokenizer:
             return ""
         delta, self.text = text[len(self.text):], text
         return delta
+
+
+class StopText:
+    """Cuts streamed text before the first stop string. `push(delta)` returns the text that
+    is safe to emit: a tail that could still begin a stop string is held back until the next
+    delta settles it, so a stop split across tokens is never half-sent. `done` once a stop
+    string was found; `flush()` gives the held-back tail when the output ends otherwise."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.held = ""
+        self.done = False
+
+    def push(self, delta: str) -> str:
+        if self.done or not self.stops:
+            return "" if self.done else delta
+        text = self.held + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.done, self.held = True, ""
+            return text[:min(hits)]
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held

@@ -8,10 +8,15 @@ Contract with the HTTP side (any thread or event loop):
 - `submit(prompt_ids, params, loop)` → (request id, asyncio.Queue of `Update`s); raises
   `QueueFull` when `max_queue` requests already wait for admission, `Unavailable` when the
   server is stopping or the engine failed;
-- `abort(request_id)`: the request's updates stop and its KV pages are freed at the next turn;
+- `abort(request_id, stopped)`: the request's updates stop and its KV pages are freed at the
+  next turn;
+- `begin_drain()`: refuse new requests; `expire(message)`: end every open request with a 503
+  error (the drain time ran out);
 - `stop(timeout_s)`: serve what was submitted, then end the thread (bounded wait);
 - `snapshot()`: the figures /metrics reports.
-An exception in the engine fails every open request and marks the worker failed (/health 503).
+A request the engine ends with finish_reason "error" (logits not finite) gets an `Update` with
+that error; the others go on. An exception in the engine fails every open request and marks the
+worker failed (/health 503).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from nanosched.runtime.requests import Request, SamplingParams
 
 log = logging.getLogger("nanosched.serve")
 THROUGHPUT_WINDOW_S = 10.0
+SAMPLING_FAILED = ("sampling failed: the model's logits for this request are not finite (NaN or "
+                   "inf); the request was ended, other requests are unaffected")
 
 
 class QueueFull(Exception):
@@ -50,6 +57,7 @@ class Update:
     tokens: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 500  # the HTTP status of `error`
 
 
 @dataclass
@@ -109,12 +117,38 @@ class EngineWorker:
             self._cond.notify()
         return rid, queue
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int, stopped: bool = False) -> None:
+        """End a request early; `stopped`: it reached a stop string (counted as finished,
+        not as aborted)."""
         with self._cond:
             if self._clients.pop(request_id, None) is not None:
                 self._aborts.append(request_id)
-                self.counters.aborted += 1
+                if stopped:
+                    self.counters.finished += 1
+                else:
+                    self.counters.aborted += 1
                 self._cond.notify()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503) and let the open ones finish."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def expire(self, message: str) -> int:
+        """End every open request now: each client gets `message` with status 503 and the
+        engine aborts them (pages freed). Returns how many were open."""
+        with self._cond:
+            self._stopping = True
+            clients, self._clients = self._clients, {}
+            self._aborts += list(clients)
+            self.counters.aborted += len(clients)
+            self._cond.notify()
+        for client in clients.values():
+            _send(client, Update([], error=message, status=503))
+        if clients:
+            log.warning("drain time ran out: %d open requests ended with 503", len(clients))
+        return len(clients)
 
     def stop(self, timeout_s: float) -> bool:
         """Finish every submitted request, then end the thread; False if that took longer
@@ -124,7 +158,7 @@ class EngineWorker:
             self._cond.notify()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            log.warning("engine drain timed out after %.0f s with %d requests open",
+            log.warning("engine drain timed out after %.1f s with %d requests open",
                         timeout_s, len(self._clients))
         return not self._thread.is_alive()
 
@@ -174,6 +208,9 @@ class EngineWorker:
             self.engine.add_request(req)  # the HTTP side checked that it fits
         for rid in aborts:
             self.engine.abort(rid)
+        if aborts:  # no step may follow (nothing else to run): keep /metrics current
+            with self._cond:
+                self._num_running = len(self.engine.batcher.running)
         if self.engine.has_work:
             ended = self.engine.step()
             self._publish(ended)
@@ -198,7 +235,11 @@ class EngineWorker:
                 client = self._clients.get(rid)
                 if rid in reasons:
                     self._clients.pop(rid, None)
-                if client is not None:
+                if client is None:
+                    continue
+                if reasons.get(rid) == "error":
+                    _send(client, Update(tokens.get(rid, []), error=SAMPLING_FAILED))
+                else:
                     _send(client, Update(tokens.get(rid, []), reasons.get(rid)))
 
     def _fail(self, message: str) -> None:

@@ -57,3 +57,15 @@ def test_bench_reports_tokens_per_iteration_full_batches_and_preemptions(tmp_pat
         assert run_["preemptions"] == {"recomputed": 0, "swapped": 0, "swap_ins": 0,
                                        "recomputed_tokens": 0, "swapped_tokens": 0,
                                        "preemptions": 0}  # the CPU cache holds every request
+
+
+def test_bench_on_a_workload_smaller_than_its_full_batch(tmp_path):
+    """A few short requests size a small KV cache; the full-batch forward timed after the run
+    still fits (the cache is sized for both)."""
+    out = tmp_path / "b.json"
+    r = run("bench", "--model", CONFIG, "--input-len", "10", "--output-len", "5",
+            "--num-prompts", "3", "--device", "cpu", "--json", str(out))
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    run_ = next(iter(data["runs"].values()))
+    assert run_["forward_ms_full_batch"] > 0 and run_["forward_decode_tokens"] > 0

@@ -31,6 +31,7 @@ from nanosched.runtime.loader import (
     StrategyChoice,
     build_engine,
     choose_strategy,
+    kv_pages,
     load_model,
     resolve_dense_batch,
     resolve_device,
@@ -80,6 +81,13 @@ def summarize(reqs: list[Request], elapsed_s: float, tp: int, params: int,
         "latency_per_output_token_p99_s": float(np.percentile(per_token, 99)),
         "ttft_mean_s": float(ttft.mean()), "ttft_p99_s": float(np.percentile(ttft, 99)),
     }
+
+
+def forward_pages(dense: int, num_decode: int, context: int, prompt: int, page: int) -> int:
+    """KV pages `forward_ms` plans its full batch into: `num_decode` requests of `context`
+    cached tokens plus their next one, prompt chunks of at most `prompt` tokens, 8 spare."""
+    chunks = -(-(dense - num_decode) // max(1, prompt))
+    return num_decode * -(-(context + 1) // page) + -(-(dense - num_decode) // page) + chunks + 8
 
 
 def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: int,
@@ -230,6 +238,16 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
     warm_reqs = make_requests(cfg.workload, cfg.input_len, cfg.output_len, warm,
                               spec.vocab_size, spec.max_position_embeddings, seed + 1) \
         if warm else []
+    dense = run_cfg.dense_batch
+    n_dec = num_decode or dense // 3
+    prompt = cfg.input_len or 1024
+    context = prompt + (cfg.output_len or 512) // 2
+    if run_cfg.num_pages is None:  # room for the requests and for the full-batch forward after
+        args = (model, dense, run_cfg.page_size, run_cfg.mem_util)
+        forward = forward_pages(dense, n_dec, context, prompt, run_cfg.page_size)
+        run_cfg = replace(run_cfg, num_pages=max(
+            kv_pages(*args, reqs + warm_reqs, run_cfg.kv_dtype),
+            min(forward, kv_pages(*args, None, run_cfg.kv_dtype))))
     with build_engine(model, run_cfg, run.choice, requests=reqs + warm_reqs) as loaded:
         engine, dense = loaded.engine, loaded.config.dense_batch
         warm_graphs = None
@@ -243,11 +261,8 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
             bar = _progress(len(reqs), progress)
             elapsed = _drain(engine, reqs, bar)
             bar.close()
-            n_dec = num_decode or dense // 3
-            prompt = cfg.input_len or 1024
             fwd, n_dec, ctx = forward_ms(model, engine.ws, engine.strategy,
-                                         engine.backend.device, dense, n_dec,
-                                         prompt + (cfg.output_len or 512) // 2, prompt,
+                                         engine.backend.device, dense, n_dec, context, prompt,
                                          graphs=run.graphs)
         stats, batches = engine.stats, engine.batcher.report()
         pages = loaded.config.num_pages

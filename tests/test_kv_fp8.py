@@ -14,7 +14,8 @@ from nanosched.errors import ConfigError
 from nanosched.kernels import reference as ref
 from nanosched.kernels.common import FP8_MAX, PAGED, PIPELINED, PIPELINED_2W, DecodeConfig
 from nanosched.kernels.dispatch import KernelOptions, triton_available
-from nanosched.models.kvcache import KVCache, token_bytes
+from nanosched.models.kvcache import KVCache
+from nanosched.models.spec import ModelSpec
 
 interpret = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
@@ -56,7 +57,8 @@ def test_fp8_cache_layout_and_sizes():
     kv = KVCache(2, 5, 3, 16, torch.bfloat16, page_size=4, kv_dtype="fp8")
     assert kv.k.dtype == torch.float8_e4m3fn and kv.k_scale.shape == (2, 6, 4, 3)
     assert len(kv.page_tensors()) == 4 and all(t.shape[1] == 6 for t in kv.page_tensors())
-    assert kv.bytes_per_token == token_bytes(2, 3, 16, torch.bfloat16, "fp8") == 2 * 2 * 3 * 20
+    spec = ModelSpec("s", "llama", 48, 2, 3, 3, 16, 64, 100)
+    assert kv.bytes_per_token == spec.kv_bytes_per_token(kv_dtype="fp8") == 2 * 2 * 3 * 20
     layer = kv.layer(1)
     assert layer.k_scale.shape == (6, 4, 3)
     assert layer.scales["v_scale"].data_ptr() == kv.v_scale[1].data_ptr()

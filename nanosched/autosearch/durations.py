@@ -26,17 +26,21 @@ TICKS_PER_US = 1
 FULL_SHARE = 1000
 
 
-class Mechanism(str, Enum):
-    """How a nano-op shares the GPU; the values are the profile's and the schedule's strings,
-    and a member compares, hashes and serialises as its value."""
+class _Valued(str, Enum):
+    """A member compares, hashes, formats and serialises as its value: the profile's and the
+    schedule's strings."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Mechanism(_Valued):
+    """How a nano-op shares the GPU."""
 
     FULL = "full"
     GREEN_CTX = "green_ctx"
     CTA_BOUND = "cta_bound"
     STREAM_PRIORITY = "stream_priority"
-
-    def __str__(self) -> str:
-        return str(self.value)
 
     @property
     def paired(self) -> bool:
@@ -45,14 +49,11 @@ class Mechanism(str, Enum):
         return self not in (Mechanism.FULL, Mechanism.GREEN_CTX)
 
 
-class Side(str, Enum):
+class Side(_Valued):
     """Which kernel of a measured R->P pair an option runs as."""
 
     COMPUTE = "compute"
     OTHER = "other"
-
-    def __str__(self) -> str:
-        return str(self.value)
 
     @property
     def mate(self) -> Side:

@@ -85,14 +85,6 @@ def check_kv_dtype(kv_dtype: str) -> str:
     return kv_dtype
 
 
-def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                kv_dtype: str = "auto") -> int:
-    """Bytes one token keeps in a cache of this shape, all layers, K and V (and FP8 scales)."""
-    if check_kv_dtype(kv_dtype) == "fp8":
-        return 2 * num_layers * num_kv_heads * (head_dim + 4)  # e4m3 values + an fp32 scale
-    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
-
-
 class KVCache:
     """Paged K/V storage for every layer plus the block table and length of each request."""
 

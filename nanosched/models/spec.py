@@ -115,10 +115,15 @@ class ModelSpec:
         layers = self.num_layers * self.params_per_layer(active)
         return self.num_embedding_params + layers + self.hidden_size + self.num_lm_head_params
 
-    def kv_bytes_per_token(self, tp: int = 1) -> int:
-        """Bytes of K and V one token keeps in the cache, all layers, on one of `tp` GPUs."""
+    def kv_bytes_per_token(self, tp: int = 1, kv_dtype: str = "auto",
+                           dtype_bytes: int | None = None) -> int:
+        """Bytes of K and V one token keeps in the cache, all layers, on one of `tp` GPUs:
+        `dtype_bytes` per value (default the spec's), or for an FP8 cache one byte per value
+        plus a 4-byte scale per (token, KV head) (models/kvcache.py)."""
         kv_heads = max(1, self.num_kv_heads // tp)
-        return 2 * kv_heads * self.head_dim * self.dtype_bytes * self.num_layers
+        if kv_dtype == "fp8":
+            return 2 * kv_heads * (self.head_dim + 4) * self.num_layers
+        return 2 * kv_heads * self.head_dim * (dtype_bytes or self.dtype_bytes) * self.num_layers
 
     def check_tp(self, tp: int) -> None:
         """Raise ConfigError unless the model can be sharded `tp` ways."""

@@ -167,8 +167,8 @@ def _measure(loop: _Loop) -> None:
                   if i.name in PARTITION_MEMORY_IMPLS]
         return memory_pair_tasks(settings, num_sms, state.partitions, impls, MEMORY_PAIR_IMPL,
                                  lambda *a: best_impl(state, *a),
-                                 lambda t, c, s, m: best_at(state, "attn_decode", t, c, s, m,
-                                                            few_sm))
+                                 lambda t, c, s, m: best_impl(state, "attn_decode", t, s, m,
+                                                              few_sm, context=c))
 
     request = network_request(settings, backend, num_sms, impls, state)
     _run_tasks(loop, ktasks, pairs, request is not None)
@@ -227,22 +227,13 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-def best_at(state: RunState, op: str, tokens: int, context: int, sms: int, mechanism: str,
-            among: list[str] | None = None) -> str | None:
-    """The implementation of `op` (of `among` when given) fastest alone at (tokens, context,
-    sms, mechanism); None when none was measured there."""
-    rows = [row for key, row in state.kernels.items()
-            if key[:5] == (op, tokens, context, sms, mechanism)
-            and (among is None or row.impl in among)]
-    return min(rows, key=lambda r: r.time_us).impl if rows else None
-
-
 def best_impl(state: RunState, op: str, tokens: int, sms: int, mechanism: str,
-              among: list[str] | None = None) -> str | None:
+              among: list[str] | None = None, context: int | None = None) -> str | None:
     """The implementation of `op` fastest alone at (tokens, sms, mechanism), of `among` when
-    given (any context); None when no such row was measured."""
+    given, at `context` when given (else any); None when no such row was measured."""
     rows = [row for key, row in state.kernels.items()
             if key[0] == op and key[1] == tokens and key[3] == sms and key[4] == mechanism
+            and (context is None or key[2] == context)
             and (among is None or row.impl in among)]
     return min(rows, key=lambda r: r.time_us).impl if rows else None
 
@@ -270,8 +261,8 @@ def _pair(loop: _Loop, task: PairTask) -> None:
     try:
         best_c = best_impl(state, task.compute_op, task.tokens, full, "full")
         alone_c = best_c and _alone(loop, task.compute_op, best_c, task.tokens, 0)
-        best_o = best_at(state, task.other_op, task.tokens, task.context, full, "full") \
-            or task.other_impl
+        best_o = best_impl(state, task.other_op, task.tokens, full, "full",
+                           context=task.context) or task.other_impl
         alone_o = _alone(loop, task.other_op, best_o, task.tokens, task.context)
         if not alone_c or not alone_o:
             state.skipped[str(task.key)] = "a kernel of the pair has no full-GPU row"

@@ -31,7 +31,6 @@ from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.checkpoint import checkpoint_folder, eos_ids, load_checkpoint
-from nanosched.models.kvcache import token_bytes
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel
 from nanosched.models.spec import ModelSpec, load_spec
@@ -92,8 +91,8 @@ def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
     requests could ever need, at most 1 GiB). Unknown requests (None, a server): all the GPU
     memory left, or on the CPU room for 64 requests of the model's full context."""
     spec = model.spec
-    page_bytes = page_size * token_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                         model.dtype, kv_dtype)
+    page_bytes = page_size * spec.kv_bytes_per_token(kv_dtype=kv_dtype,
+                                                     dtype_bytes=model.dtype.itemsize)
     peaks = [r.peak_tokens for r in requests] if requests is not None else \
         [spec.max_position_embeddings] * 64
     need = sum(-(-p // page_size) + 1 for p in peaks)

@@ -237,7 +237,9 @@ def generate(
 def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> None:
     res = run["results"]
     typer.echo(f"[{name}] strategy {run['strategy']}: {run['iterations']} iterations "
-               f"({run['fallbacks']} fell back to sequential), {res['requests']} requests, "
+               f"({run['pipelined_iterations']} pipelined, {run['sequential_iterations']} "
+               f"sequential by the strategy's decision, {run['no_entry_iterations']} with no "
+               f"entry: fallback), {res['requests']} requests, "
                f"{res['prompt_tokens']} prompt + {res['output_tokens']} output tokens in "
                f"{res['elapsed_s']:.2f} s")
     typer.echo(f"  throughput {res['tokens_per_s']:.1f} tokens/s "
@@ -269,6 +271,19 @@ def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> Non
     if "predicted_period_us" in run:
         line += f" (schedule predicted {run['predicted_period_us']:.0f} us)"
     typer.echo(line)
+    for row in run.get("shapes", []):
+        if "forward_ms" not in row and "entry" not in row:
+            continue
+        text = f"  shape D={row['num_decode']} T={row['num_tokens']}: {row['iterations']} " \
+               f"iterations"
+        if "entry" in row:
+            text += f", entry {row['entry']}"
+            if row["entry"] != "none":
+                text += f" (key {row['key'][0]},{row['key'][1]}: predicted " \
+                        f"{row['key_forward_ms']:.2f} ms)"
+        if "forward_ms" in row:
+            text += f", measured {row['forward_ms']:.2f} ms"
+        typer.echo(text)
 
 
 ADMISSION_HELP = (
@@ -452,7 +467,16 @@ def search(
     workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise."),
     dense_batch: str = typer.Option("auto", "--dense-batch", help="Tokens per iteration "
                                     "(multiple of 128) or 'auto'."),
-    time_limit: float = typer.Option(60.0, "--time-limit", help="Solver seconds, both stages."),
+    time_limit: float | None = typer.Option(None, "--time-limit", help="Solver seconds for the "
+                                            "whole search (default 240 for every batch shape, "
+                                            "60 with --buckets dense)."),
+    buckets: str = typer.Option("all", "--buckets", help="'all': an entry for every batch "
+                                "shape the engine runs (D decode of T rows, multiples of 128 "
+                                "up to the dense batch), so ramp and tail batches have one "
+                                "too; 'dense': only the steady state's full batch."),
+    min_gain: float | None = typer.Option(None, "--min-gain", help="Keep a pipeline only where "
+                                          "it predicts at least this gain over Sequential "
+                                          "(default 1.05); elsewhere the set says sequential."),
     workers: int = typer.Option(2, "--workers", help="CP-SAT worker threads."),
     max_nano_ops: int = typer.Option(4, "--max-nano-ops", help="Most nano-ops per op."),
     max_period_us: float | None = typer.Option(None, "--max-period-us", help="Refuse layer "
@@ -466,32 +490,67 @@ def search(
                                        "will run on: picks (or checks) a profile measured on "
                                        "it ('auto' = the model's dtype, 'fp8')."),
 ) -> None:
-    """Search a nano-batch pipeline (two-stage CP-SAT) and write the JSON schedule."""
+    """Search nano-batch pipelines (two-stage CP-SAT) and write them as a schedule set.
+
+    Each batch shape (D decode rows of T rows) gets an entry: a searched pipeline where it
+    predicts at least --min-gain over Sequential, else 'sequential' with the reason (a bound
+    shows no schedule can gain there, or the best one found does not). The pipeline table is
+    the steady state's: stream, issue order (#), layer offset k (the nano-op of layer l - k is
+    issued in period l), tokens, predicted start and duration, share R of the GPU and the
+    performance P it keeps there, the allocation (mechanism:SMs or CTAs) and dependencies.
+    Ctrl-C stops the search and writes nothing."""
     from nanosched.autosearch.search import search_and_save
 
-    search_and_save(model=model, tp=tp, profile=profile, gpu=gpu, workload=workload,
-                    input_len=input_len, output_len=output_len, dense_batch=dense_batch,
-                    time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
-                    max_period_us=max_period_us, out=out, echo=typer.echo,
-                    print_table=print_table, command=" ".join(["nanosched", *sys.argv[1:]]),
-                    allow_unsettled=allow_unsettled, kv_dtype=kv_cache_dtype)
+    try:
+        search_and_save(model=model, tp=tp, profile=profile, gpu=gpu, workload=workload,
+                        input_len=input_len, output_len=output_len, dense_batch=dense_batch,
+                        time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
+                        max_period_us=max_period_us, out=out, echo=typer.echo,
+                        print_table=print_table,
+                        command=" ".join(["nanosched", *sys.argv[1:]]),
+                        allow_unsettled=allow_unsettled, kv_dtype=kv_cache_dtype,
+                        buckets=buckets, min_gain=min_gain)
+    except KeyboardInterrupt:
+        typer.echo("search interrupted: no schedule written (an earlier file is untouched)",
+                   err=True)
+        raise typer.Exit(code=130) from None
 
 
 @app.command()
 @reports_errors
 def show(
-    file: str = typer.Argument(..., help="Schedule JSON written by `nanosched search`."),
-    plot: str | None = typer.Option(None, "--plot", help="Also draw a Gantt chart (PNG)."),
+    file: str = typer.Argument(..., help="Schedule JSON written by `nanosched search` (a set, "
+                               "or a single schedule)."),
+    key: str | None = typer.Option(None, "--key", help="D,T: show the pipeline of that entry "
+                                   "of a set (default: the table of every entry)."),
+    plot: str | None = typer.Option(None, "--plot", help="Also draw a Gantt chart (PNG) of the "
+                                    "entry --key names, else of the steady state's."),
 ) -> None:
-    """Print a schedule's pipeline and prediction; optionally draw it per stream."""
-    from nanosched.schedules.format import load_schedule
-    from nanosched.schedules.show import PIPELINE_COLUMNS, pipeline_rows, plot_gantt, summary_lines
+    """Print a schedule set's entries (batch shape, decision, predicted gain), or one entry's
+    pipeline and prediction; optionally draw a pipeline per stream."""
+    from nanosched.schedules.sets import SINGLE_FORMAT, entry_schedule, load_schedule_set
+    from nanosched.schedules.show import (
+        PIPELINE_COLUMNS,
+        SET_COLUMNS,
+        pipeline_rows,
+        plot_gantt,
+        set_rows,
+        set_summary_lines,
+        summary_lines,
+    )
 
-    sched = load_schedule(file)
-    print_table(pipeline_rows(sched), PIPELINE_COLUMNS)
-    for line in summary_lines(sched):
-        typer.echo(line)
+    sset = load_schedule_set(file)
+    if key is not None or sset.source_format == SINGLE_FORMAT:
+        sched = entry_schedule(sset, key)
+        print_table(pipeline_rows(sched), PIPELINE_COLUMNS)
+        for line in summary_lines(sched):
+            typer.echo(line)
+    else:
+        print_table(set_rows(sset), SET_COLUMNS)
+        for line in set_summary_lines(sset):
+            typer.echo(line)
     if plot:
+        sched = entry_schedule(sset, key)
         plot_gantt(sched, plot)
         typer.echo(f"chart written to {plot}")
 

@@ -20,7 +20,7 @@ from nanosched.runtime import loader
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.requests import Request, SamplingParams
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
-from nanosched.runtime.strategies.replay import Replay
+from nanosched.runtime.strategies.replay_set import ReplaySet
 
 SCHEDULE = str(DATA / "tiny_llama_schedule.json")  # tiny, tp=1, dense batch 256, synthetic-h100
 
@@ -75,7 +75,7 @@ def test_schedule_strategies(config_only):
     auto = choose("auto")  # nothing is shipped for this tiny model
     assert isinstance(auto.strategy, Sequential) and auto.schedule is None
     forced = choose(SCHEDULE, force=True)
-    assert isinstance(forced.strategy, Replay) and forced.dense_batch == 256
+    assert isinstance(forced.strategy, ReplaySet) and forced.dense_batch == 256
     assert "gpu" in [r.split(":")[0] for r in forced.forced_past]
     assert forced.name == f"replay:{SCHEDULE}"
 
@@ -99,7 +99,7 @@ def test_forced_schedule_replays_with_its_dense_batch(config_only):
     with loader.load_engine(EngineConfig(model=config_only, device="cpu", schedule=SCHEDULE,
                                          force=True, graphs="auto")) as loaded:
         assert loaded.config.dense_batch == 256 and loaded.config.graphs == "off"
-        assert isinstance(loaded.engine.strategy, Replay)
+        assert isinstance(loaded.engine.strategy, ReplaySet)
         assert loaded.config.eos_ids == frozenset()  # the config.json names none
         assert loaded.config.max_context is None  # unknown requests: the model's positions
         assert loaded.engine.batcher.max_context == 512

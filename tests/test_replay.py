@@ -122,7 +122,11 @@ def test_bench_compare_on_the_cpu_reports_both_runs_and_the_ratio(tmp_path):
 
     data = json.loads(out.read_text())
     assert set(data["runs"]) == {"sequential", "schedule"}
-    assert data["runs"]["schedule"]["fallbacks"] < data["runs"]["schedule"]["iterations"]
+    run = data["runs"]["schedule"]
+    assert 0 < run["pipelined_iterations"] and run["sequential_iterations"] == 0
+    assert run["pipelined_iterations"] + run["no_entry_iterations"] == run["iterations"]
+    assert run["set_entries"] == 1 and run["schedule_format"] == "nanosched.schedule/1"
+    assert sum(row["iterations"] for row in run["shapes"]) <= run["iterations"]
     assert data["ratio"]["tokens_per_s"] > 0
     seq, sched = (data["runs"][k]["results"]["output_tokens"] for k in ("sequential", "schedule"))
     assert seq == sched == 12 * 8

@@ -12,7 +12,7 @@ from nanosched.workloads import fixed
 
 runner = CliRunner()
 SMALL = ["--model", "llama3-8b", "--dense-batch", "256", "--input-len", "1024",
-         "--output-len", "512", "--time-limit", "2", "--workers", "1"]
+         "--output-len", "512", "--time-limit", "2", "--workers", "1", "--buckets", "dense"]
 BURSTS_OK = "--allow-unsettled"
 
 
@@ -29,11 +29,38 @@ def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     assert "stage I:" in r.output and "stage II:" in r.output and "predicted speedup" in r.output
     assert "% of optimal" in r.output
     data = json.loads(out.read_text())
-    assert data["format"] == "nanosched.schedule/1" and data["tp"] == 1
+    assert data["format"] == "nanosched.schedule/2" and data["tp"] == 1
+    assert [(e["num_decode"], e["num_tokens"]) for e in data["entries"]] == [(128, 256)]
+    assert data["entries"][0]["schedule"] is not None  # kept for show, whatever it predicts
     png = tmp_path / "s.png"
     r = run("show", str(out), "--plot", str(png))
     assert r.exit_code == 0, r.output
-    assert "kqv.0" in r.output and png.stat().st_size > 1000
+    assert "1 pipelined" in r.output or "NO GAIN" in r.output
+    assert png.stat().st_size > 1000
+    r = run("show", str(out), "--key", "128,256")
+    assert r.exit_code == 0 and "kqv.0" in r.output, r.output
+
+
+def test_a_set_for_every_batch_shape_is_written_and_shown(tmp_path):
+    out = tmp_path / "set.json"
+    args = [a for a in SMALL if a not in ("--buckets", "dense")]
+    r = run("search", *args, "--time-limit", "6", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    keys = sorted((e["num_decode"], e["num_tokens"]) for e in data["entries"])
+    assert keys == [(0, 128), (0, 256), (128, 128), (128, 256), (256, 256)]
+    assert "5 batch shapes" in r.output and "too small" in r.output
+    r = run("show", str(out))
+    assert r.exit_code == 0 and "T rows" in r.output and "fewer than two" in r.output
+    r = run("show", str(out), "--key", "0,128")
+    assert r.exit_code == 2 and "runs Sequential at D=0, T=128" in r.output
+
+
+def test_search_refuses_an_output_path_it_cannot_write_before_searching(tmp_path):
+    r = run("search", *SMALL, "--out", str(tmp_path))
+    assert r.exit_code == 2 and "is a directory" in r.output and "stage I" not in r.output
+    r = run("search", *SMALL, "--out", str(tmp_path / "nope" / "s.json"))
+    assert r.exit_code == 2 and "does not exist" in r.output
 
 
 def test_a_profile_with_pairs_timed_in_bursts_is_refused_unless_allowed(tmp_path):

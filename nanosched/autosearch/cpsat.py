@@ -1,12 +1,23 @@
 """Shared CP-SAT plumbing: solving with limits, a progress callback, the stage report.
 
 OR-Tools is imported inside the functions, so importing this module never needs it.
+
+Ctrl-C. CP-SAT catches SIGINT itself by default and only ends the current solve, so a search
+made of many solves would go on and write a file. `solve` turns that off: on the main thread it
+routes signals to a pipe (`signal.set_wakeup_fd`), a watcher thread stops the solver at once on
+SIGINT, and Python's own handler then raises KeyboardInterrupt in the caller when the solve
+returns, so the whole search stops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +68,37 @@ def _callback_class() -> type:
     return ProgressCallback
 
 
+@contextlib.contextmanager
+def _stop_on_sigint(solver: Any) -> Iterator[None]:
+    """While inside, SIGINT stops `solver` (then KeyboardInterrupt follows in the main thread);
+    a no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    solver.parameters.catch_sigint_signal = False
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if select.select([r], [], [], 0.1)[0] and signal.SIGINT in os.read(r, 64):
+                solver.stop_search()
+                return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(old)
+        thread.join()
+        os.close(r)
+        os.close(w)
+
+
 def solve(model: Any, stage: str, limits: Limits, progress: Progress | None,
           stall_s: float | None = None, subsolvers: tuple[str, ...] = ()
           ) -> tuple[Any, StageReport, bool]:
@@ -91,7 +133,8 @@ def solve(model: Any, stage: str, limits: Limits, progress: Progress | None,
 
         threading.Thread(target=watch, daemon=True).start()
     try:
-        status = solver.solve(model, callback)
+        with _stop_on_sigint(solver):
+            status = solver.solve(model, callback)
     finally:
         done.set()
     wall = time.perf_counter() - start

@@ -58,6 +58,8 @@ class SearchConfig:
     max_period_us: float | None = None
     command: str = ""
     deterministic: bool = False  # time limit in CP-SAT deterministic units: reproducible (tests)
+    num_decode: int | None = None  # decode tokens of the batch (default: the workload's mix)
+    counts: dict[str, int] | None = None  # nano-ops per op to start from (default: 2 each)
 
 
 def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
@@ -68,6 +70,15 @@ def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
     num_decode = min(dense_batch, round(mix.num_decode / TOKEN_QUANTUM) * TOKEN_QUANTUM)
     return BatchInfo(dense_batch, num_decode, max(1, round(workload.input_len)),
                      mix.decode_context, mix.prefill_context, workload.name)
+
+
+def search_batch(cfg: SearchConfig) -> BatchInfo:
+    """The batch searched: the workload's steady mix at the dense batch, or `num_decode`
+    decode tokens when given (the contexts stay the workload's)."""
+    batch = batch_info(cfg.workload, cfg.dense_batch)
+    if cfg.num_decode is None:
+        return batch
+    return replace(batch, num_decode=cfg.num_decode)
 
 
 def _check_config(cfg: SearchConfig) -> None:
@@ -157,12 +168,14 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
 
     _check_config(cfg)
     deadline = time.perf_counter() + cfg.time_limit_s
-    batch = batch_info(cfg.workload, cfg.dense_batch)
+    batch = search_batch(cfg)
     mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
     graph = layer_graph(cfg.spec, cfg.tp)
     cap = round(cfg.max_period_us * TICKS_PER_US) if cfg.max_period_us else None
-    prob = Stage1Problem(graph, mix, _tables(cfg, graph, batch),
-                         dict.fromkeys((o.name for o in graph.ops), 2), cap)
+    q = batch.dense_batch // TOKEN_QUANTUM
+    counts = {o.name: min(max(2, (cfg.counts or {}).get(o.name, 2)), cfg.max_nano_ops, q)
+              for o in graph.ops}
+    prob = Stage1Problem(graph, mix, _tables(cfg, graph, batch), counts, cap)
     structure, rep1 = search_structure(prob, STAGE1_SHARE * cfg.time_limit_s, cfg.num_workers,
                                        cfg.max_nano_ops, progress, cfg.deterministic)
     if structure is None:
@@ -200,24 +213,67 @@ def default_out(spec: ModelSpec, tp: int, gpu: str, workload: Workload, batch: i
     return f"{spec.name}_tp{tp}_{gpu_key}_{workload.name}_b{batch}.schedule.json"
 
 
+BUCKETS = ("all", "dense")
+DEFAULT_TIME_LIMIT = {"all": 240.0, "dense": 60.0}
+
+
+def check_out_path(path: str) -> None:
+    """Refuse an output path that cannot be written, before any work: a directory, a missing
+    or unwritable folder."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--out {path} is a directory; give a file name (e.g. "
+                          f"{p / 'schedule.json'})")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"--out {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {path}: folder {parent} is not writable")
+
+
 def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str | None,
                     workload: str | None, input_len: float | None, output_len: float | None,
-                    dense_batch: str, time_limit: float, workers: int, max_nano_ops: int,
-                    max_period_us: float | None, out: str | None, echo: Progress,
-                    print_table: object, command: str = "",
-                    allow_unsettled: bool = False, kv_dtype: str = "auto") -> Schedule:
-    """What `nanosched search` does: resolve, search with live progress, report, write.
+                    dense_batch: str, time_limit: float | None, workers: int,
+                    max_nano_ops: int, max_period_us: float | None, out: str | None,
+                    echo: Progress, print_table: object, command: str = "",
+                    allow_unsettled: bool = False, kv_dtype: str = "auto",
+                    buckets: str = "all", min_gain: float | None = None) -> object:
+    """What `nanosched search` does: resolve, search a schedule set with live progress (every
+    batch shape, or with `buckets="dense"` only the steady state's), report, write.
 
     A measured profile whose pairs were timed in bursts is refused (its R->P points overstate
-    overlap under the power cap) unless `allow_unsettled`."""
+    overlap under the power cap) unless `allow_unsettled`. Ctrl-C stops the search with
+    KeyboardInterrupt and writes nothing."""
     from nanosched.autosearch.request import resolve
+    from nanosched.autosearch.sets import MIN_GAIN, SetSearchConfig, search_set
     from nanosched.autosearch.synthetic import context_grid, synthetic_profile
     from nanosched.hardware import get_gpu
     from nanosched.models.spec import load_spec
-    from nanosched.schedules.format import save_schedule
-    from nanosched.schedules.show import PIPELINE_COLUMNS, pipeline_rows, summary_lines
+    from nanosched.schedules.sets import save_schedule_set
+    from nanosched.schedules.show import (
+        PIPELINE_COLUMNS,
+        SET_COLUMNS,
+        pipeline_rows,
+        set_rows,
+        set_summary_lines,
+        summary_lines,
+    )
     from nanosched.workloads import resolve_workload
 
+    if buckets not in BUCKETS:
+        raise ConfigError(f"--buckets must be one of {', '.join(BUCKETS)}, got {buckets!r}")
+    limit = DEFAULT_TIME_LIMIT[buckets] if time_limit is None else time_limit
+    gain = MIN_GAIN if min_gain is None else min_gain
+    if not gain >= 1.0:
+        raise ConfigError(f"--min-gain must be at least 1.0, got {gain}")
+    if not limit > 0 or workers < 1 or max_nano_ops < 2:
+        raise ConfigError("--time-limit must be > 0, --workers >= 1 and --max-nano-ops >= 2; "
+                          f"got {limit}, {workers}, {max_nano_ops}")
+    if out is not None:
+        check_out_path(out)
     spec = load_spec(model)
     wl = resolve_workload(workload, input_len, output_len)
     choice = resolve(spec, tp, profile, gpu, wl, dense_batch, kv_dtype=kv_dtype)
@@ -229,7 +285,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
         b = batch_info(wl, choice.dense_batch)
         prof = synthetic_profile(spec, get_gpu(gpu or "h100"), choice.tp, choice.dense_batch,
                                  context_grid(b.decode_context, b.prompt_len))
-    cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, time_limit, workers,
+    cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, limit, workers,
                        max_nano_ops, max_period_us, command)
     why = measured.unsettled() if measured is not None else None
     if why and not allow_unsettled:
@@ -239,15 +295,37 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
                            f"or pass --allow-unsettled to search on it anyway")
     if why:
         echo(f"WARNING: {why}; searching on it because of --allow-unsettled")
-    echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, "
-         f"{time_limit:g} s, {workers} workers")
-    sched = run_search(cfg, echo)
-    print_table(pipeline_rows(sched), PIPELINE_COLUMNS)  # type: ignore[operator]
-    for line in summary_lines(sched):
+    path = out or default_out(spec, choice.tp, prof.identity.gpu_name, wl, choice.dense_batch)
+    if out is None:
+        check_out_path(path)
+    steady = search_batch(cfg)
+    keys = ((steady.num_decode, steady.dense_batch),) if buckets == "dense" else None
+    what = "the steady-state batch" if keys else "every batch shape"
+    echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, {what}, "
+         f"{limit:g} s, {workers} workers")
+    started = time.perf_counter()
+
+    def on_key(r: object, i: int, n: int) -> None:
+        e = r.entry  # type: ignore[attr-defined]
+        if r.how in ("small", "bounded") and keys is None:  # type: ignore[attr-defined]
+            return
+        elapsed = time.perf_counter() - started
+        echo(f"[{i}/{n}] D={e.num_decode} T={e.num_tokens}: {e.kind}, {e.reason} "
+             f"({r.wall_s:.1f} s; {elapsed:.0f} of {limit:g} s)")  # type: ignore[attr-defined]
+
+    sset = search_set(SetSearchConfig(cfg, gain, keys, bound=keys is None),
+                      echo if keys else None, on_key)
+    full = sset.full
+    if full is not None and full.schedule is not None:
+        print_table(pipeline_rows(full.schedule), PIPELINE_COLUMNS)  # type: ignore[operator]
+        for line in summary_lines(full.schedule):
+            echo(line)
+    if keys is None:
+        print_table(set_rows(sset), SET_COLUMNS)  # type: ignore[operator]
+    for line in set_summary_lines(sset):
         echo(line)
     if choice.profile is None:
         echo("WARNING: predicted from a SYNTHETIC profile, not measurements")
-    path = out or default_out(spec, choice.tp, prof.identity.gpu_name, wl, choice.dense_batch)
-    save_schedule(sched, path)
-    echo(f"schedule written to {path}")
-    return sched
+    save_schedule_set(sset, path)
+    echo(f"schedule set written to {path}")
+    return sset

@@ -538,6 +538,9 @@ def solve_stage1(prob: Stage1Problem, limits: Limits, progress: Progress | None 
     if limits.deterministic:
         first = replace(limits, time_limit_s=PHASE1_SHARE * limits.time_limit_s)
     solver, report, found = solve(m, "stage I", first, progress, stall_s=STALL_S)
+    if not found and hint is not None:  # out of time before CP-SAT took up the hint: keep it
+        return hint, replace(report, status="HINT", objective_us=hint.period / TICKS_PER_US,
+                             note="no solve finished in time: the heuristic structure")
     if not found:
         return None, report
     best = extract(prob, solver, v)

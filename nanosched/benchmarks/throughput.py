@@ -103,6 +103,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     from nanosched.runtime.graphs import BucketRunner
     from nanosched.runtime.modelprogram import model_program
     from nanosched.runtime.scheduler import run_program
+    from nanosched.runtime.strategies import Sequential
 
     page = ws.kv.page_size
     avail = ws.kv.allocator.num_free - (dense - num_decode) // page - 8  # pages for decodes
@@ -119,8 +120,9 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
         if runner is None:
             meta, segments, ids = plan_batch(ws, dense, num_decode, prompt, first_id)
             program = model_program(model, ws, meta, segments)
+            run = strategy.pick(program, num_decode) or Sequential()
             t0 = time.perf_counter()
-            run_program(program, strategy, Backend(device))
+            run_program(program, run, Backend(device))
         else:
             chunks = batch_chunks(dense, num_decode, prompt, first_id,
                                   decode_rows=round_up(num_decode, runner.align))
@@ -140,6 +142,38 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
 
 
 GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+TIMED_SHAPES = 3  # graphed runs time a forward at each of their most-run batch shapes
+
+
+def set_info(sset: Any, num_layers: int) -> dict[str, Any]:
+    """What a run records of the schedule set it replays: its size, and the predictions of the
+    entry of the steady state's full batch (`ScheduleSet.full`), whose mix every run's
+    full-batch forward is timed at."""
+    full = sset.full
+    info: dict[str, Any] = {"set_entries": len(sset.entries),
+                            "set_pipelines": len(sset.pipelines),
+                            "schedule_format": sset.source_format,
+                            "dense_batch": sset.dense_batch}
+    if full is not None:
+        info |= {"num_decode": full.num_decode,
+                 "predicted_period_us": full.forward_us / num_layers,
+                 "predicted_speedup": full.speedup}
+    return info
+
+
+def shape_report(stats: Any, sset: Any, top: int = 8) -> list[dict[str, Any]]:
+    """The batch shapes (D decode rows, T rows) the run ran most, with their count and, for a
+    set, the entry that ran them (kind, its key, the key's predicted forward time and gain)."""
+    rows = []
+    for (d, t), n in stats.shapes.most_common(top):
+        row: dict[str, Any] = {"num_decode": d, "num_tokens": t, "iterations": n}
+        if sset is not None:
+            e = sset.entry(d, t)
+            row |= {"entry": "none"} if e is None else \
+                {"entry": e.kind, "key": list(e.key), "key_forward_ms": e.forward_us / 1e3,
+                 "key_speedup": e.speedup}
+        rows.append(row)
+    return rows
 
 
 @dataclass
@@ -163,12 +197,8 @@ def _runs(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str) 
     for c in choices:
         info = {}
         if c.schedule is not None:
-            sched = c.schedule
             info = {"schedule": c.name.removeprefix("replay:"), "forced_past": c.forced_past,
-                    "dense_batch": sched.batch.dense_batch, "num_decode": sched.batch.num_decode,
-                    "predicted_period_us": sched.prediction.period_us,
-                    "predicted_tokens_per_s_per_gpu": sched.prediction.tokens_per_s,
-                    "predicted_speedup": sched.prediction.speedup}
+                    **set_info(c.schedule, spec.num_layers)}
         name = "schedule" if c.schedule is not None else c.name
         runs += [_Run(name + ("+graphs" if g else ""), c, info, g) for g in GRAPH_MODES[graphs]]
     return runs
@@ -264,6 +294,12 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
             fwd, n_dec, ctx = forward_ms(model, engine.ws, engine.strategy,
                                          engine.backend.device, dense, n_dec, context, prompt,
                                          graphs=run.graphs)
+            shapes = shape_report(engine.stats, run.choice.schedule
+                                  if hasattr(run.choice.schedule, "entries") else None)
+            for row in shapes[:TIMED_SHAPES] if run.graphs else ():
+                row["forward_ms"] = forward_ms(
+                    model, engine.ws, engine.strategy, engine.backend.device, row["num_tokens"],
+                    row["num_decode"], context, prompt, graphs=True)[0]
         stats, batches = engine.stats, engine.batcher.report()
         pages = loaded.config.num_pages
         graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
@@ -272,6 +308,9 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
         torch.cuda.empty_cache()
     out = {"strategy": run.choice.strategy.name, **run.info, "graphs": run.graphs,
            "kv_pages": pages, "iterations": stats.iterations, "fallbacks": stats.fallbacks,
+           "pipelined_iterations": stats.pipelined,
+           "sequential_iterations": stats.sequential, "no_entry_iterations": stats.fallbacks,
+           "shapes": shapes,
            "tokens_per_iteration": stats.tokens / max(1, stats.iterations), **batches,
            "forward_ms_full_batch": fwd, "forward_decode_tokens": n_dec,
            "forward_decode_context": ctx,

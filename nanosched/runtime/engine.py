@@ -3,7 +3,9 @@
 A fixed dense batch per iteration (decode first, chunked prefill after; see batcher.py, which
 also admits requests and preempts them when KV pages run out, as `config.admission` says). The
 model step goes through a scheduling strategy (`Sequential` by default; any `OpScheduler`), with
-a fallback strategy for batches the main one does not accept, counted in `stats`.
+a fallback strategy for batches the main one has nothing for (`OpScheduler.pick`: a schedule
+set without an entry for the batch's shape); `stats` counts iterations that ran a pipeline, ran
+sequentially by the strategy's decision, and fell back.
 
 Asynchronous loop. With `config.async_loop` the CPU forms and launches batch i+1 before it reads
 back batch i's tokens: a decode whose previous token is still on the device takes it from the
@@ -29,6 +31,7 @@ running one is retired and its KV pages are freed at once. A token of it still i
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +58,10 @@ from nanosched.runtime.strategies import Sequential
 class EngineStats:
     iterations: int = 0
     tokens: int = 0  # prompt + decode tokens processed
-    fallbacks: int = 0  # iterations the main strategy did not accept
+    fallbacks: int = 0  # iterations the strategy had nothing for (its fallback ran them)
+    pipelined: int = 0  # iterations a pipelining strategy ran (a replayed schedule, two_batch)
+    sequential: int = 0  # iterations the strategy ran one op after another (by its decision)
+    shapes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (D rows, T rows) run
     batch_sizes: list[int] = field(default_factory=list)
     # with time_forwards: (strategy name, forward time in ms) per iteration
     forward_ms: list[tuple[str, float]] = field(default_factory=list)
@@ -196,16 +202,22 @@ class Engine:
         timer = _ForwardTimer(self.is_cuda) if self.time_forwards else None
         if bucket is not None:
             entry = self.graphs.entry(bucket)
-            strategy = entry.strategy
+            strategy, fell_back = entry.strategy, entry.fell_back
             self.graphs.run(entry, seqs)
+            self.stats.shapes[(bucket.num_decode, bucket.num_tokens)] += 1
         else:
             if self.graphs:
                 self.graphs.stats.unbucketed += 1
             meta = BatchMeta.build(seqs, ws.kv.page_size, dev)
             program = model_program(self.model, ws, meta, segments)
-            strategy = self.strategy if self.strategy.accepts(program) else self.fallback
+            picked = self.strategy.pick(program, batch.num_decode)
+            strategy, fell_back = picked or self.fallback, picked is None
             run_program(program, strategy, self.backend, self.stream_configs)
-        self.stats.fallbacks += strategy is not self.strategy
+            self.stats.shapes[(batch.num_decode, batch.num_tokens)] += 1
+        self.stats.fallbacks += fell_back
+        if not fell_back:
+            self.stats.pipelined += strategy.pipelined
+            self.stats.sequential += not strategy.pipelined
         if timer:
             self.stats.forward_ms.append((strategy.name, timer.stop()))
         return self._sample(batch, rows)

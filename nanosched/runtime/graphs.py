@@ -2,10 +2,10 @@
 
 The engine asks the runner for a batch's bucket (models/bucket.py) and its entry, then runs the
 batch (its `SeqChunk`s, decode first). Per bucket the runner keeps a `BucketMeta`, the forward's
-`Program` over it, the strategy that runs it (the engine's, or its fallback when the engine's
-does not accept the bucket: a schedule replays only full batches) and a CUDA graph of that
-program run through the strategy on its streams (a multi-stream capture: each stream forks from
-and joins to the capture stream, as in an eager forward):
+`Program` over it, the strategy that runs it (what the engine's strategy `pick`s for the
+bucket's shape: itself, one entry of a schedule set, or None, and then the fallback) and a
+CUDA graph of that program run through the strategy on its streams (a multi-stream capture:
+each stream forks from and joins to the capture stream, as in an eager forward):
 
 - first batch of a bucket: the forward runs eagerly over the bucket's metadata (its
   result is this batch's; the run also compiles kernels and makes every slice the strategy
@@ -68,6 +68,7 @@ class _Entry:
     strategy: OpScheduler
     graph: Any = None
     error: str | None = None
+    fell_back: bool = False  # the engine's strategy had nothing for this bucket
 
 
 def bucket_segments(bucket: Bucket) -> list[tuple[int, int, bool]]:
@@ -80,8 +81,8 @@ def bucket_segments(bucket: Bucket) -> list[tuple[int, int, bool]]:
 
 
 class BucketRunner:
-    """Runs batches through `strategy`, or `fallback` for buckets whose program `strategy` does
-    not accept (decided once per bucket)."""
+    """Runs batches through what `strategy` picks for the bucket, or `fallback` when it picks
+    nothing (decided once per bucket)."""
 
     def __init__(self, model: Any, ws: Any, backend: Backend, strategy: OpScheduler, *,
                  align: int, max_pages: int, capture: bool, fallback: OpScheduler | None = None,
@@ -115,8 +116,9 @@ class BucketRunner:
             kv = self.ws.kv
             meta = BucketMeta(bucket, kv.page_size, kv.scratch_slot, self.model.device)
             program = model_program(self.model, self.ws, meta, bucket_segments(bucket))
-            strategy = self.strategy if self.strategy.accepts(program) else self.fallback
-            self._entries[bucket] = _Entry(meta, program, strategy)
+            picked = self.strategy.pick(program, bucket.num_decode)
+            self._entries[bucket] = _Entry(meta, program, picked or self.fallback,
+                                           fell_back=picked is None)
         return self._entries[bucket]
 
     def run(self, entry: _Entry, seqs: Sequence[SeqChunk]) -> None:

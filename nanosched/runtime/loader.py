@@ -6,8 +6,9 @@
 2. the strategy from `--schedule` (`choose_strategy`): sequential, two_batch (TokenWeave's
    wave-aware split, at the GPU's SM count), auto (the shipped schedule that matches this
    model, tp and GPU and predicts a gain, else Sequential, logged with the reason) or a
-   schedule FILE (checked with `check_compatible` before any weight loads; `force` replays it
-   anyway), replayed by `Replay`;
+   schedule FILE, a set or a single schedule (checked with `check_compatible` before any
+   weight loads; `force` replays it anyway), replayed by `ReplaySet`: per batch shape the
+   set's entry, a pipeline or Sequential, or the fallback where it has none;
 3. the model (`load_model`): bf16 on CUDA, fp32 on the CPU (where the Triton interpreter reads
    bf16 wrongly); seeded random weights or an HF checkpoint folder's (`resolve_weights`);
 4. `build_engine`: the replay's CUDA streams and green-context partitions (`ReplayStreams`),
@@ -129,21 +130,26 @@ def gpu_name(device: torch.device) -> str:
 
 @dataclass
 class StrategyChoice:
-    """The strategy `--schedule` named, and the schedule it replays (if any)."""
+    """The strategy `--schedule` named, and the schedule set (or, for the timeline tools, the
+    single schedule) it replays, if any."""
 
     strategy: OpScheduler
     name: str  # sequential | two_batch | replay:<file>
-    schedule: Any = None  # schedules.format.Schedule
+    schedule: Any = None  # schedules.sets.ScheduleSet (engines) or schedules.format.Schedule
     forced_past: list[str] = field(default_factory=list)  # mismatches `force` let through
 
     @property
     def dense_batch(self) -> int | None:
-        return self.schedule.batch.dense_batch if self.schedule is not None else None
+        s = self.schedule
+        if s is None:
+            return None
+        return s.dense_batch if hasattr(s, "entries") else s.batch.dense_batch
 
 
 def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> StrategyChoice:
-    """The strategy of `cfg.schedule` (sequential | two_batch | auto | FILE), a schedule
-    checked against this model, tp, GPU and KV cache dtype (refused unless `cfg.force`)."""
+    """The strategy of `cfg.schedule` (sequential | two_batch | auto | FILE): a schedule set
+    (or a single schedule, as a set of one entry) checked against this model, tp, GPU and KV
+    cache dtype (refused unless `cfg.force`), replayed by `ReplaySet`."""
     from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
     if cfg.schedule == "sequential":
@@ -152,7 +158,7 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
         sms = torch.cuda.get_device_properties(device).multi_processor_count \
             if device.type == "cuda" else DEFAULT_NUM_SMS
         return StrategyChoice(TwoBatchOverlap(num_sms=sms), "two_batch")
-    from nanosched.schedules.format import check_compatible, load_schedule
+    from nanosched.schedules.sets import check_set_compatible, load_schedule_set
 
     if cfg.schedule == "auto":
         from nanosched.schedules.shipped import pick_shipped
@@ -162,18 +168,28 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
             log.info("--schedule auto: running Sequential: %s", pick.reason)
             return StrategyChoice(Sequential(), "sequential")
         log.info("--schedule auto: replaying %s", pick.reason)
-        sched, where, forced = pick.schedule, str(pick.path), []
+        sset, where, forced = pick.schedule, str(pick.path), []
     else:
-        sched, where = load_schedule(cfg.schedule), cfg.schedule
-        forced = check_compatible(sched, spec, cfg.tp, gpu_name(device), force=cfg.force,
-                                  kv_dtype=cfg.kv_dtype)
+        sset, where = load_schedule_set(cfg.schedule), cfg.schedule
+        forced = check_set_compatible(sset, spec, cfg.tp, gpu_name(device), force=cfg.force,
+                                      kv_dtype=cfg.kv_dtype)
         log.info("replaying schedule %s", where)
-    return replay_choice(sched, where, spec, forced)
+    return set_choice(sset, where, spec, forced)
+
+
+def set_choice(sset: Any, where: str, spec: ModelSpec,
+               forced: list[str] | None = None) -> StrategyChoice:
+    """`ReplaySet` of a loaded (and checked) schedule set over `spec`'s layers."""
+    from nanosched.runtime.strategies.replay_set import ReplaySet
+
+    return StrategyChoice(ReplaySet(sset, spec.num_layers), f"replay:{where}", sset,
+                          forced or [])
 
 
 def replay_choice(sched: Any, where: str, spec: ModelSpec,
                   forced: list[str] | None = None) -> StrategyChoice:
-    """`Replay` of a loaded (and checked) schedule over `spec`'s layers."""
+    """`Replay` of one loaded (and checked) schedule over `spec`'s layers (the timeline
+    tools, which replay one batch shape)."""
     from nanosched.runtime.strategies.replay import Replay
 
     return StrategyChoice(Replay(sched, spec.num_layers), f"replay:{where}", sched,

@@ -219,10 +219,17 @@ class OpScheduler(ABC):
     """A scheduling strategy: subclasses implement `schedule(ctx)` with the API above."""
 
     name = "strategy"
+    pipelined = False  # whether it overlaps ops of a batch (counted apart in the engine's stats)
 
     def accepts(self, program: Program) -> bool:
         """Whether this strategy runs `program`; the engine falls back when it does not."""
         return True
+
+    def pick(self, program: Program, num_decode: int) -> OpScheduler | None:
+        """The strategy that runs `program` (its first `num_decode` rows are decode rows):
+        this one when it accepts it, else None (the engine's fallback runs it). A strategy
+        made of others (a schedule set) returns the one for this batch's shape."""
+        return self if self.accepts(program) else None
 
     @abstractmethod
     def schedule(self, ctx: SchedContext) -> None:

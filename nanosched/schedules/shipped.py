@@ -1,9 +1,11 @@
-"""The schedules shipped in `nanosched/schedules/shipped/`, and picking one for a setup.
+"""The schedule sets shipped in `nanosched/schedules/shipped/`, and picking one for a setup.
 
-`pick_shipped(spec, tp, gpu_name)` returns the first shipped schedule (by file name) that
-`check_compatible` accepts for that model, tp and GPU and that predicts a real gain over
-Sequential (at least MIN_SPEEDUP), or None with the reason none does, so that `--schedule auto`
-can say which schedule it replays or why it runs Sequential.
+`pick_shipped(spec, tp, gpu_name)` returns the first shipped file (by name) that
+`check_compatible` accepts for that model, tp, GPU and KV cache dtype and that predicts a real
+gain somewhere: a set (`nanosched.schedule/2`) with at least one pipeline entry (each entry was
+kept only where it predicts its set's `min_gain`), or a single schedule (`/1`) predicting at
+least MIN_SPEEDUP. Else None with the reason, so that `--schedule auto` can say which set it
+replays or why it runs Sequential.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from nanosched.errors import ScheduleError
-from nanosched.schedules.format import Schedule, check_compatible, load_schedule
+from nanosched.schedules.format import FORMAT as SINGLE_FORMAT
+from nanosched.schedules.sets import ScheduleSet, check_set_compatible, load_schedule_set
 
 SHIPPED_DIR = Path(__file__).with_name("shipped")
 # below this predicted gain a replay is not worth its risk: on an H200 the shipped Llama-3-8B
@@ -26,7 +29,7 @@ class Pick:
     """The outcome of `pick_shipped`: a schedule and its file, or the reason for none."""
 
     path: Path | None
-    schedule: Schedule | None
+    schedule: ScheduleSet | None
     reason: str
 
 
@@ -44,18 +47,23 @@ def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR,
         return Pick(None, None, f"no schedules are shipped in {folder}")
     weak = []
     for path in paths:
-        sched = load_schedule(path)
+        sset = load_schedule_set(path)
         try:
-            check_compatible(sched, spec, tp, gpu_name, kv_dtype=kv_dtype)
+            check_set_compatible(sset, spec, tp, gpu_name, kv_dtype=kv_dtype)
         except ScheduleError:
             continue
-        if sched.prediction.speedup < MIN_SPEEDUP:
-            weak.append(f"{path.name} predicts only {sched.prediction.speedup:.2f}x")
+        best = max((e.speedup for e in sset.pipelines), default=1.0)
+        need = MIN_SPEEDUP if sset.source_format == SINGLE_FORMAT else sset.min_gain
+        if not sset.pipelines or best < need:
+            weak.append(f"{path.name} predicts only {best:.2f}x")
             continue
-        return Pick(path, sched, f"{path.name} matches {spec.name} tp={tp} on {gpu_name}")
+        n = len(sset.pipelines)
+        return Pick(path, sset, f"{path.name} matches {spec.name} tp={tp} on {gpu_name} "
+                                f"({n} of {len(sset.entries)} batch shapes pipelined, up to "
+                                f"{best:.2f}x)")
     if weak:
-        return Pick(None, None, f"{'; '.join(weak)} over Sequential (auto needs "
-                                f"{MIN_SPEEDUP:.2f}x): running Sequential")
+        return Pick(None, None, f"{'; '.join(weak)} over Sequential (auto needs a "
+                                f"pipelined batch shape): running Sequential")
     names = ", ".join(p.name for p in paths)
     kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
     return Pick(None, None, f"no shipped schedule is for {spec.name} tp={tp} on {gpu_name}{kv} "

@@ -1,4 +1,5 @@
-"""Present a schedule: the pipeline as rows, a summary, and a per-stream Gantt chart.
+"""Present a schedule: the pipeline as rows, a summary, and a per-stream Gantt chart; a
+schedule set as a table of its keys (decision, predicted times and gain) and a summary.
 
 The chart follows NanoFlow's Figure 6: one lane per stream, one box per nano-op of the
 steady-state period (two layers unrolled), labelled with the op, its nano-batch and its share R
@@ -13,6 +14,7 @@ from typing import Any
 
 from nanosched.errors import ConfigError
 from nanosched.schedules.format import Schedule
+from nanosched.schedules.sets import ScheduleSet
 
 COLORS = {"compute": "#f2c14e", "memory": "#7bc67e", "network": "#6fa8dc", "other": "#c9c9c9"}
 
@@ -57,6 +59,48 @@ def summary_lines(s: Schedule) -> list[str]:
         lines.append("NO GAIN: the sequential schedule is predicted faster at this batch; "
                      "run the Sequential scheduler (or a larger dense batch)")
     return lines + [f"note: {n}" for n in s.notes]
+
+
+def set_rows(s: ScheduleSet) -> list[dict[str, Any]]:
+    """One row per key, by rows then decode rows."""
+    return [{"t": e.num_tokens, "d": e.num_decode, "kind": e.kind,
+             "seq": e.sequential_us / 1e3, "fwd": e.forward_us / 1e3, "gain": e.speedup,
+             "reason": e.reason} for e in sorted(s.entries, key=lambda e: (e.num_tokens,
+                                                                          e.num_decode))]
+
+
+SET_COLUMNS = [("t", "T rows", ""), ("d", "D decode", ""), ("kind", "runs", ""),
+               ("seq", "sequential ms", ".2f"), ("fwd", "predicted ms", ".2f"),
+               ("gain", "gain", ".3f"), ("reason", "why", "")]
+
+
+def set_summary_lines(s: ScheduleSet) -> list[str]:
+    """What the set decides, in a few lines; says so when it is all sequential."""
+    pipes = s.pipelines
+    lines = [f"{s.model['name']} tp={s.tp} on {s.gpu_name}, profile {s.profile_digest}, "
+             f"KV {s.kv_dtype}; dense batch {s.dense_batch} ({s.workload}): {len(s.entries)} "
+             f"batch shapes, {len(pipes)} pipelined (each predicts >= {s.min_gain:.2f}x)"]
+    if s.search:
+        x = s.search
+        lines.append(f"search: {x.get('searched', 0)} shapes searched, {x.get('bounded', 0)} "
+                     f"bounded below {s.min_gain:.2f}x without a solve, {x.get('small', 0)} "
+                     f"too small, {x.get('failed', 0)} failed; {x.get('wall_s', 0):.0f} s of "
+                     f"{x.get('time_limit_s', 0):g} s")
+    full = s.full
+    if full is not None:
+        lines.append(f"steady state (D={full.num_decode}, T={full.num_tokens}): {full.kind}, "
+                     f"predicted {full.forward_us / 1e3:.2f} ms vs sequential "
+                     f"{full.sequential_us / 1e3:.2f} ms ({full.speedup:.2f}x)")
+    if not pipes:
+        lines.append("NO GAIN: no batch shape is predicted to gain from a pipeline; the set "
+                     "runs Sequential everywhere (keep --schedule sequential, or profile the "
+                     "GPU again once faster few-SM kernels land)")
+    else:
+        best = max(pipes, key=lambda e: e.speedup)
+        lines.append(f"pipelined shapes gain {min(e.speedup for e in pipes):.2f}x.."
+                     f"{best.speedup:.2f}x (best at D={best.num_decode}, "
+                     f"T={best.num_tokens}); `nanosched show FILE --key D,T` shows one")
+    return lines
 
 
 def _fit_label(ax: Any, renderer: Any, x0: float, width: float, lane: int,

@@ -13,6 +13,12 @@ schedule; their other micro-batches run, as cheap no-ops, right after the op's l
 nano-op. The stream of a nano-op is its schedule stream plus its SM mechanism (`@gc<SMs>` for a
 green-context partition, `@prio` for a prioritised stream); its launch config carries the
 implementation, SM target or CTA bound the profile measured.
+
+A schedule replays on a batch of its own shape, or, given `rows=(D, T)`, on a bucket of D decode
+rows out of T (an entry of a schedule set replayed on the buckets near its key): every
+nano-batch boundary is moved proportionally within its part of the batch (`remap_rows`), decode
+boundaries onto [0, D], prefill boundaries onto [D, T], so each nano-op keeps its share of its
+part and the decode/prefill boundary stays where the batch has it.
 """
 
 from __future__ import annotations
@@ -82,10 +88,37 @@ def _keep_lane_order(entries: list[_Entry]) -> list[_Entry]:
     return out
 
 
+def remap_rows(schedule: Schedule, rows: tuple[int, int]) -> dict[int, int]:
+    """Each nano-batch boundary of `schedule` (searched at D' decode of T' tokens) moved onto a
+    batch of D decode rows out of T: [0, D'] scales onto [0, D], [D', T'] onto [D, T]. Raises
+    ScheduleError when the parts do not correspond (one is empty in one batch only) or two
+    boundaries would meet (a nano-batch with no row)."""
+    d0, t0 = schedule.batch.num_decode, schedule.batch.dense_batch
+    d, t = rows
+    if (d0 == 0) != (d == 0) or (d0 == t0) != (d == t) or not 0 <= d <= t or t < 1:
+        raise ScheduleError(f"a schedule for {d0} decode of {t0} tokens cannot replay on "
+                            f"{d} decode rows of {t}")
+    bounds = {0, t0}
+    for ranges in schedule.ranges.values():
+        for lo, hi in ranges:
+            bounds |= {lo, hi}
+    out = {}
+    for b in sorted(bounds):
+        out[b] = round(b * d / d0) if b <= d0 and d0 else \
+            d + round((b - d0) * (t - d) / (t0 - d0))
+    vals = [out[b] for b in sorted(out)]
+    if any(x >= y for x, y in zip(vals, vals[1:], strict=False)):
+        raise ScheduleError(f"a schedule for {d0} decode of {t0} tokens has nano-batches too "
+                            f"small to replay on {d} decode rows of {t}")
+    return out
+
+
 class Replay(OpScheduler):
     name = "replay"
+    pipelined = True
 
-    def __init__(self, schedule: Schedule, num_layers: int, resource_waits: bool = True) -> None:
+    def __init__(self, schedule: Schedule, num_layers: int, resource_waits: bool = True,
+                 rows: tuple[int, int] | None = None) -> None:
         bad = {g: f for g, f in schedule.forms.items() if f != "ar"}
         if bad:
             raise ScheduleError(f"schedule uses collective forms {bad}; the runtime replays "
@@ -93,12 +126,10 @@ class Replay(OpScheduler):
         self.sched = schedule
         self.num_layers = num_layers
         self.resource_waits = resource_waits
-        self.dense_batch = schedule.batch.dense_batch
-        bounds = {0, self.dense_batch}
-        for ranges in schedule.ranges.values():
-            for lo, hi in ranges:
-                bounds |= {lo, hi}
-        self.bounds = sorted(bounds)
+        rows = rows or (schedule.batch.num_decode, schedule.batch.dense_batch)
+        self._row = remap_rows(schedule, rows)
+        self.dense_batch = rows[1]
+        self.bounds = sorted(self._row.values())
         self._mb_at = {b: i for i, b in enumerate(self.bounds)}
         self.entries = self._entries()
 
@@ -115,13 +146,15 @@ class Replay(OpScheduler):
         out = []
         for layer in range(self.num_layers):
             for n in s.nano_ops:
-                waits = tuple((by_id[d.id].op, layer - d.shift, by_id[d.id].start,
-                               by_id[d.id].end) for d in n.deps
+                row = self._row
+                waits = tuple((by_id[d.id].op, layer - d.shift, row[by_id[d.id].start],
+                               row[by_id[d.id].end]) for d in n.deps
                               if d.kind == "resource" and self.resource_waits
                               and 0 <= layer - d.shift < self.num_layers)
                 # start_us already holds the layer offset (it lies in [k τ, (k + 1) τ))
                 out.append(_Entry(layer * period + n.start_us, n.order, layer,
-                                  n.op, n.start, n.end, stream_key(n), launch_config(n), waits,
+                                  n.op, row[n.start], row[n.end], stream_key(n),
+                                  launch_config(n), waits,
                                   n.stream, layer + n.layer_offset))
         out = _keep_lane_order(out)
         out += self._fillers(out)
@@ -131,7 +164,7 @@ class Replay(OpScheduler):
         """Entries for the micro-batches an op's scheduled ranges leave out."""
         fill = []
         for op, ranges in self.sched.ranges.items():
-            covered = sorted(ranges)
+            covered = sorted((self._row[lo], self._row[hi]) for lo, hi in ranges)
             gaps, at = [], 0
             for lo, hi in covered:
                 if lo > at:

@@ -49,6 +49,7 @@ class TwoBatchOverlap(OpScheduler):
     """
 
     name = "two_batch"
+    pipelined = True
 
     def __init__(self, sizes: tuple[int, int] | None = None, n_tiles: int = 32,
                  num_sms: int = DEFAULT_NUM_SMS, tile_m: int = 128) -> None:

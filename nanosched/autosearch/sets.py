@@ -1,0 +1,235 @@
+"""Search a schedule set (`nanosched.schedule/2`): one decision per batch shape the engine runs.
+
+Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
+(`schedules.sets.set_keys`). Each key is decided in one of three ways, cheapest first:
+
+1. **too small**: T < 256 cannot hold two nano-batches: `sequential`.
+2. **bounded**: no schedule of any structure can reach `min_gain`: `sequential`, without a
+   solve. The bound (`overlap_bound`) prices each op at its cheapest split in the search's
+   space (its fewest ticks over 2..max_nano_ops nano-ops covering the batch, or 1..max_nano_ops
+   covering an attention op's part, `stage1.op_min_ticks`), so the period is at least the
+   busiest class's load, and at least the whole layer's load over the largest P sum the profile
+   measured for a pair (P_compute + P_other of its R->P points: at tp = 1 two streams run at
+   once, and nothing runs faster than alone, so per unit of time at most that much work gets
+   done). Sequential time / that period bounds every schedule's predicted gain.
+3. **searched**: `run_search` at (D, T) with its share of the time left; kept as `pipeline`
+   when it predicts at least `min_gain`, else `sequential` with the gain it found in `reason`
+   (the steady state's entry keeps that pipeline, not run, so `show` can draw it). A failed
+   search makes its key `sequential`, except at the steady state's key, where it stops the
+   search with its reason.
+
+Keys are searched from the steady state's shape (the workload's mix at the dense batch) outwards
+(breadth first over D ± 128, T ± 128), each starting from the nano-op counts of the nearest key
+searched before it, so that the growth trials one key paid for are not paid again next door.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+
+from nanosched.autosearch.cpsat import Progress
+from nanosched.autosearch.search import SearchConfig, batch_info, run_search, search_batch
+from nanosched.constants import TOKEN_QUANTUM
+from nanosched.errors import ScheduleError
+from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
+from nanosched.schedules.format import BatchInfo, model_info
+from nanosched.schedules.sets import ScheduleSet, SetEntry, set_keys
+
+MIN_GAIN = 1.05  # a pipeline entry must predict this much over Sequential (see shipped.py)
+FIRST_SHARE = 0.2  # of the set's time for the steady-state key (at most 60 s)
+MIN_KEY_S = 2.0  # the least time a searched key gets
+
+
+@dataclass(frozen=True)
+class SetSearchConfig:
+    """A set search: `base` gives the model, profile, workload, dense batch, workers and the
+    whole set's time limit (`base.time_limit_s`); `keys` limits the keys (default: all)."""
+
+    base: SearchConfig
+    min_gain: float = MIN_GAIN
+    keys: tuple[tuple[int, int], ...] | None = None
+    bound: bool = True  # decide keys the bound rules out without a solve (False: search them)
+
+
+@dataclass(frozen=True)
+class KeyResult:
+    key: tuple[int, int]
+    entry: SetEntry
+    how: str  # "small" | "bounded" | "searched" | "failed"
+    wall_s: float
+
+
+def key_batch(cfg: SearchConfig, d: int, t: int) -> BatchInfo:
+    """The batch of key (D, T): the workload's contexts and prompt length at D of T."""
+    return replace(batch_info(cfg.workload, cfg.dense_batch), dense_batch=t, num_decode=d)
+
+
+def sequential_forward_us(cfg: SearchConfig, batch: BatchInfo) -> float:
+    """Predicted GPU time of a Sequential forward's layers (no LM head) at `batch`."""
+    from nanosched.autosearch.simulate import sequential_baseline
+
+    return sequential_baseline(cfg.spec, cfg.tp, cfg.profile, batch)[0] * cfg.spec.num_layers
+
+
+def max_p_sum(cfg: SearchConfig) -> float:
+    """The largest P_compute + P_other of any measured R->P point (1 when none beats alone)."""
+    sums = [p.p_compute + p.p_other for pts in cfg.profile.rp.values() for p in pts]
+    return max([1.0, *sums])
+
+
+def overlap_bound(cfg: SearchConfig, batch: BatchInfo) -> float:
+    """An upper bound of the gain over Sequential that any schedule at `batch` can be
+    predicted (module docstring, 2.)."""
+    from nanosched.autosearch.opgraph import layer_graph
+    from nanosched.autosearch.search import _tables
+    from nanosched.autosearch.stage1 import op_min_ticks
+
+    graph = layer_graph(cfg.spec, cfg.tp)
+    tables = _tables(cfg, graph, batch)
+    q, nd = batch.dense_batch // TOKEN_QUANTUM, batch.num_decode // TOKEN_QUANTUM
+    size = {"all": q, "decode": nd, "prefill": q - nd}
+    load = dict.fromkeys((COMPUTE, MEMORY, NETWORK, OTHER), 0)
+    by_form: dict[str, dict[str, dict[str, int]]] = {}
+    for o in graph.ops:
+        whole = o.domain == "all"  # split into 2..max_nano_ops pieces (run_search's counts)
+        least = min(op_min_ticks(tables[o.name], c, size[o.domain], whole)
+                    for c in range(2 if whole else 1,
+                                   max(2, min(cfg.max_nano_ops, size[o.domain])) + 1))
+        if o.group is None:
+            load[o.resource] += least
+        else:
+            per = by_form.setdefault(o.group, {}).setdefault(o.form or "", {})
+            per[o.resource] = per.get(o.resource, 0) + least
+    for forms in by_form.values():
+        for cls in load:
+            load[cls] += min(per.get(cls, 0) for per in forms.values())
+    work = load[COMPUTE] + load[MEMORY] + load[OTHER]
+    period = max(load[COMPUTE], load[MEMORY], load[NETWORK], work / max_p_sum(cfg), 1)
+    seq = sum(tables[o.name][size[o.domain]] for o in graph.active_ops(
+        {g: "ar" for g in graph.groups()}) if size[o.domain])
+    return seq / period
+
+
+def search_order(keys: list[tuple[int, int]], start: tuple[int, int]) -> list[tuple[int, int]]:
+    """`keys` breadth first from `start` over the grid's neighbours (D ± q, T ± q, both - q),
+    so each key comes right after keys next to it."""
+    if not keys:
+        return []
+    q, todo, top = TOKEN_QUANTUM, set(keys), max(t for _, t in keys)
+    out: list[tuple[int, int]] = []
+    queue, seen = deque([start]), {start}
+    while queue:
+        key = queue.popleft()
+        if key in todo:
+            out.append(key)
+        d, t = key
+        for nb in ((d, t - q), (d - q, t), (d + q, t), (d, t + q), (d - q, t - q)):
+            if nb not in seen and 0 <= nb[0] <= nb[1] and q <= nb[1] <= top:
+                seen.add(nb)
+                queue.append(nb)
+    return out + [k for k in keys if k not in set(out)]
+
+
+def nearest(key: tuple[int, int], found: dict[tuple[int, int], dict[str, int]]
+            ) -> dict[str, int] | None:
+    """The nano-op counts of the searched key nearest to `key` (None before any)."""
+    if not found:
+        return None
+    d, t = key
+    return found[min(found, key=lambda k: (abs(k[0] - d) + abs(k[1] - t), k))]
+
+
+def _counts(entry_schedule: object) -> dict[str, int]:
+    return {op: len(r) for op, r in entry_schedule.ranges.items()}  # type: ignore[attr-defined]
+
+
+def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
+               on_key: Callable[[KeyResult, int, int], None] | None = None) -> ScheduleSet:
+    """Decide every key; returns the set (entries in key order). `on_key(result, i, n)` is
+    called after each key."""
+    base = cfg.base
+    start_t = time.perf_counter()
+    deadline = start_t + base.time_limit_s
+    keys = list(cfg.keys) if cfg.keys is not None else set_keys(base.dense_batch)
+    steady = search_batch(base)
+    start = (steady.num_decode, steady.dense_batch)
+    results: dict[tuple[int, int], KeyResult] = {}
+    counts: dict[tuple[int, int], dict[str, int]] = {}
+    to_search = []
+    for key in keys:
+        d, t = key
+        t0 = time.perf_counter()
+        batch = key_batch(base, d, t)
+        seq = sequential_forward_us(base, batch)
+        if t < 2 * TOKEN_QUANTUM:
+            results[key] = KeyResult(key, SetEntry(d, t, "sequential", seq, seq,
+                                                   "fewer than two 128-token nano-batches"),
+                                     "small", time.perf_counter() - t0)
+            continue
+        bound = overlap_bound(base, batch) if cfg.bound else float("inf")
+        if bound < cfg.min_gain:
+            results[key] = KeyResult(key, SetEntry(
+                d, t, "sequential", seq, seq, f"bound: no schedule can beat {bound:.3f}x "
+                f"(needs {cfg.min_gain:.2f}x)"), "bounded", time.perf_counter() - t0)
+            continue
+        to_search.append(key)
+    n = len(keys)
+    done = len(results)
+    if on_key:
+        for i, r in enumerate(results.values()):
+            on_key(r, i + 1, n)
+    order = search_order(to_search, start)
+    for i, key in enumerate(order):
+        d, t = key
+        left = deadline - time.perf_counter()
+        share = left * FIRST_SHARE if i == 0 and key == start else left / (len(order) - i)
+        budget = max(MIN_KEY_S, min(60.0, share))
+        if base.deterministic:
+            budget = base.time_limit_s / max(1, len(order))
+        t0 = time.perf_counter()
+        batch = key_batch(base, d, t)
+        seq = sequential_forward_us(base, batch)
+        kcfg = replace(base, dense_batch=t, num_decode=d, time_limit_s=budget,
+                       counts=nearest(key, counts))
+        if progress:
+            progress(f"key D={d} T={t}: searching ({budget:.0f} s)")
+        try:
+            sched = run_search(kcfg, progress)
+        except ScheduleError as exc:
+            if key == start:  # the steady state's batch is the one that matters: say why
+                raise
+            entry = SetEntry(d, t, "sequential", seq, seq, f"search failed: {exc}")
+            results[key] = KeyResult(key, entry, "failed", time.perf_counter() - t0)
+        else:
+            counts[key] = _counts(sched)
+            p = sched.prediction
+            forward = p.iteration_us - (p.sequential_iteration_us
+                                        - p.sequential_period_us * base.spec.num_layers)
+            gain = seq / forward
+            if gain >= cfg.min_gain:
+                entry = SetEntry(d, t, "pipeline", forward, seq,
+                                 f"searched: {gain:.3f}x", sched)
+            else:  # the steady state keeps the pipeline it found, for `show` (never run)
+                entry = SetEntry(d, t, "sequential", seq, seq, f"searched: the best pipeline "
+                                 f"found predicts {gain:.3f}x (needs {cfg.min_gain:.2f}x)",
+                                 sched if key == start else None)
+            results[key] = KeyResult(key, entry, "searched", time.perf_counter() - t0)
+        done += 1
+        if on_key:
+            on_key(results[key], done, n)
+    how = [r.how for r in results.values()]
+    prof = base.profile
+    return ScheduleSet(
+        model_info(base.spec), base.tp, prof.identity.gpu_name, prof.identity.num_sms,
+        prof.digest(), base.dense_batch, tuple(results[k].entry for k in sorted(results)),
+        prof.kv_dtype, base.workload.name, cfg.min_gain,
+        {"wall_s": round(time.perf_counter() - start_t, 1), "time_limit_s": base.time_limit_s,
+         "workers": base.num_workers, "keys": n, "searched": how.count("searched"),
+         "bounded": how.count("bounded"), "small": how.count("small"),
+         "failed": how.count("failed"), "max_p_sum": round(max_p_sum(base), 4),
+         "steady_key": list(start)},
+        datetime.now(timezone.utc).isoformat(timespec="seconds"), base.command)

@@ -1,0 +1,48 @@
+"""`ReplaySet(set)`: a schedule set (`nanosched.schedule/2`) as one strategy.
+
+Per batch it picks the set's entry for the batch's shape (D decode rows of T: its key by
+`schedules.sets.set_key`) and runs it: a pipeline entry through `Replay`, its boundaries moved
+onto the batch's rows, a sequential entry through `Sequential` (the set's decision, counted as
+such), no entry through the engine's fallback (`pick` returns None). The engine asks once per
+CUDA-graph bucket, so each (entry, bucket) gets its own graph. Replays are built once per
+(D, T) shape.
+"""
+
+from __future__ import annotations
+
+from nanosched.runtime.program import Program
+from nanosched.runtime.scheduler import OpScheduler, SchedContext
+from nanosched.runtime.strategies.replay import Replay
+from nanosched.runtime.strategies.sequential import Sequential
+from nanosched.schedules.sets import ScheduleSet
+
+
+class ReplaySet(OpScheduler):
+    name = "replay_set"
+    pipelined = True
+
+    def __init__(self, sset: ScheduleSet, num_layers: int) -> None:
+        self.set = sset
+        self.num_layers = num_layers
+        self.sequential = Sequential()
+        self._replays: dict[tuple[int, int], Replay] = {}
+        # the streams every pipeline entry names (opened once, before any batch runs)
+        self.streams = set().union(*(Replay(e.schedule, num_layers).streams
+                                     for e in sset.pipelines if e.schedule is not None))
+
+    def pick(self, program: Program, num_decode: int) -> OpScheduler | None:
+        entry = self.set.entry(num_decode, program.num_tokens)
+        if entry is None:
+            return None
+        if entry.kind != "pipeline" or entry.schedule is None:
+            return self.sequential
+        shape = (num_decode, program.num_tokens)
+        if shape not in self._replays:
+            self._replays[shape] = Replay(entry.schedule, self.num_layers, rows=shape)
+        return self._replays[shape]
+
+    def accepts(self, program: Program) -> bool:
+        return False  # a set runs nothing itself: `pick` names the strategy per batch
+
+    def schedule(self, ctx: SchedContext) -> None:
+        raise NotImplementedError("ReplaySet runs batches through the strategy `pick` returns")

@@ -1,0 +1,291 @@
+"""The schedule-set contract, `nanosched.schedule/2`: one searched decision per batch bucket.
+
+The engine runs batches of every shape: full ones in the steady state, smaller ones while the
+batch fills (the ramp) and empties (the tail), decode-heavy or prefill-heavy ones as requests
+arrive and end. A set holds, for every *key* (D decode rows, T rows; both multiples of the
+128-token quantum, 0 <= D <= T <= the dense batch B), an entry that says how to run a batch of
+that shape: a searched pipeline (`kind: "pipeline"`, a whole `nanosched.schedule/1` schedule
+searched at D decode + T - D prefill tokens), or `kind: "sequential"` where the search, or a
+bound that no schedule can beat, says that no pipeline gains at least `min_gain` there. Every
+entry records the predicted forward time of the GPU work (`forward_us`, layers only: the LM
+head is outside the replayed graph) of what it runs and of Sequential (`sequential_us`), and
+`reason`, the search's words for its decision.
+
+The runtime lays batches out in CUDA-graph buckets on a finer grid (decode rows and rows
+multiples of 32: models/bucket.py). `set_key` maps a bucket to its key: each count to the
+nearest multiple of the quantum, a decode part kept non-empty (and a prefill part) when the
+bucket has one. A pipeline entry replays on the bucket with its nano-batch boundaries moved
+proportionally onto the bucket's rows (runtime/strategies/replay.py `remap_rows`), so keys on
+the quantum grid cover every bucket: a set from `search` has no bucket without an entry.
+
+A `nanosched.schedule/1` file (one schedule, one batch) loads as a set of one entry (its key is
+its own batch); every other bucket then has no entry and runs the engine's fallback.
+
+Pure Python: a server loads sets without OR-Tools.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanosched.constants import TOKEN_QUANTUM
+from nanosched.errors import ScheduleError
+from nanosched.fileio import check_fields, write_json_atomic
+from nanosched.schedules.format import FORMAT as SINGLE_FORMAT
+from nanosched.schedules.format import Schedule, check_compatible
+
+SET_FORMAT = "nanosched.schedule/2"
+KINDS = ("pipeline", "sequential")
+
+
+@dataclass(frozen=True)
+class SetEntry:
+    """The decision for one key: run `schedule` (a pipeline) or Sequential."""
+
+    num_decode: int
+    num_tokens: int
+    kind: str
+    forward_us: float  # predicted GPU time of a forward's layers as this entry runs it
+    sequential_us: float  # the same under Sequential
+    reason: str = ""
+    schedule: Schedule | None = None  # the pipeline (a sequential entry may keep the best one
+    # the search found, never run, for `show`)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.num_decode, self.num_tokens
+
+    @property
+    def speedup(self) -> float:
+        """Predicted gain of this entry over Sequential (1.0 for a sequential entry)."""
+        return self.sequential_us / self.forward_us
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_decode": self.num_decode, "num_tokens": self.num_tokens, "kind": self.kind,
+                "forward_us": self.forward_us, "sequential_us": self.sequential_us,
+                "reason": self.reason,
+                "schedule": self.schedule.to_json() if self.schedule is not None else None}
+
+
+@dataclass(frozen=True)
+class ScheduleSet:
+    """Entries by key, for one model, tp, GPU, profile and KV cache dtype."""
+
+    model: dict[str, Any]
+    tp: int
+    gpu_name: str
+    num_sms: int
+    profile_digest: str
+    dense_batch: int
+    entries: tuple[SetEntry, ...]
+    kv_dtype: str = "auto"
+    workload: str = ""
+    min_gain: float = 1.0
+    search: dict[str, Any] | None = None  # how the set was searched (times, counts)
+    created: str = ""
+    command: str = ""
+    source_format: str = SET_FORMAT  # the format of the file it came from (not written)
+
+    def entry(self, num_decode: int, num_tokens: int) -> SetEntry | None:
+        """The entry of the bucket with `num_decode` decode rows of `num_tokens` rows (its
+        key by `set_key`), or None when the set has none."""
+        key = set_key(num_decode, num_tokens, self.dense_batch)
+        return self._by_key.get(key) if key is not None else None
+
+    @property
+    def _by_key(self) -> dict[tuple[int, int], SetEntry]:
+        cache = self.__dict__.get("_keys")
+        if cache is None:
+            cache = {e.key: e for e in self.entries}
+            object.__setattr__(self, "_keys", cache)
+        return cache
+
+    @property
+    def pipelines(self) -> list[SetEntry]:
+        return [e for e in self.entries if e.kind == "pipeline"]
+
+    @property
+    def full(self) -> SetEntry | None:
+        """The entry of the steady state's batch: the best pipeline at the dense batch, else
+        the entry there that kept the search's pipeline, else any entry at the dense batch."""
+        at_b = [e for e in self.entries if e.num_tokens == self.dense_batch]
+        pipes = [e for e in at_b if e.kind == "pipeline"]
+        kept = [e for e in at_b if e.schedule is not None]
+        return max(pipes or kept or at_b, key=lambda e: (e.speedup, e.num_decode),
+                   default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": SET_FORMAT, "model": self.model, "tp": self.tp,
+                "gpu_name": self.gpu_name, "num_sms": self.num_sms,
+                "profile_digest": self.profile_digest, "kv_dtype": self.kv_dtype,
+                "dense_batch": self.dense_batch, "quantum": TOKEN_QUANTUM,
+                "workload": self.workload, "min_gain": self.min_gain,
+                "search": self.search, "created": self.created, "command": self.command,
+                "entries": [e.to_json() for e in self.entries]}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "schedule set") -> ScheduleSet:
+        """Build and validate a `/2` object (a `/1` object: `from_single`)."""
+        if not isinstance(data, dict):
+            raise ScheduleError(f"{where}: expected a JSON object")
+        fmt = data.get("format")
+        if fmt == SINGLE_FORMAT:
+            return from_single(Schedule.from_json(data, where))
+        if fmt != SET_FORMAT:
+            raise ScheduleError(f"{where}: format is {fmt!r}, expected {SET_FORMAT!r} (or a "
+                                f"single {SINGLE_FORMAT!r} schedule); search it again with "
+                                f"`nanosched search` to write the current format")
+        body = {k: v for k, v in data.items() if k not in ("format", "quantum")}
+        if data.get("quantum", TOKEN_QUANTUM) != TOKEN_QUANTUM:
+            raise ScheduleError(f"{where}: quantum is {data.get('quantum')!r}; this version "
+                                f"keys sets on {TOKEN_QUANTUM}-token multiples")
+        check_fields(cls, body, where, ScheduleError)
+        if not isinstance(body.get("entries"), list):
+            raise ScheduleError(f"{where}: entries: expected a list")
+        entries = tuple(_entry(e, f"{where}: entries[{i}]")
+                        for i, e in enumerate(body["entries"]))
+        try:
+            sset = cls(**(body | {"entries": entries}))
+        except TypeError as exc:
+            raise ScheduleError(f"{where}: {exc}") from exc
+        validate_set(sset, where)
+        return sset
+
+
+def _entry(data: Any, where: str) -> SetEntry:
+    check_fields(SetEntry, data, where, ScheduleError)
+    sched = data.get("schedule")
+    kw = dict(data) | {"schedule": Schedule.from_json(sched, f"{where}: schedule")
+                       if sched is not None else None}
+    return SetEntry(**kw)
+
+
+def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
+    """Raise ScheduleError naming the first entry or field that is wrong."""
+    b, q = s.dense_batch, TOKEN_QUANTUM
+    if not isinstance(b, int) or b < q or b % q:
+        raise ScheduleError(f"{where}: dense_batch must be a positive multiple of {q}, got {b!r}")
+    if not isinstance(s.tp, int) or s.tp < 1:
+        raise ScheduleError(f"{where}: tp must be a positive integer, got {s.tp!r}")
+    seen: set[tuple[int, int]] = set()
+    for i, e in enumerate(s.entries):
+        at = f"{where}: entries[{i}] (D={e.num_decode}, T={e.num_tokens})"
+        if not (isinstance(e.num_decode, int) and isinstance(e.num_tokens, int)
+                and 0 <= e.num_decode <= e.num_tokens <= b and e.num_tokens >= q
+                and e.num_decode % q == 0 and e.num_tokens % q == 0):
+            raise ScheduleError(f"{at}: decode rows and rows must be multiples of {q} with "
+                                f"0 <= D <= T <= {b} and T >= {q}")
+        if e.key in seen:
+            raise ScheduleError(f"{at}: a second entry for this key")
+        seen.add(e.key)
+        if e.kind not in KINDS:
+            raise ScheduleError(f"{at}: kind must be one of {KINDS}, got {e.kind!r}")
+        for name in ("forward_us", "sequential_us"):
+            v = getattr(e, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v <= 0:
+                raise ScheduleError(f"{at}: {name} must be a positive finite time, got {v!r}")
+        if e.kind == "pipeline" and e.schedule is None:
+            raise ScheduleError(f"{at}: a pipeline entry holds a schedule")
+        if e.schedule is not None:
+            sb = e.schedule.batch
+            if (sb.num_decode, sb.dense_batch) != e.key:
+                raise ScheduleError(f"{at}: its schedule is for {sb.num_decode} decode of "
+                                    f"{sb.dense_batch} tokens")
+            if (e.schedule.tp, e.schedule.profile_digest, e.schedule.kv_dtype) != \
+                    (s.tp, s.profile_digest, s.kv_dtype):
+                raise ScheduleError(f"{at}: its schedule's tp, profile or KV dtype differs "
+                                    f"from the set's")
+
+
+def entry_schedule(s: ScheduleSet, key: str | None = None) -> Schedule:
+    """The pipeline of the entry at `key` ("D,T"), or of the steady state's entry (also one
+    the set does not run: the best the search found there); a ScheduleError naming the
+    pipelined keys when there is none."""
+    if key is None:
+        e = s.full
+        where = "the steady state's batch"
+    else:
+        try:
+            d, t = (int(x) for x in key.split(","))
+        except ValueError:
+            raise ScheduleError(f"--key must be D,T (decode rows, rows), got {key!r}") from None
+        e = s._by_key.get((d, t))
+        where = f"D={d}, T={t}"
+        if e is None:
+            raise ScheduleError(f"the set has no entry at {where}; its keys are multiples of "
+                                f"{TOKEN_QUANTUM} with D <= T <= {s.dense_batch}")
+    if e is None or e.schedule is None:
+        keys = " ".join(f"{p.num_decode},{p.num_tokens}" for p in s.pipelines) or "none"
+        raise ScheduleError(f"the set runs Sequential at {where} and kept no pipeline there; "
+                            f"pipelined keys: {keys}")
+    return e.schedule
+
+
+def set_key(num_decode: int, num_tokens: int, dense_batch: int) -> tuple[int, int] | None:
+    """The key of a bucket of `num_decode` decode rows out of `num_tokens`: each count to the
+    nearest multiple of the quantum (ties up), rows within [quantum, dense_batch]; a bucket with
+    decode rows keeps a non-empty decode part, one with prefill rows a non-empty prefill part
+    where the key has room for both. None for an empty or oversized bucket."""
+    q = TOKEN_QUANTUM
+    if num_tokens < 1 or num_tokens > dense_batch or not 0 <= num_decode <= num_tokens:
+        return None
+    t = min(dense_batch, max(q, (num_tokens + q // 2) // q * q))
+    if num_decode == 0:
+        return 0, t
+    if num_decode == num_tokens:
+        return t, t
+    d = (num_decode + q // 2) // q * q
+    lo, hi = (q, t - q) if t >= 2 * q else (0, t)
+    return min(hi, max(lo, d)), t
+
+
+def set_keys(dense_batch: int) -> list[tuple[int, int]]:
+    """Every key of a set for `dense_batch`: (D, T), T = q .. B, D = 0 .. T."""
+    q = TOKEN_QUANTUM
+    return [(d, t) for t in range(q, dense_batch + 1, q) for d in range(0, t + 1, q)]
+
+
+def from_single(s: Schedule) -> ScheduleSet:
+    """A `/1` schedule as a set of one pipeline entry, at its own batch."""
+    p = s.prediction
+    forward = p.iteration_us - (p.sequential_iteration_us
+                                - p.sequential_period_us * s.model["num_layers"])
+    entry = SetEntry(s.batch.num_decode, s.batch.dense_batch, "pipeline",
+                     max(forward, 1e-3), p.sequential_period_us * s.model["num_layers"],
+                     "a single schedule", s)
+    return ScheduleSet(s.model, s.tp, s.gpu_name, s.num_sms, s.profile_digest,
+                       s.batch.dense_batch, (entry,), s.kv_dtype, s.batch.workload, 1.0, None,
+                       s.created, s.command, SINGLE_FORMAT)
+
+
+def load_schedule_set(path: str | os.PathLike[str]) -> ScheduleSet:
+    """Read and validate a schedule file: a set (`/2`) or a single schedule (`/1`, as a set of
+    one entry)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ScheduleError(f"schedule {p} is a directory; give a schedule JSON file")
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ScheduleError(f"schedule {p} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ScheduleError(f"schedule {p}: not valid JSON ({exc})") from exc
+    return ScheduleSet.from_json(data, where=f"schedule {p}")
+
+
+def save_schedule_set(s: ScheduleSet, path: str | os.PathLike[str]) -> None:
+    """Validate, then write atomically."""
+    validate_set(s)
+    write_json_atomic(path, s.to_json())
+
+
+def check_set_compatible(s: ScheduleSet, model_spec: Any, tp: int, gpu_name: str,
+                         force: bool = False, kv_dtype: str = "auto") -> list[str]:
+    """`format.check_compatible` for a set (the same fields, the same messages)."""
+    return check_compatible(s, model_spec, tp, gpu_name, force, kv_dtype)  # type: ignore[arg-type]

@@ -1,0 +1,261 @@
+"""Schedule sets (`nanosched.schedule/2`): the format, bucket -> key mapping, replay of an entry
+on a bucket near its key, the engine choosing an entry per batch, and the set search."""
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import ShuffledDevice, serve_all, tiny_llama
+
+from nanosched.errors import ScheduleError
+from nanosched.runtime.device import SerialDevice
+from nanosched.runtime.requests import Request, SamplingParams
+from nanosched.runtime.strategies import Sequential
+from nanosched.runtime.strategies.replay import Replay, remap_rows
+from nanosched.runtime.strategies.replay_set import ReplaySet
+from nanosched.schedules.format import load_schedule
+from nanosched.schedules.sets import (
+    SET_FORMAT,
+    ScheduleSet,
+    SetEntry,
+    entry_schedule,
+    from_single,
+    load_schedule_set,
+    save_schedule_set,
+    set_key,
+    set_keys,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def single():
+    return load_schedule(DATA / "tiny_llama_schedule.json")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def tiny_set(single, pipeline_keys=((128, 256),), drop=()):
+    """A set for the tiny Llama at dense batch 256: the searched schedule at (128, 256),
+    Sequential elsewhere; keys in `drop` left out (no entry)."""
+    base = from_single(single)
+    entries = []
+    for d, t in set_keys(256):
+        if (d, t) in drop:
+            continue
+        if (d, t) in pipeline_keys:
+            entries.append(base.entries[0])
+        else:
+            entries.append(SetEntry(d, t, "sequential", 100.0, 100.0, "test"))
+    return replace(base, entries=tuple(entries), source_format=SET_FORMAT, min_gain=1.0)
+
+
+# ---- format ---------------------------------------------------------------------------------
+def test_a_set_round_trips_and_a_single_schedule_loads_as_a_one_entry_set(single, tmp_path):
+    sset = tiny_set(single)
+    path = tmp_path / "set.json"
+    save_schedule_set(sset, path)
+    again = load_schedule_set(path)
+    assert json.loads(path.read_text())["format"] == SET_FORMAT
+    assert again.to_json() == sset.to_json()
+    assert [e.key for e in again.pipelines] == [(128, 256)]
+    one = load_schedule_set(DATA / "tiny_llama_schedule.json")
+    assert one.source_format == "nanosched.schedule/1" and len(one.entries) == 1
+    assert one.entries[0].key == (single.batch.num_decode, single.batch.dense_batch)
+    assert one.entry(0, 256) is None  # another shape: no entry, the engine's fallback runs it
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d.update(format="nanosched.schedule/9"), "nanosched search"),
+    (lambda d: d["entries"][0].update(num_decode=64), "multiples of 128"),
+    (lambda d: d["entries"].append(d["entries"][0]), "a second entry"),
+    (lambda d: d["entries"][0].update(kind="maybe"), "kind must be"),
+    (lambda d: d["entries"][0].update(forward_us=0), "positive finite"),
+    (lambda d: d["entries"][0].update(sequential_us="x"), "positive finite"),
+    (lambda d: d["entries"][-1].update(schedule=None), "holds a schedule"),
+    (lambda d: d.update(dense_batch=200), "dense_batch"),
+    (lambda d: d.update(quantum=64), "quantum"),
+    (lambda d: d.update(extra=1), "unknown field"),
+])
+def test_broken_sets_are_refused_naming_the_field(single, tmp_path, edit, words):
+    data = tiny_set(single).to_json()
+    data["entries"].sort(key=lambda e: e["kind"] == "pipeline")  # the pipeline entry last
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ScheduleError, match=words.replace("(", r"\(")):
+        load_schedule_set(path)
+
+
+def test_entry_schedule_names_the_pipelined_keys(single):
+    sset = tiny_set(single)
+    assert entry_schedule(sset).batch.dense_batch == 256
+    assert entry_schedule(sset, "128,256") is sset.pipelines[0].schedule
+    with pytest.raises(ScheduleError, match="pipelined keys: 128,256"):
+        entry_schedule(sset, "0,256")
+    with pytest.raises(ScheduleError, match="D,T"):
+        entry_schedule(sset, "x")
+
+
+# ---- bucket -> key ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dense", [256, 1024, 2048])
+def test_every_graph_bucket_has_a_key_that_keeps_its_parts(dense):
+    keys = set(set_keys(dense))
+    assert len(keys) == sum(t // 128 + 1 for t in range(128, dense + 1, 128))
+    for t in range(32, dense + 1, 32):
+        for d in range(0, t + 1, 32):
+            k = set_key(d, t, dense)
+            assert k in keys
+            kd, kt = k
+            assert abs(kt - t) <= 64 or kt == 128
+            if kt >= 256:  # room for both parts: each part kept iff the bucket has it
+                assert (kd == 0) == (d == 0) and (kd == kt) == (d == t)
+    assert set_key(0, dense + 32, dense) is None
+
+
+def test_remap_moves_boundaries_within_their_part(single):
+    same = remap_rows(single, (128, 256))
+    assert all(k == v for k, v in same.items())
+    rows = remap_rows(single, (40, 224))
+    assert rows[0] == 0 and rows[128] == 40 and rows[256] == 224
+    with pytest.raises(ScheduleError, match="cannot replay"):
+        remap_rows(single, (0, 256))  # no decode part where the schedule has one
+    with pytest.raises(ScheduleError, match="cannot replay"):
+        remap_rows(single, (256, 256))
+
+
+def forward(model, strategy, device, n_decode, total):
+    from nanosched.runtime.backend import Backend
+    from nanosched.runtime.modelprogram import model_program
+    from nanosched.runtime.scheduler import run_program
+
+    ws = model.new_workspace(max_tokens=total, num_pages=600)
+    g = torch.Generator().manual_seed(0)
+    for r in range(n_decode):
+        ws.kv.plan([(r, 20, False)])
+    ws.kv.k.normal_(generator=g)
+    ws.kv.v.normal_(generator=g)
+    rest = total - n_decode
+    chunks = [(r, 1, True) for r in range(n_decode)] + [(900, rest // 2, False),
+                                                         (901, rest - rest // 2, False)]
+    meta = ws.kv.plan(chunks)
+    ws.token_ids[:total].copy_(torch.randint(0, 100, (total,), generator=g))
+    segments, row = [], 0
+    for _, n, is_decode in chunks:
+        segments.append((row, row + n, is_decode))
+        row += n
+    program = model_program(model, ws, meta, segments)
+    run_program(program, strategy, Backend(device))
+    return model.logits(ws, torch.arange(total))
+
+
+@pytest.mark.parametrize("n_decode, total", [(40, 224), (96, 192), (160, 256), (32, 288)])
+def test_an_entry_replayed_on_a_nearby_bucket_equals_sequential(model, single, n_decode, total):
+    expected = forward(model, Sequential(), SerialDevice(), n_decode, total)
+    replay = Replay(single, model.spec.num_layers, rows=(n_decode, total))
+    assert replay.accepts(type("P", (), {"num_tokens": total})())
+    for seed in range(2):
+        got = forward(model, replay, ShuffledDevice(seed), n_decode, total)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- the engine picks an entry per batch ------------------------------------------------------
+def requests(n, prompt, out):
+    return [Request(i, [(7 * i + j) % 90 + 1 for j in range(prompt)],
+                    SamplingParams(max_tokens=out, ignore_eos=True)) for i in range(n)]
+
+
+@pytest.mark.parametrize("drop", [(), ((0, 128), (128, 128))])
+def test_the_engine_runs_each_batch_by_its_entry(model, single, drop):
+    """Ramp, steady state and tail: pipelined where the set says so, sequential where it
+    says so, the fallback only where it has no entry; tokens equal Sequential's."""
+    sset = tiny_set(single, drop=drop)
+    reqs = requests(12, 60, 24)
+    kw = dict(dense_batch=256, graphs="layout", max_context=128)
+    want, _ = serve_all(model, requests(12, 60, 24), 400, strategy=Sequential(), **kw)
+    got, eng = serve_all(model, reqs, 400, strategy=ReplaySet(sset, model.spec.num_layers),
+                         **kw)
+    assert got == want
+    s = eng.stats
+    assert s.pipelined + s.sequential + s.fallbacks == s.iterations
+    assert s.pipelined > 0 and s.sequential > 0
+    no_entry = sum(n for (d, t), n in s.shapes.items() if sset.entry(d, t) is None)
+    assert s.fallbacks == no_entry and (no_entry > 0) == bool(drop)
+
+
+def test_a_single_schedule_file_replays_only_its_own_shape(model, single):
+    sset = load_schedule_set(DATA / "tiny_llama_schedule.json")
+    strat = ReplaySet(sset, model.spec.num_layers)
+    prog = type("P", (), {"num_tokens": 256})()
+    assert isinstance(strat.pick(prog, 128), Replay)
+    assert isinstance(strat.pick(prog, 96), Replay)  # same key (nearest multiple of 128)
+    assert strat.pick(prog, 0) is None and strat.pick(prog, 256) is None
+
+
+# ---- the search -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def synthetic():
+    from nanosched.autosearch.search import SearchConfig, batch_info
+    from nanosched.autosearch.synthetic import context_grid, synthetic_profile
+    from nanosched.hardware import get_gpu
+    from nanosched.models.spec import load_spec
+    from nanosched.workloads import resolve_workload
+
+    spec = load_spec("llama3-8b")
+    wl = resolve_workload(None, 1024, 512)
+    b = batch_info(wl, 512)
+    prof = synthetic_profile(spec, get_gpu("h100"), 1, 512,
+                             context_grid(b.decode_context, b.prompt_len))
+    return SearchConfig(spec, 1, prof, wl, 512, time_limit_s=6.0, deterministic=True)
+
+
+def test_the_bound_is_above_what_the_search_finds(synthetic):
+    from nanosched.autosearch.search import run_search
+    from nanosched.autosearch.sets import key_batch, overlap_bound, sequential_forward_us
+
+    for d, t in [(256, 512), (0, 512), (512, 512)]:
+        bound = overlap_bound(synthetic, key_batch(synthetic, d, t))
+        sched = run_search(replace(synthetic, dense_batch=t, num_decode=d, time_limit_s=2.0))
+        p = sched.prediction
+        found = sequential_forward_us(synthetic, key_batch(synthetic, d, t)) / (
+            p.iteration_us - (p.sequential_iteration_us
+                              - p.sequential_period_us * synthetic.spec.num_layers))
+        assert found <= bound + 1e-9, (d, t, found, bound)
+
+
+def test_the_set_search_decides_every_key(synthetic):
+    from nanosched.autosearch.sets import SetSearchConfig, search_set
+
+    seen = []
+    sset = search_set(SetSearchConfig(replace(synthetic, time_limit_s=8.0), min_gain=1.0),
+                      on_key=lambda r, i, n: seen.append((r.how, i, n)))
+    assert sorted(e.key for e in sset.entries) == sorted(set_keys(512))
+    assert len(seen) == len(sset.entries) and seen[-1][1:] == (len(seen), len(seen))
+    small = [e for e in sset.entries if e.num_tokens < 256]
+    assert small and all(e.kind == "sequential" and "two" in e.reason for e in small)
+    for e in sset.entries:
+        assert math.isfinite(e.forward_us) and e.forward_us > 0
+        if e.kind == "pipeline":
+            assert e.speedup >= 1.0 and e.schedule.batch.num_decode == e.num_decode
+    assert sset.search["searched"] + sset.search["bounded"] + sset.search["small"] + \
+        sset.search["failed"] == len(sset.entries)
+    again = ScheduleSet.from_json(json.loads(json.dumps(sset.to_json())))
+    assert again.to_json() == sset.to_json()
+
+
+def test_a_high_min_gain_makes_the_set_all_sequential_and_says_so(synthetic):
+    from nanosched.autosearch.sets import SetSearchConfig, search_set
+    from nanosched.schedules.show import set_summary_lines
+
+    sset = search_set(SetSearchConfig(replace(synthetic, time_limit_s=4.0), min_gain=3.0,
+                                      keys=((256, 512), (0, 256), (128, 128))))
+    assert [e.kind for e in sset.entries] == ["sequential"] * 3
+    assert sset.search["bounded"] == 2 and sset.search["small"] == 1
+    assert any("NO GAIN" in line for line in set_summary_lines(sset))

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from nanosched.errors import ProfileError
-from nanosched.fileio import check_fields, write_json_atomic
+from nanosched.fileio import check_fields, read_json, write_json_atomic
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
 
@@ -404,13 +404,8 @@ def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile file."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ProfileError(f"profile {p} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"profile {p}: not valid JSON ({exc}); a truncated file? "
-                           f"re-run `nanosched profile --resume`") from exc
+    data = read_json(p, "profile", ProfileError, hint="; a truncated file? re-run "
+                     "`nanosched profile --resume`")
     return Profile.from_json(data, where=f"profile {p}")
 
 

@@ -68,6 +68,9 @@ def type_problem(hint: Any, value: Any) -> str | None:
     if origin in (typing.Union, types.UnionType):
         if any(type_problem(a, value) is None for a in args):
             return None
+        others = [a for a in args if a is not type(None)]
+        if len(others) == 1:
+            return f"{type_problem(others[0], value)} (or null)"
         names = " or ".join(_name(a) for a in args)
         return f"must be {names}, got {_short(value)}"
     if hint is type(None):

@@ -195,7 +195,7 @@ def checkpoint_folder(model: str) -> Path | None:
     if pickled:
         raise ConfigError(f"checkpoint {folder}: holds {', '.join(pickled[:3])} but no "
                           f"*.safetensors; nanosched reads safetensors only (it never unpickles "
-                          f"weights): convert the checkpoint, or pass --weights random")
+                          f"weights): convert the checkpoint to safetensors")
     return None
 
 
@@ -248,7 +248,10 @@ def check_safetensors_header(path: Path) -> None:
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if len(head) < 8:
+            raise ConfigError(f"checkpoint {path}: not a safetensors file, or truncated "
+                              f"({size} bytes)")
+        n = int.from_bytes(head, "little")
         if not 2 <= n <= min(size - 8, MAX_HEADER_BYTES):
             raise ConfigError(f"checkpoint {path}: not a safetensors file, or truncated "
                               f"(header of {n} bytes in a file of {size})")

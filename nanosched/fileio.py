@@ -154,3 +154,29 @@ def read_json(path: str | os.PathLike[str], what: str, error: type[Exception],
         raise error(f"{name}: not valid JSON ({exc}){hint}") from None
     except RecursionError:
         raise error(f"{name}: JSON nested too deep") from None
+
+
+def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """Refuse, before any work, an output path that cannot be written: an existing folder, a
+    parent that is missing or is not a folder, or a folder where a probe file cannot be made
+    (read-only, no permission). Raises ConfigError naming `flag` and the path."""
+    from nanosched.errors import ConfigError
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a folder; give a file name")
+    parent = p.parent
+    if not parent.exists():
+        raise ConfigError(f"{flag} {p}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {p}: {parent} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".probe")
+    except OSError as exc:
+        raise ConfigError(f"{flag} {p}: cannot write in {parent} "
+                          f"({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ConfigError(f"{flag} {p}: the file is not writable")
+    return p

@@ -196,6 +196,8 @@ def _prompts(prompt: Any, codec: TextCodec, limits: Limits) -> list[list[int]]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_CHOICES:
             raise _bad("prompt", f"{len(prompt)} prompts; at most {MAX_CHOICES} per request")
+        if len(prompt) == 1:  # one prompt in a batch of one
+            return [_prompt_ids(prompt[0], codec, limits)]
         return [_prompt_ids(p, codec, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]
     return [_prompt_ids(prompt, codec, limits)]
 

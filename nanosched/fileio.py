@@ -1,12 +1,22 @@
 """File handling shared by every contract: atomic JSON writes, so a failure never leaves half a
-file, and the field checks of objects read back into frozen dataclasses."""
+file, and the field checks of objects read back into frozen dataclasses.
+
+`check_fields` is the one typed gate of every contract file (schedules, profiles): a field must
+have the JSON type its dataclass annotation names (`int` is an integer and not a bool, `float`
+a finite number, `str` a string, `tuple[X, ...]` a list of X, `dict[str, X]` an object), so a
+hand-edited `"share": "abc"`, `"tp": "1"`, `"deps": {}` or `Infinity` is refused with the file,
+the field and what was expected, before anything computes with it. Bounds beyond the type
+(positive, within a horizon) belong to each format's own validation."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
-from dataclasses import MISSING, fields
+import types
+import typing
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +38,10 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any, indent: int | Non
 
 def check_fields(cls: type, data: Any, where: str, error: type[Exception]) -> None:
     """Raise `error` naming `where` unless `data` is an object with exactly the fields `cls`
-    takes: no unknown field, every field without a default present."""
+    takes: no unknown field, every field without a default present, each of its annotated type
+    (`type_problem`; nested dataclasses are left to the caller, which builds them)."""
     if not isinstance(data, dict):
-        raise error(f"{where}: expected an object, got {data!r}")
+        raise error(f"{where}: expected an object, got {_short(data)}")
     unknown = set(data) - {f.name for f in fields(cls)}
     if unknown:
         raise error(f"{where}: unknown field(s) {sorted(unknown)}")
@@ -38,3 +49,134 @@ def check_fields(cls: type, data: Any, where: str, error: type[Exception]) -> No
                if f.default is MISSING and f.default_factory is MISSING} - set(data)
     if missing:
         raise error(f"{where}: missing field(s) {sorted(missing)}")
+    hints = _hints(cls)
+    for name, value in data.items():
+        why = type_problem(hints[name], value)
+        if why:
+            raise error(f"{where}: field {name!r} {why}")
+
+
+def type_problem(hint: Any, value: Any) -> str | None:
+    """Why the JSON `value` is not of the annotated type `hint` (None: it is).
+
+    JSON lists stand for tuples; a dataclass value is only required to be an object (its
+    fields are checked when it is built). Unknown annotations accept anything."""
+    if hint is Any or hint is object:
+        return None
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if any(type_problem(a, value) is None for a in args):
+            return None
+        others = [a for a in args if a is not type(None)]
+        if len(others) == 1:
+            return f"{type_problem(others[0], value)} (or null)"
+        names = " or ".join(_name(a) for a in args)
+        return f"must be {names}, got {_short(value)}"
+    if hint is type(None):
+        return None if value is None else f"must be null, got {_short(value)}"
+    if hint is bool:
+        return None if isinstance(value, bool) else f"must be true or false, got {_short(value)}"
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return None
+        return f"must be an integer, got {_short(value)}"
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"must be a number, got {_short(value)}"
+        return None if math.isfinite(value) else f"must be a finite number, got {value!r}"
+    if hint is str:
+        return None if isinstance(value, str) else f"must be a string, got {_short(value)}"
+    if isinstance(hint, type) and is_dataclass(hint):
+        return None if isinstance(value, dict) else f"must be an object, got {_short(value)}"
+    if origin is tuple or origin is list:
+        if not isinstance(value, (list, tuple)):
+            return f"must be a list, got {_short(value)}"
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                return f"must be a list of {len(args)} items, got {_short(value)}"
+            elems = list(zip(args, value, strict=True))
+        else:
+            elems = [(args[0] if args else Any, v) for v in value]
+        for i, (a, v) in enumerate(elems):
+            why = type_problem(a, v)
+            if why:
+                return f"item {i} {why}"
+        return None
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"must be an object, got {_short(value)}"
+        val = args[1] if len(args) == 2 else Any
+        for k, v in value.items():
+            why = type_problem(val, v)
+            if why:
+                return f"key {k!r} {why}"
+        return None
+    return None
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _name(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        hint, getattr(hint, "__name__", str(hint)))
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def read_json(path: str | os.PathLike[str], what: str, error: type[Exception],
+              hint: str = "") -> Any:
+    """Parse the JSON file `path`; raise `error` naming `what` and the path when it is missing,
+    not a regular file, unreadable, not UTF-8, not JSON, or nested too deep to parse (the
+    parser recurses: 100,000 nested brackets would otherwise end in a RecursionError)."""
+    p = Path(path)
+    name = f"{what} {p}"
+    if not p.exists():
+        raise error(f"{name} does not exist")
+    if not p.is_file():
+        raise error(f"{name} is not a file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise error(f"{name}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{name}: not UTF-8 text (byte {exc.start}){hint}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{name}: not valid JSON ({exc}){hint}") from None
+    except RecursionError:
+        raise error(f"{name}: JSON nested too deep") from None
+
+
+def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """Refuse, before any work, an output path that cannot be written: an existing folder, a
+    parent that is missing or is not a folder, or a folder where a probe file cannot be made
+    (read-only, no permission). Raises ConfigError naming `flag` and the path."""
+    from nanosched.errors import ConfigError
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a folder; give a file name")
+    parent = p.parent
+    if not parent.exists():
+        raise ConfigError(f"{flag} {p}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {p}: {parent} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".probe")
+    except OSError as exc:
+        raise ConfigError(f"{flag} {p}: cannot write in {parent} "
+                          f"({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ConfigError(f"{flag} {p}: the file is not writable")
+    return p

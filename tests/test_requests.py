@@ -32,7 +32,7 @@ def test_fixed_lengths_and_poisson():
     (["{oops"], r":1: not valid JSON"),
     (['{"prompt_len": 0, "output_len": 2}'], r":1: prompt_len must be a positive integer"),
     (['{"prompt_len": 4, "output_len": -1}'], r":1: output_len must be a positive integer"),
-    (['{"prompt_ids": [1, 99], "output_len": 1}'], r":1: prompt_ids must be .* 0..49"),
+    (['{"prompt_ids": [1, 99], "output_len": 1}'], r":1: prompt_ids\[1\] is 99; .* 0..49"),
     (['{"prompt_len": 60, "output_len": 10}'], r":1: prompt \(60\) \+ output_len \(10\) exceeds"),
 ])
 def test_jsonl_errors_name_the_line(tmp_path, lines, message):

@@ -29,11 +29,13 @@ def _first(data, op):
 
 def _cycle(d):
     """kqv.0 waits (same layer) on the last nano-op of the layer (all in one period; resource
-    waits on the next layer's nano-ops, shift -1, dropped so the cycle is the first fault)."""
+    waits on the next layer's nano-ops, shift -1, dropped, and every start moved into the first
+    period as layer offset 0 requires, so the cycle is the first fault)."""
     kqv = _first(d, "kqv")
     kqv["deps"].append({"id": d["nano_ops"][-1]["id"], "shift": 0, "kind": "data"})
     for n in d["nano_ops"]:
         n["layer_offset"] = 0
+        n["start_us"] = 0.0
         n["deps"] = [dep for dep in n["deps"] if dep["shift"] >= 0]
 
 

@@ -5,6 +5,13 @@ Never goes through pickle: tensors are read with `safetensors.safe_open(...).get
 rank reads its rows/columns only. Every tensor the model needs must be present with its HF
 shape, and every tensor in the checkpoint must be used (rotary `inv_freq` buffers and a tied
 `lm_head.weight` are ignored); otherwise a ConfigError names the tensor and the shapes.
+
+The folder is checked before any model is built (`checkpoint_files`): the index must be a JSON
+object whose `weight_map` names files inside the folder (an absolute path, `..` or a link out
+of it is refused), every shard must exist, and every safetensors header must parse and fit its
+file (a truncated download is named, not met later as a read error). A folder holding only
+pickled weights (`pytorch_model.bin`, `*.pt`) is refused rather than served with random
+weights: nanosched never unpickles.
 HF names: Llama/Qwen2 `model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`;
 Mixtral `block_sparse_moe.gate` and `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down).
 """
@@ -12,6 +19,7 @@ Mixtral `block_sparse_moe.gate` and `block_sparse_moe.experts.E.{w1,w3,w2}` (gat
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +27,7 @@ from pathlib import Path
 import torch
 
 from nanosched.errors import ConfigError
+from nanosched.fileio import read_json
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import REGISTRY
 
@@ -43,20 +52,13 @@ class SafetensorsFolder:
         from safetensors import safe_open
 
         self.folder = Path(folder)
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"checkpoint {self.folder}: no *.safetensors files")
         self._where: dict[str, object] = {}
-        for f in files:
-            path = self.folder / f
-            if not path.is_file():
-                raise ConfigError(f"checkpoint {self.folder}: index names missing file {f}")
-            handle = safe_open(str(path), framework="pt")
+        for path in checkpoint_files(self.folder):
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors' own error type: a damaged file
+                raise ConfigError(f"checkpoint {path}: cannot be opened as safetensors "
+                                  f"({exc})") from None
             self._where.update(dict.fromkeys(handle.keys(), handle))
 
     def names(self) -> set[str]:
@@ -172,14 +174,134 @@ def load_checkpoint(model: CausalLM, folder: str | Path) -> None:
     load_weights(model, SafetensorsFolder(folder), where=f"checkpoint {folder}")
 
 
+INDEX = "model.safetensors.index.json"
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def checkpoint_folder(model: str) -> Path | None:
     """The checkpoint folder `model` names, or None for a registered name or a folder without
-    *.safetensors (random weights)."""
+    weights (random weights). A folder with an index or pickled weights but no safetensors is
+    refused: serving random weights in their place would be a silent wrong answer."""
     if model in REGISTRY:
         return None
     path = Path(model)
     folder = path if path.is_dir() else path.parent
-    return folder if any(folder.glob("*.safetensors")) else None
+    if any(folder.glob("*.safetensors")) or (folder / INDEX).exists():
+        return folder
+    pickled = sorted(p.name for pattern in PICKLED for p in folder.glob(pattern))
+    if pickled:
+        raise ConfigError(f"checkpoint {folder}: holds {', '.join(pickled[:3])} but no "
+                          f"*.safetensors; nanosched reads safetensors only (it never unpickles "
+                          f"weights): convert the checkpoint to safetensors")
+    return None
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of `folder` (the index's shards, else every *.safetensors), each
+    checked: inside the folder, present, and with a header that parses and fits the file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"checkpoint {folder}: not a folder")
+    index = folder / INDEX
+    if index.exists():
+        files = [_shard(folder, name, index) for name in _weight_map_files(index)]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"checkpoint {folder}: no *.safetensors files")
+    for f in files:
+        check_safetensors_header(f)
+    return files
+
+
+def _weight_map_files(index: Path) -> list[str]:
+    data = read_json(index, "checkpoint index", ConfigError)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"checkpoint index {index}: field 'weight_map' must be a non-empty "
+                          f"object of tensor name -> file")
+    bad = [v for v in weight_map.values() if not isinstance(v, str) or not v]
+    if bad:
+        raise ConfigError(f"checkpoint index {index}: field 'weight_map' has file {bad[0]!r}; "
+                          f"files are non-empty strings")
+    return sorted(set(weight_map.values()))
+
+
+def _shard(folder: Path, name: str, index: Path) -> Path:
+    path = folder / name
+    root = folder.resolve()
+    if Path(name).is_absolute() or not path.resolve().is_relative_to(root):
+        raise ConfigError(f"checkpoint index {index}: field 'weight_map' names {name!r}, "
+                          f"outside the checkpoint folder; refused")
+    if not path.is_file():
+        raise ConfigError(f"checkpoint index {index}: field 'weight_map' names missing file "
+                          f"{name!r}")
+    return path
+
+
+def check_safetensors_header(path: Path) -> None:
+    """Refuse a file whose safetensors header (8-byte length, then JSON: per tensor dtype,
+    shape and data offsets) does not parse or points past the end of the file."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"checkpoint {path}: not a safetensors file, or truncated "
+                              f"({size} bytes)")
+        n = int.from_bytes(head, "little")
+        if not 2 <= n <= min(size - 8, MAX_HEADER_BYTES):
+            raise ConfigError(f"checkpoint {path}: not a safetensors file, or truncated "
+                              f"(header of {n} bytes in a file of {size})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise ConfigError(f"checkpoint {path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"checkpoint {path}: safetensors header is not a JSON object")
+    data_bytes = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        why = _tensor_problem(info, data_bytes)
+        if why:
+            raise ConfigError(f"checkpoint {path}: tensor {name!r}: {why}")
+
+
+def _tensor_problem(info: object, data_bytes: int) -> str | None:
+    if not isinstance(info, dict):
+        return "header entry is not an object"
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        return f"dtype {dtype!r} is not a safetensors dtype"
+    if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"shape {shape!r} is not a list of sizes"
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        return f"data_offsets {offsets!r} is not [start, end]"
+    start, end = offsets
+    if not 0 <= start <= end <= data_bytes:
+        return (f"data [{start}, {end}) past the end of the file's {data_bytes} data bytes "
+                f"(truncated?)")
+    if end - start != math.prod(shape) * DTYPE_BYTES[dtype]:
+        return f"{end - start} bytes for shape {shape} of {dtype}"
+    return None
+
+
+def load_tokenizer(folder: Path) -> object:
+    """The folder's tokenizer through transformers' AutoTokenizer; a file it cannot read
+    (garbage tokenizer.json, a bad tokenizer_config.json) is a ConfigError naming the folder."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # transformers and tokenizers raise many types on a bad file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"tokenizer in {folder}: cannot be loaded ({first[:200]})") from None
 
 
 def model_folder(model: str) -> Path | None:
@@ -196,5 +318,7 @@ def eos_ids(model: str) -> set[int]:
     config = folder / "config.json" if folder else None
     if config is None or not config.is_file():
         return set()
-    eos = json.loads(config.read_text()).get("eos_token_id")
-    return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+    data = read_json(config, "config", ConfigError)
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    ids = eos if isinstance(eos, list) else [eos]
+    return {i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0}

@@ -10,12 +10,21 @@ I = intermediate size, V = vocabulary, E = experts, k = experts per token, L = l
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nanosched.errors import ConfigError
+from nanosched.fileio import check_fields, read_json
+
+# Upper bounds of a spec's sizes: well above every released model, far below what would make
+# a table or a cache of that size exhaust memory before anything says why.
+SPEC_BOUNDS = {
+    "hidden_size": 1 << 17, "num_layers": 1024, "num_heads": 1024, "num_kv_heads": 1024,
+    "head_dim": 1024, "intermediate_size": 1 << 20, "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 24,
+}
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -49,12 +58,37 @@ class ModelSpec:
     dtype_bytes: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "max_position_embeddings"):
+        """Refuse a spec no model can have: every size a positive integer within SPEC_BOUNDS
+        (a hand-written config.json with max_position_embeddings 10^18 would otherwise size
+        rotary tables and KV caches from it), finite positive rope_theta and rms_norm_eps."""
+        for name, most in SPEC_BOUNDS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model {self.name!r}: {name} must be a positive integer, "
                                   f"got {value!r}")
+            if value > most:
+                raise ConfigError(f"model {self.name!r}: {name} {value} is above {most:,}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not 0 < value < math.inf):
+                raise ConfigError(f"model {self.name!r}: {name} must be a finite positive "
+                                  f"number, got {value!r}")
+        for name in ("num_experts", "num_experts_per_tok"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1024:
+                raise ConfigError(f"model {self.name!r}: {name} must be an integer in 0..1024, "
+                                  f"got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"model {self.name!r}: num_experts_per_tok "
+                              f"{self.num_experts_per_tok} is above num_experts "
+                              f"{self.num_experts}")
+        if self.dtype_bytes not in (1, 2, 4) or isinstance(self.dtype_bytes, bool):
+            raise ConfigError(f"model {self.name!r}: dtype_bytes must be 1, 2 or 4, got "
+                              f"{self.dtype_bytes!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ConfigError(f"model {self.name!r}: rope_scaling must be an object or null, "
+                              f"got {self.rope_scaling!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"model {self.name!r}: num_heads ({self.num_heads}) must be a "
                               f"multiple of num_kv_heads ({self.num_kv_heads})")
@@ -145,11 +179,13 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ModelSpec:
+    def from_json(cls, data: Any, where: str = "model spec") -> ModelSpec:
+        """Build from `to_json`'s object; ConfigError names `where` and the field."""
+        check_fields(cls, data, where, ConfigError)
         try:
             return cls(**data)
-        except TypeError as exc:
-            raise ConfigError(f"model spec: {exc}") from exc
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def _llama(name: str, **kw: Any) -> ModelSpec:
@@ -198,10 +234,39 @@ def _require(cfg: dict[str, Any], key: str, where: str) -> Any:
     return cfg[key]
 
 
+def _number(cfg: dict[str, Any], key: str, default: float, where: str) -> float:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(f"{where}: field {key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _flag(cfg: dict[str, Any], key: str, where: str) -> bool:
+    value = cfg.get(key, False)
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{where}: field {key!r} must be true or false, got {value!r}")
+    return bool(value)
+
+
 def spec_from_hf_config(cfg: dict[str, Any], name: str, where: str = "config.json") -> ModelSpec:
-    """Build a ModelSpec from a Hugging Face config dict (Llama, Mistral, Qwen2, Mixtral)."""
+    """Build a ModelSpec from a Hugging Face config dict (Llama, Mistral, Qwen2, Mixtral).
+
+    Every field is type-checked and bounded (`ModelSpec.__post_init__`); the error names the
+    file and the field."""
+    try:
+        return _spec_from_hf_config(cfg, name, where)
+    except ConfigError as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+
+
+def _spec_from_hf_config(cfg: dict[str, Any], name: str, where: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
-    known = [a for a in archs if a in ARCHITECTURES]
+    if not isinstance(archs, list):
+        archs = [archs]
+    known = [a for a in archs if isinstance(a, str) and a in ARCHITECTURES]
     if not known:
         raise ConfigError(f"{where}: field 'architectures' is {archs!r}; supported: "
                           f"{', '.join(sorted(ARCHITECTURES))}")
@@ -212,9 +277,9 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, where: str = "config.jso
     hidden = _require(cfg, "hidden_size", where)
     heads = _require(cfg, "num_attention_heads", where)
     head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and
-                                       isinstance(heads, int) and heads else 0)
+                                       isinstance(heads, int) and heads > 0 else 0)
     moe = arch == "mixtral"
-    theta, scaling = _rope_fields(cfg)
+    theta, scaling = _rope_fields(cfg, where)
     return ModelSpec(
         name=name,
         arch=arch,
@@ -227,16 +292,17 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str, where: str = "config.jso
         vocab_size=_require(cfg, "vocab_size", where),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rope_theta=theta,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6, where),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", where),
+        qkv_bias=arch == "qwen2" or _flag(cfg, "attention_bias", where),
         num_experts=_require(cfg, "num_local_experts", where) if moe else 0,
         num_experts_per_tok=_require(cfg, "num_experts_per_tok", where) if moe else 0,
         rope_scaling=scaling,
     )
 
 
-def _rope_fields(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope_fields(cfg: dict[str, Any], where: str = "config.json"
+                 ) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope scaling) from either transformers-4 or transformers-5 config fields.
 
     transformers 5 writes `rope_parameters = {"rope_theta": ..., "rope_type": ...}`; older
@@ -245,8 +311,9 @@ def _rope_fields(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or (params if isinstance(params, dict) else {})
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    theta = float(theta if theta is not None else cfg.get("rope_theta", 10000.0))
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: fields 'rope_parameters' and 'rope_scaling' must be objects")
+    theta = _number(params, "rope_theta", _number(cfg, "rope_theta", 10000.0, where), where)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     return theta, (dict(scaling) if kind != "default" else None)
 
@@ -261,12 +328,9 @@ def load_spec(name_or_path: str) -> ModelSpec:
         if not path.is_file():
             raise ConfigError(f"--model {name_or_path}: folder has no config.json")
     if path.suffix == ".json" and path.is_file():
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--model {name_or_path}: not valid JSON ({exc})") from exc
+        cfg = read_json(path, "--model", ConfigError)
         if not isinstance(cfg, dict):
-            raise ConfigError(f"--model {name_or_path}: expected a JSON object")
+            raise ConfigError(f"--model {path}: expected a JSON object")
         name = path.parent.name if path.name == "config.json" else path.stem
         return spec_from_hf_config(cfg, name=name, where=str(path))
     raise ConfigError(f"--model {name_or_path!r} is neither a known model nor a config.json or "

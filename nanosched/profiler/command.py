@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
 from nanosched.errors import ConfigError
+from nanosched.fileio import check_output_file
 from nanosched.hardware import GIB, GPUSpec
 from nanosched.models.spec import load_spec
 from nanosched.profiler.backend import ProfilerBackend
@@ -68,9 +69,13 @@ def resume_hint(cfg: ProfileConfig) -> str:
 
 
 def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profile:
-    """Measure the profile `cfg` asks for and write it; returns it."""
+    """Measure the profile `cfg` asks for and write it; returns it.
+
+    The output path (and so its `.partial.json` beside it) is checked before the backend
+    starts: a folder, a missing parent or an unwritable place fails now, not after the run."""
     spec = load_spec(cfg.model)
     spec.check_tp(cfg.tp)
+    check_output_file(cfg.out or default_out(cfg.model, cfg.tp, cfg.quick), "--out")
     backend = make_backend(cfg)
     identity = backend.identity("")
     dense = cfg.dense_batch or dense_batch_for(cfg.model, cfg.tp, cfg.workload,

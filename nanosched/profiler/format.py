@@ -56,14 +56,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanosched.errors import ProfileError
-from nanosched.fileio import check_fields, write_json_atomic
+from nanosched.errors import ConfigError, ProfileError
+from nanosched.fileio import check_fields, read_json, write_json_atomic
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
 
 FORMAT = "nanosched.profile/1"
 MECHANISMS = ("full", "green_ctx", "cta_bound", "stream_priority")
 RP_CLASSES = ("memory", "network")
+MAX_SMS = 4096
+MAX_TOKENS = 1 << 20
 
 
 # A pair measured with a shorter settle or window ran before the clock settled under the power
@@ -296,7 +298,7 @@ class Profile:
             raise ProfileError(f"{where}: format is {data.get('format')!r}, expected {FORMAT!r}")
         prof = cls(
             identity=_build(Identity, data, "identity", where),
-            model=ModelSpec.from_json(_get(data, "model", dict, where)),
+            model=_model(data, where),
             tp=_get(data, "tp", int, where),
             dense_batch=_get(data, "dense_batch", int, where),
             ceilings=_build(Ceilings, data, "ceilings", where),
@@ -335,6 +337,13 @@ def _get(data: dict[str, Any], key: str, typ: type, where: str, required: bool =
     return value
 
 
+def _model(data: dict[str, Any], where: str) -> ModelSpec:
+    try:
+        return ModelSpec.from_json(_get(data, "model", dict, where), f"{where}: model")
+    except ConfigError as exc:
+        raise ProfileError(str(exc)) from None
+
+
 def _build(cls: type, data: dict[str, Any], key: str, where: str) -> Any:
     return _make(cls, _get(data, key, dict, where), f"{where}: {key}")
 
@@ -351,10 +360,25 @@ def _make(cls: type, item: Any, where: str) -> Any:
 
 
 def validate(prof: Profile, where: str = "profile") -> None:
-    """Check internal consistency; raise ProfileError naming the first problem."""
-    if prof.identity.num_sms <= 0:
-        raise ProfileError(f"{where}: identity.num_sms must be positive")
-    prof.model.check_tp(prof.tp)
+    """Check internal consistency and bounds; raise ProfileError naming the first problem.
+
+    Field types (finite numbers, integers) are checked when the file is read
+    (`fileio.check_fields`); here every time is positive (P = alone / co-run divides by them),
+    every token count, context and SM count within what a GPU holds."""
+    if not 0 < prof.identity.num_sms <= MAX_SMS:
+        raise ProfileError(f"{where}: identity.num_sms must be in 1..{MAX_SMS}, got "
+                           f"{prof.identity.num_sms}")
+    if not 0 < prof.dense_batch <= MAX_TOKENS:
+        raise ProfileError(f"{where}: dense_batch must be in 1..{MAX_TOKENS}, got "
+                           f"{prof.dense_batch}")
+    try:
+        prof.model.check_tp(prof.tp)
+    except ConfigError as exc:
+        raise ProfileError(f"{where}: tp: {exc}") from None
+    c = prof.ceilings
+    if not (c.gemm_tflops_8192 > 0 and c.gemm_tflops_model > 0 and c.copy_gbs > 0):
+        raise ProfileError(f"{where}: ceilings: gemm_tflops_8192, gemm_tflops_model and "
+                           f"copy_gbs must be positive")
     if not prof.kernels:
         raise ProfileError(f"{where}: kernel table is empty")
     for i, k in enumerate(prof.kernels):
@@ -365,8 +389,15 @@ def validate(prof: Profile, where: str = "profile") -> None:
             raise ProfileError(f"{here}: time_us must be positive, got {k.time_us!r}")
         if not 0 < k.sms <= prof.identity.num_sms:
             raise ProfileError(f"{here}: sms {k.sms} not in 1..{prof.identity.num_sms}")
-        if k.tokens <= 0:
-            raise ProfileError(f"{here}: tokens must be positive")
+        if not 0 < k.tokens <= MAX_TOKENS or not 0 <= k.context <= MAX_TOKENS * 64:
+            raise ProfileError(f"{here}: tokens must be in 1..{MAX_TOKENS} and context in "
+                               f"0..{MAX_TOKENS * 64}")
+    for i, pr in enumerate(prof.pairs):
+        times = (pr.compute_alone_us, pr.other_alone_us, pr.compute_us, pr.other_us)
+        if not all(t > 0 for t in times) or pr.tokens <= 0 or pr.settle_ms < 0 \
+                or pr.window_ms < 0:
+            raise ProfileError(f"{where}: pairs[{i}] ({pr.compute_op} x {pr.other_op}): times "
+                               f"and tokens must be positive, settle_ms and window_ms >= 0")
     for key, table in (("rp", prof.rp), ("rp_shapes", prof.rp_shapes)):
         for cls, pts in table.items():
             if cls not in RP_CLASSES:
@@ -404,13 +435,8 @@ def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile file."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ProfileError(f"profile {p} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"profile {p}: not valid JSON ({exc}); a truncated file? "
-                           f"re-run `nanosched profile --resume`") from exc
+    data = read_json(p, "profile", ProfileError, hint="; a truncated file? re-run "
+                     "`nanosched profile --resume`")
     return Profile.from_json(data, where=f"profile {p}")
 
 

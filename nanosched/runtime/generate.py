@@ -17,7 +17,7 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import cuda_available
-from nanosched.models.checkpoint import checkpoint_folder
+from nanosched.models.checkpoint import checkpoint_folder, load_tokenizer
 from nanosched.models.parallel import TensorParallel, launch
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.config import EngineConfig
@@ -61,9 +61,7 @@ def _tokenizer(model: str):  # -> transformers tokenizer or None
     folder = checkpoint_folder(model)
     if folder is None or not any((folder / f).is_file() for f in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
+    return load_tokenizer(folder)
 
 
 def _check(cfg: GenerateConfig, spec: ModelSpec, prompt: list[int]) -> None:

@@ -31,7 +31,12 @@ import torch
 from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
-from nanosched.models.checkpoint import checkpoint_folder, eos_ids, load_checkpoint
+from nanosched.models.checkpoint import (
+    checkpoint_files,
+    checkpoint_folder,
+    eos_ids,
+    load_checkpoint,
+)
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel
 from nanosched.models.spec import ModelSpec, load_spec
@@ -65,11 +70,17 @@ def model_dtype(device: torch.device) -> torch.dtype:
 
 def resolve_weights(model: str, weights: str | None) -> str:
     """'random' or a checkpoint folder: `weights` when given, else the folder `model` names
-    when it holds safetensors, else random."""
+    when it holds safetensors, else random. A folder is checked here, before any model is
+    built (`checkpoint_files`: index, shard paths, headers)."""
     if weights is not None:
+        if weights != "random":
+            checkpoint_files(weights)
         return weights
     folder = checkpoint_folder(model)
-    return str(folder) if folder is not None else "random"
+    if folder is None:
+        return "random"
+    checkpoint_files(folder)  # a damaged folder is named before the model is built
+    return str(folder)
 
 
 def load_model(spec: ModelSpec, weights: str, device: torch.device, seed: int = 0,

@@ -122,32 +122,42 @@ def synthetic_requests(workload: Workload, num_prompts: int, vocab_size: int, ma
     ]
 
 
+JSONL_FIELDS = ("prompt_len", "prompt_ids", "output_len")
+
+
 def jsonl_requests(path: str | Path, vocab_size: int, max_len: int, seed: int = 0,
                    ignore_eos: bool = True) -> list[Request]:
-    """Requests from a JSONL file; errors name the line and the problem."""
+    """Requests from a JSONL file; every error names the file, the line and the field.
+
+    Refused: bytes that are not UTF-8 (naming the line they are on), a line that is not one
+    JSON object (or nests too deep to parse), an unknown field, token ids that are not integers
+    (booleans included) of the vocabulary, lengths that are not positive integers or exceed the
+    model's context (checked before any token is drawn, so `prompt_len: 10**12` costs nothing).
+    """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--workload {path}: no such file (and not one of "
                           f"{', '.join(DATASETS)})")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"--workload {p}: cannot be read ({exc.strerror or exc})") from None
     rng = np.random.default_rng(seed)
     requests: list[Request] = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
+    lines = raw.split(b"\n")
+    if lines and not lines[-1].strip():
+        lines.pop()  # the newline that ends the last line
+    for n, data in enumerate(lines, start=1):
         where = f"{p}:{n}"
-        if not line.strip():
-            raise ConfigError(f"{where}: empty line; each line must be one JSON request")
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise ConfigError(f"{where}: expected an object with prompt_len or prompt_ids")
-        ids = _prompt_ids(obj, where, rng, vocab_size)
+        obj = _jsonl_object(data, where)
+        unknown = sorted(set(obj) - set(JSONL_FIELDS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}; a request has "
+                              f"{', '.join(JSONL_FIELDS)}")
         out = obj.get("output_len")
         if not isinstance(out, int) or isinstance(out, bool) or out < 1:
             raise ConfigError(f"{where}: output_len must be a positive integer, got {out!r}")
-        if len(ids) + out > max_len:
-            raise ConfigError(f"{where}: prompt ({len(ids)}) + output_len ({out}) exceeds the "
-                              f"model's context of {max_len} tokens")
+        ids = _prompt_ids(obj, where, rng, vocab_size, max_len - out)
         requests.append(Request(len(requests), ids,
                                 SamplingParams(max_tokens=out, ignore_eos=ignore_eos)))
     if not requests:
@@ -155,19 +165,45 @@ def jsonl_requests(path: str | Path, vocab_size: int, max_len: int, seed: int = 
     return requests
 
 
-def _prompt_ids(obj: dict, where: str, rng: np.random.Generator, vocab_size: int) -> list[int]:
+def _jsonl_object(data: bytes, where: str) -> dict:
+    try:
+        line = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start} of the line)") from None
+    if not line.strip():
+        raise ConfigError(f"{where}: empty line; each line must be one JSON request")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: JSON nested too deep") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected an object with prompt_len or prompt_ids")
+    return obj
+
+
+def _prompt_ids(obj: dict, where: str, rng: np.random.Generator, vocab_size: int,
+                room: int) -> list[int]:
+    """The prompt's ids (given, or `prompt_len` random ones); at most `room` tokens fit."""
     if "prompt_ids" in obj:
         ids = obj["prompt_ids"]
-        if (not isinstance(ids, list) or not ids or
-                not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids)):
-            raise ConfigError(f"{where}: prompt_ids must be a non-empty list of token ids in "
-                              f"0..{vocab_size - 1}")
-        return ids
-    n = obj.get("prompt_len")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigError(f"{where}: prompt_len must be a positive integer (or give "
-                          f"prompt_ids), got {n!r}")
-    return _random_ids(rng, n, vocab_size)
+        if not isinstance(ids, list) or not ids:
+            raise ConfigError(f"{where}: prompt_ids must be a non-empty list of token ids")
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise ConfigError(f"{where}: prompt_ids[{i}] is {t!r}; token ids are integers "
+                                  f"in 0..{vocab_size - 1}")
+        n = len(ids)
+    else:
+        n = obj.get("prompt_len")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"{where}: prompt_len must be a positive integer (or give "
+                              f"prompt_ids), got {n!r}")
+    if n > room:
+        raise ConfigError(f"{where}: prompt ({n}) + output_len ({obj['output_len']}) exceeds "
+                          f"the model's context of {room + obj['output_len']} tokens")
+    return ids if "prompt_ids" in obj else _random_ids(rng, n, vocab_size)
 
 
 def poisson_arrivals(requests: list[Request], rate: float, seed: int = 0) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from nanosched.errors import ScheduleError
-from nanosched.fileio import check_fields, write_json_atomic
+from nanosched.fileio import check_fields, read_json, write_json_atomic
 
 FORMAT = "nanosched.schedule/1"
 MODEL_FIELDS = ("name", "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -167,6 +167,8 @@ class Schedule:
             sched = _make(cls, body, where, {
                 "batch": BatchInfo, "prediction": Prediction,
                 "streams": StreamInfo, "nano_ops": NanoOp, "stages": StageReport})
+        except ScheduleError:
+            raise
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ScheduleError(f"{where}: {exc}") from exc
         validate(sched, where)
@@ -202,12 +204,7 @@ def _item(cls: type, data: Any, where: str) -> Any:
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:
     """Read and validate a schedule file."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ScheduleError(f"schedule {p} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ScheduleError(f"schedule {p}: not valid JSON ({exc})") from exc
+    data = read_json(p, "schedule", ScheduleError)
     return Schedule.from_json(data, where=f"schedule {p}")
 
 

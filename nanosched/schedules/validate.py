@@ -8,6 +8,13 @@ dependency exists, none waits on a nano-op issued in a later period, and the dep
 a period plus the stream orders are acyclic (else the replay deadlocks); the
 allocations of nano-ops running at the same instant (predicted starts, layers repeating every
 `solver_period_us`) sum to at most the whole GPU, and their green-context SMs to at most its SMs.
+
+Every number is bounded before anything loops over it (field types are checked when the file is
+read, `fileio.check_fields`): the dense batch, SM count and tp within what a GPU can hold, at
+most MAX_NANO_OPS_PER_OP nano-ops per op, the prediction's times positive, and each nano-op
+within the horizon its layer offset allows: layer_offset * period <= start_us < (layer_offset
++ 1) * period and duration_us <= period (a stream issues it once a period). So the capacity
+check unrolls at most five layer copies, whatever a hand-edited file says.
 """
 
 from __future__ import annotations
@@ -24,6 +31,16 @@ if TYPE_CHECKING:
 EPS_US = 1e-6
 RESOURCES = ("compute", "memory", "network", "other")
 DEP_KINDS = ("data", "prompt", "resource")
+MECHANISMS = ("full", "green_ctx", "cta_bound", "stream_priority")
+SIDES = ("", "compute", "other")
+FORMS = ("ar", "rs_ag")
+OPS = ("kqv", "rope_append", "attn_decode", "attn_prefill", "o", "ar_attn", "rs_attn", "ag_attn",
+       "add_norm_ffn", "ug", "experts_ug", "act", "d", "experts_d", "ar_ffn", "rs_ffn", "ag_ffn",
+       "add_norm_attn")
+MAX_DENSE_BATCH = 1 << 20  # tokens per iteration
+MAX_SMS = 4096
+MAX_TP = 1024
+MAX_NANO_OPS_PER_OP = 64
 
 
 def op_domain(op: str, dense_batch: int, num_decode: int) -> tuple[int, int]:
@@ -43,6 +60,7 @@ def validate(s: Schedule, where: str = "schedule") -> None:
 def validate_structure(s: Schedule, where: str = "schedule") -> None:
     """Everything `validate` checks except the timing-based GPU capacity."""
     _check_batch(s, where)
+    _check_prediction(s, where)
     _check_ranges(s, where)
     _check_nano_ops(s, where)
     _check_orders(s, where)
@@ -55,20 +73,42 @@ def _fail(where: str, field: str, why: str) -> ScheduleError:
 
 def _check_batch(s: Schedule, where: str) -> None:
     b = s.batch
-    if s.tp < 1 or s.num_sms < 1:
-        raise _fail(where, "tp/num_sms", f"must be positive, got {s.tp}/{s.num_sms}")
-    if b.dense_batch < TOKEN_QUANTUM or b.dense_batch % TOKEN_QUANTUM:
-        raise _fail(where, "batch.dense_batch", f"must be a positive multiple of {TOKEN_QUANTUM}, "
-                    f"got {b.dense_batch}")
+    if not 1 <= s.tp <= MAX_TP:
+        raise _fail(where, "tp", f"must be in 1..{MAX_TP}, got {s.tp}")
+    if not 1 <= s.num_sms <= MAX_SMS:
+        raise _fail(where, "num_sms", f"must be in 1..{MAX_SMS}, got {s.num_sms}")
+    if not TOKEN_QUANTUM <= b.dense_batch <= MAX_DENSE_BATCH or b.dense_batch % TOKEN_QUANTUM:
+        raise _fail(where, "batch.dense_batch", f"must be a multiple of {TOKEN_QUANTUM} in "
+                    f"{TOKEN_QUANTUM}..{MAX_DENSE_BATCH}, got {b.dense_batch}")
     if not 0 <= b.num_decode <= b.dense_batch or b.prompt_len < 1:
         raise _fail(where, "batch", f"num_decode {b.num_decode} must be in 0..{b.dense_batch} "
                     f"and prompt_len {b.prompt_len} positive")
-    if not s.prediction.solver_period_us > 0:
-        raise _fail(where, "prediction.solver_period_us", "must be positive")
+    if b.decode_context < 0 or b.prefill_context < 0:
+        raise _fail(where, "batch", "decode_context and prefill_context must be >= 0")
+    bad_forms = {g: f for g, f in s.forms.items() if f not in FORMS}
+    if bad_forms:
+        raise _fail(where, "forms", f"{bad_forms} must each be one of {FORMS}")
+
+
+def _check_prediction(s: Schedule, where: str) -> None:
+    """Times positive (show and the simulator divide by them), rates not negative."""
+    p = s.prediction
+    for name in ("period_us", "solver_period_us", "iteration_us", "sequential_period_us",
+                 "sequential_iteration_us"):
+        if not getattr(p, name) > 0:
+            raise _fail(where, f"prediction.{name}", f"must be positive, got {getattr(p, name)}")
+    for name in ("tokens_per_s", "optimal_tokens_per_s"):
+        if getattr(p, name) < 0:
+            raise _fail(where, f"prediction.{name}", f"must be >= 0, got {getattr(p, name)}")
 
 
 def _check_ranges(s: Schedule, where: str) -> None:
     for op, ranges in s.ranges.items():
+        if op not in OPS:
+            raise _fail(where, "ranges", f"op {op!r} is not one of {OPS}")
+        if not ranges or len(ranges) > MAX_NANO_OPS_PER_OP:
+            raise _fail(where, f"ranges[{op}]", f"must hold 1..{MAX_NANO_OPS_PER_OP} ranges, "
+                        f"got {len(ranges)}")
         lo, hi = op_domain(op, s.batch.dense_batch, s.batch.num_decode)
         pos = lo
         for r in ranges:
@@ -101,16 +141,41 @@ def _check_nano_ops(s: Schedule, where: str) -> None:
             raise _fail(where, here, f"stream {n.stream!r} is not one of {sorted(streams)}")
         if n.resource not in RESOURCES or n.resource not in ("other", st.resource):
             raise _fail(where, here, f"a {n.resource} op cannot run on the {st.resource} stream")
-        a = n.alloc
-        if not (0 < a.share <= 1 and 0 < a.p <= 1.5 and a.units >= 1):
-            raise _fail(where, f"{here}.alloc", f"share {a.share} must be in (0, 1], p {a.p} "
-                        f"in (0, 1.5], units {a.units} positive")
-        if not (n.duration_us > 0 and n.start_us >= 0):
-            raise _fail(where, here, "duration_us must be positive and start_us >= 0")
+        _check_alloc(s, n, f"{here}.alloc", where)
+        _check_horizon(s, n, here, where)
     for op, ranges in s.ranges.items():
         for r in ranges:
             if (op, r[0], r[1]) not in covered:
                 raise _fail(where, f"ranges[{op}]", f"range {list(r)} has no nano-op")
+
+
+def _check_alloc(s: Schedule, n: NanoOp, here: str, where: str) -> None:
+    a = n.alloc
+    if not (0 < a.share <= 1 and 0 < a.p <= 1.5 and 1 <= a.units <= MAX_SMS):
+        raise _fail(where, here, f"share {a.share} must be in (0, 1], p {a.p} in (0, 1.5], "
+                    f"units {a.units} in 1..{MAX_SMS}")
+    if a.mechanism not in MECHANISMS:
+        raise _fail(where, f"{here}.mechanism", f"{a.mechanism!r} is not one of {MECHANISMS}")
+    if a.mechanism == "green_ctx" and a.units > s.num_sms:
+        raise _fail(where, f"{here}.units", f"{a.units} SMs, the GPU has {s.num_sms}")
+    if a.side not in SIDES:
+        raise _fail(where, f"{here}.side", f"{a.side!r} is not one of {SIDES}")
+
+
+def _check_horizon(s: Schedule, n: NanoOp, here: str, where: str) -> None:
+    """start_us within its layer offset's period, duration_us at most a period."""
+    if n.layer_offset not in (0, 1):
+        raise _fail(where, f"{here}.layer_offset", f"must be 0 or 1, got {n.layer_offset}")
+    period = s.prediction.solver_period_us
+    slack = EPS_US * max(1.0, period)
+    if not n.duration_us > 0 or n.duration_us > period + slack:
+        raise _fail(where, f"{here}.duration_us", f"{n.duration_us} must be in (0, "
+                    f"solver_period_us = {period:g}]")
+    lo = n.layer_offset * period
+    if not lo - slack <= n.start_us < lo + period + slack:
+        raise _fail(where, f"{here}.start_us", f"{n.start_us} must be in [{lo:g}, "
+                    f"{lo + period:g}): layer_offset {n.layer_offset} x solver_period_us "
+                    f"{period:g} and the period after it")
 
 
 def _check_orders(s: Schedule, where: str) -> None:
@@ -126,9 +191,6 @@ def _check_deps(s: Schedule, where: str) -> None:
     ids = {n.id: n for n in s.nano_ops}
     succ: dict[str, list[str]] = {i: [] for i in ids}
     for n in s.nano_ops:
-        if n.layer_offset not in (0, 1):
-            raise _fail(where, f"nano_ops[{n.id}].layer_offset", f"must be 0 or 1, got "
-                        f"{n.layer_offset}")
         for d in n.deps:
             if d.id not in ids:
                 raise _fail(where, f"nano_ops[{n.id}].deps", f"{d.id!r} does not exist")

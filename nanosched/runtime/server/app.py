@@ -22,7 +22,9 @@ import hmac
 import ipaddress
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,6 +43,7 @@ from nanosched.runtime.server.protocol import (
 from nanosched.runtime.server.responses import (
     chunk_event,
     completion_body,
+    merge_choices,
     render_metrics,
     sse,
     usage_event,
@@ -117,7 +120,7 @@ class Handler:
     def __init__(self, served: Served, worker: EngineWorker) -> None:
         self.served, self.worker = served, worker
         spec = served.spec
-        self.limits = Limits(served.name, spec.vocab_size, spec.max_position_embeddings)
+        self.limits = Limits(served.name, spec.vocab_size, served_context(served.engine))
 
     def submit(self, job: Job) -> tuple[int, asyncio.Queue]:
         try:  # a request longer than the whole KV cache can never run
@@ -135,9 +138,29 @@ class Handler:
             raise ApiError(503, str(exc), code="unavailable", kind="server_error") from None
 
     async def whole(self, request: Request, job: Job) -> JSONResponse:
-        """Collect the whole answer. A task watches the connection meanwhile, so a client that
-        goes away aborts its request at once (KV pages and batch slot freed), not when the
-        answer would have been complete. A stop string ends it the same way, at once."""
+        """The whole answer: one choice per prompt and per `n`, each its own engine request,
+        run concurrently; if one fails (or the client goes), the others are aborted."""
+        name = _name(job)
+        jobs = [replace(job, prompt_ids=ids) for ids in (job.prompts or (job.prompt_ids,))
+                for _ in range(job.n)]
+        tasks = [asyncio.ensure_future(self._collect(request, j)) for j in jobs]
+        try:
+            answers = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        if any(a is None for a in answers):
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        bodies = [completion_body(name, self.served.name, job.is_chat, text, ids, reason,
+                                  len(j.prompt_ids))
+                  for j, (text, ids, reason) in zip(jobs, answers, strict=True)]
+        return JSONResponse(merge_choices(bodies, job.n))
+
+    async def _collect(self, request: Request, job: Job) -> tuple[str, list[int], str] | None:
+        """(text, token ids, finish reason) of one engine request, or None if the client went.
+        A task watches the connection meanwhile, so a client that goes away aborts its request
+        at once (KV pages and batch slot freed), not when the answer would have been complete.
+        A stop string ends it the same way, at once."""
         rid, queue = self.submit(job)
         ids, reason, ended = [], None, False  # ended: the engine finished the request
         detok, stopper, text = Detokenizer(self.served.codec), StopText(job.stop), ""
@@ -148,7 +171,7 @@ class Handler:
                 await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not got.done():
                     got.cancel()
-                    return JSONResponse({}, status_code=499)  # nobody reads it
+                    return None
                 update = got.result()
                 ended = update.error is not None or update.finish_reason is not None
                 _raise_error(update)
@@ -162,8 +185,7 @@ class Handler:
             if not ended:
                 self.worker.abort(rid, stopped=reason == "stop")
         text = text + stopper.flush() if job.stop else self.served.codec.decode(ids)
-        return JSONResponse(completion_body(_name(rid, job), self.served.name, job.is_chat,
-                                            text, ids, reason, len(job.prompt_ids)))
+        return text, ids, reason
 
     def stream(self, job: Job) -> StreamingResponse:
         rid, queue = self.submit(job)
@@ -172,7 +194,7 @@ class Handler:
     async def _events(self, rid: int, queue: asyncio.Queue, job: Job) -> AsyncIterator[str]:
         """The stream: (chat: a role chunk), a chunk per update, with stop strings cut out, an
         error event if the request failed, the usage chunk if asked for, then [DONE]."""
-        name, model = _name(rid, job), self.served.name
+        name, model = _name(job), self.served.name
         detok, stopper, ended, n_out = Detokenizer(self.served.codec), StopText(job.stop), \
             False, 0
         try:
@@ -214,8 +236,19 @@ def _probe(job: Job) -> Any:
     return EngineRequest(-1, job.prompt_ids, job.params)
 
 
-def _name(rid: int, job: Job) -> str:
-    return f"{'chatcmpl' if job.is_chat else 'cmpl'}-{rid}"
+def _name(job: Job) -> str:
+    """A response id unique across requests and server restarts (a random UUID, as OpenAI's
+    ids are opaque): clients and logs may key on it."""
+    return f"{'chatcmpl' if job.is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def served_context(engine: Any) -> int:
+    """The longest request (prompt + output) the engine can ever run: the model's context, or
+    less when the KV cache holds fewer tokens (a request needs ceil(tokens / page) + 1 pages,
+    `Batcher.check_fits`). /v1/models advertises it as max_model_len, and a chat request
+    without max_tokens gets what is left of it after the prompt."""
+    b = engine.batcher
+    return max(1, min(b.max_context, (b.capacity_pages - 1) * b.page_size))
 
 
 def _update_error(update: Update) -> ApiError:

@@ -2,14 +2,17 @@
 
 Every refusal is an `ApiError` whose body is `{"error": {"message", "type", "param", "code"}}`
 and whose message names the field, the value found and what is allowed. Accepted:
-- completions: `prompt` as text (needs a tokenizer) or a list of token ids (also wrapped in a
-  one-element list); `max_tokens` (default 16);
+- completions: `prompt` as text (needs a tokenizer) or a list of token ids, or a list of such
+  prompts (one choice per prompt, `index` in prompt order); `max_tokens` (default 16);
 - chat: `messages` of `{"role", "content"}`, content a string or an array of text parts;
   `max_tokens` or `max_completion_tokens` (default: the rest of the context);
 - both: `model` (must be the served one), `temperature` (in [0, 2], default 1), `top_p` in (0, 1],
   `stream`, `stream_options.include_usage`, `stop` (up to 4 strings), `ignore_eos` (vLLM's
-  extension). Fields this server cannot honour (`n` > 1, `best_of` > 1, `echo`, `logprobs`, a
-  per-request `seed`, `response_format` other than text, `tools` and functions, `logit_bias`,
+  extension), `n` (1..MAX_N choices per prompt, fanned out as n engine requests; choice
+  `index` = prompt * n + j). Several choices are answered whole: with `stream` they are
+  refused. Fields this server cannot honour (`best_of` > 1, `echo`, `logprobs`, a per-request
+  `seed` (the engine samples a batch with one generator, so a request's draws depend on its
+  neighbours), `response_format` other than text, `tools` and functions, `logit_bias`,
   penalties other than neutral, guided decoding) are refused with a 400 naming the field,
   never silently ignored.
 """
@@ -24,7 +27,7 @@ from nanosched.runtime.requests import SamplingParams
 from nanosched.runtime.server.text import TextCodec
 
 # field -> the values accepted (anything else is refused as unsupported)
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False),
                "logprobs": (None, False), "top_logprobs": (None, 0),
                "seed": (None,), "suffix": (None, ""),
                "response_format": (None, {"type": "text"}), "tools": (None, []),
@@ -34,6 +37,11 @@ UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
                "repetition_penalty": (None, 1), "min_tokens": (None, 0),
                "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,)}
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 64  # choices per request (prompts x n): each is an engine request
+WHY_UNSUPPORTED = {"seed": "the engine samples each batch with one generator, so a request's "
+                           "draws would depend on the requests beside it; a per-request seed "
+                           "cannot be honoured"}
 
 
 class ApiError(Exception):
@@ -62,6 +70,12 @@ class Job:
     is_chat: bool
     stop: tuple[str, ...] = ()  # the text ends before the first of these
     include_usage: bool = False  # a stream ends with a chunk carrying `usage`
+    prompts: tuple[list[int], ...] = ()  # every prompt of the request (prompt_ids is the first)
+    n: int = 1  # choices per prompt
+
+    @property
+    def num_choices(self) -> int:
+        return max(1, len(self.prompts)) * self.n
 
 
 @dataclass(frozen=True)
@@ -154,8 +168,9 @@ def _check_common(body: Any, limits: Limits) -> None:
                             f"{limits.name!r}", param="model", code="model_not_found")
     for key, allowed in UNSUPPORTED.items():
         if key in body and body[key] not in allowed:
+            why = WHY_UNSUPPORTED.get(key, "")
             raise _bad(key, f"{show(body[key])} is not supported by this server (allowed: "
-                            f"{', '.join(map(repr, allowed))})")
+                            f"{', '.join(map(repr, allowed))}){'; ' + why if why else ''}")
 
 
 def _params(body: dict, max_tokens: int, prompt_len: int, limits: Limits) -> SamplingParams:
@@ -176,27 +191,37 @@ def _params(body: dict, max_tokens: int, prompt_len: int, limits: Limits) -> Sam
         raise _bad("params", str(exc)) from None
 
 
-def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a batch of one
+def _prompts(prompt: Any, codec: TextCodec, limits: Limits) -> list[list[int]]:
+    """One prompt (text, or a list of token ids) or a non-empty list of them."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise _bad("prompt", f"{len(prompt)} prompts; at most {MAX_CHOICES} per request")
+        if len(prompt) == 1:  # one prompt in a batch of one
+            return [_prompt_ids(prompt[0], codec, limits)]
+        return [_prompt_ids(p, codec, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt_ids(prompt, codec, limits)]
+
+
+def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits,
+                param: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         if not codec.has_tokenizer:
-            raise _bad("prompt", f"model {limits.name!r} has no tokenizer: send the prompt as "
+            raise _bad(param, f"model {limits.name!r} has no tokenizer: send the prompt as "
                                  f"a list of token ids")
-        ids = codec.encode(_text("prompt", prompt))
+        ids = codec.encode(_text(param, prompt))
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in prompt):
         ids = prompt
     else:
-        raise _bad("prompt", "must be a string or a list of token ids (one prompt per request)")
+        raise _bad(param, "must be a string, a list of token ids, or a list of such prompts")
     if not ids:
-        raise _bad("prompt", "is empty")
+        raise _bad(param, "is empty")
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise _bad("prompt", f"token {bad[0]} is outside the vocabulary "
+        raise _bad(param, f"token {bad[0]} is outside the vocabulary "
                              f"0..{limits.vocab_size - 1}")
     if len(ids) >= limits.context:
-        raise _bad("prompt", f"{len(ids)} tokens leave no room in the model's context of "
+        raise _bad(param, f"{len(ids)} tokens leave no room in the model's context of "
                              f"{limits.context} tokens")
     return ids
 
@@ -232,10 +257,24 @@ def _stream(body: dict) -> tuple[bool, bool]:
                          "stream_options.include_usage")
 
 
-def _job(body: dict, ids: list[int], max_tokens: int, limits: Limits, is_chat: bool) -> Job:
+def _n(body: dict, num_prompts: int) -> int:
+    n = _int(body, "n", 1) or 1
+    if n > MAX_N or n * num_prompts > MAX_CHOICES:
+        raise _bad("n", f"{n} choices per prompt for {num_prompts} prompt(s); at most {MAX_N} "
+                        f"per prompt and {MAX_CHOICES} per request")
+    return n
+
+
+def _job(body: dict, prompts: list[list[int]], max_tokens: int, limits: Limits,
+         is_chat: bool) -> Job:
     stream, usage = _stream(body)
-    return Job(ids, _params(body, max_tokens, len(ids), limits), stream, is_chat,
-               _stop(body), usage)
+    n = _n(body, len(prompts))
+    if stream and n * len(prompts) > 1:
+        raise _bad("stream", f"{n * len(prompts)} choices ({len(prompts)} prompt(s) x n={n}) "
+                             f"are answered whole only: send \"stream\": false, or one prompt "
+                             f"with n 1 per streamed request")
+    params = [_params(body, max_tokens, len(ids), limits) for ids in prompts]
+    return Job(prompts[0], params[0], stream, is_chat, _stop(body), usage, tuple(prompts), n)
 
 
 def parse_completion(body: Any, codec: TextCodec, limits: Limits) -> Job:
@@ -243,8 +282,8 @@ def parse_completion(body: Any, codec: TextCodec, limits: Limits) -> Job:
     _check_common(body, limits)
     if "prompt" not in body:
         raise _bad("prompt", "is required")
-    ids = _prompt_ids(body["prompt"], codec, limits)
-    return _job(body, ids, _int(body, "max_tokens", 16), limits, False)
+    prompts = _prompts(body["prompt"], codec, limits)
+    return _job(body, prompts, _int(body, "max_tokens", 16), limits, False)
 
 
 def _content(i: int, content: Any) -> str:
@@ -290,4 +329,4 @@ def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:
                                f"available: use /v1/completions with token-id prompts")
     ids = _prompt_ids(codec.chat_prompt(msgs), codec, limits)
     given = _int(body, "max_completion_tokens", None) or _int(body, "max_tokens", None)
-    return _job(body, ids, given or limits.context - len(ids), limits, True)
+    return _job(body, [ids], given or limits.context - len(ids), limits, True)

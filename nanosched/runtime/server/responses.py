@@ -63,6 +63,17 @@ def completion_body(rid: str, model: str, is_chat: bool, text: str, ids: list[in
             "usage": usage(prompt_len, len(ids))}
 
 
+def merge_choices(bodies: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One response of several whole completions (prompt i's j-th choice at index i * n + j,
+    as OpenAI numbers them): the choices in order, usage summed (each prompt counted once)."""
+    merged = dict(bodies[0])
+    merged["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    prompt = sum(b["usage"]["prompt_tokens"] for b in bodies[::n])
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    merged["usage"] = usage(prompt, completion)
+    return merged
+
+
 def usage(prompt_len: int, completion_len: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_len, "completion_tokens": completion_len,
             "total_tokens": prompt_len + completion_len}

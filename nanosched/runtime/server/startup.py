@@ -91,6 +91,7 @@ def default_model_name(model: str) -> str:
 def prepare(cfg: ServeConfig) -> Served:
     """Check the flags, then load the engine (schedule first, then model, KV pages, engine)."""
     _check_flags(cfg)
+    codec = TextCodec.for_model(cfg.engine.model)  # a bad tokenizer is named before the model
     loaded = load_engine(cfg.engine)
     c = loaded.config
     log.info("%s on %s: strategy %s, dense batch %d, %d KV pages of %d tokens, CUDA graphs %s",
@@ -98,5 +99,5 @@ def prepare(cfg: ServeConfig) -> Served:
              c.dense_batch, c.num_pages, c.page_size, c.graphs)
     name = cfg.served_model_name or default_model_name(c.model)
     log.info("serving as model %r", name)
-    return Served(name, loaded.spec, loaded.engine, TextCodec.for_model(c.model),
+    return Served(name, loaded.spec, loaded.engine, codec,
                   loaded.choice.name, loaded)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanosched.models.checkpoint import model_folder
+from nanosched.models.checkpoint import load_tokenizer, model_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -33,9 +33,7 @@ class TextCodec:
         folder = model_folder(model)
         if folder is None or not any((folder / f).is_file() for f in TOKENIZER_FILES):
             return cls(None)
-        from transformers import AutoTokenizer
-
-        return cls(AutoTokenizer.from_pretrained(str(folder)))
+        return cls(load_tokenizer(folder))
 
     @property
     def has_tokenizer(self) -> bool:

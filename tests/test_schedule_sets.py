@@ -78,7 +78,7 @@ def test_a_set_round_trips_and_a_single_schedule_loads_as_a_one_entry_set(single
     (lambda d: d["entries"].append(d["entries"][0]), "a second entry"),
     (lambda d: d["entries"][0].update(kind="maybe"), "kind must be"),
     (lambda d: d["entries"][0].update(forward_us=0), "positive finite"),
-    (lambda d: d["entries"][0].update(sequential_us="x"), "positive finite"),
+    (lambda d: d["entries"][0].update(sequential_us="x"), "'sequential_us' must be a number"),
     (lambda d: d["entries"][-1].update(schedule=None), "holds a schedule"),
     (lambda d: d.update(dense_batch=200), "dense_batch"),
     (lambda d: d.update(quantum=64), "quantum"),

@@ -26,7 +26,6 @@ Pure Python: a server loads sets without OR-Tools.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Any
 
 from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
-from nanosched.fileio import check_fields, write_json_atomic
+from nanosched.fileio import check_fields, read_json, write_json_atomic
 from nanosched.schedules.format import FORMAT as SINGLE_FORMAT
 from nanosched.schedules.format import Schedule, check_compatible
 
@@ -268,14 +267,7 @@ def load_schedule_set(path: str | os.PathLike[str]) -> ScheduleSet:
     """Read and validate a schedule file: a set (`/2`) or a single schedule (`/1`, as a set of
     one entry)."""
     p = Path(path)
-    if p.is_dir():
-        raise ScheduleError(f"schedule {p} is a directory; give a schedule JSON file")
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ScheduleError(f"schedule {p} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ScheduleError(f"schedule {p}: not valid JSON ({exc})") from exc
+    data = read_json(p, "schedule", ScheduleError)
     return ScheduleSet.from_json(data, where=f"schedule {p}")
 
 

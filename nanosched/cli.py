@@ -50,7 +50,8 @@ def _root(
 
 
 def reports_errors(fn: F) -> F:
-    """Turn a NanoschedError into `error: ...` on stderr and exit code 2."""
+    """Turn a NanoschedError into `error: ...` on stderr and exit code 2; an OSError (a file
+    that cannot be read or written) into `error: FILE: why`, exit code 1: no traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -59,8 +60,21 @@ def reports_errors(fn: F) -> F:
         except NanoschedError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(code=2) from None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            typer.echo(f"error: {where}{exc.strerror or exc}", err=True)
+            raise typer.Exit(code=1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def require_matplotlib(flag: str = "--plot") -> None:
+    """Refuse `flag` before any work when matplotlib is missing, naming the extra."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{flag} needs matplotlib: pip install -e '.[plot]' (or "
+                          f"pip install matplotlib)") from None
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
@@ -338,10 +352,12 @@ def bench(
     request's given output length.
     """
     from nanosched.benchmarks.throughput import BenchConfig, run_bench
-    from nanosched.fileio import write_json_atomic
+    from nanosched.fileio import check_output_file, finite_json, write_json_atomic
     from nanosched.runtime.config import EngineConfig
     from nanosched.runtime.preempt import AdmissionConfig
 
+    if json_out:
+        check_output_file(json_out, "--json")
     admit = AdmissionConfig(policy=admission, headroom=kv_headroom, preemption=preemption,
                             swap_space_gib=swap_space)
     engine = EngineConfig(model=model, tp=tp, weights=weights, device=device, seed=seed,
@@ -359,7 +375,7 @@ def bench(
         typer.echo(f"ratio {ratio['of']}: {ratio['tokens_per_s']:.3f}x tokens/s "
                    f"(same requests, same process)")
     if json_out:
-        write_json_atomic(json_out, out)
+        write_json_atomic(json_out, finite_json(out))
         typer.echo(f"wrote {json_out}")
 
 
@@ -425,12 +441,18 @@ def profile(
 def profile_show(
     file: Path = typer.Argument(..., help="Profile JSON to show."),
     plot: Path | None = typer.Option(None, "--plot", help="Also write R->P curves and kernel "
-                                     "time vs SMs to this PNG (needs matplotlib)."),
+                                     "time vs SMs to this .png, .svg or .pdf (needs the "
+                                     "[plot] extra: matplotlib)."),
 ) -> None:
     """Print a profile's ceilings, kernel tables, R->P tables and notes."""
+    from nanosched.fileio import PLOT_SUFFIXES, check_input_file, check_output_file
     from nanosched.profiler.format import load_profile
     from nanosched.profiler.show import plot_profile, show_profile
 
+    check_input_file(file, "profile")
+    if plot is not None:
+        check_output_file(plot, "--plot", PLOT_SUFFIXES)
+        require_matplotlib()
     prof = load_profile(file)
     show_profile(prof, echo=typer.echo)
     if plot is not None:
@@ -481,12 +503,18 @@ def search(
 @reports_errors
 def show(
     file: str = typer.Argument(..., help="Schedule JSON written by `nanosched search`."),
-    plot: str | None = typer.Option(None, "--plot", help="Also draw a Gantt chart (PNG)."),
+    plot: str | None = typer.Option(None, "--plot", help="Also draw a Gantt chart to this "
+                                    ".png, .svg or .pdf (needs the [plot] extra: matplotlib)."),
 ) -> None:
     """Print a schedule's pipeline and prediction; optionally draw it per stream."""
+    from nanosched.fileio import PLOT_SUFFIXES, check_input_file, check_output_file
     from nanosched.schedules.format import load_schedule
     from nanosched.schedules.show import PIPELINE_COLUMNS, pipeline_rows, plot_gantt, summary_lines
 
+    check_input_file(file, "schedule")
+    if plot:
+        check_output_file(plot, "--plot", PLOT_SUFFIXES)
+        require_matplotlib()
     sched = load_schedule(file)
     print_table(pipeline_rows(sched), PIPELINE_COLUMNS)
     for line in summary_lines(sched):

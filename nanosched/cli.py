@@ -248,27 +248,16 @@ def generate(
                    else " ".join(map(str, result.output_ids)))
 
 
-def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> None:
-    res = run["results"]
-    typer.echo(f"[{name}] strategy {run['strategy']}: {run['iterations']} iterations "
-               f"({run['fallbacks']} fell back to sequential), {res['requests']} requests, "
-               f"{res['prompt_tokens']} prompt + {res['output_tokens']} output tokens in "
-               f"{res['elapsed_s']:.2f} s")
-    typer.echo(f"  throughput {res['tokens_per_s']:.1f} tokens/s "
-               f"({res['tokens_per_s_per_gpu']:.1f} per GPU), output "
-               f"{res['output_tokens_per_s']:.1f} tokens/s")
-    if res["percent_of_optimal"] is not None:
-        typer.echo(f"  {res['percent_of_optimal']:.1f}% of optimal "
-                   f"({res['optimal_tokens_per_s_per_gpu']:.0f} tokens/s/GPU at the measured "
-                   f"{gemm_tflops:.0f} TFLOP/s)")
+def _print_run(name: str, run: dict[str, Any]) -> None:
+    """A run's counters under the results table: iterations, batches, preemptions, graphs and
+    the full-batch forward (ms throughout)."""
     p = run["preemptions"]
-    typer.echo(f"  {run['tokens_per_iteration']:.1f} tokens per iteration, "
-               f"{100 * run['full_batch_share']:.1f}% of iterations at the dense batch; "
-               f"admission {run['admission']}: {p['preemptions']} preemptions "
-               f"({p['recomputed']} recomputed, {p['swapped']} swapped)")
-    typer.echo(f"  latency per output token: mean {res['normalized_latency_s'] * 1e3:.1f} ms, "
-               f"p99 {res['latency_per_output_token_p99_s'] * 1e3:.1f} ms; time to first "
-               f"token mean {res['ttft_mean_s'] * 1e3:.0f} ms")
+    typer.echo(f"[{name}] strategy {run['strategy']}: {run['iterations']} iterations "
+               f"({run['fallbacks']} fell back to Sequential), "
+               f"{run['tokens_per_iteration']:.1f} tokens per iteration, "
+               f"{100 * run['full_batch_share']:.1f}% at the dense batch; admission "
+               f"{run['admission']}: {p['preemptions']} preemptions ({p['recomputed']} "
+               f"recomputed, {p['swapped']} swapped)")
     if "graph_stats" in run:
         g = run["graph_stats"]
         typer.echo(f"  CUDA graphs: {g['replays']} replays, {g['captures']} captures "
@@ -279,9 +268,9 @@ def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> Non
             typer.echo(f"  graph capture failed for {key}: {err}")
     line = f"  full-batch forward ({'graph' if run.get('graphs') else 'eager'}) " \
            f"{run['forward_ms_full_batch']:.2f} ms = " \
-           f"{run['layer_us_full_batch']:.0f} us per layer"
+           f"{run['layer_us_full_batch'] / 1e3:.3f} ms per layer"
     if "predicted_period_us" in run:
-        line += f" (schedule predicted {run['predicted_period_us']:.0f} us)"
+        line += f" (schedule predicted {run['predicted_period_us'] / 1e3:.3f} ms)"
     typer.echo(line)
 
 
@@ -307,8 +296,9 @@ SWAP_HELP = "Host memory in GiB, in [0, 1048576], for swapped-out KV (pinned on 
 def bench(
     model: str = typer.Option(..., "--model", "-m", help="Model name or HF checkpoint folder."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree."),
-    weights: str = typer.Option("random", "--weights", help="'random' (seeded) or a local "
-                                "HF checkpoint folder."),
+    weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a local "
+                                       "HF checkpoint folder (default: the --model folder's "
+                                       "weights, else random, as serve)."),
     input_len: int | None = typer.Option(None, "--input-len", help="Prompt tokens per request "
                                          "(with --output-len)."),
     output_len: int | None = typer.Option(None, "--output-len", help="Output tokens per "
@@ -367,13 +357,23 @@ def bench(
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,
                       warmup_prompts=warmup_prompts)
     out = run_bench(cfg)
-    env = out["environment"]
-    typer.echo(f"{env['device']}: {model} tp={tp}, dense batch {out['config']['dense_batch']}")
+    from nanosched.benchmarks.report import results_table
+
+    env, conf = out["environment"], out["config"]
+    weights_used = "random weights" if conf["weights"] == "random" else conf["weights"]
+    typer.echo(f"{env['device']}: {model} tp={tp}, dense batch {conf['dense_batch']}, "
+               f"{weights_used}" + (f" (seed {seed})" if conf["weights"] == "random" else ""))
+    for line in results_table({name: run["results"] for name, run in out["runs"].items()}):
+        typer.echo(line)
     for name, run in out["runs"].items():
-        _print_run(name, run, out["gemm_tflops_8192"])
+        _print_run(name, run)
     for ratio in out["ratios"].values():
         typer.echo(f"ratio {ratio['of']}: {ratio['tokens_per_s']:.3f}x tokens/s "
                    f"(same requests, same process)")
+        if ratio["warnings"]:
+            typer.echo(f"warning: ratio {ratio['of']} may be noise: "
+                       f"{'; '.join(ratio['warnings'])}. Serve more or longer requests "
+                       f"(--num-prompts, --output-len)", err=True)
     if json_out:
         write_json_atomic(json_out, finite_json(out))
         typer.echo(f"wrote {json_out}")

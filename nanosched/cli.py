@@ -77,6 +77,49 @@ def require_matplotlib(flag: str = "--plot") -> None:
                           f"pip install matplotlib)") from None
 
 
+DEFAULT_GPU = "h100"  # the prior assumed with no --gpu and no GPU present
+
+
+def gpu_here() -> str | None:
+    """The prior name (hardware.GPUS) of the CUDA device present, None without one (or when
+    torch knows no prior for it)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name(0)
+    except Exception:  # no torch, no driver: no GPU to default to
+        return None
+    from nanosched.hardware import prior_for
+
+    prior = prior_for(name)
+    if prior is None:
+        typer.echo(f"note: no prior for {name}; pass --gpu", err=True)
+    return prior.name if prior is not None else None
+
+
+def default_gpu(gpu: str | None, assume: bool = True) -> str | None:
+    """`--gpu` as given, else the GPU present, else (with `assume`) DEFAULT_GPU, said on
+    stderr; without `assume` None is returned for the command to decide."""
+    if gpu is not None:
+        return gpu
+    here = gpu_here()
+    if here is not None:
+        typer.echo(f"--gpu not given: using {here}, the GPU present", err=True)
+        return here
+    if assume:
+        typer.echo(f"--gpu not given and no GPU here: assuming {DEFAULT_GPU}", err=True)
+        return DEFAULT_GPU
+    return None
+
+
+def check_flag(flag: str, value: Any, ok: bool, allowed: str) -> None:
+    """Raise ConfigError `FLAG must be ALLOWED, got VALUE` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{flag} must be {allowed}, got {value}")
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
     """Print rows as an aligned text table; columns are (key, header, format spec)."""
     cells = [[h for _, h, _ in columns]]
@@ -94,7 +137,8 @@ def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]])
 @app.command()
 @reports_errors
 def models(
-    gpu: str = typer.Option("h100", "--gpu", help="GPU the 'tp' column is sized for."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU the 'tp' column is sized for "
+                                   "(default: the GPU present, else h100)."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """List the registered models: size, memory, and the tp that fits on --gpu.
@@ -104,6 +148,7 @@ def models(
     """
     from nanosched.models.spec import registry_rows
 
+    gpu = default_gpu(gpu)
     rows = registry_rows(gpu)
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
@@ -121,10 +166,12 @@ def models(
 def analyze(
     model: str = typer.Option(..., "--model", "-m",
                               help="Model name (e.g. llama3-70b) or an HF config.json / folder."),
-    gpu: str = typer.Option("h100", "--gpu", help="GPU prior from NanoFlow's Table 1 "
-                            "(a100, a100-40g, h100, h200, b200, mi300, ...)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU prior from NanoFlow's Table 1 "
+                                   "(a100, a100-40g, h100, h200, b200, mi300, ...); default: "
+                                   "the GPU present, else h100."),
     tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree (number of GPUs); "
-                                  "default: the smallest that holds the dense batch's KV cache."),
+                                  "default: the smallest whose GPUs hold the weights and the KV "
+                                  "cache of the dense batch (--dense-batch, else 1024 tokens)."),
     dense_batch: int | None = typer.Option(
         None, "--dense-batch", help="Tokens per iteration; default: the largest that fits, "
         "capped at 2048."),
@@ -145,18 +192,23 @@ def analyze(
     Prints FLOPs, bytes and time per resource for every op over all layers, the bottleneck,
     the largest dense batch that fits, T_R (Eq. 4) and the optimal throughput (Eq. 5).
     """
-    from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, choose_tp
     from nanosched.costmodel import analyze as run_analysis
+    from nanosched.costmodel import choose_tp
     from nanosched.hardware import get_gpu
     from nanosched.models.spec import load_spec
     from nanosched.workloads import resolve_workload
 
+    check_flag("--mem-util", mem_util, 0 < mem_util <= 1, "in (0, 1] (a share of GPU memory)")
+    check_flag("--tp", tp, tp is None or tp >= 1, "a positive integer")
+    check_flag("--dense-batch", dense_batch, dense_batch is None or dense_batch >= 1,
+               "a positive number of tokens")
     spec = load_spec(model)
+    gpu = default_gpu(gpu)
     gpu_spec = get_gpu(gpu).with_measured(compute_tflops=compute_tflops)
     wl = resolve_workload(workload, input_len, output_len)
     if tp is None:
-        tp = choose_tp(spec, gpu_spec, wl, dense_batch, mem_util)
-        target = dense_batch or DEFAULT_MAX_DENSE_BATCH
+        target = dense_batch or TP_FIT_BATCH
+        tp = choose_tp(spec, gpu_spec, wl, target, mem_util)
         typer.echo(f"--tp not given: using tp={tp}, the smallest whose {gpu_spec.name} GPUs hold "
                    f"the weights and the KV cache of a {target}-token dense batch", err=True)
     result = run_analysis(spec, gpu_spec, tp, wl, dense_batch, mem_util)
@@ -164,6 +216,9 @@ def analyze(
         typer.echo(json.dumps(result.to_json(), indent=2))
         return
     _print_analysis(result)
+
+
+TP_FIT_BATCH = 1024  # the batch `analyze` and `models` size the smallest tp for, as the search
 
 
 def _print_analysis(a: Any) -> None:
@@ -468,7 +523,8 @@ def search(
     profile: str | None = typer.Option(None, "--profile", help="Profile FILE or shipped NAME; "
                                        "default: the closest shipped one, else synthetic."),
     gpu: str | None = typer.Option(None, "--gpu", help="GPU for a synthetic profile and the "
-                                   "memory fit (default h100)."),
+                                   "memory fit; a shipped profile is picked only for it "
+                                   "(default: the GPU present, else h100, said)."),
     input_len: float | None = typer.Option(None, "--input-len", help="Mean prompt tokens p."),
     output_len: float | None = typer.Option(None, "--output-len", help="Mean output tokens d."),
     workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise."),
@@ -491,7 +547,8 @@ def search(
     """Search a nano-batch pipeline (two-stage CP-SAT) and write the JSON schedule."""
     from nanosched.autosearch.search import search_and_save
 
-    search_and_save(model=model, tp=tp, profile=profile, gpu=gpu, workload=workload,
+    search_and_save(model=model, tp=tp, profile=profile, gpu=default_gpu(gpu, assume=False),
+                    workload=workload,
                     input_len=input_len, output_len=output_len, dense_batch=dense_batch,
                     time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
                     max_period_us=max_period_us, out=out, echo=typer.echo,

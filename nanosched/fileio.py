@@ -43,7 +43,7 @@ def check_input_file(path: str | os.PathLike[str], what: str) -> Path:
     if p.is_dir():
         raise ConfigError(f"{what} {path}: is a folder, expected a file")
     if not p.is_file():
-        raise ConfigError(f"{what} {path}: no such file")
+        raise ConfigError(f"{what} {path}: does not exist")
     return p
 
 

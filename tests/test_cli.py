@@ -56,7 +56,7 @@ def test_help_explains_commands():
 def test_models_lists_the_registry_with_sizes():
     r = CliRunner().invoke(app, ["models", "--json"])
     assert r.exit_code == 0, r.output
-    rows = {row["name"]: row for row in json.loads(r.output)}
+    rows = {row["name"]: row for row in json.loads(r.stdout)}  # the assumed GPU: stderr
     assert {"llama3-8b", "smollm2-135m", "qwen2.5-0.5b", "mixtral-8x7b"} <= set(rows)
     assert 0.13 < rows["smollm2-135m"]["params_b"] < 0.14  # SmolLM2-135M's real config
     assert 0.49 < rows["qwen2.5-0.5b"]["params_b"] < 0.50

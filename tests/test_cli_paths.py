@@ -35,7 +35,7 @@ def test_a_folder_or_a_missing_file_is_refused_in_one_line(cmd, tmp_path):
     assert r.exit_code == 2 and "is a folder, expected a file" in r.output
     r = run(*cmd, tmp_path / "nothing.json")
     no_traceback(r)
-    assert r.exit_code == 2 and "no such file" in r.output
+    assert r.exit_code == 2 and "does not exist" in r.output
 
 
 @pytest.mark.parametrize("cmd, path", [(["show"], SCHEDULE), (["profile", "show"], PROFILE)])

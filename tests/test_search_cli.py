@@ -24,7 +24,8 @@ def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     out = tmp_path / "s.json"
     r = run("search", *SMALL, "--out", str(out))
     assert r.exit_code == 0, r.output
-    assert "profile: shipped profile 'llama3-8b-tp1-h200-quick': same model" in r.output
+    # no GPU here and no --gpu: h100 is assumed and its own shipped profile picked
+    assert "profile: shipped profile 'llama3-8b-tp1-h100': same model, same GPU" in r.output
     assert "tp: 1 (the profile's)" in r.output and "SYNTHETIC" not in r.output
     assert "stage I:" in r.output and "stage II:" in r.output and "predicted speedup" in r.output
     assert "% of optimal" in r.output

@@ -618,6 +618,9 @@ def serve(
     max_request_bytes: int = typer.Option(8 * 2**20, "--max-request-bytes", help="Largest "
                                           "request body accepted, in bytes (default 8 MiB); "
                                           "larger ones get 413 before they are read."),
+    stats_interval: float = typer.Option(5.0, "--stats-interval", help="Seconds between the "
+                                         "logged throughput / queue / KV-cache line, as vLLM's "
+                                         "(0: off; an idle server logs none)."),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs per batch bucket: 'auto' "
                                "(on with a GPU), 'on' or 'off' (eager launches)."),
     admission: str = typer.Option("use", "--admission", help=ADMISSION_HELP),
@@ -644,7 +647,8 @@ def serve(
                           admission=admit, kv_dtype=kv_cache_dtype)
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
-                           api_key=api_key, served_model_name=served_model_name))
+                           api_key=api_key, served_model_name=served_model_name,
+                           stats_interval_s=stats_interval))
 
 
 def main() -> None:

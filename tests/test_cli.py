@@ -70,3 +70,19 @@ def test_the_small_model_generates_on_the_cpu():
                                  "--max-tokens", "3", "--json"])
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.output.splitlines()[-1])["output_ids"]) == 3
+
+
+def test_the_readme_quick_start_runs_the_tiny_model():
+    """The README's CPU commands on stories15m, exactly as written there."""
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines()
+                if line.startswith(("nanosched generate --model stories15m",
+                                    "nanosched bench --model stories15m"))]
+    assert len(commands) == 2, commands
+    for command in commands:
+        r = CliRunner().invoke(app, shlex.split(command)[1:])
+        assert r.exit_code == 0, (command, r.output)
+    assert "Total token throughput (tok/s)" in r.output  # the bench's table

@@ -50,7 +50,8 @@ def _root(
 
 
 def reports_errors(fn: F) -> F:
-    """Turn a NanoschedError into `error: ...` on stderr and exit code 2."""
+    """Turn a NanoschedError into `error: ...` on stderr and exit code 2; an OSError (a file
+    that cannot be read or written) into `error: FILE: why`, exit code 1: no traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -59,8 +60,64 @@ def reports_errors(fn: F) -> F:
         except NanoschedError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(code=2) from None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            typer.echo(f"error: {where}{exc.strerror or exc}", err=True)
+            raise typer.Exit(code=1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def require_matplotlib(flag: str = "--plot") -> None:
+    """Refuse `flag` before any work when matplotlib is missing, naming the extra."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{flag} needs matplotlib: pip install -e '.[plot]' (or "
+                          f"pip install matplotlib)") from None
+
+
+DEFAULT_GPU = "h100"  # the prior assumed with no --gpu and no GPU present
+
+
+def gpu_here() -> str | None:
+    """The prior name (hardware.GPUS) of the CUDA device present, None without one (or when
+    torch knows no prior for it)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name(0)
+    except Exception:  # no torch, no driver: no GPU to default to
+        return None
+    from nanosched.hardware import prior_for
+
+    prior = prior_for(name)
+    if prior is None:
+        typer.echo(f"note: no prior for {name}; pass --gpu", err=True)
+    return prior.name if prior is not None else None
+
+
+def default_gpu(gpu: str | None, assume: bool = True) -> str | None:
+    """`--gpu` as given, else the GPU present, else (with `assume`) DEFAULT_GPU, said on
+    stderr; without `assume` None is returned for the command to decide."""
+    if gpu is not None:
+        return gpu
+    here = gpu_here()
+    if here is not None:
+        typer.echo(f"--gpu not given: using {here}, the GPU present", err=True)
+        return here
+    if assume:
+        typer.echo(f"--gpu not given and no GPU here: assuming {DEFAULT_GPU}", err=True)
+        return DEFAULT_GPU
+    return None
+
+
+def check_flag(flag: str, value: Any, ok: bool, allowed: str) -> None:
+    """Raise ConfigError `FLAG must be ALLOWED, got VALUE` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{flag} must be {allowed}, got {value}")
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
@@ -80,7 +137,8 @@ def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]])
 @app.command()
 @reports_errors
 def models(
-    gpu: str = typer.Option("h100", "--gpu", help="GPU the 'tp' column is sized for."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU the 'tp' column is sized for "
+                                   "(default: the GPU present, else h100)."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
 ) -> None:
     """List the registered models: size, memory, and the tp that fits on --gpu.
@@ -90,6 +148,7 @@ def models(
     """
     from nanosched.models.spec import registry_rows
 
+    gpu = default_gpu(gpu)
     rows = registry_rows(gpu)
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
@@ -107,10 +166,12 @@ def models(
 def analyze(
     model: str = typer.Option(..., "--model", "-m",
                               help="Model name (e.g. llama3-70b) or an HF config.json / folder."),
-    gpu: str = typer.Option("h100", "--gpu", help="GPU prior from NanoFlow's Table 1 "
-                            "(a100, a100-40g, h100, h200, b200, mi300, ...)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU prior from NanoFlow's Table 1 "
+                                   "(a100, a100-40g, h100, h200, b200, mi300, ...); default: "
+                                   "the GPU present, else h100."),
     tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree (number of GPUs); "
-                                  "default: the smallest that holds the dense batch's KV cache."),
+                                  "default: the smallest whose GPUs hold the weights and the KV "
+                                  "cache of the dense batch (--dense-batch, else 1024 tokens)."),
     dense_batch: int | None = typer.Option(
         None, "--dense-batch", help="Tokens per iteration; default: the largest that fits, "
         "capped at 2048."),
@@ -131,18 +192,23 @@ def analyze(
     Prints FLOPs, bytes and time per resource for every op over all layers, the bottleneck,
     the largest dense batch that fits, T_R (Eq. 4) and the optimal throughput (Eq. 5).
     """
-    from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, choose_tp
     from nanosched.costmodel import analyze as run_analysis
+    from nanosched.costmodel import choose_tp
     from nanosched.hardware import get_gpu
     from nanosched.models.spec import load_spec
     from nanosched.workloads import resolve_workload
 
+    check_flag("--mem-util", mem_util, 0 < mem_util <= 1, "in (0, 1] (a share of GPU memory)")
+    check_flag("--tp", tp, tp is None or tp >= 1, "a positive integer")
+    check_flag("--dense-batch", dense_batch, dense_batch is None or dense_batch >= 1,
+               "a positive number of tokens")
     spec = load_spec(model)
+    gpu = default_gpu(gpu)
     gpu_spec = get_gpu(gpu).with_measured(compute_tflops=compute_tflops)
     wl = resolve_workload(workload, input_len, output_len)
     if tp is None:
-        tp = choose_tp(spec, gpu_spec, wl, dense_batch, mem_util)
-        target = dense_batch or DEFAULT_MAX_DENSE_BATCH
+        target = dense_batch or TP_FIT_BATCH
+        tp = choose_tp(spec, gpu_spec, wl, target, mem_util)
         typer.echo(f"--tp not given: using tp={tp}, the smallest whose {gpu_spec.name} GPUs hold "
                    f"the weights and the KV cache of a {target}-token dense batch", err=True)
     result = run_analysis(spec, gpu_spec, tp, wl, dense_batch, mem_util)
@@ -150,6 +216,9 @@ def analyze(
         typer.echo(json.dumps(result.to_json(), indent=2))
         return
     _print_analysis(result)
+
+
+TP_FIT_BATCH = 1024  # the batch `analyze` and `models` size the smallest tp for, as the search
 
 
 def _print_analysis(a: Any) -> None:
@@ -234,29 +303,18 @@ def generate(
                    else " ".join(map(str, result.output_ids)))
 
 
-def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> None:
-    res = run["results"]
+def _print_run(name: str, run: dict[str, Any]) -> None:
+    """A run's counters under the results table: iterations (pipelined, sequential by the
+    strategy's decision, no entry), batches, preemptions, graphs, the full-batch forward and
+    the most-run batch shapes (ms throughout)."""
+    p = run["preemptions"]
     typer.echo(f"[{name}] strategy {run['strategy']}: {run['iterations']} iterations "
                f"({run['pipelined_iterations']} pipelined, {run['sequential_iterations']} "
                f"sequential by the strategy's decision, {run['no_entry_iterations']} with no "
-               f"entry: fallback), {res['requests']} requests, "
-               f"{res['prompt_tokens']} prompt + {res['output_tokens']} output tokens in "
-               f"{res['elapsed_s']:.2f} s")
-    typer.echo(f"  throughput {res['tokens_per_s']:.1f} tokens/s "
-               f"({res['tokens_per_s_per_gpu']:.1f} per GPU), output "
-               f"{res['output_tokens_per_s']:.1f} tokens/s")
-    if res["percent_of_optimal"] is not None:
-        typer.echo(f"  {res['percent_of_optimal']:.1f}% of optimal "
-                   f"({res['optimal_tokens_per_s_per_gpu']:.0f} tokens/s/GPU at the measured "
-                   f"{gemm_tflops:.0f} TFLOP/s)")
-    p = run["preemptions"]
-    typer.echo(f"  {run['tokens_per_iteration']:.1f} tokens per iteration, "
-               f"{100 * run['full_batch_share']:.1f}% of iterations at the dense batch; "
-               f"admission {run['admission']}: {p['preemptions']} preemptions "
-               f"({p['recomputed']} recomputed, {p['swapped']} swapped)")
-    typer.echo(f"  latency per output token: mean {res['normalized_latency_s'] * 1e3:.1f} ms, "
-               f"p99 {res['latency_per_output_token_p99_s'] * 1e3:.1f} ms; time to first "
-               f"token mean {res['ttft_mean_s'] * 1e3:.0f} ms")
+               f"entry: fallback), {run['tokens_per_iteration']:.1f} tokens per iteration, "
+               f"{100 * run['full_batch_share']:.1f}% at the dense batch; admission "
+               f"{run['admission']}: {p['preemptions']} preemptions ({p['recomputed']} "
+               f"recomputed, {p['swapped']} swapped)")
     if "graph_stats" in run:
         g = run["graph_stats"]
         typer.echo(f"  CUDA graphs: {g['replays']} replays, {g['captures']} captures "
@@ -267,9 +325,9 @@ def _print_run(name: str, run: dict[str, Any], gemm_tflops: float | None) -> Non
             typer.echo(f"  graph capture failed for {key}: {err}")
     line = f"  full-batch forward ({'graph' if run.get('graphs') else 'eager'}) " \
            f"{run['forward_ms_full_batch']:.2f} ms = " \
-           f"{run['layer_us_full_batch']:.0f} us per layer"
+           f"{run['layer_us_full_batch'] / 1e3:.3f} ms per layer"
     if "predicted_period_us" in run:
-        line += f" (schedule predicted {run['predicted_period_us']:.0f} us)"
+        line += f" (schedule predicted {run['predicted_period_us'] / 1e3:.3f} ms)"
     typer.echo(line)
     for row in run.get("shapes", []):
         if "forward_ms" not in row and "entry" not in row:
@@ -308,8 +366,9 @@ SWAP_HELP = "Host memory in GiB, in [0, 1048576], for swapped-out KV (pinned on 
 def bench(
     model: str = typer.Option(..., "--model", "-m", help="Model name or HF checkpoint folder."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree."),
-    weights: str = typer.Option("random", "--weights", help="'random' (seeded) or a local "
-                                "HF checkpoint folder."),
+    weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a local "
+                                       "HF checkpoint folder (default: the --model folder's "
+                                       "weights, else random, as serve)."),
     input_len: int | None = typer.Option(None, "--input-len", help="Prompt tokens per request "
                                          "(with --output-len)."),
     output_len: int | None = typer.Option(None, "--output-len", help="Output tokens per "
@@ -353,10 +412,12 @@ def bench(
     request's given output length.
     """
     from nanosched.benchmarks.throughput import BenchConfig, run_bench
-    from nanosched.fileio import write_json_atomic
+    from nanosched.fileio import check_output_file, finite_json, write_json_atomic
     from nanosched.runtime.config import EngineConfig
     from nanosched.runtime.preempt import AdmissionConfig
 
+    if json_out:
+        check_output_file(json_out, "--json")
     admit = AdmissionConfig(policy=admission, headroom=kv_headroom, preemption=preemption,
                             swap_space_gib=swap_space)
     engine = EngineConfig(model=model, tp=tp, weights=weights, device=device, seed=seed,
@@ -366,15 +427,25 @@ def bench(
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,
                       warmup_prompts=warmup_prompts)
     out = run_bench(cfg)
-    env = out["environment"]
-    typer.echo(f"{env['device']}: {model} tp={tp}, dense batch {out['config']['dense_batch']}")
+    from nanosched.benchmarks.report import results_table
+
+    env, conf = out["environment"], out["config"]
+    weights_used = "random weights" if conf["weights"] == "random" else conf["weights"]
+    typer.echo(f"{env['device']}: {model} tp={tp}, dense batch {conf['dense_batch']}, "
+               f"{weights_used}" + (f" (seed {seed})" if conf["weights"] == "random" else ""))
+    for line in results_table({name: run["results"] for name, run in out["runs"].items()}):
+        typer.echo(line)
     for name, run in out["runs"].items():
-        _print_run(name, run, out["gemm_tflops_8192"])
+        _print_run(name, run)
     for ratio in out["ratios"].values():
         typer.echo(f"ratio {ratio['of']}: {ratio['tokens_per_s']:.3f}x tokens/s "
                    f"(same requests, same process)")
+        if ratio["warnings"]:
+            typer.echo(f"warning: ratio {ratio['of']} may be noise: "
+                       f"{'; '.join(ratio['warnings'])}. Serve more or longer requests "
+                       f"(--num-prompts, --output-len)", err=True)
     if json_out:
-        write_json_atomic(json_out, out)
+        write_json_atomic(json_out, finite_json(out))
         typer.echo(f"wrote {json_out}")
 
 
@@ -440,12 +511,18 @@ def profile(
 def profile_show(
     file: Path = typer.Argument(..., help="Profile JSON to show."),
     plot: Path | None = typer.Option(None, "--plot", help="Also write R->P curves and kernel "
-                                     "time vs SMs to this PNG (needs matplotlib)."),
+                                     "time vs SMs to this .png, .svg or .pdf (needs the "
+                                     "[plot] extra: matplotlib)."),
 ) -> None:
     """Print a profile's ceilings, kernel tables, R->P tables and notes."""
+    from nanosched.fileio import PLOT_SUFFIXES, check_input_file, check_output_file
     from nanosched.profiler.format import load_profile
     from nanosched.profiler.show import plot_profile, show_profile
 
+    check_input_file(file, "profile")
+    if plot is not None:
+        check_output_file(plot, "--plot", PLOT_SUFFIXES)
+        require_matplotlib()
     prof = load_profile(file)
     show_profile(prof, echo=typer.echo)
     if plot is not None:
@@ -461,7 +538,8 @@ def search(
     profile: str | None = typer.Option(None, "--profile", help="Profile FILE or shipped NAME; "
                                        "default: the closest shipped one, else synthetic."),
     gpu: str | None = typer.Option(None, "--gpu", help="GPU for a synthetic profile and the "
-                                   "memory fit (default h100)."),
+                                   "memory fit; a shipped profile is picked only for it "
+                                   "(default: the GPU present, else h100, said)."),
     input_len: float | None = typer.Option(None, "--input-len", help="Mean prompt tokens p."),
     output_len: float | None = typer.Option(None, "--output-len", help="Mean output tokens d."),
     workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise."),
@@ -502,7 +580,8 @@ def search(
     from nanosched.autosearch.search import search_and_save
 
     try:
-        search_and_save(model=model, tp=tp, profile=profile, gpu=gpu, workload=workload,
+        search_and_save(model=model, tp=tp, profile=profile,
+                        gpu=default_gpu(gpu, assume=False), workload=workload,
                         input_len=input_len, output_len=output_len, dense_batch=dense_batch,
                         time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
                         max_period_us=max_period_us, out=out, echo=typer.echo,
@@ -523,11 +602,13 @@ def show(
                                "or a single schedule)."),
     key: str | None = typer.Option(None, "--key", help="D,T: show the pipeline of that entry "
                                    "of a set (default: the table of every entry)."),
-    plot: str | None = typer.Option(None, "--plot", help="Also draw a Gantt chart (PNG) of the "
-                                    "entry --key names, else of the steady state's."),
+    plot: str | None = typer.Option(None, "--plot", help="Also draw a Gantt chart to this "
+                                    ".png, .svg or .pdf (needs the [plot] extra: matplotlib) "
+                                    "of the entry --key names, else of the steady state's."),
 ) -> None:
     """Print a schedule set's entries (batch shape, decision, predicted gain), or one entry's
     pipeline and prediction; optionally draw a pipeline per stream."""
+    from nanosched.fileio import PLOT_SUFFIXES, check_input_file, check_output_file
     from nanosched.schedules.sets import SINGLE_FORMAT, entry_schedule, load_schedule_set
     from nanosched.schedules.show import (
         PIPELINE_COLUMNS,
@@ -539,6 +620,10 @@ def show(
         summary_lines,
     )
 
+    check_input_file(file, "schedule")
+    if plot:
+        check_output_file(plot, "--plot", PLOT_SUFFIXES)
+        require_matplotlib()
     sset = load_schedule_set(file)
     if key is not None or sset.source_format == SINGLE_FORMAT:
         sched = entry_schedule(sset, key)
@@ -592,6 +677,9 @@ def serve(
     max_request_bytes: int = typer.Option(8 * 2**20, "--max-request-bytes", help="Largest "
                                           "request body accepted, in bytes (default 8 MiB); "
                                           "larger ones get 413 before they are read."),
+    stats_interval: float = typer.Option(5.0, "--stats-interval", help="Seconds between the "
+                                         "logged throughput / queue / KV-cache line, as vLLM's "
+                                         "(0: off; an idle server logs none)."),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs per batch bucket: 'auto' "
                                "(on with a GPU), 'on' or 'off' (eager launches)."),
     admission: str = typer.Option("use", "--admission", help=ADMISSION_HELP),
@@ -618,7 +706,8 @@ def serve(
                           admission=admit, kv_dtype=kv_cache_dtype)
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
-                           api_key=api_key, served_model_name=served_model_name))
+                           api_key=api_key, served_model_name=served_model_name,
+                           stats_interval_s=stats_interval))
 
 
 def main() -> None:

@@ -1,5 +1,7 @@
-"""File handling shared by every contract: atomic JSON writes, so a failure never leaves half a
-file, and the field checks of objects read back into frozen dataclasses.
+"""File handling shared by every contract and command: atomic JSON writes (so a failure never
+leaves half a file) with the user's umask, strict JSON (no Infinity or NaN), the checks of the
+paths a command reads or writes (made before any work, each naming the flag), and the field
+checks of objects read back into frozen dataclasses.
 
 `check_fields` is the one typed gate of every contract file (schedules, profiles): a field must
 have the JSON type its dataclass annotation names (`int` is an integer and not a bool, `float`
@@ -20,13 +22,82 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from nanosched.errors import ConfigError
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def finite_json(data: Any) -> Any:
+    """`data` with every infinite or NaN float replaced by None, so `json.dumps(...,
+    allow_nan=False)` accepts it and strict parsers read it (JSON has no Infinity or NaN)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: finite_json(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite_json(v) for v in data]
+    return data
+
+
+def check_input_file(path: str | os.PathLike[str], what: str) -> Path:
+    """`path` as a Path if it is a readable file; else ConfigError naming `what` (a flag or
+    an argument) and what is there instead."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what} {path}: is a folder, expected a file")
+    if not p.is_file():
+        raise ConfigError(f"{what} {path}: does not exist")
+    return p
+
+
+def check_output_file(path: str | os.PathLike[str], what: str,
+                      suffixes: tuple[str, ...] | None = None, make_parent: bool = True
+                      ) -> Path:
+    """Refuse, before any work, an output path that cannot be written, naming `what` (the flag)
+    and the path: an existing folder, (with `suffixes`) another suffix, a parent that is a file,
+    a missing parent (made when `make_parent`, else refused), a folder where a probe file cannot
+    be made (read-only, no permission), an existing file that is not writable."""
+    p = Path(path)
+    if p.is_dir() or str(path).endswith(os.sep):
+        raise ConfigError(f"{what} {path}: is a folder, expected a file name")
+    if suffixes is not None and p.suffix.lower() not in suffixes:
+        raise ConfigError(f"{what} {path}: give a file ending in {', '.join(suffixes)} "
+                          f"(the suffix picks the format)")
+    parent = p.parent
+    for up in (parent, *parent.parents):
+        if up.exists():
+            if not up.is_dir():
+                raise ConfigError(f"{what} {path}: {up} is a file, not a folder")
+            break
+    if not parent.exists():
+        if not make_parent:
+            raise ConfigError(f"{what} {path}: folder {parent} does not exist")
+        parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".probe")
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot write in {parent} "
+                          f"({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ConfigError(f"{what} {path}: the file is not writable")
+    return p
+
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any, indent: int | None = 1) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it over `path`."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    """Write JSON to a temporary file beside `path`, then rename it over `path`; the file gets
+    the permissions `open()` would give it under the user's umask (mkstemp makes 0600)."""
+    p = check_output_file(path, "output file")
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=indent)
             f.write("\n")
@@ -154,29 +225,3 @@ def read_json(path: str | os.PathLike[str], what: str, error: type[Exception],
         raise error(f"{name}: not valid JSON ({exc}){hint}") from None
     except RecursionError:
         raise error(f"{name}: JSON nested too deep") from None
-
-
-def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
-    """Refuse, before any work, an output path that cannot be written: an existing folder, a
-    parent that is missing or is not a folder, or a folder where a probe file cannot be made
-    (read-only, no permission). Raises ConfigError naming `flag` and the path."""
-    from nanosched.errors import ConfigError
-
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{flag} {p}: is a folder; give a file name")
-    parent = p.parent
-    if not parent.exists():
-        raise ConfigError(f"{flag} {p}: folder {parent} does not exist")
-    if not parent.is_dir():
-        raise ConfigError(f"{flag} {p}: {parent} is not a folder")
-    try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".probe")
-    except OSError as exc:
-        raise ConfigError(f"{flag} {p}: cannot write in {parent} "
-                          f"({exc.strerror or exc})") from None
-    os.close(fd)
-    os.unlink(probe)
-    if p.exists() and not os.access(p, os.W_OK):
-        raise ConfigError(f"{flag} {p}: the file is not writable")
-    return p

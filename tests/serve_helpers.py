@@ -36,7 +36,7 @@ class ThreadServer:
 
     def __init__(self, **kw) -> None:
         server_keys = {"host", "port", "max_queue", "drain_timeout_s", "max_request_bytes",
-                       "api_key", "served_model_name"}
+                       "api_key", "served_model_name", "stats_interval_s"}
         engine = EngineConfig(device="cpu", schedule="auto", graphs="auto",
                               **{k: v for k, v in kw.items() if k not in server_keys})
         self.server = build_server(ServeConfig(engine, **{k: v for k, v in kw.items()

@@ -56,7 +56,7 @@ def test_help_explains_commands():
 def test_models_lists_the_registry_with_sizes():
     r = CliRunner().invoke(app, ["models", "--json"])
     assert r.exit_code == 0, r.output
-    rows = {row["name"]: row for row in json.loads(r.output)}
+    rows = {row["name"]: row for row in json.loads(r.stdout)}  # the assumed GPU: stderr
     assert {"llama3-8b", "smollm2-135m", "qwen2.5-0.5b", "mixtral-8x7b"} <= set(rows)
     assert 0.13 < rows["smollm2-135m"]["params_b"] < 0.14  # SmolLM2-135M's real config
     assert 0.49 < rows["qwen2.5-0.5b"]["params_b"] < 0.50
@@ -70,3 +70,19 @@ def test_the_small_model_generates_on_the_cpu():
                                  "--max-tokens", "3", "--json"])
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.output.splitlines()[-1])["output_ids"]) == 3
+
+
+def test_the_readme_quick_start_runs_the_tiny_model():
+    """The README's CPU commands on stories15m, exactly as written there."""
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = [line.strip() for line in readme.splitlines()
+                if line.startswith(("nanosched generate --model stories15m",
+                                    "nanosched bench --model stories15m"))]
+    assert len(commands) == 2, commands
+    for command in commands:
+        r = CliRunner().invoke(app, shlex.split(command)[1:])
+        assert r.exit_code == 0, (command, r.output)
+    assert "Total token throughput (tok/s)" in r.output  # the bench's table

@@ -109,7 +109,7 @@ def test_show_refuses_garbage_file(tmp_path, raw):
 
 
 def test_show_refuses_a_directory_and_a_missing_file(tmp_path):
-    refused(["show", str(tmp_path)], str(tmp_path), "not a file")
+    refused(["show", str(tmp_path)], str(tmp_path), "is a folder")
     refused(["show", str(tmp_path / "none.json")], "does not exist")
 
 

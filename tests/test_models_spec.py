@@ -9,7 +9,7 @@ from nanosched.models.spec import REGISTRY, load_spec
 # Published parameter counts (model cards), in billions.
 PUBLISHED = {"llama3-8b": 8.03, "llama3-70b": 70.55, "llama2-70b": 68.98,
              "qwen2.5-72b": 72.71, "deepseek-67b": 67.43, "mixtral-8x7b": 46.70,
-             "smollm2-135m": 0.135, "qwen2.5-0.5b": 0.494}
+             "smollm2-135m": 0.135, "qwen2.5-0.5b": 0.494, "stories15m": 0.015}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -24,7 +24,8 @@ def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     out = tmp_path / "s.json"
     r = run("search", *SMALL, "--out", str(out))
     assert r.exit_code == 0, r.output
-    assert "profile: shipped profile 'llama3-8b-tp1-h200-quick': same model" in r.output
+    # no GPU here and no --gpu: h100 is assumed and its own shipped profile picked
+    assert "profile: shipped profile 'llama3-8b-tp1-h100': same model, same GPU" in r.output
     assert "tp: 1 (the profile's)" in r.output and "SYNTHETIC" not in r.output
     assert "stage I:" in r.output and "stage II:" in r.output and "predicted speedup" in r.output
     assert "% of optimal" in r.output
@@ -58,7 +59,7 @@ def test_a_set_for_every_batch_shape_is_written_and_shown(tmp_path):
 
 def test_search_refuses_an_output_path_it_cannot_write_before_searching(tmp_path):
     r = run("search", *SMALL, "--out", str(tmp_path))
-    assert r.exit_code == 2 and "is a directory" in r.output and "stage I" not in r.output
+    assert r.exit_code == 2 and "is a folder" in r.output and "stage I" not in r.output
     r = run("search", *SMALL, "--out", str(tmp_path / "nope" / "s.json"))
     assert r.exit_code == 2 and "does not exist" in r.output
 

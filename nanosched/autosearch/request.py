@@ -3,7 +3,10 @@
 Profile: `--profile FILE` or the NAME of a shipped profile (`nanosched/profiler/profiles/`);
 without one, the shipped profile closest to the request — same model required, then same tp,
 then same GPU, then the largest measured batch — and failing that a synthetic profile for
-`--gpu`, announced loudly. A profile is measured on one KV cache dtype (`kv_dtype`); only
+`--gpu`, announced loudly. A profile of another GPU than the `--gpu` asked for is never picked
+(the search runs on a synthetic profile of the GPU asked for, and says which shipped ones
+exist); without `--gpu` the GPU assumed is `DEFAULT_GPU`, and a profile of another GPU is used
+only with a message that says so. A profile is measured on one KV cache dtype (`kv_dtype`); only
 profiles of the requested `--kv-cache-dtype` are picked or accepted, and FP8 needs a measured
 one (the synthetic profile models a cache in the model's dtype). tp: `--tp`, else the
 profile's, else the smallest power of two that leaves room for the dense batch's KV cache.
@@ -24,12 +27,13 @@ from nanosched.costmodel import (
     max_dense_batch,
 )
 from nanosched.errors import ConfigError, NanoschedError
-from nanosched.hardware import get_gpu, measured_gpu
+from nanosched.hardware import get_gpu, measured_gpu, prior_for
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile, load_profile
 from nanosched.workloads import Workload
 
 SHIPPED = Path(__file__).resolve().parent.parent / "profiler" / "profiles"
+DEFAULT_GPU = "h100"  # the GPU assumed without --gpu (the CLI passes the GPU present, if any)
 SYNTHETIC_BANNER = ("*** SYNTHETIC PROFILE: no measured profile for this request; kernel times "
                     "are a roofline model and NanoFlow's Table 3, NOT measurements. Run "
                     "`nanosched profile` on the GPU and search again. ***")
@@ -57,9 +61,19 @@ def _read(path: Path) -> Profile | None:
         return None
 
 
+def gpu_key(name: str) -> str:
+    """The prior a GPU or device name stands for ("NVIDIA H100 80GB HBM3" -> "h100")."""
+    prior = prior_for(name)
+    return prior.name if prior is not None else name.lower()
+
+
 def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
-                 folder: Path | None = None, kv_dtype: str = "auto") -> tuple[Profile | None, str]:
-    """The shipped profile closest to the request, with the reason; (None, why) if none fits."""
+                 folder: Path | None = None, kv_dtype: str = "auto",
+                 assumed: bool = False) -> tuple[Profile | None, str]:
+    """The shipped profile closest to the request, with the reason; (None, why) if none fits.
+
+    A profile measured on another GPU than `gpu` is returned only when `gpu` was `assumed`
+    (not asked for), and the reason says so; else (None, the GPUs that have one)."""
     found = [(name, prof) for name, path in shipped_profiles(folder).items()
              if (prof := _read(path)) is not None and prof.model.name == spec.name
              and prof.kv_dtype == kv_dtype]
@@ -67,18 +81,29 @@ def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
         kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
         return None, f"no shipped profile for {spec.name}{kv}"
 
+    def same_gpu(prof: Profile) -> bool:
+        return gpu is None or gpu_key(prof.identity.gpu_name) == gpu_key(gpu)
+
     def rank(item: tuple[str, Profile]) -> tuple[bool, bool, int]:
         prof = item[1]
-        return (tp is None or prof.tp == tp, gpu is None or gpu in prof.identity.gpu_name.lower(),
-                prof.dense_batch)
+        return (tp is None or prof.tp == tp, same_gpu(prof), prof.dense_batch)
 
     name, prof = max(found, key=rank)
     if tp is not None and prof.tp != tp:
         tps = sorted({p.tp for _, p in found})
         return None, f"shipped profiles for {spec.name} are for tp {tps}, not {tp}"
-    same_gpu = gpu is None or gpu in prof.identity.gpu_name.lower()
+    if not same_gpu(prof):
+        gpus = ", ".join(sorted({p.identity.gpu_name for _, p in found}))
+        if not assumed:
+            return None, (f"no shipped profile for {spec.name} on {gpu} (shipped ones are "
+                          f"measured on {gpus}: pass --gpu {gpu_key(prof.identity.gpu_name)} "
+                          f"or --profile {name} to search on one)")
+        return prof, (f"shipped profile {name!r}: same model{' and tp' if tp else ''}, "
+                      f"measured on {prof.identity.gpu_name}, NOT the {gpu} assumed without "
+                      f"--gpu: the schedule is for that GPU (tp {prof.tp}, batches up to "
+                      f"{prof.dense_batch}); pass --gpu {gpu} for a synthetic {gpu} profile")
     why = (f"shipped profile {name!r}: same model{' and tp' if tp else ''}"
-           f"{', same GPU' if gpu and same_gpu else ''} ({prof.identity.gpu_name}, "
+           f"{', same GPU' if gpu else ''} ({prof.identity.gpu_name}, "
            f"tp {prof.tp}, batches up to {prof.dense_batch})")
     return prof, why
 
@@ -99,7 +124,7 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
             workload: Workload, dense_batch: str, folder: Path | None = None,
             kv_dtype: str = "auto") -> Choice:
     """Decide tp, profile (None means: build a synthetic one) and dense batch."""
-    gpu = get_gpu(gpu_name or "h100")
+    gpu = get_gpu(gpu_name or DEFAULT_GPU)
     msgs: list[str] = []
     if dense_batch != "auto" and not dense_batch.isdigit():
         raise ConfigError(f"--dense-batch must be a number of tokens or 'auto', got "
@@ -116,11 +141,14 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
                               f"--kv-cache-dtype {prof.kv_dtype} or another profile")
         msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")
     else:
-        prof, why = pick_shipped(spec, tp, gpu_name, folder, kv_dtype)
+        prof, why = pick_shipped(spec, tp, gpu_name or DEFAULT_GPU, folder, kv_dtype,
+                                 assumed=gpu_name is None)
         if prof is None and kv_dtype != "auto":
             raise ConfigError(f"{why}: measure one with `nanosched profile --model {spec.name} "
                               f"--kv-cache-dtype {kv_dtype}` and pass it with --profile")
         msgs.append(f"profile: {why}")
+        if gpu_name is None:
+            msgs.append(f"gpu: {DEFAULT_GPU} assumed (no --gpu given and no GPU here)")
     if tp is None:
         tp = prof.tp if prof else choose_tp(spec, gpu, workload, target, max_tp=8)
         msgs.append(f"tp: {tp} (" + ("the profile's" if prof else

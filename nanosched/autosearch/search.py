@@ -217,23 +217,6 @@ BUCKETS = ("all", "dense")
 DEFAULT_TIME_LIMIT = {"all": 240.0, "dense": 60.0}
 
 
-def check_out_path(path: str) -> None:
-    """Refuse an output path that cannot be written, before any work: a directory, a missing
-    or unwritable folder."""
-    import os
-    from pathlib import Path
-
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"--out {path} is a directory; give a file name (e.g. "
-                          f"{p / 'schedule.json'})")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"--out {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {path}: folder {parent} is not writable")
-
-
 def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str | None,
                     workload: str | None, input_len: float | None, output_len: float | None,
                     dense_batch: str, time_limit: float | None, workers: int,
@@ -250,6 +233,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
     from nanosched.autosearch.request import resolve
     from nanosched.autosearch.sets import MIN_GAIN, SetSearchConfig, search_set
     from nanosched.autosearch.synthetic import context_grid, synthetic_profile
+    from nanosched.fileio import check_output_file
     from nanosched.hardware import get_gpu
     from nanosched.models.spec import load_spec
     from nanosched.schedules.sets import save_schedule_set
@@ -273,7 +257,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
         raise ConfigError("--time-limit must be > 0, --workers >= 1 and --max-nano-ops >= 2; "
                           f"got {limit}, {workers}, {max_nano_ops}")
     if out is not None:
-        check_out_path(out)
+        check_output_file(out, "--out", make_parent=False)
     spec = load_spec(model)
     wl = resolve_workload(workload, input_len, output_len)
     choice = resolve(spec, tp, profile, gpu, wl, dense_batch, kv_dtype=kv_dtype)
@@ -297,7 +281,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
         echo(f"WARNING: {why}; searching on it because of --allow-unsettled")
     path = out or default_out(spec, choice.tp, prof.identity.gpu_name, wl, choice.dense_batch)
     if out is None:
-        check_out_path(path)
+        check_output_file(path, "--out", make_parent=False)
     steady = search_batch(cfg)
     keys = ((steady.num_decode, steady.dense_batch),) if buckets == "dense" else None
     what = "the steady-state batch" if keys else "every batch shape"

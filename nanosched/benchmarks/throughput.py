@@ -24,6 +24,7 @@ from nanosched.benchmarks.common import (
     measured_gemm_tflops,
     plan_batch,
 )
+from nanosched.benchmarks.report import ratio_warnings
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.config import EngineConfig
@@ -63,23 +64,44 @@ class BenchConfig:
     warmup_prompts: int | None = None
 
 
+def _spread(values: list[float], prefix: str) -> dict[str, float | None]:
+    """`<prefix>_mean_s`, `_median_s` and `_p99_s` of `values` (None when there are none)."""
+    if not values:
+        return {f"{prefix}_{k}_s": None for k in ("mean", "median", "p99")}
+    a = np.asarray(values, dtype=float)
+    return {f"{prefix}_mean_s": float(a.mean()), f"{prefix}_median_s": float(np.median(a)),
+            f"{prefix}_p99_s": float(np.percentile(a, 99))}
+
+
 def summarize(reqs: list[Request], elapsed_s: float, tp: int, params: int,
-              gemm_tflops: float | None) -> dict[str, Any]:
+              gemm_tflops: float | None,
+              token_times: dict[int, list[float]] | None = None) -> dict[str, Any]:
+    """The figures of one run, in seconds and per second (`report.METRICS` names them).
+
+    TTFT: arrival to first token; TPOT (a request's time per output token after its first, as
+    vLLM's): (last - first token) / (outputs - 1), requests with two or more outputs; ITL: the
+    gaps between a request's consecutive tokens, from `token_times` (request id -> the clock
+    at each token)."""
     prompt = sum(r.prompt_len for r in reqs)
     output = sum(len(r.output_ids) for r in reqs)
     per_token = np.array([(r.finish_s - r.arrival_s) / max(1, len(r.output_ids)) for r in reqs])
-    ttft = np.array([r.first_token_s - r.arrival_s for r in reqs])
+    ttft = [r.first_token_s - r.arrival_s for r in reqs]
+    tpot = [(r.finish_s - r.first_token_s) / (len(r.output_ids) - 1) for r in reqs
+            if len(r.output_ids) > 1]
+    itl = [b - a for times in (token_times or {}).values()
+           for a, b in zip(times, times[1:], strict=False)]
     total = (prompt + output) / elapsed_s
     optimal = gemm_tflops * 1e12 / (2 * params) if gemm_tflops else None
     return {
         "requests": len(reqs), "prompt_tokens": prompt, "output_tokens": output,
-        "elapsed_s": elapsed_s, "tokens_per_s": total, "tokens_per_s_per_gpu": total / tp,
+        "elapsed_s": elapsed_s, "requests_per_s": len(reqs) / elapsed_s,
+        "tokens_per_s": total, "tokens_per_s_per_gpu": total / tp,
         "output_tokens_per_s": output / elapsed_s,
         "optimal_tokens_per_s_per_gpu": optimal,
         "percent_of_optimal": 100 * total / tp / optimal if optimal else None,
         "normalized_latency_s": float(per_token.mean()),
         "latency_per_output_token_p99_s": float(np.percentile(per_token, 99)),
-        "ttft_mean_s": float(ttft.mean()), "ttft_p99_s": float(np.percentile(ttft, 99)),
+        **_spread(ttft, "ttft"), **_spread(tpot, "tpot"), **_spread(itl, "itl"),
     }
 
 
@@ -221,13 +243,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         (64 if device.type == "cuda" else 0)
     if warm < 0:
         raise ConfigError(f"--warmup-prompts must be >= 0, got {warm}")
-    model = load_model(spec, resolve_weights(eng.model, eng.weights), device, eng.seed,
-                       kernels=eng.kernels)
+    weights = resolve_weights(eng.model, eng.weights)
+    model = load_model(spec, weights, device, eng.seed, kernels=eng.kernels)
     gemm = measured_gemm_tflops(device)
     record = {k: v for k, v in asdict(cfg).items() if k != "engine"} | \
         {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids", "admission")}
     adm = eng.admission
-    record |= {"admission": adm.policy, "kv_headroom": adm.headroom,
+    record |= {"weights": weights, "admission": adm.policy, "kv_headroom": adm.headroom,
                "preemption": adm.preemption, "swap_space_gib": adm.swap_space_gib}
     out: dict[str, Any] = {"config": record | {"dense_batch": dense, "graphs": graphs},
                            "environment": environment(device), "model_params": spec.num_params(),
@@ -241,7 +263,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     tps = {name: run["results"]["tokens_per_s"] for name, run in out["runs"].items()}
 
     def ratio(a: str, b: str) -> dict[str, Any]:
-        return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b]}
+        return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b],
+                "warnings": ratio_warnings(out["runs"][a], out["runs"][b])}
 
     # each strategy against Sequential in the same graph mode, then graphs against eager
     seq = {False: "sequential", True: "sequential+graphs"}
@@ -278,7 +301,13 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
         run_cfg = replace(run_cfg, num_pages=max(
             kv_pages(*args, reqs + warm_reqs, run_cfg.kv_dtype),
             min(forward, kv_pages(*args, None, run_cfg.kv_dtype))))
-    with build_engine(model, run_cfg, run.choice, requests=reqs + warm_reqs) as loaded:
+    token_times: dict[int, list[float]] = {}
+
+    def on_token(req: Request, token: int) -> None:
+        token_times.setdefault(req.request_id, []).append(time.perf_counter())
+
+    with build_engine(model, run_cfg, run.choice, requests=reqs + warm_reqs,
+                      on_token=on_token) as loaded:
         engine, dense = loaded.engine, loaded.config.dense_batch
         warm_graphs = None
         with torch.inference_mode():
@@ -288,6 +317,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                 engine.stats = EngineStats(graphs=engine.graphs.reset_stats()
                                            if engine.graphs else None)
                 engine.batcher.reset_stats()
+            token_times.clear()  # the warm-up's
             bar = _progress(len(reqs), progress)
             elapsed = _drain(engine, reqs, bar)
             bar.close()
@@ -315,7 +345,8 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
            "forward_ms_full_batch": fwd, "forward_decode_tokens": n_dec,
            "forward_decode_context": ctx,
            "layer_us_full_batch": fwd * 1e3 / spec.num_layers,
-           "results": summarize(reqs, elapsed, run_cfg.tp, spec.num_params(active=True), gemm)}
+           "results": summarize(reqs, elapsed, run_cfg.tp, spec.num_params(active=True), gemm,
+                               token_times)}
     if stats.graphs is not None:
         out["graph_stats"] = stats.graphs.as_dict()
         out["graph_stats_warmup"] = warm_graphs

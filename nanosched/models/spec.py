@@ -211,7 +211,12 @@ REGISTRY: dict[str, ModelSpec] = {
         _llama("deepseek-67b", hidden_size=8192, num_layers=95, num_heads=64, num_kv_heads=8,
                head_dim=128, intermediate_size=22016, vocab_size=102400,
                max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6),
-        # small real configs (SmolLM2-135M, Qwen2.5-0.5B): random weights run in seconds on a CPU
+        # small real configs: random weights run in seconds on a CPU. stories15m is llama2.c's
+        # TinyStories Llama (15 M parameters, 256 positions): the quick start's first minute
+        _llama("stories15m", hidden_size=288, num_layers=6, num_heads=6, num_kv_heads=6,
+               head_dim=48, intermediate_size=768, vocab_size=32000,
+               max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=True),
         _llama("smollm2-135m", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                head_dim=64, intermediate_size=1536, vocab_size=49152,
                max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,

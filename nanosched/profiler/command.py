@@ -75,7 +75,8 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     starts: a folder, a missing parent or an unwritable place fails now, not after the run."""
     spec = load_spec(cfg.model)
     spec.check_tp(cfg.tp)
-    check_output_file(cfg.out or default_out(cfg.model, cfg.tp, cfg.quick), "--out")
+    check_output_file(cfg.out or default_out(cfg.model, cfg.tp, cfg.quick), "--out",
+                      make_parent=False)
     backend = make_backend(cfg)
     identity = backend.identity("")
     dense = cfg.dense_batch or dense_batch_for(cfg.model, cfg.tp, cfg.workload,

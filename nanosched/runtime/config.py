@@ -63,7 +63,9 @@ class EngineConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "page_size", "graph_align"):
+        if self.tp < 1:
+            raise ConfigError(f"--tp must be at least 1, got {self.tp}")
+        for name in ("page_size", "graph_align"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("dense_batch", "num_pages"):

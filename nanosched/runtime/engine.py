@@ -58,6 +58,7 @@ from nanosched.runtime.strategies import Sequential
 class EngineStats:
     iterations: int = 0
     tokens: int = 0  # prompt + decode tokens processed
+    prefill_tokens: int = 0  # of which prompt (prefill) tokens
     fallbacks: int = 0  # iterations the strategy had nothing for (its fallback ran them)
     pipelined: int = 0  # iterations a pipelining strategy ran (a replayed schedule, two_batch)
     sequential: int = 0  # iterations the strategy ran one op after another (by its decision)
@@ -241,6 +242,7 @@ class Engine:
             self._pending_row[r.request_id] = i
         self.stats.iterations += 1
         self.stats.tokens += batch.num_tokens
+        self.stats.prefill_tokens += batch.num_prefill
         self.stats.batch_sizes.append(batch.num_tokens)
         if not self.is_cuda:
             return _Launched(samplers, tokens, marked, None)

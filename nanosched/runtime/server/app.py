@@ -54,6 +54,7 @@ from nanosched.runtime.server.startup import (
     Served,
     prepare,
 )
+from nanosched.runtime.server.statslog import StatsLogger
 from nanosched.runtime.server.text import Detokenizer, StopText
 from nanosched.runtime.server.worker import EngineWorker, QueueFull, Unavailable, Update
 
@@ -263,13 +264,19 @@ def _raise_error(update: Update) -> None:
 
 def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30.0,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the worker and, at shutdown, drains and stops it."""
+               api_key: str | None = None, stats_interval_s: float = 0.0) -> FastAPI:
+    """The app; its lifespan starts the worker (and, with `stats_interval_s` > 0, the periodic
+    throughput/queue line) and, at shutdown, drains and stops them."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         worker.start()
+        stats = StatsLogger(worker.snapshot, stats_interval_s) if stats_interval_s > 0 else None
+        if stats is not None:
+            stats.start()
         yield
+        if stats is not None:
+            stats.stop()
         await asyncio.to_thread(worker.stop, drain_timeout_s)
         if served.closer is not None:
             served.closer.close()
@@ -374,7 +381,8 @@ def build_server(cfg: ServeConfig) -> Any:
 
     served = prepare(cfg)
     worker = EngineWorker(served.engine, cfg.max_queue)
-    app = create_app(served, worker, cfg.drain_timeout_s, cfg.max_request_bytes, cfg.api_key)
+    app = create_app(served, worker, cfg.drain_timeout_s, cfg.max_request_bytes, cfg.api_key,
+                     cfg.stats_interval_s)
     if cfg.api_key is None and not _is_loopback(cfg.host):
         log.warning("--host %s accepts requests from other machines and no --api-key is set: "
                     "anyone who reaches this port can use the model; set --api-key (or "

@@ -19,6 +19,7 @@ from nanosched.models.spec import ModelSpec
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.loader import LoadedEngine, gpu_name, load_engine
+from nanosched.runtime.server.statslog import DEFAULT_STATS_INTERVAL_S
 from nanosched.runtime.server.text import TextCodec
 
 log = logging.getLogger("nanosched.serve")
@@ -38,6 +39,7 @@ class ServeConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     api_key: str | None = None  # /v1/ routes need "Authorization: Bearer <api_key>"
     served_model_name: str | None = None  # default: default_model_name(--model)
+    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S  # the throughput/queue line; 0: off
 
 
 @dataclass
@@ -71,6 +73,9 @@ def _check_flags(cfg: ServeConfig) -> None:
     if cfg.served_model_name is not None and not cfg.served_model_name.strip():
         raise ConfigError("--served-model-name is empty: give a name, or leave the flag out to "
                           "use the checkpoint folder's name")
+    if not 0 <= cfg.stats_interval_s < float("inf"):
+        raise ConfigError(f"--stats-interval must be a finite number of seconds >= 0 (0: no "
+                          f"periodic line), got {cfg.stats_interval_s}")
     if cfg.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be at least 1, got "
                           f"{cfg.max_request_bytes}")

@@ -176,6 +176,7 @@ class EngineWorker:
             "requests_running": running, "queue_length": max(0, open_ - running),
             "iterations": eng.stats.iterations, "fallbacks": eng.stats.fallbacks,
             "tokens_processed": eng.stats.tokens, "tokens_generated": c.generated_tokens,
+            "prompt_tokens_processed": eng.stats.prefill_tokens,
             "batch_size": eng.stats.batch_sizes[-1] if eng.stats.batch_sizes else 0,
             "kv_pages_total": alloc.num_pages, "kv_pages_in_use": alloc.num_pages - alloc.num_free,
             "throughput_tokens_per_s": recent / THROUGHPUT_WINDOW_S,

@@ -1,0 +1,98 @@
+"""What `nanosched bench` prints: the results table (one column per run, one row per metric, as
+`vllm bench` reports them) and the warnings a ratio between two runs carries.
+
+Both read only plain dicts (a run's `results` and its counters), so a new figure is one more
+row in `METRICS` and the JSON report keeps its keys. Units: the JSON holds seconds; the table
+shows latencies in ms and throughput in tokens (or requests) per second.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (key in a run's "results", label, scale, format); a row "" starts a section named by label.
+# A row whose value is None in every run is left out (% of optimal needs a measured GEMM peak:
+# a GPU).
+METRICS: list[tuple[str, str, float, str]] = [
+    ("requests", "Successful requests", 1, "d"),
+    ("elapsed_s", "Benchmark duration (s)", 1, ".2f"),
+    ("prompt_tokens", "Total input tokens", 1, "d"),
+    ("output_tokens", "Total generated tokens", 1, "d"),
+    ("requests_per_s", "Request throughput (req/s)", 1, ".2f"),
+    ("output_tokens_per_s", "Output token throughput (tok/s)", 1, ".1f"),
+    ("tokens_per_s", "Total token throughput (tok/s)", 1, ".1f"),
+    ("percent_of_optimal", "% of optimal (GEMM peak / 2 x params)", 1, ".1f"),
+    ("", "Time to First Token", 1, ""),
+    ("ttft_mean_s", "Mean TTFT (ms)", 1e3, ".2f"),
+    ("ttft_median_s", "Median TTFT (ms)", 1e3, ".2f"),
+    ("ttft_p99_s", "P99 TTFT (ms)", 1e3, ".2f"),
+    ("", "Time per Output Token (excl. 1st token)", 1, ""),
+    ("tpot_mean_s", "Mean TPOT (ms)", 1e3, ".2f"),
+    ("tpot_median_s", "Median TPOT (ms)", 1e3, ".2f"),
+    ("tpot_p99_s", "P99 TPOT (ms)", 1e3, ".2f"),
+    ("", "Inter-token Latency", 1, ""),
+    ("itl_mean_s", "Mean ITL (ms)", 1e3, ".2f"),
+    ("itl_median_s", "Median ITL (ms)", 1e3, ".2f"),
+    ("itl_p99_s", "P99 ITL (ms)", 1e3, ".2f"),
+]
+
+# a ratio between two runs is flagged when the run compared replayed its strategy in fewer
+# iterations than these, or when either run was shorter than MIN_RATIO_SECONDS
+MIN_REPLAYED_ITERATIONS = 20
+MIN_REPLAYED_SHARE = 0.5
+MIN_RATIO_SECONDS = 2.0
+
+
+def _cell(value: Any, scale: float, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "d":
+        return f"{int(value):,}"
+    return format(value * scale, fmt)
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The table's lines: `results` maps a run's name to its metrics (a run's "results")."""
+    names = list(results)
+    rows: list[list[str] | str] = []
+    for key, label, scale, fmt in METRICS:
+        if not key:
+            rows.append(label)
+            continue
+        values = [results[n].get(key) for n in names]
+        if all(v is None for v in values):
+            continue
+        rows.append([label, *(_cell(v, scale, fmt) for v in values)])
+    body = [r for r in rows if isinstance(r, list)]
+    header = ["", *names]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    total = sum(widths) + 2 * len(names)
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
+                       for i, (h, w) in enumerate(zip(header, widths, strict=True))),
+             "=" * total]
+    for n, r in enumerate(rows):
+        if isinstance(r, str):
+            nxt = rows[n + 1] if n + 1 < len(rows) else None
+            if isinstance(nxt, list):  # a section with at least one row
+                lines.append(f" {r} ".center(total, "-"))
+            continue
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    lines.append("=" * total)
+    return lines
+
+
+def ratio_warnings(run: dict[str, Any], base: dict[str, Any]) -> list[str]:
+    """Why the ratio of `run` over `base` (two runs of a bench report) may be noise: `run`'s
+    strategy replayed in few of its iterations (the rest ran Sequential), or a short run."""
+    out = []
+    if run.get("strategy") != "sequential":
+        iters, fell = run.get("iterations", 0), run.get("fallbacks", 0)
+        replayed = iters - fell
+        if replayed < MIN_REPLAYED_ITERATIONS or replayed < MIN_REPLAYED_SHARE * iters:
+            out.append(f"{run.get('strategy')} ran in only {replayed} of {iters} iterations "
+                       f"({fell} fell back to Sequential)")
+    short = min(run["results"]["elapsed_s"], base["results"]["elapsed_s"])
+    if short < MIN_RATIO_SECONDS:
+        out.append(f"a run took {short:.2f} s (under {MIN_RATIO_SECONDS:g} s)")
+    return out

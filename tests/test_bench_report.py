@@ -1,0 +1,101 @@
+"""`nanosched bench` as users of `vllm bench` expect: a results table (requests/s, total and
+output tokens/s, TTFT / TPOT / ITL mean, median and p99 in ms; % of optimal on a GPU only),
+strict JSON, a checkpoint folder's own weights by default, and a warning on ratios that rest on
+few replayed iterations or a short run. Driven through the CLI on the tiny registered model."""
+
+import json
+
+import pytest
+from hf_models import make_hf
+from typer.testing import CliRunner
+
+from nanosched.benchmarks.report import (
+    MIN_RATIO_SECONDS,
+    MIN_REPLAYED_ITERATIONS,
+    ratio_warnings,
+    results_table,
+)
+from nanosched.cli import app
+
+TINY = ["--model", "stories15m", "--input-len", "24", "--output-len", "6", "--num-prompts",
+        "5", "--device", "cpu"]
+
+
+def strict_load(path):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_bench_prints_the_results_table_and_writes_strict_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(app, ["bench", *TINY, "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    for label in ("Request throughput (req/s)", "Output token throughput (tok/s)",
+                  "Total token throughput (tok/s)", "Mean TTFT (ms)", "Median TTFT (ms)",
+                  "P99 TTFT (ms)", "Mean TPOT (ms)", "Median TPOT (ms)", "P99 TPOT (ms)",
+                  "Mean ITL (ms)", "Median ITL (ms)", "P99 ITL (ms)"):
+        assert label in r.output, label
+    assert "% of optimal" not in r.output and "per GPU" not in r.output  # a CPU has no peak
+    assert "random weights (seed 0)" in r.output
+    data = strict_load(out)  # --request-rate inf is written as null, not Infinity
+    assert data["config"]["request_rate"] is None and data["config"]["weights"] == "random"
+    res = data["runs"]["sequential"]["results"]
+    assert res["requests"] == 5 and res["output_tokens"] == 30
+    assert res["requests_per_s"] == pytest.approx(5 / res["elapsed_s"])
+    assert res["percent_of_optimal"] is None
+    for name in ("ttft", "tpot", "itl"):
+        assert 0 < res[f"{name}_median_s"] <= res[f"{name}_p99_s"], name
+    # 5 requests x 5 gaps between their 6 tokens: the mean ITL is the mean TPOT (the token
+    # clock of ITL is read in the token callback, microseconds after the engine's)
+    assert res["itl_mean_s"] == pytest.approx(res["tpot_mean_s"], rel=1e-3)
+    row = next(ln for ln in r.output.splitlines() if ln.startswith("Mean TTFT (ms)"))
+    assert float(row.split()[-1]) == pytest.approx(res["ttft_mean_s"] * 1e3, abs=0.01)
+
+
+def test_bench_uses_a_checkpoint_folders_own_weights_by_default(tmp_path):
+    folder = tmp_path / "ckpt"
+    make_hf("llama", folder, seed=3)
+    args = ["bench", "--model", str(folder), "--input-len", "8", "--output-len", "3",
+            "--num-prompts", "2", "--device", "cpu"]
+    r = CliRunner().invoke(app, [*args, "--json", str(tmp_path / "a.json")])
+    assert r.exit_code == 0, r.output
+    assert strict_load(tmp_path / "a.json")["config"]["weights"] == str(folder)
+    assert "random weights" not in r.output
+    r = CliRunner().invoke(app, [*args, "--weights", "random", "--json", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    assert strict_load(tmp_path / "b.json")["config"]["weights"] == "random"
+
+
+def _run(strategy, iterations, fallbacks, seconds):
+    return {"strategy": strategy, "iterations": iterations, "fallbacks": fallbacks,
+            "results": {"elapsed_s": seconds}}
+
+
+def test_ratio_warnings_name_few_replayed_iterations_and_short_runs():
+    long_seq = _run("sequential", 400, 0, 30.0)
+    assert ratio_warnings(_run("replay", 400, 10, 30.0), long_seq) == []
+    few = ratio_warnings(_run("replay", 34, 32, 30.0), long_seq)
+    assert few == ["replay ran in only 2 of 34 iterations (32 fell back to Sequential)"]
+    half = ratio_warnings(_run("replay", 400, 300, 30.0), long_seq)
+    assert len(half) == 1 and "100 of 400" in half[0]
+    short = ratio_warnings(_run("replay", 400, 0, 0.06), long_seq)
+    assert short == [f"a run took 0.06 s (under {MIN_RATIO_SECONDS:g} s)"]
+    # graphs against eager Sequential: no replay to count, only the run length
+    assert ratio_warnings(_run("sequential", 3, 0, 30.0), long_seq) == []
+    assert MIN_REPLAYED_ITERATIONS > 2
+
+
+def test_results_table_has_one_column_per_run_and_shows_optimal_only_when_measured():
+    base = {"requests": 3, "elapsed_s": 1.5, "tokens_per_s": 1234.5, "ttft_mean_s": 0.0125,
+            "percent_of_optimal": None}
+    lines = results_table({"sequential": base, "schedule": base | {"tokens_per_s": 99.0}})
+    assert lines[0].split() == ["sequential", "schedule"]
+    total = next(ln for ln in lines if ln.startswith("Total token throughput"))
+    assert total.split()[-2:] == ["1234.5", "99.0"]
+    ttft = next(ln for ln in lines if ln.startswith("Mean TTFT (ms)"))
+    assert ttft.split()[-1] == "12.50"  # seconds in the dict, ms in the table
+    assert not any("optimal" in ln or "TPOT" in ln for ln in lines)
+    gpu = results_table({"sequential": base | {"percent_of_optimal": 41.26}})
+    assert any(ln.startswith("% of optimal") and ln.endswith("41.3") for ln in gpu)

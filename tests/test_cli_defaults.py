@@ -1,0 +1,80 @@
+"""Defaults that match the user's machine: --gpu is the GPU present (else h100, said), a
+shipped profile is picked only for the GPU asked for (another GPU's only when none was asked
+for, said loudly), `analyze` sizes the smallest tp that fits, and each numeric flag is
+range-checked with a message that names it."""
+
+import pytest
+from typer.testing import CliRunner
+
+from nanosched import cli
+from nanosched.autosearch import request
+from nanosched.cli import app
+from nanosched.models.spec import load_spec
+from nanosched.workloads import fixed
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_without_a_gpu_analyze_assumes_h100_says_so_and_picks_the_smallest_tp():
+    r = run("analyze", "--model", "llama3-8b")
+    assert r.exit_code == 0, r.output
+    assert "--gpu not given and no GPU here: assuming h100" in r.output
+    assert "using tp=1, the smallest whose h100 GPUs hold the weights and the KV cache of a " \
+           "1024-token dense batch" in r.output
+    assert "llama3-8b on 1 x h100" in r.output
+    r = run("analyze", "--model", "llama3-70b", "--gpu", "h200")
+    assert "assuming" not in r.output and "llama3-70b on 4 x h200" in r.output
+
+
+def test_the_gpu_present_is_the_default(monkeypatch):
+    monkeypatch.setattr(cli, "gpu_here", lambda: "h200")
+    r = run("analyze", "--model", "llama3-8b")
+    assert r.exit_code == 0, r.output
+    assert "--gpu not given: using h200, the GPU present" in r.output
+    assert "llama3-8b on 1 x h200" in r.output
+    r = run("models")
+    assert r.exit_code == 0 and "tp on h200" in r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["analyze", "--model", "llama3-8b", "--mem-util", "2"],
+     "--mem-util must be in (0, 1] (a share of GPU memory), got 2.0"),
+    (["analyze", "--model", "llama3-8b", "--mem-util", "0"], "--mem-util must be in (0, 1]"),
+    (["analyze", "--model", "llama3-8b", "--tp", "0"], "--tp must be a positive integer, got 0"),
+    (["analyze", "--model", "llama3-8b", "--dense-batch", "-5"],
+     "--dense-batch must be a positive number of tokens, got -5"),
+    (["bench", "--model", "stories15m", "--input-len", "4", "--output-len", "2", "--tp", "0"],
+     "--tp must be at least 1, got 0"),
+    (["generate", "--model", "stories15m", "--prompt-ids", "1", "--tp", "0"],
+     "--tp must be at least 1, got 0"),
+])
+def test_numeric_flags_are_range_checked_with_their_own_message(args, message):
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+    assert "Traceback" not in r.output and "dense batch of" not in r.output
+
+
+def test_a_shipped_profile_is_picked_for_the_gpu_asked_for():
+    spec = load_spec("llama3-8b")
+    prof, why = request.pick_shipped(spec, None, "h100", assumed=True)
+    assert prof.identity.gpu_name.startswith("NVIDIA H100") and "same GPU" in why
+    prof, why = request.pick_shipped(spec, None, "h200")
+    assert prof.identity.gpu_name == "NVIDIA H200"
+    choice = request.resolve(spec, None, None, None, fixed(1024, 512), "256")
+    assert choice.profile.identity.gpu_name.startswith("NVIDIA H100")
+    assert "gpu: h100 assumed (no --gpu given and no GPU here)" in choice.messages
+
+
+def test_another_gpus_profile_only_when_no_gpu_was_asked_for():
+    spec = load_spec("llama3-70b")  # shipped: H200 only
+    prof, why = request.pick_shipped(spec, 8, "h100", assumed=True)
+    assert prof is not None and prof.identity.gpu_name == "NVIDIA H200"
+    assert "NOT the h100 assumed without --gpu" in why
+    prof, why = request.pick_shipped(spec, 8, "h100")
+    assert prof is None and "no shipped profile for llama3-70b on h100" in why
+    assert "pass --gpu h200 or --profile llama3-70b-tp8-h200-quick" in why
+    choice = request.resolve(spec, 8, None, "h100", fixed(1024, 512), "256")
+    assert choice.profile is None and request.SYNTHETIC_BANNER in choice.messages

@@ -14,7 +14,11 @@ slower than the sleep). Set against the schedule and its profile:
 - the steady-state period per layer (finish of layer L-1 minus finish of layer L/2-1, over
   L - L/2 layers), measured and predicted, for both strategies.
 
-    PYTHONPATH=. python bench/nanoop_timeline.py --schedule FILE [--layers 8] [--profile FILE]
+    PYTHONPATH=. python bench/nanoop_timeline.py --schedule FILE [--key D,T] [--layers 8]
+        [--profile FILE]
+
+FILE is a single schedule or a set; of a set, the pipeline of the entry `--key` names (default:
+the steady state's).
 
 `--profile` defaults to the shipped profile whose digest the schedule names. GPU only. JSON to
 $OUT or bench/results/; tables last.
@@ -52,7 +56,7 @@ from nanosched.runtime.loader import load_model, open_streams, replay_choice  # 
 from nanosched.runtime.modelprogram import model_program  # noqa: E402
 from nanosched.runtime.scheduler import run_program  # noqa: E402
 from nanosched.runtime.strategies import Sequential  # noqa: E402
-from nanosched.schedules.format import load_schedule  # noqa: E402
+from nanosched.schedules.sets import entry_schedule, load_schedule_set  # noqa: E402
 
 LABEL = re.compile(r"L(\d+)\.(\w+)\[(\d+):(\d+)\]")
 
@@ -157,6 +161,8 @@ def predicted_busy(sched, profile, layers: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", required=True)
+    ap.add_argument("--key", default=None, help="D,T: the entry of a set (default: the steady "
+                    "state's)")
     ap.add_argument("--layers", type=int, default=8, help="layers of the model to run (>= 2)")
     ap.add_argument("--profile", default=None, help="default: the shipped one the schedule names")
     ap.add_argument("--sleep-ms", type=float, default=400.0,
@@ -164,7 +170,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.layers < 2:
         ap.error("--layers must be at least 2 (the period needs two layers)")
-    sched = load_schedule(args.schedule)
+    sched = entry_schedule(load_schedule_set(args.schedule), args.key)
     profile, why = find_profile(sched, args.profile)
     if profile is None:
         ap.error(why)

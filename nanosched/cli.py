@@ -597,6 +597,35 @@ def search(
 
 @app.command()
 @reports_errors
+def verify(
+    file: str = typer.Argument(..., help="Schedule set written by `nanosched search`."),
+    out: str = typer.Option(..., "--out", "-o", help="Verified set to write (may be FILE)."),
+    device: str = typer.Option("auto", "--device", help="auto, cuda or cpu (cpu: a dry run "
+                               "of the logic; its times mean nothing)."),
+    settle: float = typer.Option(1.0, "--settle", help="Seconds each strategy replays untimed "
+                                 "first, so the SM clock settles under the power cap."),
+    window: float = typer.Option(2.0, "--window", help="Seconds each strategy is timed."),
+    rounds: int = typer.Option(3, "--rounds", help="Times Sequential and the pipeline "
+                               "alternate (the median of each is kept)."),
+) -> None:
+    """Time each pipeline of a schedule set against Sequential on this GPU (CUDA graphs, the
+    clock settled under the power cap) and write the set with every pipeline that does not
+    reach the set's --min-gain made sequential; each checked entry records the times, SM clock
+    and board power."""
+    from nanosched.benchmarks.verify import VerifyConfig, run_verify
+
+    _, rows = run_verify(file, out, device, VerifyConfig(settle, window, rounds), typer.echo)
+    if rows:
+        print_table(rows, [("num_decode", "D", ""), ("num_tokens", "T", ""),
+                           ("predicted_gain", "predicted", ".3f"),
+                           ("sequential_ms", "sequential ms", ".2f"),
+                           ("pipeline_ms", "pipeline ms", ".2f"), ("gain", "measured", ".3f"),
+                           ("kept", "kept", "")])
+    typer.echo(f"verified set written to {out}")
+
+
+@app.command()
+@reports_errors
 def show(
     file: str = typer.Argument(..., help="Schedule JSON written by `nanosched search` (a set, "
                                "or a single schedule)."),

@@ -259,3 +259,41 @@ def test_a_high_min_gain_makes_the_set_all_sequential_and_says_so(synthetic):
     assert [e.kind for e in sset.entries] == ["sequential"] * 3
     assert sset.search["bounded"] == 2 and sset.search["small"] == 1
     assert any("NO GAIN" in line for line in set_summary_lines(sset))
+
+
+# ---- verify: the set's pipelines against Sequential on the device ---------------------------
+@pytest.mark.parametrize("min_gain, kept", [(0.0, True), (100.0, False)])
+def test_verify_keeps_a_pipeline_only_where_it_measures_the_min_gain(model, single, min_gain,
+                                                                      kept):
+    from nanosched.benchmarks.verify import VerifyConfig, verify_set
+
+    sset = replace(tiny_set(single), min_gain=min_gain)
+    ws = model.new_workspace(max_tokens=256, num_pages=400)
+    free = ws.kv.allocator.num_free
+    lines = []
+    out, rows = verify_set(model, ws, sset, 40, 64, VerifyConfig(0.0, 0.02, 1), "cpu",
+                           lines.append)
+    assert ws.kv.allocator.num_free == free  # the timed batch gave its pages back
+    assert len(rows) == 1 and rows[0]["kept"] is kept and lines
+    e = out.entry(128, 256)
+    assert e.measured["sequential_ms"] > 0 and e.measured["pipeline_ms"] > 0
+    assert e.kind == ("pipeline" if kept else "sequential")
+    if not kept:
+        assert "measured" in e.reason and e.forward_us == e.sequential_us
+    again = ScheduleSet.from_json(json.loads(json.dumps(out.to_json())))
+    assert again.entry(128, 256).measured == e.measured
+    assert [x.kind for x in out.entries if x.key != (128, 256)] == \
+        [x.kind for x in sset.entries if x.key != (128, 256)]
+
+
+def test_verify_on_a_set_without_pipelines_writes_it_unchanged(tmp_path):
+    from typer.testing import CliRunner
+
+    from nanosched.cli import app
+
+    src = Path(__file__).parents[1] / "bench" / "results" / "llama3-8b-tp1-h200-b2048.set.json"
+    out = tmp_path / "v.json"
+    r = CliRunner().invoke(app, ["verify", str(src), "--out", str(out), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "nothing to verify" in r.output
+    assert json.loads(out.read_text())["entries"] == json.loads(src.read_text())["entries"]

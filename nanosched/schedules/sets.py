@@ -54,6 +54,7 @@ class SetEntry:
     reason: str = ""
     schedule: Schedule | None = None  # the pipeline (a sequential entry may keep the best one
     # the search found, never run, for `show`)
+    measured: dict[str, Any] | None = None  # `nanosched verify` on a GPU: both times, gain
 
     @property
     def key(self) -> tuple[int, int]:
@@ -68,7 +69,8 @@ class SetEntry:
         return {"num_decode": self.num_decode, "num_tokens": self.num_tokens, "kind": self.kind,
                 "forward_us": self.forward_us, "sequential_us": self.sequential_us,
                 "reason": self.reason,
-                "schedule": self.schedule.to_json() if self.schedule is not None else None}
+                "schedule": self.schedule.to_json() if self.schedule is not None else None,
+                "measured": self.measured}
 
 
 @dataclass(frozen=True)
@@ -111,10 +113,12 @@ class ScheduleSet:
     @property
     def full(self) -> SetEntry | None:
         """The entry of the steady state's batch: the best pipeline at the dense batch, else
-        the entry there that kept the search's pipeline, else any entry at the dense batch."""
+        the entry there that kept the search's pipeline, else the search's steady key."""
         at_b = [e for e in self.entries if e.num_tokens == self.dense_batch]
         pipes = [e for e in at_b if e.kind == "pipeline"]
-        kept = [e for e in at_b if e.schedule is not None]
+        steady = tuple((self.search or {}).get("steady_key", ()))
+        kept = [e for e in at_b if e.schedule is not None] or \
+            [e for e in at_b if e.key == steady]
         return max(pipes or kept or at_b, key=lambda e: (e.speedup, e.num_decode),
                    default=None)
 

@@ -1,0 +1,237 @@
+"""`nanosched verify`: time a schedule set's pipelines against Sequential on this GPU, and keep
+only those that win here.
+
+The search predicts each entry from the profile; the replay can still lose what the prediction
+gave it (launch order, SM partitions, the clock under the power cap: docs/overlap.md). For
+every pipeline entry, at its key's shape (D decode rows of T, the workload's contexts), this
+lays out one batch, captures a CUDA graph of it run by Sequential and by the entry, and replays
+each back to back: `settle_s` untimed (so the SM clock settles under the power cap, as while
+serving), then `window_s` timed, with the mean SM clock and board power over the window
+(NVML). The two strategies alternate `rounds` times and the median of each is kept, so a drift
+of the clock shows in both. An entry whose measured gain is below the set's `min_gain` becomes
+`sequential`, with the measurement in its reason; every checked entry records it in
+`measured`. The result is written as a new set (atomically).
+
+On the CPU (tests) the same runs are eager and unsustained: the logic, not a figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from nanosched.benchmarks.common import batch_chunks, cache_context
+from nanosched.constants import PAGE_SIZE
+from nanosched.errors import ConfigError
+from nanosched.models.bucket import round_up
+from nanosched.runtime.backend import Backend
+from nanosched.runtime.graphs import BucketRunner
+from nanosched.runtime.scheduler import OpScheduler
+from nanosched.runtime.strategies import Sequential
+from nanosched.runtime.strategies.replay_set import ReplaySet
+from nanosched.schedules.sets import ScheduleSet
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    settle_s: float = 1.0
+    window_s: float = 2.0
+    rounds: int = 3
+
+    def __post_init__(self) -> None:
+        if not (self.settle_s >= 0 and self.window_s > 0 and self.rounds >= 1):
+            raise ConfigError(f"--settle must be >= 0, --window > 0 and --rounds >= 1; got "
+                              f"{self.settle_s}, {self.window_s}, {self.rounds}")
+
+
+@dataclass
+class _Timed:
+    """A batch captured once and replayed: `run()` does one forward."""
+
+    run: Callable[[], None]
+    cuda: bool
+
+
+def _plan(ws: Any, d: int, t: int, context: int, prompt: int, first_id: int, align: int
+          ) -> tuple[Any, list[int]]:
+    """One batch of D decode tokens (each with `context` cached tokens) and T - D prompt
+    tokens, planned into the cache: (its SeqChunks, its request ids)."""
+    cache_context(ws, d, context, first_id)
+    chunks = batch_chunks(t, d, prompt, first_id, decode_rows=round_up(d, align))
+    return ws.kv.plan_chunks(chunks), [c[0] for c in chunks]
+
+
+def _prepare(model: Any, ws: Any, strategy: OpScheduler, seqs: Any, max_pages: int,
+             want_pipeline: bool, device: Any) -> _Timed:
+    """The batch `seqs` in its bucket under `strategy`, run once (eager, then captured on a
+    GPU) on the stream device `device`. Both strategies replay the same batch: its K/V writes
+    are the same each time."""
+    runner = BucketRunner(model, ws, Backend(device), strategy, align=ALIGN,
+                          max_pages=max_pages, capture=model.device.type == "cuda")
+    entry = runner.entry(runner.bucket(seqs))
+    if entry.fell_back or entry.strategy.pipelined != want_pipeline:
+        b = entry.meta.bucket
+        raise ConfigError(f"the set does not run a pipeline at D={b.num_decode}, "
+                          f"T={b.num_tokens}")
+    runner.run(entry, seqs)  # eager: compiles, makes every slice; then captured
+    cuda = model.device.type == "cuda"
+    if entry.graph is not None:
+        return _Timed(entry.graph.replay, cuda)
+    return _Timed(lambda: runner.run(entry, seqs), cuda)
+
+
+ALIGN = 32  # the engine's graph_align: decode rows of a bucket
+
+
+def _sustained(timed: _Timed, cfg: VerifyConfig, telemetry: Any) -> dict[str, Any]:
+    """Replay back to back: settle, then a timed window; ms per forward, clock, power."""
+    cuda = timed.cuda
+    end = time.perf_counter() + cfg.settle_s
+    while time.perf_counter() < end:
+        for _ in range(4):
+            timed.run()
+        if cuda:
+            torch.cuda.synchronize()
+    n, t0 = 0, time.perf_counter()
+    if cuda:
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+    while time.perf_counter() - t0 < cfg.window_s or n == 0:
+        for _ in range(4):
+            timed.run()
+        n += 4
+        if cuda and n % 16 == 0:
+            torch.cuda.synchronize()
+    if cuda:
+        stop.record()
+        stop.synchronize()
+        ms = start.elapsed_time(stop) / n
+    else:
+        ms = (time.perf_counter() - t0) * 1e3 / n
+    t1 = time.perf_counter()
+    out: dict[str, Any] = {"forward_ms": ms, "forwards": n}
+    reading = telemetry.reading(t0, t1) if telemetry else None
+    if reading is not None:
+        out |= {"sm_clock_mhz": round(reading.clock_mhz, 1), "power_w": round(reading.power_w, 1)}
+    return out
+
+
+def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int,
+               cfg: VerifyConfig = VerifyConfig(), device_name: str = "",
+               progress: Callable[[str], None] | None = None
+               ) -> tuple[ScheduleSet, list[dict[str, Any]]]:
+    """Measure every pipeline entry against Sequential at its key; returns the set with the
+    losing entries made sequential and every checked entry's `measured`, and one row per entry
+    (key, both times, clock, power, the gain, the decision)."""
+    telemetry = None
+    if model.device.type == "cuda":
+        from nanosched.profiler.telemetry import open_telemetry
+
+        telemetry = open_telemetry(model.device.index or 0)
+        if telemetry is not None:
+            telemetry.start()
+    from nanosched.runtime.device import CudaDevice, SerialDevice
+    from nanosched.runtime.loader import StrategyChoice, open_streams
+
+    replay = ReplaySet(sset, model.spec.num_layers)
+    streams = open_streams(StrategyChoice(replay, "verify", sset), model.device)
+    device = streams.device if streams is not None else \
+        (CudaDevice() if model.device.type == "cuda" else SerialDevice())
+    entries, rows = list(sset.entries), []
+    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        for i, e in enumerate(entries):
+            if e.kind != "pipeline":
+                continue
+            d, t = e.key
+            if progress:
+                progress(f"D={d} T={t}: Sequential vs the pipeline, {cfg.rounds} rounds of "
+                         f"{cfg.settle_s:g} s + {cfg.window_s:g} s each")
+            seqs, ids = _plan(ws, d, t, context, prompt, 10**8, ALIGN)
+            max_pages = -(-max(context + 1, prompt) // ws.kv.page_size)
+            runs = {"sequential": _prepare(model, ws, Sequential(), seqs, max_pages, False,
+                                           device),
+                    "pipeline": _prepare(model, ws, replay, seqs, max_pages, True, device)}
+            got: dict[str, list[dict[str, Any]]] = {"sequential": [], "pipeline": []}
+            for _ in range(cfg.rounds):
+                for name, timed in runs.items():
+                    got[name].append(_sustained(timed, cfg, telemetry))
+            for r in ids:
+                ws.kv.release(r)
+            med = {name: statistics.median(x["forward_ms"] for x in xs) for name, xs in got.items()}
+            gain = med["sequential"] / med["pipeline"]
+            measured = {"device": device_name, "date": date,
+                        "sequential_ms": round(med["sequential"], 4),
+                        "pipeline_ms": round(med["pipeline"], 4), "gain": round(gain, 4),
+                        "settle_s": cfg.settle_s, "window_s": cfg.window_s,
+                        "rounds": cfg.rounds,
+                        "sm_clock_mhz": [x.get("sm_clock_mhz") for x in got["pipeline"]],
+                        "power_w": [x.get("power_w") for x in got["pipeline"]],
+                        "sequential_sm_clock_mhz": [x.get("sm_clock_mhz")
+                                                    for x in got["sequential"]],
+                        "sequential_power_w": [x.get("power_w") for x in got["sequential"]]}
+            keep = gain >= sset.min_gain
+            if keep:
+                entries[i] = dataclasses.replace(e, measured=measured)
+            else:
+                entries[i] = dataclasses.replace(
+                    e, kind="sequential", forward_us=e.sequential_us, measured=measured,
+                    reason=f"{e.reason}; measured {gain:.3f}x on {device_name or 'this GPU'} "
+                           f"(needs {sset.min_gain:.2f}x): runs Sequential")
+            rows.append({"num_decode": d, "num_tokens": t, "predicted_gain": e.speedup,
+                         **measured, "kept": keep})
+    finally:
+        if telemetry is not None:
+            telemetry.stop()
+        if streams is not None:
+            streams.close()
+    return dataclasses.replace(sset, entries=tuple(entries)), rows
+
+
+def run_verify(path: str, out: str, device: str = "auto", cfg: VerifyConfig = VerifyConfig(),
+               echo: Callable[[str], None] = print) -> tuple[ScheduleSet, list[dict[str, Any]]]:
+    """What `nanosched verify` does: load the set (checked against this GPU), build its model
+    with random weights, measure its pipelines at the contexts each was searched at, write the
+    verified set to `out`."""
+    from nanosched.fileio import check_output_file
+    from nanosched.models.spec import load_spec
+    from nanosched.runtime.loader import gpu_name, load_model, resolve_device
+    from nanosched.schedules.sets import (
+        check_set_compatible,
+        load_schedule_set,
+        save_schedule_set,
+    )
+
+    check_output_file(out, "--out")
+    sset = load_schedule_set(path)
+    dev = resolve_device(device)
+    spec = load_spec(sset.model["name"])
+    check_set_compatible(sset, spec, sset.tp, gpu_name(dev), force=dev.type != "cuda",
+                         kv_dtype=sset.kv_dtype)
+    if sset.tp != 1:
+        raise ConfigError("verify runs tp = 1 sets only")
+    pipes = [e for e in sset.entries if e.kind == "pipeline" and e.schedule is not None]
+    if not pipes:
+        echo("the set runs no pipeline: nothing to verify; written unchanged")
+        save_schedule_set(sset, out)
+        return sset, []
+    model = load_model(spec, "random", dev)
+    from nanosched.benchmarks.throughput import forward_pages
+
+    ctx = max(int(e.schedule.batch.decode_context) for e in pipes)  # type: ignore[union-attr]
+    prompt = max(e.schedule.batch.prompt_len for e in pipes)  # type: ignore[union-attr]
+    pages = max(forward_pages(e.num_tokens, e.num_decode, ctx, prompt, PAGE_SIZE)
+                for e in pipes)
+    ws = model.new_workspace(sset.dense_batch, num_pages=pages, kv_dtype=sset.kv_dtype)
+    echo(f"verifying {len(pipes)} pipeline entries of {path} on {gpu_name(dev)}")
+    verified, rows = verify_set(model, ws, sset, ctx, prompt, cfg, gpu_name(dev), echo)
+    save_schedule_set(verified, out)
+    return verified, rows

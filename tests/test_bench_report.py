@@ -77,7 +77,11 @@ def test_ratio_warnings_name_few_replayed_iterations_and_short_runs():
     long_seq = _run("sequential", 400, 0, 30.0)
     assert ratio_warnings(_run("replay", 400, 10, 30.0), long_seq) == []
     few = ratio_warnings(_run("replay", 34, 32, 30.0), long_seq)
-    assert few == ["replay ran in only 2 of 34 iterations (32 fell back to Sequential)"]
+    assert few == ["replay pipelined only 2 of 34 iterations (the rest ran Sequential)"]
+    # a set that ran Sequential by its own decision: counted from pipelined iterations
+    decided = ratio_warnings(_run("replay_set", 400, 0, 30.0) | {"pipelined_iterations": 12},
+                             long_seq)
+    assert decided == ["replay_set pipelined only 12 of 400 iterations (the rest ran Sequential)"]
     half = ratio_warnings(_run("replay", 400, 300, 30.0), long_seq)
     assert len(half) == 1 and "100 of 400" in half[0]
     short = ratio_warnings(_run("replay", 400, 0, 0.06), long_seq)

@@ -118,11 +118,17 @@ def test_bench_compare_on_the_cpu_reports_both_runs_and_the_ratio(tmp_path):
         refused.output
     r = CliRunner().invoke(app, [*args, "--force"])
     assert r.exit_code == 0, r.output
-    assert "warning: ratio schedule / sequential may be noise" in r.output  # 12 short requests
+    assert "warning: ratio schedule / mean(sequential, sequential-after) may be noise" in r.output  # 12 short requests
     import json
 
     data = json.loads(out.read_text())
-    assert set(data["runs"]) == {"sequential", "schedule"}
+    assert set(data["runs"]) == {"sequential", "schedule", "sequential-after"}
+    ratio = data["ratios"]["schedule"]
+    assert ratio["of"] == "schedule / mean(sequential, sequential-after)"
+    tps = {k: v["results"]["tokens_per_s"] for k, v in data["runs"].items()}
+    assert ratio["tokens_per_s"] == pytest.approx(
+        tps["schedule"] / ((tps["sequential"] + tps["sequential-after"]) / 2))
+    assert ratio["sequential_drift"] == pytest.approx(tps["sequential-after"] / tps["sequential"])
     run = data["runs"]["schedule"]
     assert 0 < run["pipelined_iterations"] and run["sequential_iterations"] == 0
     assert run["pipelined_iterations"] + run["no_entry_iterations"] == run["iterations"]

@@ -206,22 +206,28 @@ class _Run:
     graphs: bool = False
 
 
+AFTER = "sequential-after"  # --compare: Sequential again after the strategy
+
+
 def _runs(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str) -> list[_Run]:
-    """Sequential first (with --compare), then the strategy --schedule names; each once per
-    graph mode asked for (graphed runs are named `<name>+graphs`)."""
+    """With --compare: Sequential, the strategy --schedule names, Sequential again (A-B-A, so
+    a drift of the GPU over the runs, e.g. its clock as it warms under the power cap, falls
+    on both sides of the strategy); else the strategy alone. Each once per graph mode asked
+    for (graphed runs are named `<name>+graphs`)."""
     eng = cfg.engine
-    choices = [choose_strategy(replace(eng, schedule="sequential"), spec, device)] \
-        if cfg.compare else []
+    seq = choose_strategy(replace(eng, schedule="sequential"), spec, device)
     main = choose_strategy(eng, spec, device)
-    if not (choices and main.name == "sequential"):
-        choices.append(main)
+    named = [("sequential", seq)] if cfg.compare else []
+    if not (named and main.name == "sequential"):
+        named.append(("schedule" if main.schedule is not None else main.name, main))
+        if cfg.compare:
+            named.append((AFTER, seq))
     runs = []
-    for c in choices:
+    for name, c in named:
         info = {}
         if c.schedule is not None:
             info = {"schedule": c.name.removeprefix("replay:"), "forced_past": c.forced_past,
                     **set_info(c.schedule, spec.num_layers)}
-        name = "schedule" if c.schedule is not None else c.name
         runs += [_Run(name + ("+graphs" if g else ""), c, info, g) for g in GRAPH_MODES[graphs]]
     return runs
 
@@ -263,16 +269,28 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     tps = {name: run["results"]["tokens_per_s"] for name, run in out["runs"].items()}
 
     def ratio(a: str, b: str) -> dict[str, Any]:
-        return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b],
-                "warnings": ratio_warnings(out["runs"][a], out["runs"][b])}
+        after = b.replace("sequential", AFTER, 1)
+        if after not in tps:
+            return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b],
+                    "warnings": ratio_warnings(out["runs"][a], out["runs"][b])}
+        drift = tps[after] / tps[b]
+        value = tps[a] / ((tps[b] + tps[after]) / 2)
+        warnings = ratio_warnings(out["runs"][a], out["runs"][b])
+        if abs(value - 1) <= abs(drift - 1):
+            warnings.append(f"the two Sequential runs differ by {100 * abs(drift - 1):.1f}%, "
+                            f"as much as the strategy differs from them")
+        return {"of": f"{a} / mean({b}, {after})", "tokens_per_s": value,
+                "sequential_drift": drift, "warnings": warnings}
 
     # each strategy against Sequential in the same graph mode, then graphs against eager
     seq = {False: "sequential", True: "sequential+graphs"}
     out["ratios"] = {r.name: ratio(r.name, seq[r.graphs]) for r in runs
-                     if r.name != seq[r.graphs] and seq[r.graphs] in tps}
+                     if r.name != seq[r.graphs] and seq[r.graphs] in tps
+                     and not r.name.startswith(AFTER)}
     out["ratios"] |= {f"{r.name} vs eager": ratio(r.name, eager) for r in runs
-                      if r.graphs and (eager := r.name.removesuffix("+graphs")) in tps}
-    if len(runs) == 2 and out["ratios"]:  # the one comparison (kept for older readers)
+                      if r.graphs and (eager := r.name.removesuffix("+graphs")) in tps
+                      and not r.name.startswith(AFTER)}
+    if len(out["ratios"]) == 1:  # the one comparison (kept for older readers)
         out["ratio"] = next(iter(out["ratios"].values()))
     return out
 

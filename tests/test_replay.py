@@ -118,7 +118,9 @@ def test_bench_compare_on_the_cpu_reports_both_runs_and_the_ratio(tmp_path):
         refused.output
     r = CliRunner().invoke(app, [*args, "--force"])
     assert r.exit_code == 0, r.output
-    assert "warning: ratio schedule / mean(sequential, sequential-after) may be noise" in r.output  # 12 short requests
+    # 12 short requests: the ratio is flagged
+    assert "warning: ratio schedule / mean(sequential, sequential-after) may be noise" in \
+        r.output
     import json
 
     data = json.loads(out.read_text())

@@ -11,8 +11,8 @@ dense batch, weights, `--graphs`, `--admission`, `--kv-cache-dtype` and the kind
 script, its arguments and the device. Only the latest file of each experiment is current: the
 README's table has one row per run of each current `bench` record, INDEX.md one line per
 experiment, and older files belong in bench/results/archive/ (git keeps their history).
-Schedules (`*.schedule.json`) and profiles (`profile-*.json`) are inputs that records name, so
-they stay. Pure Python, no torch.
+Schedules and schedule sets (`*.schedule.json`, `*.set.json`) and profiles (`profile-*.json`)
+are inputs that records name, so they stay. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _result_entry(name: str, data: dict[str, Any]) -> Entry:
 def describe(path: Path) -> Entry | None:
     """The Entry of one file in bench/results/, None for files that are not results."""
     name = path.name
-    if name.endswith(".schedule.json"):
+    if name.endswith((".schedule.json", ".set.json")):
         return Entry(name, "schedule", (("file", name),), date_of({}, name), "")
     if path.suffix != ".json":
         return None
@@ -205,16 +205,25 @@ def table_rows(entries: list[Entry]) -> list[list[str]]:
                                    e.name)):
         k, runs = dict(e.key), bench_runs(e.data)
         seq = {_run_graphs(n, r): r["results"].get("tokens_per_s")
-               for n, r in runs.items() if r.get("strategy") == "sequential" and "results" in r}
+               for n, r in runs.items() if r.get("strategy") == "sequential" and "results" in r
+               and not n.startswith("sequential-after")}
+        ratios = e.data.get("ratios") if isinstance(e.data.get("ratios"), dict) else {}
         for run_name, run in runs.items():
             res = run.get("results", {})
             strategy = str(run.get("strategy", run_name))
             if strategy == "replay":
                 strategy = f"searched schedule (predicts {run['predicted_speedup']:.2f}×)" \
                     if isinstance(run.get("predicted_speedup"), (int, float)) else "searched"
+            elif strategy == "replay_set":
+                strategy = f"schedule set ({run.get('pipelined_iterations', 0)} of " \
+                           f"{run.get('iterations', 0)} iterations pipelined)"
+            elif run_name.startswith("sequential-after"):
+                strategy = "sequential (again, after)"
             graphs = _run_graphs(run_name, run)
             tps, base = res.get("tokens_per_s"), seq.get(graphs)
-            vs = (f"{tps / base:.2f}×" if run.get("strategy") != "sequential" and
+            # A-B-A records: the ratio to the mean of both Sequential runs, as bench reports it
+            vs = (f"{ratios[run_name]['tokens_per_s']:.2f}×" if run_name in ratios else
+                  f"{tps / base:.2f}×" if run.get("strategy") != "sequential" and
                   isinstance(tps, (int, float)) and base else "—")
             pct = res.get("percent_of_optimal")
             rows.append([k["gpu"], k["model"], k["workload"], k["prompts"], k["dense batch"],

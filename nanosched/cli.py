@@ -337,8 +337,9 @@ def _print_run(name: str, run: dict[str, Any]) -> None:
         if "entry" in row:
             text += f", entry {row['entry']}"
             if row["entry"] != "none":
-                text += f" (key {row['key'][0]},{row['key'][1]}: predicted " \
-                        f"{row['key_forward_ms']:.2f} ms)"
+                text += f" (key {row['key'][0]},{row['key'][1]})"
+                if row.get("predicted_forward_ms") is not None:
+                    text += f", predicted {row['predicted_forward_ms']:.2f} ms"
         if "forward_ms" in row:
             text += f", measured {row['forward_ms']:.2f} ms"
         typer.echo(text)

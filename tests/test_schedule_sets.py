@@ -297,3 +297,21 @@ def test_verify_on_a_set_without_pipelines_writes_it_unchanged(tmp_path):
     assert r.exit_code == 0, r.output
     assert "nothing to verify" in r.output
     assert json.loads(out.read_text())["entries"] == json.loads(src.read_text())["entries"]
+
+
+def test_the_set_predicts_a_bucket_between_its_keys(single):
+    base = from_single(single)
+    entries = tuple(SetEntry(d, t, "sequential", 1000.0 + d + 2 * t, 1000.0 + d + 2 * t, "x")
+                    for d, t in set_keys(256))
+    sset = replace(base, entries=entries, source_format=SET_FORMAT)
+    for d, t in set_keys(256):
+        assert sset.sequential_us(d, t) == pytest.approx(1000 + d + 2 * t)
+    assert sset.sequential_us(64, 192) == pytest.approx(1000 + 64 + 2 * 192)  # linear inside
+    assert sset.sequential_us(32, 32) == pytest.approx(1000 + 32 + 2 * 128)  # below a quantum
+    pipe = replace(sset, entries=tuple(
+        replace(e, kind="pipeline", forward_us=e.sequential_us / 1.25,
+                schedule=base.entries[0].schedule) if e.key == (128, 256) else e
+        for e in entries))
+    assert pipe.predict_us(128, 256) == pytest.approx((1000 + 128 + 512) / 1.25)
+    assert pipe.predict_us(0, 256) == pytest.approx(1000 + 512)
+    assert base.sequential_us(0, 256) is None  # a single schedule: no grid to read

@@ -185,15 +185,19 @@ def set_info(sset: Any, num_layers: int) -> dict[str, Any]:
 
 def shape_report(stats: Any, sset: Any, top: int = 8) -> list[dict[str, Any]]:
     """The batch shapes (D decode rows, T rows) the run ran most, with their count and, for a
-    set, the entry that ran them (kind, its key, the key's predicted forward time and gain)."""
+    set, the entry that ran them (kind, its key, the key's predicted forward time and gain) and
+    the set's prediction at the shape itself (`ScheduleSet.predict_us`, interpolated between
+    keys), which a graphed run sets beside its measured forward."""
     rows = []
     for (d, t), n in stats.shapes.most_common(top):
         row: dict[str, Any] = {"num_decode": d, "num_tokens": t, "iterations": n}
         if sset is not None:
             e = sset.entry(d, t)
+            pred = sset.predict_us(d, t)
             row |= {"entry": "none"} if e is None else \
                 {"entry": e.kind, "key": list(e.key), "key_forward_ms": e.forward_us / 1e3,
-                 "key_speedup": e.speedup}
+                 "key_speedup": e.speedup,
+                 "predicted_forward_ms": pred / 1e3 if pred is not None else None}
         rows.append(row)
     return rows
 

@@ -106,6 +106,40 @@ class ScheduleSet:
             object.__setattr__(self, "_keys", cache)
         return cache
 
+    def sequential_us(self, num_decode: int, num_tokens: int) -> float | None:
+        """Predicted Sequential forward (layers) of a batch of `num_decode` decode rows out of
+        `num_tokens`: linear in D between the keys either side, then linear in T, over the
+        keys' `sequential_us` (rows below the quantum are priced at the quantum: the profile
+        holds nothing smaller). None when a key it needs is missing (a `/1` file)."""
+        q, keys = TOKEN_QUANTUM, self._by_key
+
+        def row(t: int) -> float | None:
+            d = min(max(num_decode, 0), t)
+            lo, hi = d // q * q, min(t, -(-d // q) * q)
+            a, b = keys.get((lo, t)), keys.get((hi, t))
+            if a is None or b is None:
+                return None
+            w = 0.0 if hi == lo else (d - lo) / (hi - lo)
+            return (1 - w) * a.sequential_us + w * b.sequential_us
+
+        t = min(max(num_tokens, q), self.dense_batch)
+        t0 = t // q * q
+        t1 = min(self.dense_batch, t0 + q) if t % q else t0
+        a, b = row(t0), row(t1)
+        if a is None or b is None:
+            return None
+        w = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
+        return (1 - w) * a + w * b
+
+    def predict_us(self, num_decode: int, num_tokens: int) -> float | None:
+        """Predicted forward (layers) of that batch as the set runs it: `sequential_us` there,
+        over its entry's predicted gain when the entry is a pipeline."""
+        seq = self.sequential_us(num_decode, num_tokens)
+        e = self.entry(num_decode, num_tokens)
+        if seq is None or e is None:
+            return None
+        return seq / e.speedup if e.kind == "pipeline" else seq
+
     @property
     def pipelines(self) -> list[SetEntry]:
         return [e for e in self.entries if e.kind == "pipeline"]

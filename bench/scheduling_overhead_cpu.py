@@ -30,7 +30,7 @@ from nanosched.runtime.strategies import Sequential, TwoBatchOverlap  # noqa: E4
 from nanosched.runtime.strategies.replay import Replay  # noqa: E402
 from nanosched.schedules.format import load_schedule  # noqa: E402
 
-SCHEDULE = "nanosched/schedules/shipped/llama3-8b-tp1-h200-in1024-out512-b2048.json"
+SCHEDULE = "tests/data/llama3-8b-tp1-h200-b2048-single.json"
 
 
 class NoOpModel:

@@ -17,8 +17,7 @@ from nanosched.schedules.show import gantt_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "nanosched" / "profiler" / "profiles"
-SHIPPED_SCHEDULE = (ROOT / "nanosched" / "schedules" / "shipped" /
-                    "llama3-8b-tp1-h200-in1024-out512-b2048.json")
+SHIPPED_SCHEDULE = ROOT / "tests" / "data" / "llama3-8b-tp1-h200-b2048-single.json"
 
 
 def _axes_titled(fig, prefix):

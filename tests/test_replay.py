@@ -19,8 +19,7 @@ from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import load_schedule
 
 DATA = Path(__file__).parent / "data"
-SHIPPED_H200 = (Path(__file__).parents[1] / "nanosched" / "schedules" / "shipped" /
-                "llama3-8b-tp1-h200-in1024-out512-b2048.json")
+SHIPPED_H200 = DATA / "llama3-8b-tp1-h200-b2048-single.json"  # a searched /1 schedule
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,7 @@ def test_auto_picks_a_matching_schedule_only_when_it_predicts_a_gain(tmp_path):
     import json
 
     spec = load_spec("llama3-8b")
-    shipped = next(p for p in shipped_schedules() if p.name.startswith("llama3-8b-tp1-h200"))
-    data = json.loads(shipped.read_text())
+    data = json.loads((DATA / "llama3-8b-tp1-h200-b2048-single.json").read_text())
     (tmp_path / "a-weak.json").write_text(json.dumps(data))
     weak = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
     assert weak.schedule is None and "a-weak.json predicts only" in weak.reason
@@ -55,6 +54,36 @@ def test_auto_picks_a_matching_schedule_only_when_it_predicts_a_gain(tmp_path):
     assert none.schedule is None and "no shipped schedule is for llama3-8b tp=1 on NVIDIA " \
         "H100" in none.reason and "b-strong.json" in none.reason
     assert pick_shipped(spec, 2, "NVIDIA H200", tmp_path).schedule is None
+
+
+def test_auto_picks_a_shipped_set_only_when_it_pipelines_a_shape(tmp_path):
+    """The shipped H200 set runs every shape sequentially: auto says so and runs Sequential;
+    the same set with one pipelined entry is picked."""
+    import json
+
+    from nanosched.schedules.sets import ScheduleSet
+
+    spec = load_spec("llama3-8b")
+    shipped = next(p for p in shipped_schedules() if p.name.startswith("llama3-8b-tp1-h200"))
+    sset = ScheduleSet.from_json(json.loads(shipped.read_text()))
+    assert not sset.pipelines
+    (tmp_path / "a.set.json").write_text(shipped.read_text())
+    weak = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
+    assert weak.schedule is None and "a.set.json predicts only 1.00x" in weak.reason
+    single = json.loads((DATA / "llama3-8b-tp1-h200-b2048-single.json").read_text())
+    single["batch"] = single["batch"] | {"workload": sset.workload}
+    pipe = next(e for e in sset.to_json()["entries"]
+                if (e["num_decode"], e["num_tokens"]) == (single["batch"]["num_decode"],
+                                                          single["batch"]["dense_batch"]))
+    data = sset.to_json()
+    i = data["entries"].index(pipe)
+    single["profile_digest"] = sset.profile_digest
+    data["entries"][i] = pipe | {"kind": "pipeline", "forward_us": pipe["sequential_us"] / 1.2,
+                                 "schedule": single}
+    (tmp_path / "b.set.json").write_text(json.dumps(data))
+    pick = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
+    assert pick.path == tmp_path / "b.set.json" and "1 of 152 batch shapes pipelined" in \
+        pick.reason
 
 
 def _free_port() -> int:

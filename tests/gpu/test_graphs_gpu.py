@@ -23,8 +23,7 @@ pytestmark = pytest.mark.gpu
 
 SPEC = REGISTRY["llama3-8b"].__class__(**{**REGISTRY["llama3-8b"].to_json(), "num_layers": 2,
                                           "name": "llama3-8b-2l"})
-SHIPPED = Path(__file__).parents[2] / "nanosched" / "schedules" / "shipped" / \
-    "llama3-8b-tp1-h200-in1024-out512-b2048.json"
+SHIPPED = Path(__file__).parents[1] / "data" / "llama3-8b-tp1-h200-b2048-single.json"
 DENSE = 2048
 
 

@@ -63,6 +63,35 @@ def serve_all(model, reqs, num_pages, **engine_kw):
     return [r.output_ids for r in reqs], eng
 
 
+def batch_logits(model, strategy, device, n_decode, total=256):
+    """Logits of one batch of `total` rows run by `strategy` on `device`: `n_decode` decode
+    tokens with 20 cached tokens each, then two prompt chunks (random K/V, seeded)."""
+    import torch
+
+    from nanosched.runtime.backend import Backend
+    from nanosched.runtime.modelprogram import model_program
+    from nanosched.runtime.scheduler import run_program
+
+    ws = model.new_workspace(max_tokens=total, num_pages=600)
+    g = torch.Generator().manual_seed(0)
+    for r in range(n_decode):
+        ws.kv.plan([(r, 20, False)])
+    ws.kv.k.normal_(generator=g)
+    ws.kv.v.normal_(generator=g)
+    rest = total - n_decode
+    chunks = [(r, 1, True) for r in range(n_decode)] + [(900, rest // 2, False),
+                                                         (901, rest - rest // 2, False)]
+    meta = ws.kv.plan(chunks)
+    ws.token_ids[:total].copy_(torch.randint(0, 100, (total,), generator=g))
+    segments, row = [], 0
+    for _, n, is_decode in chunks:
+        segments.append((row, row + n, is_decode))
+        row += n
+    program = model_program(model, ws, meta, segments)
+    run_program(program, strategy, Backend(device))
+    return model.logits(ws, torch.arange(total))
+
+
 class ShuffledDevice:
     """Queues each stream's launches; `join()` runs them in a random interleaving that
     respects only stream order and event waits. A result that differs from a serial run

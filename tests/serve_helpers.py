@@ -65,3 +65,28 @@ def metrics(client, url: str) -> dict[str, float]:
     text = client.get(f"{url}/metrics").text
     return {k: float(v) for k, v in (line.split() for line in text.splitlines()
                                      if line and not line.startswith("#"))}
+
+
+def server_fixtures(name: str, timeout: float):
+    """The module-scoped fixtures a server test file binds as `folder, srv, http =
+    server_fixtures(...)`: a tiny random Llama folder, a ThreadServer on it (dense batch 64,
+    queue 512), an httpx client with `timeout`."""
+    import httpx
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def folder(tmp_path_factory):
+        return tiny_folder(tmp_path_factory.mktemp(name))
+
+    @pytest.fixture(scope="module")
+    def srv(folder):
+        s = ThreadServer(model=str(folder), dense_batch=64, max_queue=512)
+        yield s
+        s.close()
+
+    @pytest.fixture(scope="module")
+    def http():
+        with httpx.Client(timeout=timeout) as c:
+            yield c
+
+    return folder, srv, http

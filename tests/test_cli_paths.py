@@ -14,9 +14,8 @@ from nanosched.cli import app
 from nanosched.fileio import finite_json, write_json_atomic
 
 PROFILES = Path(__file__).resolve().parents[1] / "nanosched" / "profiler" / "profiles"
-SCHEDULES = Path(__file__).resolve().parents[1] / "nanosched" / "schedules" / "shipped"
 PROFILE = str(PROFILES / "llama3-8b-tp1-h200-quick.json")
-SCHEDULE = str(next(SCHEDULES.glob("*.json")))
+SCHEDULE = str(Path(__file__).resolve().parent / "data" / "llama3-8b-tp1-h200-b2048-single.json")
 
 
 def run(*args):

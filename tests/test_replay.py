@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import ShuffledDevice, tiny_llama
+from runtime_helpers import ShuffledDevice, batch_logits, tiny_llama
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.backend import Backend
@@ -32,35 +32,13 @@ def schedule():
     return load_schedule(DATA / "tiny_llama_schedule.json")
 
 
-def forward(model, strategy, device, n_decode):
-    """A full 256-token batch: decode tokens with cached context, then two prompt chunks."""
-    ws = model.new_workspace(max_tokens=256, num_pages=600)
-    g = torch.Generator().manual_seed(0)
-    for r in range(n_decode):
-        ws.kv.plan([(r, 20, False)])
-    ws.kv.k.normal_(generator=g)
-    ws.kv.v.normal_(generator=g)
-    rest = 256 - n_decode
-    chunks = [(r, 1, True) for r in range(n_decode)] + [(900, rest // 2, False),
-                                                         (901, rest - rest // 2, False)]
-    meta = ws.kv.plan(chunks)
-    ws.token_ids[:256].copy_(torch.randint(0, 100, (256,), generator=g))
-    segments, row = [], 0
-    for _, n, is_decode in chunks:
-        segments.append((row, row + n, is_decode))
-        row += n
-    program = model_program(model, ws, meta, segments)
-    run_program(program, strategy, Backend(device))
-    return model.logits(ws, torch.arange(256))
-
-
 @pytest.mark.parametrize("n_decode", [0, 40, 128, 200])
 def test_replay_equals_sequential_on_a_reordering_device(model, schedule, n_decode):
     """Whatever the batch's decode/prefill mix (the schedule assumed one), replay is exact."""
-    expected = forward(model, Sequential(), SerialDevice(), n_decode)
+    expected = batch_logits(model, Sequential(), SerialDevice(), n_decode)
     for seed in range(3):
         replay = Replay(schedule, model.spec.num_layers)
-        got = forward(model, replay, ShuffledDevice(seed), n_decode)
+        got = batch_logits(model, replay, ShuffledDevice(seed), n_decode)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import ShuffledDevice, serve_all, tiny_llama
+from runtime_helpers import ShuffledDevice, batch_logits, serve_all, tiny_llama
 
 from nanosched.errors import ScheduleError
 from nanosched.runtime.device import SerialDevice
@@ -131,38 +131,13 @@ def test_remap_moves_boundaries_within_their_part(single):
         remap_rows(single, (256, 256))
 
 
-def forward(model, strategy, device, n_decode, total):
-    from nanosched.runtime.backend import Backend
-    from nanosched.runtime.modelprogram import model_program
-    from nanosched.runtime.scheduler import run_program
-
-    ws = model.new_workspace(max_tokens=total, num_pages=600)
-    g = torch.Generator().manual_seed(0)
-    for r in range(n_decode):
-        ws.kv.plan([(r, 20, False)])
-    ws.kv.k.normal_(generator=g)
-    ws.kv.v.normal_(generator=g)
-    rest = total - n_decode
-    chunks = [(r, 1, True) for r in range(n_decode)] + [(900, rest // 2, False),
-                                                         (901, rest - rest // 2, False)]
-    meta = ws.kv.plan(chunks)
-    ws.token_ids[:total].copy_(torch.randint(0, 100, (total,), generator=g))
-    segments, row = [], 0
-    for _, n, is_decode in chunks:
-        segments.append((row, row + n, is_decode))
-        row += n
-    program = model_program(model, ws, meta, segments)
-    run_program(program, strategy, Backend(device))
-    return model.logits(ws, torch.arange(total))
-
-
 @pytest.mark.parametrize("n_decode, total", [(40, 224), (96, 192), (160, 256), (32, 288)])
 def test_an_entry_replayed_on_a_nearby_bucket_equals_sequential(model, single, n_decode, total):
-    expected = forward(model, Sequential(), SerialDevice(), n_decode, total)
+    expected = batch_logits(model, Sequential(), SerialDevice(), n_decode, total)
     replay = Replay(single, model.spec.num_layers, rows=(n_decode, total))
     assert replay.accepts(type("P", (), {"num_tokens": total})())
     for seed in range(2):
-        got = forward(model, replay, ShuffledDevice(seed), n_decode, total)
+        got = batch_logits(model, replay, ShuffledDevice(seed), n_decode, total)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

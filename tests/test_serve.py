@@ -12,30 +12,14 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import ThreadServer, metrics, tiny_folder
+from serve_helpers import ThreadServer, metrics, server_fixtures
 
 from nanosched.errors import ConfigError
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.generate import GenerateConfig, generate
 from nanosched.runtime.server.text import plain_chat_prompt
 
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_folder(tmp_path_factory.mktemp("serve"))
-
-
-@pytest.fixture(scope="module")
-def srv(folder):
-    s = ThreadServer(model=str(folder), dense_batch=64, max_queue=512)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def http():
-    with httpx.Client(timeout=30) as c:
-        yield c
+folder, srv, http = server_fixtures("serve", timeout=30)
 
 
 def ask(http, srv, **body):

@@ -6,27 +6,9 @@ from __future__ import annotations
 
 import re
 
-import httpx
-import pytest
-from serve_helpers import ThreadServer, tiny_folder
+from serve_helpers import ThreadServer, server_fixtures
 
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_folder(tmp_path_factory.mktemp("openai"))
-
-
-@pytest.fixture(scope="module")
-def srv(folder):
-    s = ThreadServer(model=str(folder), dense_batch=64, max_queue=512)
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def http():
-    with httpx.Client(timeout=60) as c:
-        yield c
+folder, srv, http = server_fixtures("openai", timeout=60)
 
 
 def ask(http, srv, path="/v1/completions", **body):

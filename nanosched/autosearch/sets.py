@@ -12,8 +12,10 @@ Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
    measured for a pair (P_compute + P_other of its R->P points: at tp = 1 two streams run at
    once, and nothing runs faster than alone, so per unit of time at most that much work gets
    done). Sequential time / that period bounds every schedule's predicted gain.
-3. **searched**: `run_search` at (D, T) with its share of the time left; kept as `pipeline`
-   when it predicts at least `min_gain`, else `sequential` with the gain it found in `reason`
+3. **searched**: `run_search` at (D, T) with its share of the time left (the steady state's key
+   first, with a fifth of it; at most 60 s a key; a search of one key gets it all); kept as
+   `pipeline` when it predicts at least `min_gain`, else `sequential` with the gain it found in
+   `reason`
    (the steady state's entry keeps that pipeline, not run, so `show` can draw it). A failed
    search makes its key `sequential`, except at the steady state's key, where it stops the
    search with its reason.
@@ -84,29 +86,22 @@ def max_p_sum(cfg: SearchConfig) -> float:
 def overlap_bound(cfg: SearchConfig, batch: BatchInfo) -> float:
     """An upper bound of the gain over Sequential that any schedule at `batch` can be
     predicted (module docstring, 2.)."""
-    from nanosched.autosearch.opgraph import layer_graph
+    from nanosched.autosearch.opgraph import TokenMix, layer_graph
     from nanosched.autosearch.search import _tables
-    from nanosched.autosearch.stage1 import op_min_ticks
+    from nanosched.autosearch.stage1 import class_loads, op_min_ticks
 
     graph = layer_graph(cfg.spec, cfg.tp)
     tables = _tables(cfg, graph, batch)
+    mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
+
+    def least(op: str, quanta: int, whole: bool) -> int:
+        # split into 2..max_nano_ops pieces over the batch (run_search's counts), 1.. over a part
+        return min(op_min_ticks(tables[op], c, quanta, whole)
+                   for c in range(2 if whole else 1, max(2, min(cfg.max_nano_ops, quanta)) + 1))
+
+    load = class_loads(graph, mix, least)
     q, nd = batch.dense_batch // TOKEN_QUANTUM, batch.num_decode // TOKEN_QUANTUM
     size = {"all": q, "decode": nd, "prefill": q - nd}
-    load = dict.fromkeys((COMPUTE, MEMORY, NETWORK, OTHER), 0)
-    by_form: dict[str, dict[str, dict[str, int]]] = {}
-    for o in graph.ops:
-        whole = o.domain == "all"  # split into 2..max_nano_ops pieces (run_search's counts)
-        least = min(op_min_ticks(tables[o.name], c, size[o.domain], whole)
-                    for c in range(2 if whole else 1,
-                                   max(2, min(cfg.max_nano_ops, size[o.domain])) + 1))
-        if o.group is None:
-            load[o.resource] += least
-        else:
-            per = by_form.setdefault(o.group, {}).setdefault(o.form or "", {})
-            per[o.resource] = per.get(o.resource, 0) + least
-    for forms in by_form.values():
-        for cls in load:
-            load[cls] += min(per.get(cls, 0) for per in forms.values())
     work = load[COMPUTE] + load[MEMORY] + load[OTHER]
     period = max(load[COMPUTE], load[MEMORY], load[NETWORK], work / max_p_sum(cfg), 1)
     seq = sum(tables[o.name][size[o.domain]] for o in graph.active_ops(
@@ -187,7 +182,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
         d, t = key
         left = deadline - time.perf_counter()
         share = left * FIRST_SHARE if i == 0 and key == start else left / (len(order) - i)
-        budget = max(MIN_KEY_S, min(60.0, share))
+        budget = max(MIN_KEY_S, min(60.0, share)) if len(order) > 1 else left
         if base.deterministic:
             budget = base.time_limit_s / max(1, len(order))
         t0 = time.perf_counter()

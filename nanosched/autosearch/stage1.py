@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -191,13 +192,20 @@ def period_lower_bound(prob: Stage1Problem) -> int:
 def _const_loads(prob: Stage1Problem) -> dict[str, int]:
     """Per class (compute, memory, network; `other` ops may go on compute or memory): the least
     work that must run on it per period, Σ_A m_A; a collective group adds its cheapest form."""
-    q, nd = prob.mix.dense_batch // TOKEN_QUANTUM, prob.mix.num_decode // TOKEN_QUANTUM
+    return class_loads(prob.graph, prob.mix, lambda op, quanta, whole: op_min_ticks(
+        prob.tables[op], prob.counts[op], quanta, whole))
+
+
+def class_loads(graph: OpGraph, mix: TokenMix, least: Callable[[str, int, bool], int]
+                ) -> dict[str, int]:
+    """Per class, Σ over ops of `least(op, quanta of its domain, whether that is the whole
+    batch)`; of a collective group, its cheapest form's."""
+    q, nd = mix.dense_batch // TOKEN_QUANTUM, mix.num_decode // TOKEN_QUANTUM
     size = {"all": q, "decode": nd, "prefill": q - nd}
     load = dict.fromkeys((COMPUTE, MEMORY, NETWORK, OTHER), 0)
     by_form: dict[str, dict[str, dict[str, int]]] = {}
-    for o in prob.graph.ops:
-        lb = op_min_ticks(prob.tables[o.name], prob.counts[o.name], size[o.domain],
-                          o.domain == "all")
+    for o in graph.ops:
+        lb = least(o.name, size[o.domain], o.domain == "all")
         if o.group is None:
             load[o.resource] += lb
         else:

@@ -6,10 +6,13 @@ as typer's own usage errors do.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,6 +69,23 @@ def reports_errors(fn: F) -> F:
             raise typer.Exit(code=1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside, SIGTERM raises KeyboardInterrupt as Ctrl-C does, so `search` and `profile` stop
+    the same way for both: a clear message, an earlier output file untouched, exit 130."""
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def require_matplotlib(flag: str = "--plot") -> None:
@@ -501,7 +521,8 @@ def profile(
                         quick, resume, dense_batch, not no_progress, fake_gpu,
                         kv_dtype=kv_cache_dtype)
     try:
-        profile_gpu(cfg, log=typer.echo)
+        with sigterm_as_interrupt():
+            profile_gpu(cfg, log=typer.echo)
     except ProfileInterrupted as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(code=130) from None
@@ -577,19 +598,21 @@ def search(
     the steady state's: stream, issue order (#), layer offset k (the nano-op of layer l - k is
     issued in period l), tokens, predicted start and duration, share R of the GPU and the
     performance P it keeps there, the allocation (mechanism:SMs or CTAs) and dependencies.
-    Ctrl-C stops the search and writes nothing."""
+    Ctrl-C or SIGTERM stops the search and writes nothing (exit 130)."""
     from nanosched.autosearch.search import search_and_save
 
     try:
-        search_and_save(model=model, tp=tp, profile=profile,
-                        gpu=default_gpu(gpu, assume=False), workload=workload,
-                        input_len=input_len, output_len=output_len, dense_batch=dense_batch,
-                        time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
-                        max_period_us=max_period_us, out=out, echo=typer.echo,
-                        print_table=print_table,
-                        command=" ".join(["nanosched", *sys.argv[1:]]),
-                        allow_unsettled=allow_unsettled, kv_dtype=kv_cache_dtype,
-                        buckets=buckets, min_gain=min_gain)
+        with sigterm_as_interrupt():
+            search_and_save(model=model, tp=tp, profile=profile,
+                            gpu=default_gpu(gpu, assume=False), workload=workload,
+                            input_len=input_len, output_len=output_len,
+                            dense_batch=dense_batch, time_limit=time_limit,
+                            workers=workers, max_nano_ops=max_nano_ops,
+                            max_period_us=max_period_us, out=out, echo=typer.echo,
+                            print_table=print_table,
+                            command=" ".join(["nanosched", *sys.argv[1:]]),
+                            allow_unsettled=allow_unsettled, kv_dtype=kv_cache_dtype,
+                            buckets=buckets, min_gain=min_gain)
     except KeyboardInterrupt:
         typer.echo("search interrupted: no schedule written (an earlier file is untouched)",
                    err=True)

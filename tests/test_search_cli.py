@@ -146,3 +146,37 @@ def test_shipped_profile_closest_to_the_request_is_chosen(tmp_path, monkeypatch)
     r = run("search", *args, "--profile", "llama3-8b-tp1", "--out", str(tmp_path / "s.json"))
     assert r.exit_code == 0, r.output
     assert "profile: llama3-8b-tp1" in r.output and "SYNTHETIC PROFILE" not in r.output
+
+
+def test_a_signal_stops_the_whole_search_and_writes_nothing(tmp_path):
+    """SIGINT and SIGTERM in the middle of a CP-SAT solve end the process at once (not only
+    the solve), with exit 130, the message, and an earlier file untouched."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "s.json"
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        out.write_text("earlier")
+        args = [a if a != "2" else "120" for a in SMALL]  # a 120 s time limit
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nanosched.cli", "search", *args, "--out", str(out)],
+            cwd=root, env=os.environ | {"PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        seen = ""
+        while "stage I" not in seen:  # a solve is running
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        time.sleep(1.0)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, seen + rest
+        assert time.monotonic() - start < 30  # the whole search stopped, not one solve
+        assert "search interrupted: no schedule written" in rest
+        assert out.read_text() == "earlier"

@@ -5,8 +5,9 @@ OR-Tools is imported inside the functions, so importing this module never needs 
 Ctrl-C. CP-SAT catches SIGINT itself by default and only ends the current solve, so a search
 made of many solves would go on and write a file. `solve` turns that off: on the main thread it
 routes signals to a pipe (`signal.set_wakeup_fd`), a watcher thread stops the solver at once on
-SIGINT, and Python's own handler then raises KeyboardInterrupt in the caller when the solve
-returns, so the whole search stops.
+SIGINT or SIGTERM, and the Python handler (the default one for SIGINT; `nanosched search` makes
+SIGTERM raise too) raises KeyboardInterrupt in the caller when the solve returns, so the whole
+search stops.
 """
 
 from __future__ import annotations
@@ -68,10 +69,13 @@ def _callback_class() -> type:
     return ProgressCallback
 
 
+STOP_SIGNALS = {int(signal.SIGINT), int(signal.SIGTERM)}
+
+
 @contextlib.contextmanager
 def _stop_on_sigint(solver: Any) -> Iterator[None]:
-    """While inside, SIGINT stops `solver` (then KeyboardInterrupt follows in the main thread);
-    a no-op off the main thread."""
+    """While inside, SIGINT (or SIGTERM, when the caller made it raise KeyboardInterrupt) stops
+    `solver`; KeyboardInterrupt then follows in the main thread. A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -83,7 +87,7 @@ def _stop_on_sigint(solver: Any) -> Iterator[None]:
 
     def watch() -> None:
         while not done.is_set():
-            if select.select([r], [], [], 0.1)[0] and signal.SIGINT in os.read(r, 64):
+            if select.select([r], [], [], 0.1)[0] and STOP_SIGNALS & set(os.read(r, 64)):
                 solver.stop_search()
                 return
 

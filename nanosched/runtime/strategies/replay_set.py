@@ -5,16 +5,22 @@ Per batch it picks the set's entry for the batch's shape (D decode rows of T: it
 onto the batch's rows, a sequential entry through `Sequential` (the set's decision, counted as
 such), no entry through the engine's fallback (`pick` returns None). The engine asks once per
 CUDA-graph bucket, so each (entry, bucket) gets its own graph. Replays are built once per
-(D, T) shape.
+(D, T) shape; a pipeline whose nano-batches do not fit a bucket's rows (`remap_rows` refuses)
+runs that bucket sequentially, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
+
+from nanosched.errors import ScheduleError
 from nanosched.runtime.program import Program
 from nanosched.runtime.scheduler import OpScheduler, SchedContext
 from nanosched.runtime.strategies.replay import Replay
 from nanosched.runtime.strategies.sequential import Sequential
 from nanosched.schedules.sets import ScheduleSet
+
+log = logging.getLogger("nanosched.replay_set")
 
 
 class ReplaySet(OpScheduler):
@@ -25,7 +31,7 @@ class ReplaySet(OpScheduler):
         self.set = sset
         self.num_layers = num_layers
         self.sequential = Sequential()
-        self._replays: dict[tuple[int, int], Replay] = {}
+        self._replays: dict[tuple[int, int], OpScheduler] = {}
         # the streams every pipeline entry names (opened once, before any batch runs)
         self.streams = set().union(*(Replay(e.schedule, num_layers).streams
                                      for e in sset.pipelines if e.schedule is not None))
@@ -38,7 +44,12 @@ class ReplaySet(OpScheduler):
             return self.sequential
         shape = (num_decode, program.num_tokens)
         if shape not in self._replays:
-            self._replays[shape] = Replay(entry.schedule, self.num_layers, rows=shape)
+            try:
+                self._replays[shape] = Replay(entry.schedule, self.num_layers, rows=shape)
+            except ScheduleError as exc:  # its nano-batches do not fit this bucket's rows
+                log.warning("schedule set: %s; running Sequential for %d decode of %d rows",
+                            exc, *shape)
+                self._replays[shape] = self.sequential
         return self._replays[shape]
 
     def accepts(self, program: Program) -> bool:

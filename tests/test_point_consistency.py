@@ -168,3 +168,26 @@ def test_simulator_delays_an_incompatible_start():
     bad, x, y, durs = _mixed(s)
     assert _overlap(replay(s, durs, 4), x, y)
     assert not _overlap(replay(bad, durs, 4), x, y)
+
+
+def test_a_gemm_nano_op_is_priced_on_its_own_measured_shape():
+    """A compute nano-op of a GEMM the profile paired at its own shape gets that shape's
+    green-context points (nearest measured token count), not the folded curve; other ops and
+    a call without the op keep the folded table."""
+    from nanosched.autosearch.durations import shape_points
+    from nanosched.autosearch.request import load_named_profile
+
+    prof = load_named_profile("llama3-8b-tp1-h100")
+    folded = {o.units: o.p for o in alloc_options(prof, "compute") if o.mechanism == "green_ctx"}
+    own = {o.units: o for o in alloc_options(prof, "compute", "d", 256)
+           if o.mechanism == "green_ctx"}
+    pts = shape_points(prof, "memory", "d", 256)
+    assert pts and {p.tokens for p in pts} == {384}  # the nearest measured count
+    assert set(own) == {p.compute_sms for p in pts}
+    for p in pts:
+        assert own[p.compute_sms].p == max(q.p_compute for q in pts
+                                          if q.compute_sms == p.compute_sms)
+        assert own[p.compute_sms].point.startswith("memory@d:384:")
+    assert any(own[u].p < folded[u] for u in own if u in folded)  # the folded curve overstates
+    assert {o.units: o.p for o in alloc_options(prof, "compute", "attn_prefill", 256)
+            if o.mechanism == "green_ctx"} == folded

@@ -150,7 +150,8 @@ def _check_durations(s: Schedule, profile: Profile) -> None:
     options: dict[str, list] = {}
     tick = 1 / TICKS_PER_US
     for n in s.nano_ops:
-        opts = options.setdefault(n.resource, alloc_options(profile, n.resource))
+        key = f"{n.resource}/{n.op}/{n.end - n.start}"
+        opts = options.setdefault(key, alloc_options(profile, n.resource, n.op, n.end - n.start))
         a = n.alloc
         if not any(abs(o.share / 1000 - a.share) < 1e-9 and abs(o.p - a.p) < 1e-9
                    and o.mechanism == a.mechanism

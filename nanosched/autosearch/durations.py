@@ -157,12 +157,28 @@ def _dominated(pt: RPPoint, i: int, points: tuple[RPPoint, ...]) -> bool:
                for c in green for o in green)
 
 
-def alloc_options(profile: Profile, resource: str) -> list[AllocOption]:
+def shape_points(profile: Profile, table: str, op: str, tokens: int) -> list[RPPoint]:
+    """The green-context points the profile measured for GEMM `op` at the measured token count
+    nearest `tokens` (`Profile.rp_shapes`), or [] when it kept none for `op`."""
+    own = [p for p in profile.rp_shapes.get(table, ())
+           if p.compute_op == op and p.mechanism == PARTITION]
+    if not own:
+        return []
+    near = min({p.tokens for p in own}, key=lambda t: (abs(t - tokens), t))
+    return [p for p in own if p.tokens == near]
+
+
+def alloc_options(profile: Profile, resource: str, op: str | None = None,
+                  tokens: int | None = None) -> list[AllocOption]:
     """Full GPU, plus the R->P points of the class's table (both tables for compute).
 
-    `green_ctx` points are kept one per share, the best P (they mix freely). A non-partition
-    point is kept as itself (its identity decides what it may overlap) unless another pairing of
-    its table is at least as fast on both sides (`_dominated`); both sides drop together.
+    `green_ctx` points are kept one per share, the best P (they mix freely). For a compute
+    nano-op of GEMM `op` over `tokens` tokens whose shape the profile measured on its own
+    (`shape_points`), its green-context options are that shape's points instead of the folded
+    table's: the folded curve mixes every GEMM's pairs and overstates the small GEMMs (`o`,
+    `d`) beside the attention (docs/overlap.md). A non-partition point is kept as itself (its
+    identity decides what it may overlap) unless another pairing of its table is at least as
+    fast on both sides (`_dominated`); both sides drop together.
     """
     full = AllocOption(FULL_SHARE, 1.0, Mechanism.FULL, profile.identity.num_sms)
     green: dict[int, AllocOption] = {}
@@ -187,5 +203,16 @@ def alloc_options(profile: Profile, resource: str) -> list[AllocOption]:
                     points.append(opt)
             elif opt.share not in green or green[opt.share].p < opt.p:
                 green[opt.share] = opt
+    if resource == COMPUTE and op is not None and tokens is not None:
+        own: dict[int, AllocOption] = {}
+        for table in tables:
+            for i, pt in enumerate(shape_points(profile, table, op, tokens)):
+                opt = AllocOption(FULL_SHARE - round(pt.r * FULL_SHARE), pt.p_compute,
+                                  pt.mechanism, pt.compute_sms, pt.compute_impl, table,
+                                  f"{table}@{op}:{pt.tokens}:{i}", Side.COMPUTE)
+                if opt.share not in own or own[opt.share].p < opt.p:
+                    own[opt.share] = opt
+        if own:
+            green = own
     out = [full, *green.values(), *points]
     return sorted(out, key=lambda o: (-o.share, o.mechanism != PARTITION, o.point))

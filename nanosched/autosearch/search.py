@@ -184,7 +184,7 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
     ctx = {n.id: op_context(n.op, batch.decode_context, batch.prompt_len) for n in nanos}
     p2 = Stage2Problem(
         {n.id: cfg.profile.kernel_time_us(n.op, n.work_tokens, None, ctx[n.id]) for n in nanos},
-        {n.id: alloc_options(cfg.profile, n.resource) for n in nanos},
+        {n.id: alloc_options(cfg.profile, n.resource, n.op, n.work_tokens) for n in nanos},
         structure.orders, structure.offsets,
         precedences(nano_deps(graph, nanos, mix, structure.forms)), cap)
     margin = min(MARGIN_S, 0.02 * cfg.time_limit_s)

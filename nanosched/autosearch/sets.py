@@ -42,7 +42,7 @@ from nanosched.schedules.format import BatchInfo, model_info
 from nanosched.schedules.sets import ScheduleSet, SetEntry, set_keys
 
 MIN_GAIN = 1.05  # a pipeline entry must predict this much over Sequential (see shipped.py)
-FIRST_SHARE = 0.2  # of the set's time for the steady-state key (at most 60 s)
+STEADY_SHARE = 0.2  # of the set's time for the steady-state key (at most 60 s)
 MIN_KEY_S = 2.0  # the least time a searched key gets
 
 
@@ -181,7 +181,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     for i, key in enumerate(order):
         d, t = key
         left = deadline - time.perf_counter()
-        share = left * FIRST_SHARE if i == 0 and key == start else left / (len(order) - i)
+        share = left * STEADY_SHARE if i == 0 and key == start else left / (len(order) - i)
         budget = max(MIN_KEY_S, min(60.0, share)) if len(order) > 1 else left
         if base.deterministic:
             budget = base.time_limit_s / max(1, len(order))

@@ -34,12 +34,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from nanosched.autosearch.cpsat import Progress
-from nanosched.autosearch.search import SearchConfig, batch_info, run_search, search_batch
+from nanosched.autosearch.search import SearchConfig, run_search, search_batch
 from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import BatchInfo, model_info
-from nanosched.schedules.sets import ScheduleSet, SetEntry, set_keys
+from nanosched.schedules.sets import ScheduleSet, SetEntry, layer_times_us, set_keys
 
 MIN_GAIN = 1.05  # a pipeline entry must predict this much over Sequential (see shipped.py)
 STEADY_SHARE = 0.2  # of the set's time for the steady-state key (at most 60 s)
@@ -66,8 +66,9 @@ class KeyResult:
 
 
 def key_batch(cfg: SearchConfig, d: int, t: int) -> BatchInfo:
-    """The batch of key (D, T): the workload's contexts and prompt length at D of T."""
-    return replace(batch_info(cfg.workload, cfg.dense_batch), dense_batch=t, num_decode=d)
+    """The batch of key (D, T), as `run_search` searches it: the workload's contexts and prompt
+    length at D decode of T tokens."""
+    return search_batch(replace(cfg, dense_batch=t, num_decode=d))
 
 
 def sequential_forward_us(cfg: SearchConfig, batch: BatchInfo) -> float:
@@ -100,12 +101,12 @@ def overlap_bound(cfg: SearchConfig, batch: BatchInfo) -> float:
                    for c in range(2 if whole else 1, max(2, min(cfg.max_nano_ops, quanta)) + 1))
 
     load = class_loads(graph, mix, least)
-    q, nd = batch.dense_batch // TOKEN_QUANTUM, batch.num_decode // TOKEN_QUANTUM
-    size = {"all": q, "decode": nd, "prefill": q - nd}
     work = load[COMPUTE] + load[MEMORY] + load[OTHER]
     period = max(load[COMPUTE], load[MEMORY], load[NETWORK], work / max_p_sum(cfg), 1)
-    seq = sum(tables[o.name][size[o.domain]] for o in graph.active_ops(
-        {g: "ar" for g in graph.groups()}) if size[o.domain])
+    seq = 0
+    for o in graph.active_ops({g: "ar" for g in graph.groups()}):
+        lo, hi = mix.domain(o.domain)
+        seq += tables[o.name][(hi - lo) // TOKEN_QUANTUM]  # an empty part: table[0] = 0
     return seq / period
 
 
@@ -154,12 +155,13 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     start = (steady.num_decode, steady.dense_batch)
     results: dict[tuple[int, int], KeyResult] = {}
     counts: dict[tuple[int, int], dict[str, int]] = {}
+    sequential: dict[tuple[int, int], float] = {}
     to_search = []
     for key in keys:
         d, t = key
         t0 = time.perf_counter()
         batch = key_batch(base, d, t)
-        seq = sequential_forward_us(base, batch)
+        seq = sequential[key] = sequential_forward_us(base, batch)
         if t < 2 * TOKEN_QUANTUM:
             results[key] = KeyResult(key, SetEntry(d, t, "sequential", seq, seq,
                                                    "fewer than two 128-token nano-batches"),
@@ -186,8 +188,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
         if base.deterministic:
             budget = base.time_limit_s / max(1, len(order))
         t0 = time.perf_counter()
-        batch = key_batch(base, d, t)
-        seq = sequential_forward_us(base, batch)
+        seq = sequential[key]
         kcfg = replace(base, dense_batch=t, num_decode=d, time_limit_s=budget,
                        counts=nearest(key, counts))
         if progress:
@@ -201,9 +202,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
             results[key] = KeyResult(key, entry, "failed", time.perf_counter() - t0)
         else:
             counts[key] = _counts(sched)
-            p = sched.prediction
-            forward = p.iteration_us - (p.sequential_iteration_us
-                                        - p.sequential_period_us * base.spec.num_layers)
+            forward = layer_times_us(sched)[0]
             gain = seq / forward
             if gain >= cfg.min_gain:
                 entry = SetEntry(d, t, "pipeline", forward, seq,

@@ -68,6 +68,20 @@ def batch_chunks(dense: int, num_decode: int, prompt: int, first_id: int,
     return chunks
 
 
+def bucket_batch(ws: Any, dense: int, num_decode: int, context: int, prompt: int,
+                 first_id: int, align: int) -> tuple[list[Any], list[int]]:
+    """A synthetic batch for a CUDA-graph bucket: `num_decode` decode tokens (each with
+    `context` cached tokens) on decode rows rounded up to `align`, then prompt chunks of at
+    most `prompt` tokens filling `dense` rows, planned into `ws`. Returns (its SeqChunks, its
+    request ids, for `ws.kv.release`)."""
+    from nanosched.models.bucket import round_up
+
+    cache_context(ws, num_decode, context, first_id)
+    chunks = batch_chunks(dense, num_decode, prompt, first_id,
+                          decode_rows=round_up(num_decode, align))
+    return ws.kv.plan_chunks(chunks), [c[0] for c in chunks]
+
+
 def plan_batch(ws: Any, dense: int, num_decode: int, prompt: int,
                first_id: int) -> tuple[Any, list[tuple[int, int, bool]], list[int]]:
     """Plan the batch itself (decode requests already cached by `cache_context`)."""

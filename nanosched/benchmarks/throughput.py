@@ -18,11 +18,10 @@ import numpy as np
 import torch
 
 from nanosched.benchmarks.common import (
-    batch_chunks,
-    cache_context,
+    bucket_batch,
     environment,
     measured_gemm_tflops,
-    plan_batch,
+    synthetic_batch,
 )
 from nanosched.benchmarks.report import ratio_warnings
 from nanosched.errors import ConfigError
@@ -120,7 +119,6 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     cache holds. With `graphs`, the batch is laid out in its bucket (decode rows rounded up to
     32) and the forward is a CUDA graph's replay, metadata writes included. Returns (ms, decode
     tokens, decode context)."""
-    from nanosched.models.bucket import round_up
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.graphs import BucketRunner
     from nanosched.runtime.modelprogram import model_program
@@ -131,25 +129,23 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     avail = ws.kv.allocator.num_free - (dense - num_decode) // page - 8  # pages for decodes
     num_decode = max(0, min(num_decode, avail))
     context = max(1, min(context, avail // max(1, num_decode) * page - 1))
-    runner = BucketRunner(model, ws, Backend(device), strategy, align=32,
+    runner = BucketRunner(model, ws, Backend(device), strategy, align=EngineConfig.graph_align,
                           max_pages=-(-max(context + 1, prompt) // page), capture=True) \
         if graphs else None
     untimed = 2 if graphs else 1  # the first forward compiles; with graphs the second captures
     times = []
     for rep in range(reps + untimed):
         first_id = rep * 10**7
-        cache_context(ws, num_decode, context, first_id)
         if runner is None:
-            meta, segments, ids = plan_batch(ws, dense, num_decode, prompt, first_id)
+            meta, segments, ids = synthetic_batch(ws, dense, num_decode, context, prompt,
+                                                  first_id)
             program = model_program(model, ws, meta, segments)
             run = strategy.pick(program, num_decode) or Sequential()
             t0 = time.perf_counter()
             run_program(program, run, Backend(device))
         else:
-            chunks = batch_chunks(dense, num_decode, prompt, first_id,
-                                  decode_rows=round_up(num_decode, runner.align))
-            ids = [c[0] for c in chunks]
-            seqs = ws.kv.plan_chunks(chunks)
+            seqs, ids = bucket_batch(ws, dense, num_decode, context, prompt, first_id,
+                                     runner.align)
             ws.token_ids[:dense].random_(0, 1000)
             entry = runner.entry(runner.bucket(seqs))
             t0 = time.perf_counter()
@@ -273,13 +269,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     tps = {name: run["results"]["tokens_per_s"] for name, run in out["runs"].items()}
 
     def ratio(a: str, b: str) -> dict[str, Any]:
-        after = b.replace("sequential", AFTER, 1)
+        warnings = ratio_warnings(out["runs"][a], out["runs"][b])
+        after = AFTER + b.removeprefix("sequential") if b.startswith("sequential") else None
         if after not in tps:
-            return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b],
-                    "warnings": ratio_warnings(out["runs"][a], out["runs"][b])}
+            return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b], "warnings": warnings}
         drift = tps[after] / tps[b]
         value = tps[a] / ((tps[b] + tps[after]) / 2)
-        warnings = ratio_warnings(out["runs"][a], out["runs"][b])
         if abs(value - 1) <= abs(drift - 1):
             warnings.append(f"the two Sequential runs differ by {100 * abs(drift - 1):.1f}%, "
                             f"as much as the strategy differs from them")
@@ -346,8 +341,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
             fwd, n_dec, ctx = forward_ms(model, engine.ws, engine.strategy,
                                          engine.backend.device, dense, n_dec, context, prompt,
                                          graphs=run.graphs)
-            shapes = shape_report(engine.stats, run.choice.schedule
-                                  if hasattr(run.choice.schedule, "entries") else None)
+            shapes = shape_report(engine.stats, run.choice.schedule)
             for row in shapes[:TIMED_SHAPES] if run.graphs else ():
                 row["forward_ms"] = forward_ms(
                     model, engine.ws, engine.strategy, engine.backend.device, row["num_tokens"],

@@ -5,14 +5,15 @@ The search predicts each entry from the profile; the replay can still lose what 
 gave it (launch order, SM partitions, the clock under the power cap: docs/overlap.md). For
 every pipeline entry, at its key's shape (D decode rows of T, the workload's contexts), this
 lays out one batch, captures a CUDA graph of it run by Sequential and by the entry, and replays
-each back to back: `settle_s` untimed (so the SM clock settles under the power cap, as while
-serving), then `window_s` timed, with the mean SM clock and board power over the window
-(NVML). The two strategies alternate `rounds` times and the median of each is kept, so a drift
-of the clock shows in both. An entry whose measured gain is below the set's `min_gain` becomes
-`sequential`, with the measurement in its reason; every checked entry records it in
-`measured`. The result is written as a new set (atomically).
+each back to back through the profiler's `sustained_run` (the pairs' method): `settle_s`
+untimed (so the SM clock settles under the power cap, as while serving), then `window_s`
+timed, with the mean SM clock and board power over the window (NVML). The two strategies
+alternate `rounds` times and the median of each is kept, so a drift of the clock shows in
+both. An entry whose measured gain is below the set's `min_gain` becomes `sequential`, with
+the measurement in its reason; every checked entry records it in `measured`. The result is
+written as a new set (atomically).
 
-On the CPU (tests) the same runs are eager and unsustained: the logic, not a figure.
+On the CPU (tests) the same runs are eager, timed by the host clock: the logic, not a figure.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Any
 
 import torch
 
-from nanosched.benchmarks.common import batch_chunks, cache_context
+from nanosched.benchmarks.common import bucket_batch
 from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
-from nanosched.models.bucket import round_up
 from nanosched.runtime.backend import Backend
+from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.graphs import BucketRunner
 from nanosched.runtime.scheduler import OpScheduler
 from nanosched.runtime.strategies import Sequential
@@ -53,27 +54,18 @@ class VerifyConfig:
 
 @dataclass
 class _Timed:
-    """A batch captured once and replayed: `run()` does one forward."""
+    """A batch captured once and replayed: `run()` does one forward of about `expect_us`."""
 
     run: Callable[[], None]
-    cuda: bool
-
-
-def _plan(ws: Any, d: int, t: int, context: int, prompt: int, first_id: int, align: int
-          ) -> tuple[Any, list[int]]:
-    """One batch of D decode tokens (each with `context` cached tokens) and T - D prompt
-    tokens, planned into the cache: (its SeqChunks, its request ids)."""
-    cache_context(ws, d, context, first_id)
-    chunks = batch_chunks(t, d, prompt, first_id, decode_rows=round_up(d, align))
-    return ws.kv.plan_chunks(chunks), [c[0] for c in chunks]
+    expect_us: float
 
 
 def _prepare(model: Any, ws: Any, strategy: OpScheduler, seqs: Any, max_pages: int,
-             want_pipeline: bool, device: Any) -> _Timed:
+             want_pipeline: bool, device: Any, expect_us: float) -> _Timed:
     """The batch `seqs` in its bucket under `strategy`, run once (eager, then captured on a
     GPU) on the stream device `device`. Both strategies replay the same batch: its K/V writes
     are the same each time."""
-    runner = BucketRunner(model, ws, Backend(device), strategy, align=ALIGN,
+    runner = BucketRunner(model, ws, Backend(device), strategy, align=EngineConfig.graph_align,
                           max_pages=max_pages, capture=model.device.type == "cuda")
     entry = runner.entry(runner.bucket(seqs))
     if entry.fell_back or entry.strategy.pipelined != want_pipeline:
@@ -81,44 +73,28 @@ def _prepare(model: Any, ws: Any, strategy: OpScheduler, seqs: Any, max_pages: i
         raise ConfigError(f"the set does not run a pipeline at D={b.num_decode}, "
                           f"T={b.num_tokens}")
     runner.run(entry, seqs)  # eager: compiles, makes every slice; then captured
-    cuda = model.device.type == "cuda"
     if entry.graph is not None:
-        return _Timed(entry.graph.replay, cuda)
-    return _Timed(lambda: runner.run(entry, seqs), cuda)
+        return _Timed(entry.graph.replay, expect_us)
+    return _Timed(lambda: runner.run(entry, seqs), expect_us)
 
 
-ALIGN = 32  # the engine's graph_align: decode rows of a bucket
-
-
-def _sustained(timed: _Timed, cfg: VerifyConfig, telemetry: Any) -> dict[str, Any]:
-    """Replay back to back: settle, then a timed window; ms per forward, clock, power."""
-    cuda = timed.cuda
-    end = time.perf_counter() + cfg.settle_s
-    while time.perf_counter() < end:
-        for _ in range(4):
+def _sustained(timed: _Timed, cfg: VerifyConfig, device: Any, telemetry: Any
+               ) -> dict[str, Any]:
+    """ms per forward replayed back to back: on a GPU the profiler's `sustained_run` (the
+    queue kept fed for settle + window, the median of the forwards inside the window) with the
+    clock and power over the window; on the CPU the mean over the window."""
+    if device.type != "cuda":
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < cfg.window_s or n == 0:
             timed.run()
-        if cuda:
-            torch.cuda.synchronize()
-    n, t0 = 0, time.perf_counter()
-    if cuda:
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-    while time.perf_counter() - t0 < cfg.window_s or n == 0:
-        for _ in range(4):
-            timed.run()
-        n += 4
-        if cuda and n % 16 == 0:
-            torch.cuda.synchronize()
-    if cuda:
-        stop.record()
-        stop.synchronize()
-        ms = start.elapsed_time(stop) / n
-    else:
-        ms = (time.perf_counter() - t0) * 1e3 / n
-    t1 = time.perf_counter()
-    out: dict[str, Any] = {"forward_ms": ms, "forwards": n}
-    reading = telemetry.reading(t0, t1) if telemetry else None
+            n += 1
+        return {"forward_ms": (time.perf_counter() - t0) * 1e3 / n}
+    from nanosched.profiler.timing import sustained_run
+
+    s = sustained_run([(timed.run, torch.cuda.current_stream(device), timed.expect_us)],
+                      device, cfg.settle_s, cfg.window_s)
+    out: dict[str, Any] = {"forward_ms": s.median_us[0] / 1e3}
+    reading = telemetry.reading(*s.host_window) if telemetry else None
     if reading is not None:
         out |= {"sm_clock_mhz": round(reading.clock_mhz, 1), "power_w": round(reading.power_w, 1)}
     return out
@@ -155,15 +131,17 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
             if progress:
                 progress(f"D={d} T={t}: Sequential vs the pipeline, {cfg.rounds} rounds of "
                          f"{cfg.settle_s:g} s + {cfg.window_s:g} s each")
-            seqs, ids = _plan(ws, d, t, context, prompt, 10**8, ALIGN)
+            seqs, ids = bucket_batch(ws, t, d, context, prompt, 10**8,
+                                     EngineConfig.graph_align)
             max_pages = -(-max(context + 1, prompt) // ws.kv.page_size)
             runs = {"sequential": _prepare(model, ws, Sequential(), seqs, max_pages, False,
-                                           device),
-                    "pipeline": _prepare(model, ws, replay, seqs, max_pages, True, device)}
+                                           device, e.sequential_us),
+                    "pipeline": _prepare(model, ws, replay, seqs, max_pages, True, device,
+                                         e.forward_us)}
             got: dict[str, list[dict[str, Any]]] = {"sequential": [], "pipeline": []}
             for _ in range(cfg.rounds):
                 for name, timed in runs.items():
-                    got[name].append(_sustained(timed, cfg, telemetry))
+                    got[name].append(_sustained(timed, cfg, model.device, telemetry))
             for r in ids:
                 ws.kv.release(r)
             med = {name: statistics.median(x["forward_ms"] for x in xs) for name, xs in got.items()}

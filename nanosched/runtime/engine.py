@@ -205,7 +205,6 @@ class Engine:
             entry = self.graphs.entry(bucket)
             strategy, fell_back = entry.strategy, entry.fell_back
             self.graphs.run(entry, seqs)
-            self.stats.shapes[(bucket.num_decode, bucket.num_tokens)] += 1
         else:
             if self.graphs:
                 self.graphs.stats.unbucketed += 1
@@ -214,7 +213,7 @@ class Engine:
             picked = self.strategy.pick(program, batch.num_decode)
             strategy, fell_back = picked or self.fallback, picked is None
             run_program(program, strategy, self.backend, self.stream_configs)
-            self.stats.shapes[(batch.num_decode, batch.num_tokens)] += 1
+        self.stats.shapes[(prefill_row, n)] += 1  # the bucket's rows, else the batch's
         self.stats.fallbacks += fell_back
         if not fell_back:
             self.stats.pipelined += strategy.pipelined

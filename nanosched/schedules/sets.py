@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -98,13 +99,9 @@ class ScheduleSet:
         key = set_key(num_decode, num_tokens, self.dense_batch)
         return self._by_key.get(key) if key is not None else None
 
-    @property
+    @cached_property
     def _by_key(self) -> dict[tuple[int, int], SetEntry]:
-        cache = self.__dict__.get("_keys")
-        if cache is None:
-            cache = {e.key: e for e in self.entries}
-            object.__setattr__(self, "_keys", cache)
-        return cache
+        return {e.key: e for e in self.entries}
 
     def sequential_us(self, num_decode: int, num_tokens: int) -> float | None:
         """Predicted Sequential forward (layers) of a batch of `num_decode` decode rows out of
@@ -288,14 +285,19 @@ def set_keys(dense_batch: int) -> list[tuple[int, int]]:
     return [(d, t) for t in range(q, dense_batch + 1, q) for d in range(0, t + 1, q)]
 
 
+def layer_times_us(s: Schedule) -> tuple[float, float]:
+    """(the predicted forward of `s`'s layers as replayed, the same under Sequential): its
+    iteration times less the LM head, which runs outside the replayed graph."""
+    p = s.prediction
+    sequential = p.sequential_period_us * s.model["num_layers"]
+    return p.iteration_us - (p.sequential_iteration_us - sequential), sequential
+
+
 def from_single(s: Schedule) -> ScheduleSet:
     """A `/1` schedule as a set of one pipeline entry, at its own batch."""
-    p = s.prediction
-    forward = p.iteration_us - (p.sequential_iteration_us
-                                - p.sequential_period_us * s.model["num_layers"])
-    entry = SetEntry(s.batch.num_decode, s.batch.dense_batch, "pipeline",
-                     max(forward, 1e-3), p.sequential_period_us * s.model["num_layers"],
-                     "a single schedule", s)
+    forward, sequential = layer_times_us(s)
+    entry = SetEntry(s.batch.num_decode, s.batch.dense_batch, "pipeline", max(forward, 1e-3),
+                     sequential, "a single schedule", s)
     return ScheduleSet(s.model, s.tp, s.gpu_name, s.num_sms, s.profile_digest,
                        s.batch.dense_batch, (entry,), s.kv_dtype, s.batch.workload, 1.0, None,
                        s.created, s.command, SINGLE_FORMAT)

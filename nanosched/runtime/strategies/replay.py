@@ -143,10 +143,9 @@ class Replay(OpScheduler):
     def _entries(self) -> list[_Entry]:
         s, period = self.sched, self.sched.prediction.solver_period_us
         by_id = {n.id: n for n in s.nano_ops}
-        out = []
+        out, row = [], self._row
         for layer in range(self.num_layers):
             for n in s.nano_ops:
-                row = self._row
                 waits = tuple((by_id[d.id].op, layer - d.shift, row[by_id[d.id].start],
                                row[by_id[d.id].end]) for d in n.deps
                               if d.kind == "resource" and self.resource_waits

@@ -16,7 +16,7 @@ import logging
 from nanosched.errors import ScheduleError
 from nanosched.runtime.program import Program
 from nanosched.runtime.scheduler import OpScheduler, SchedContext
-from nanosched.runtime.strategies.replay import Replay
+from nanosched.runtime.strategies.replay import Replay, stream_key
 from nanosched.runtime.strategies.sequential import Sequential
 from nanosched.schedules.sets import ScheduleSet
 
@@ -33,8 +33,8 @@ class ReplaySet(OpScheduler):
         self.sequential = Sequential()
         self._replays: dict[tuple[int, int], OpScheduler] = {}
         # the streams every pipeline entry names (opened once, before any batch runs)
-        self.streams = set().union(*(Replay(e.schedule, num_layers).streams
-                                     for e in sset.pipelines if e.schedule is not None))
+        self.streams = {stream_key(n) for e in sset.pipelines if e.schedule is not None
+                        for n in e.schedule.nano_ops}
 
     def pick(self, program: Program, num_decode: int) -> OpScheduler | None:
         entry = self.set.entry(num_decode, program.num_tokens)
@@ -52,8 +52,7 @@ class ReplaySet(OpScheduler):
                 self._replays[shape] = self.sequential
         return self._replays[shape]
 
-    def accepts(self, program: Program) -> bool:
-        return False  # a set runs nothing itself: `pick` names the strategy per batch
-
     def schedule(self, ctx: SchedContext) -> None:
-        raise NotImplementedError("ReplaySet runs batches through the strategy `pick` returns")
+        # a set dispatches nothing itself: the engine, the bucket runner, `bench` and `verify`
+        # run the strategy `pick` returns; a direct `run_program(program, set)` is a misuse
+        raise TypeError("ReplaySet runs no batch itself: run the strategy its pick() returns")

@@ -3,7 +3,8 @@ only those that win here.
 
 The search predicts each entry from the profile; the replay can still lose what the prediction
 gave it (launch order, SM partitions, the clock under the power cap: docs/overlap.md). For
-every pipeline entry, at its key's shape (D decode rows of T, the workload's contexts), this
+every pipeline entry, at its key's shape (D decode rows of T, the workload's contexts; the
+decode context shortened where D requests of it do not fit in the GPU's memory), this
 lays out one batch, captures a CUDA graph of it run by Sequential and by the entry, and replays
 each back to back through the profiler's `sustained_run` (the pairs' method): `settle_s`
 untimed (so the SM clock settles under the power cap, as while serving), then `window_s`
@@ -100,6 +101,20 @@ def _sustained(timed: _Timed, cfg: VerifyConfig, device: Any, telemetry: Any
     return out
 
 
+def fitting_context(ws: Any, num_tokens: int, num_decode: int, context: int, prompt: int
+                    ) -> int:
+    """The decode context of a key's batch: the workload's `context`, or less where `num_decode`
+    requests of it do not fit in the cache beside the prompt chunks (many decode rows at a long
+    context exceed the GPU's memory; the engine never forms such a batch, and the entry is
+    timed at the longest context that fits, recorded in `measured`)."""
+    page = ws.kv.page_size
+    chunks = -(-(num_tokens - num_decode) // max(1, prompt))
+    avail = ws.kv.allocator.num_free - -(-(num_tokens - num_decode) // page) - chunks - 8
+    if num_decode == 0:
+        return context
+    return max(1, min(context, avail // num_decode * page - 1))
+
+
 def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int,
                cfg: VerifyConfig = VerifyConfig(), device_name: str = "",
                progress: Callable[[str], None] | None = None
@@ -131,9 +146,9 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
             if progress:
                 progress(f"D={d} T={t}: Sequential vs the pipeline, {cfg.rounds} rounds of "
                          f"{cfg.settle_s:g} s + {cfg.window_s:g} s each")
-            seqs, ids = bucket_batch(ws, t, d, context, prompt, 10**8,
-                                     EngineConfig.graph_align)
-            max_pages = -(-max(context + 1, prompt) // ws.kv.page_size)
+            ctx = fitting_context(ws, t, d, context, prompt)
+            seqs, ids = bucket_batch(ws, t, d, ctx, prompt, 10**8, EngineConfig.graph_align)
+            max_pages = -(-max(ctx + 1, prompt) // ws.kv.page_size)
             runs = {"sequential": _prepare(model, ws, Sequential(), seqs, max_pages, False,
                                            device, e.sequential_us),
                     "pipeline": _prepare(model, ws, replay, seqs, max_pages, True, device,
@@ -146,7 +161,7 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
                 ws.kv.release(r)
             med = {name: statistics.median(x["forward_ms"] for x in xs) for name, xs in got.items()}
             gain = med["sequential"] / med["pipeline"]
-            measured = {"device": device_name, "date": date,
+            measured = {"device": device_name, "date": date, "decode_context": ctx,
                         "sequential_ms": round(med["sequential"], 4),
                         "pipeline_ms": round(med["pipeline"], 4), "gain": round(gain, 4),
                         "settle_s": cfg.settle_s, "window_s": cfg.window_s,
@@ -181,7 +196,7 @@ def run_verify(path: str, out: str, device: str = "auto", cfg: VerifyConfig = Ve
     verified set to `out`."""
     from nanosched.fileio import check_output_file
     from nanosched.models.spec import load_spec
-    from nanosched.runtime.loader import gpu_name, load_model, resolve_device
+    from nanosched.runtime.loader import gpu_name, kv_pages, load_model, resolve_device
     from nanosched.schedules.sets import (
         check_set_compatible,
         load_schedule_set,
@@ -208,6 +223,8 @@ def run_verify(path: str, out: str, device: str = "auto", cfg: VerifyConfig = Ve
     prompt = max(e.schedule.batch.prompt_len for e in pipes)  # type: ignore[union-attr]
     pages = max(forward_pages(e.num_tokens, e.num_decode, ctx, prompt, PAGE_SIZE)
                 for e in pipes)
+    pages = min(pages, kv_pages(model, sset.dense_batch, PAGE_SIZE, EngineConfig.mem_util, None,
+                                sset.kv_dtype))
     ws = model.new_workspace(sset.dense_batch, num_pages=pages, kv_dtype=sset.kv_dtype)
     echo(f"verifying {len(pipes)} pipeline entries of {path} on {gpu_name(dev)}")
     verified, rows = verify_set(model, ws, sset, ctx, prompt, cfg, gpu_name(dev), echo)

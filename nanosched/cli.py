@@ -144,8 +144,8 @@ def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]])
     """Print rows as an aligned text table; columns are (key, header, format spec)."""
     cells = [[h for _, h, _ in columns]]
     for row in rows:
-        cells.append([format(row[k], f) if isinstance(row[k], (int, float)) and f else str(row[k])
-                      for k, _, f in columns])
+        cells.append([format(row[k], f) if isinstance(row.get(k), (int, float)) and f
+                      else str(row.get(k, "-")) for k, _, f in columns])
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     for n, r in enumerate(cells):
         typer.echo("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
@@ -644,6 +644,7 @@ def verify(
                            ("predicted_gain", "predicted", ".3f"),
                            ("sequential_ms", "sequential ms", ".2f"),
                            ("pipeline_ms", "pipeline ms", ".2f"), ("gain", "measured", ".3f"),
+                           ("decode_context", "context", ""),
                            ("kept", "kept", "")])
     typer.echo(f"verified set written to {out}")
 

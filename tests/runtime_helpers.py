@@ -65,7 +65,8 @@ def serve_all(model, reqs, num_pages, **engine_kw):
 
 def batch_logits(model, strategy, device, n_decode, total=256):
     """Logits of one batch of `total` rows run by `strategy` on `device`: `n_decode` decode
-    tokens with 20 cached tokens each, then two prompt chunks (random K/V, seeded)."""
+    tokens with 20 cached tokens each, then two prompt chunks (none when
+    `total` is all decode; random K/V, seeded)."""
     import torch
 
     from nanosched.runtime.backend import Backend
@@ -79,8 +80,8 @@ def batch_logits(model, strategy, device, n_decode, total=256):
     ws.kv.k.normal_(generator=g)
     ws.kv.v.normal_(generator=g)
     rest = total - n_decode
-    chunks = [(r, 1, True) for r in range(n_decode)] + [(900, rest // 2, False),
-                                                         (901, rest - rest // 2, False)]
+    halves = [(900, rest // 2, False), (901, rest - rest // 2, False)]
+    chunks = [(r, 1, True) for r in range(n_decode)] + [c for c in halves if c[1] > 0]
     meta = ws.kv.plan(chunks)
     ws.token_ids[:total].copy_(torch.randint(0, 100, (total,), generator=g))
     segments, row = [], 0

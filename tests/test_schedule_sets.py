@@ -142,6 +142,26 @@ def test_an_entry_replayed_on_a_nearby_bucket_equals_sequential(model, single, n
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def decode_only(single):
+    """`single` as a schedule searched for a batch of decode tokens only: no `attn_prefill`."""
+    gone = {n.id for n in single.nano_ops if n.op == "attn_prefill"}
+    nanos = tuple(replace(n, deps=tuple(d for d in n.deps if d.id not in gone))
+                  for n in single.nano_ops if n.id not in gone)
+    ranges = {op: r for op, r in single.ranges.items() if op != "attn_prefill"}
+    batch = replace(single.batch, num_decode=single.batch.dense_batch)
+    return replace(single, nano_ops=nanos, ranges=ranges, batch=batch)
+
+
+@pytest.mark.parametrize("rows", [(256, 256), (224, 224)])
+def test_a_decode_only_schedule_replays_the_program_ops_it_does_not_name(model, single, rows):
+    """The program of a decode-only batch still holds `attn_prefill` (over no rows); the replay
+    runs it on the main stream instead of getting stuck before `o`."""
+    expected = batch_logits(model, Sequential(), SerialDevice(), *rows)
+    replay = Replay(decode_only(single), model.spec.num_layers, rows=rows)
+    got = batch_logits(model, replay, ShuffledDevice(0), *rows)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 # ---- the engine picks an entry per batch ------------------------------------------------------
 def requests(n, prompt, out):
     return [Request(i, [(7 * i + j) % 90 + 1 for j in range(prompt)],
@@ -260,6 +280,31 @@ def test_verify_keeps_a_pipeline_only_where_it_measures_the_min_gain(model, sing
     assert again.entry(128, 256).measured == e.measured
     assert [x.kind for x in out.entries if x.key != (128, 256)] == \
         [x.kind for x in sset.entries if x.key != (128, 256)]
+
+
+def test_verify_makes_an_entry_whose_replay_fails_sequential(model, single, monkeypatch):
+    from nanosched.benchmarks import verify
+    from nanosched.runtime.strategies.replay_set import ReplaySet as RS
+
+    sset = replace(tiny_set(single), min_gain=0.0)
+    bad_speedup = sset.entry(128, 256).speedup
+    real = RS.pick
+
+    def broken(self, program, num_decode):  # the (128, 256) entry cannot replay
+        if program.num_tokens == 256 and num_decode == 128:
+            raise ScheduleError("replay is stuck (test)")
+        return real(self, program, num_decode)
+
+    monkeypatch.setattr(RS, "pick", broken)
+    ws = model.new_workspace(max_tokens=256, num_pages=400)
+    free = ws.kv.allocator.num_free
+    out, rows = verify.verify_set(model, ws, sset, 40, 64, verify.VerifyConfig(0.0, 0.02, 1),
+                                  "cpu")
+    assert ws.kv.allocator.num_free == free
+    bad = out.entry(128, 256)
+    assert bad.kind == "sequential" and "replay failed" in bad.reason
+    assert rows == [{"num_decode": 128, "num_tokens": 256, "predicted_gain": bad_speedup,
+                     "error": "replay is stuck (test)", "kept": False}]
 
 
 def test_verify_on_a_set_without_pipelines_writes_it_unchanged(tmp_path):

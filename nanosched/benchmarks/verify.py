@@ -31,7 +31,7 @@ import torch
 
 from nanosched.benchmarks.common import bucket_batch
 from nanosched.constants import PAGE_SIZE
-from nanosched.errors import ConfigError
+from nanosched.errors import ConfigError, ScheduleError
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.graphs import BucketRunner
@@ -149,10 +149,23 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
             ctx = fitting_context(ws, t, d, context, prompt)
             seqs, ids = bucket_batch(ws, t, d, ctx, prompt, 10**8, EngineConfig.graph_align)
             max_pages = -(-max(ctx + 1, prompt) // ws.kv.page_size)
-            runs = {"sequential": _prepare(model, ws, Sequential(), seqs, max_pages, False,
-                                           device, e.sequential_us),
-                    "pipeline": _prepare(model, ws, replay, seqs, max_pages, True, device,
-                                         e.forward_us)}
+            try:
+                runs = {"sequential": _prepare(model, ws, Sequential(), seqs, max_pages, False,
+                                               device, e.sequential_us),
+                        "pipeline": _prepare(model, ws, replay, seqs, max_pages, True, device,
+                                             e.forward_us)}
+            except (ScheduleError, ConfigError) as err:  # one entry's replay, not the run
+                for r in ids:
+                    ws.kv.release(r)
+                entries[i] = dataclasses.replace(
+                    e, kind="sequential", forward_us=e.sequential_us,
+                    reason=f"{e.reason}; its replay failed on {device_name or 'this GPU'} "
+                           f"({err}): runs Sequential")
+                rows.append({"num_decode": d, "num_tokens": t, "predicted_gain": e.speedup,
+                             "error": str(err), "kept": False})
+                if progress:
+                    progress(f"  replay failed ({err}): made sequential")
+                continue
             got: dict[str, list[dict[str, Any]]] = {"sequential": [], "pipeline": []}
             for _ in range(cfg.rounds):
                 for name, timed in runs.items():
@@ -181,6 +194,10 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
                            f"(needs {sset.min_gain:.2f}x): runs Sequential")
             rows.append({"num_decode": d, "num_tokens": t, "predicted_gain": e.speedup,
                          **measured, "kept": keep})
+            if progress:
+                progress(f"  Sequential {med['sequential']:.3f} ms, pipeline "
+                         f"{med['pipeline']:.3f} ms: {gain:.3f}x (predicted {e.speedup:.3f}x, "
+                         f"context {ctx}){'' if keep else ', made sequential'}")
     finally:
         if telemetry is not None:
             telemetry.stop()

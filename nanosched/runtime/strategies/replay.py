@@ -186,7 +186,15 @@ class Replay(OpScheduler):
         ctx.execute(embed, stream=MAIN_STREAM)
         pending = list(self.entries)
         while pending:
-            e = pending.pop(self._first_ready(ctx, pending, index))
+            k = self._first_ready(ctx, pending, index)
+            if k is None:
+                if self._run_unnamed(ctx):
+                    continue
+                raise ScheduleError(f"replay is stuck: none of {len(pending)} remaining nano-ops "
+                                    f"is ready (first: {pending[0].op} of layer "
+                                    f"{pending[0].layer}); the schedule does not match this "
+                                    f"model's program")
+            e = pending.pop(k)
             group = [OpInstance(index[(e.op, e.layer)], i, *ctx.ranges[i])
                      for i in self._mbs(e.lo, e.hi)]
             after = [OpInstance(index[(op, layer)], i, *ctx.ranges[i])
@@ -197,11 +205,19 @@ class Replay(OpScheduler):
         return range(self._mb_at[lo], self._mb_at[hi])
 
     def _first_ready(self, ctx: SchedContext, pending: list[_Entry],
-                     index: dict[tuple[str, int], int]) -> int:
+                     index: dict[tuple[str, int], int]) -> int | None:
         for k, e in enumerate(pending):
             want = index[(e.op, e.layer)]
             if all(ctx.is_ready(want, i) for i in self._mbs(e.lo, e.hi)):
                 return k
-        raise ScheduleError(f"replay is stuck: none of {len(pending)} remaining nano-ops is "
-                            f"ready (first: {pending[0].op} of layer {pending[0].layer}); the "
-                            f"schedule does not match this model's program")
+        return None
+
+    def _run_unnamed(self, ctx: SchedContext) -> bool:
+        """Run, on the main stream, the ready nano-ops of program ops the schedule never names:
+        a schedule searched for a batch without prefill tokens has no `attn_prefill`, which the
+        program still holds (over no rows). Whether any ran."""
+        ready = [n for i in range(ctx.num_micro_batches) for n in ctx.get_ready_ops(i)
+                 if ctx.program.ops[n.index].op not in self.sched.ranges]
+        if ready:
+            ctx.execute(ready, stream=MAIN_STREAM)
+        return bool(ready)

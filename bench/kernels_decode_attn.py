@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from _common import environment, median_ms, print_table, write_result
 
-from nanosched.kernels.common import PAGED, PIPELINED, DecodeConfig
+from nanosched.kernels.common import PAGED, PIPELINED, PIPELINED_2W, DecodeConfig
 from nanosched.kernels.reference import quantize_fp8
 
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
@@ -75,7 +75,14 @@ class Batch:
         self.kv_dtype = kv_dtype
         self.kv_bytes = 2 * requests * context * token_bytes
 
-    def run(self, config: DecodeConfig, ctas: int) -> torch.Tensor:
+    def run(self, config: DecodeConfig | None, ctas: int) -> torch.Tensor:
+        """One launch of `config`'s Triton kernel, or of `cuda_bulk` for None."""
+        if config is None:
+            from nanosched.kernels.decode_attn_bulk import decode_attention as bulk
+
+            bulk(self.q, self.k, self.v, self.tables, self.lens, self.context, HD ** -0.5,
+                 self.out, max_ctas=ctas)
+            return self.out
         from nanosched.kernels.decode_attn import decode_attention
 
         decode_attention(self.q, self.k, self.v, self.tables, self.lens, self.context,
@@ -96,8 +103,8 @@ def places(sms_list: list[int]) -> list[tuple[int, object, object]]:
     return out
 
 
-def time_on(batch: Batch, config: DecodeConfig, sms: int, stream) -> dict:
-    ctas = config.ctas_per_sm * sms
+def time_on(batch: Batch, config: DecodeConfig | None, sms: int, stream) -> dict:
+    ctas = (1 if config is None else config.ctas_per_sm) * sms
     with torch.cuda.stream(stream):
         ms = median_ms(lambda: batch.run(config, ctas))
     return {"ms": ms, "gbs": batch.kv_bytes / ms / 1e6, "ctas": ctas}
@@ -199,7 +206,8 @@ def main() -> None:
     ap.add_argument("--config", default="", help="BN,STAGES,WARPS,CTAS_PER_SM")
     ap.add_argument("--ok-file", default="", help="bench/decode_config_check.py --ok-file")
     ap.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8, or both: auto,fp8")
-    ap.add_argument("--kernels", default="triton_paged,triton_pipelined")
+    ap.add_argument("--kernels", default="triton_pipelined,triton_pipelined_2w,cuda_bulk",
+                    help="any of triton_paged, triton_pipelined, triton_pipelined_2w, cuda_bulk")
     ap.add_argument("--sweep-grid", default="", help="axes of the sweep to replace, e.g. "
                     "'block_n=16,32;warps=1,2;ctas_per_sm=4,8'")
     args = ap.parse_args()
@@ -215,12 +223,14 @@ def main() -> None:
                                                    "grid": args.sweep_grid, "rows": sweep_rows})
     if args.config:
         pipelined = DecodeConfig(*(int(x) for x in args.config.split(",")))
-    configs = {k: v for k, v in {"triton_paged": PAGED, "triton_pipelined": pipelined}.items()
-               if k in args.kernels.split(",")}
+    known = {"triton_paged": PAGED, "triton_pipelined": pipelined,
+             "triton_pipelined_2w": PIPELINED_2W, "cuda_bulk": None}
+    configs = {k: known[k] for k in args.kernels.split(",")}
     rows = table(where, configs, [int(x) for x in args.requests.split(",")],
                  [int(x) for x in args.contexts.split(",")], copy_gbs, args.kv_dtype.split(","))
     path = write_result("kernels_decode_attn", {
-        "env": env, "copy_gbs": copy_gbs, "configs": {k: vars(v) for k, v in configs.items()},
+        "env": env, "copy_gbs": copy_gbs,
+        "configs": {k: vars(v) if v else "cuda_bulk" for k, v in configs.items()},
         "shapes": {"num_heads": HQ, "num_kv_heads": HKV, "head_dim": HD, "page_size": PAGE,
                    "dtype": "bfloat16", "kv_dtypes": args.kv_dtype.split(",")},
         "sweep": sweep_rows, "rows": rows})

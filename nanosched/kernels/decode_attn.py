@@ -204,10 +204,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         DOT_PREC=dot_precision(q.dtype), NUM_STAGES=config.num_stages, FP8=fp8,
         F16_DOTS=fp8 and q.dtype == torch.bfloat16,
         num_warps=config.num_warps)
-    if splits == 1:
-        return
+    if splits > 1:
+        merge_splits(part, lse, out, max_ctas)
+
+
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, max_ctas: int) -> None:
+    """out [n, Hq, d] = the split partials part [n, Hq, S, d] (fp32, each normalised) weighted
+    by their log-sum-exp lse [n, Hq, S], on at most `max_ctas` programs."""
+    n, num_q, splits, d = part.shape
     merge_items = n * num_q
     _decode_merge_kernel[(min(max_ctas, merge_items),)](
         part, lse, out, merge_items, num_q, splits,
         *part.stride()[:3], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(splits),
+        num_warps=4)

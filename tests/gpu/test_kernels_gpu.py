@@ -72,6 +72,65 @@ def test_decode_attention(dtype, tol, max_ctas, num_splits, config):
     assert rel_err(got, want) <= tol
 
 
+def bulk_case(dtype, contexts, seed=0):
+    tables, num_pages = paged_batch(contexts, seed=seed + 1)
+    kc = randn(num_pages, PAGE, HKV, HD, dtype=dtype, seed=seed + 2)
+    vc = randn(num_pages, PAGE, HKV, HD, dtype=dtype, seed=seed + 3)
+    q = randn(len(contexts), HQ, HD, dtype=dtype, seed=seed + 4)
+    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    want = torch.empty_like(q, dtype=torch.float32)
+    ref.decode_attention(q.float(), kc.float(), vc.float(), tables, lens, max(contexts),
+                         HD ** -0.5, want)
+    return q, kc, vc, tables, lens, want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("max_ctas, num_splits", [(8, None), (32, None), (None, None),
+                                                  (132, 1), (64, 16), (16, 3)])
+def test_cuda_bulk_decode_attention(dtype, max_ctas, num_splits):
+    """The bulk-copy kernel against the fp32 reference: partial last pages, a padded row of
+    context 0 (zero output), one split (written in the model dtype) and several (merged)."""
+    pytest.importorskip("cupy")
+    from nanosched.kernels.decode_attn_bulk import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    contexts = [1, 15, 16, 17, 4096, 0] + torch.randint(1, 4097, (58,), generator=g).tolist()
+    q, kc, vc, tables, lens, want = bulk_case(dtype, contexts)
+    got = torch.full_like(q, float("nan"))
+    decode_attention(q, kc, vc, tables, lens, max(contexts), HD ** -0.5, got,
+                     max_ctas=max_ctas, num_splits=num_splits)
+    assert not got.isnan().any()
+    assert got[5].abs().max().item() == 0
+    assert rel_err(got, want) <= 1e-2
+
+
+def test_cuda_bulk_decode_attention_is_captured_in_a_cuda_graph():
+    """Replayed from a graph on new context lengths and queries: the new result each time."""
+    pytest.importorskip("cupy")
+    from nanosched.kernels.decode_attn_bulk import decode_attention
+
+    contexts = [700] * 16 + [2000] * 16
+    q, kc, vc, tables, lens, _ = bulk_case(torch.bfloat16, contexts)
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # build outside the capture
+        decode_attention(q, kc, vc, tables, lens, 2000, HD ** -0.5, out, max_ctas=32)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, kc, vc, tables, lens, 2000, HD ** -0.5, out, max_ctas=32)
+    for seed in (5, 6):
+        lens.copy_(torch.randint(1, 2001, (32,), device="cuda", generator=gen(seed)).int())
+        q.copy_(randn(32, HQ, HD, dtype=torch.bfloat16, seed=seed))
+        want = torch.empty_like(q, dtype=torch.float32)
+        ref.decode_attention(q.float(), kc.float(), vc.float(), tables, lens, 2000, HD ** -0.5,
+                             want)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out, want) <= 1e-2
+
+
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 def test_rms_norm_add(dtype, tol):
     from nanosched.kernels.elementwise import rms_norm_add

@@ -1,0 +1,206 @@
+"""`cuda_bulk`: paged GQA decode attention for a few SMs, a CUDA kernel built at run time.
+
+The Triton kernels of decode_attn.py reach about 49 GB/s per H100 SM whatever their pipelining
+depth: the per-step chain of each program (wait, two small dots, cross-warp reductions, the
+probabilities through shared memory) bounds them, so 32 SMs read 57-60% of copy bandwidth
+(docs/overlap.md). This kernel (decode_attn_bulk.cu, its header says how) moves each page with
+four tensor copies of the copy engine (`cp.async.bulk.tensor`, completing on an mbarrier) into a
+three-page shared-memory ring fed by one producer warp, and multiplies on the tensor cores
+(`mma.sync` m16n8k16) in one consumer warp per KV head, so the work per SM no longer grows with
+the instructions that move bytes. It needs an sm_90 GPU (Hopper), cupy (NVRTC) and cuda-bindings
+(the tensor maps), page size 16, head_dim a multiple of 64, at most 8 query heads per KV head, a
+bf16/fp16 cache with each page contiguous, and one CTA per SM (~193 KB of shared memory).
+
+Launch arguments are those of the Triton kernels: `max_ctas` bounds the persistent grid (default:
+one per SM), `num_splits` fixes split-K over the context (default: about four work items per
+CTA, at least four pages per split); several splits are merged by decode_attn.py's merge
+kernel. `unsupported()` says why a call cannot run here (the dispatcher then refuses it with
+that reason). cupy is imported only when the kernel is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanosched.errors import ConfigError
+from nanosched.kernels.common import num_sms
+
+SOURCE = Path(__file__).with_name("decode_attn_bulk.cu")
+PAGE = 16  # tokens per page the kernel handles (one mma tile of 16 tokens)
+STAGES = 3  # pages in the ring: two in flight while the consumers read the third
+MIN_SPLIT_PAGES = 4
+ITEMS_PER_CTA = 4
+
+
+def smem_bytes(num_kv_heads: int, head_dim: int, stages: int = STAGES) -> int:
+    """Dynamic shared memory of one CTA: the K/V ring (1024-byte aligned for the swizzle) and its
+    2 x `stages` mbarriers."""
+    return stages * 2 * PAGE * num_kv_heads * head_dim * 2 + 1024 + 16 * stages
+
+
+def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_scale: torch.Tensor | None = None) -> str | None:
+    """Why this kernel cannot run the call, or None."""
+    n, num_q, d = q.shape
+    page, num_kv = k_cache.shape[1], k_cache.shape[2]
+    if q.device.type != "cuda":
+        return "it runs on a CUDA GPU only"
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return "it needs an sm_90 (Hopper) GPU or newer: bulk copies"
+    if k_scale is not None:
+        return "it reads bf16/fp16 caches only (no FP8)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype \
+            or v_cache.dtype != q.dtype:
+        return f"it needs bf16 or fp16 q and cache of one dtype, got {q.dtype}, {k_cache.dtype}"
+    if page != PAGE:
+        return f"it needs {PAGE}-token pages, got {page}"
+    if d % 64 or num_q % num_kv or num_q // num_kv > 8 or num_kv > 16:
+        return (f"it needs head_dim % 64 == 0, at most 8 query heads per KV head and at most 16 "
+                f"KV heads; got d={d}, Hq={num_q}, Hkv={num_kv}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride()[1:] != (num_kv * d, d, 1) or t.stride(0) % 8 or t.data_ptr() % 16:
+            return f"it needs each page of {name} contiguous and 16-byte aligned"
+    if v_cache.stride(0) != k_cache.stride(0):
+        return "it needs k_cache and v_cache with one page stride"
+    if q.stride(2) != 1 or q.stride(1) % 2 or q.stride(0) % 2:
+        return "it needs q's rows contiguous and 4-byte aligned"
+    smem = smem_bytes(num_kv, d)
+    limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
+    if smem > limit:
+        return f"its ring needs {smem} B of shared memory, the GPU offers {limit}"
+    return None
+
+
+def available() -> str | None:
+    """Why the kernel cannot be built on this machine (no cupy or cuda-bindings), or None."""
+    try:
+        import cupy  # noqa: F401
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError as err:
+        return (f"{err.name} is not installed (pip install cupy-cuda13x cuda-bindings, or the "
+                f"cuda12 flavours)")
+    return None
+
+
+@functools.cache
+def _kernel(num_kv: int, group: int, head_dim: int, f16: bool, device: int):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=SOURCE.read_text(), options=(
+            "-std=c++17", f"-DHKV={num_kv}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}",
+            f"-DSTAGES={STAGES}", f"-DF16={int(f16)}"))
+        kernel = module.get_function("decode_bulk")
+        kernel.max_dynamic_shared_size_bytes = smem_bytes(num_kv, head_dim)
+    return kernel
+
+
+_MAPS: dict[tuple, torch.Tensor] = {}
+
+
+def _encode(t: torch.Tensor) -> bytes:
+    """The 128-byte tensor map of a paged cache [P, PAGE, Hkv, d]: dims ordered (d, token, head,
+    page) and boxes of 64 dims x PAGE tokens x Hkv heads, 128-byte swizzle."""
+    import ctypes
+
+    from cuda.bindings import driver as drv
+
+    pages, page, num_kv, d = t.shape
+    size = t.element_size()
+    dtype = (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if t.dtype == torch.float16
+             else drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
+    err, tmap = drv.cuTensorMapEncodeTiled(
+        dtype, 4, t.data_ptr(), [u64(x) for x in (d, page, num_kv, pages)],
+        [u64(x * size) for x in (t.stride(1), t.stride(2), t.stride(0))],
+        [u32(x) for x in (64, page, num_kv, 1)], [u32(1)] * 4,
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise ConfigError(f"cuTensorMapEncodeTiled failed ({err}) for a cache of shape "
+                          f"{tuple(t.shape)}, strides {t.stride()}")
+    return ctypes.string_at(tmap.getPtr(), 128)
+
+
+def tensor_maps(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """The K and V tensor maps in device memory (256 bytes, K first), built once per cache view
+    (a CUDA graph replays the pointer, so the first call must not be captured)."""
+    key = (k_cache.data_ptr(), v_cache.data_ptr(), tuple(k_cache.shape), k_cache.stride(),
+           k_cache.dtype, k_cache.device)
+    maps = _MAPS.get(key)
+    if maps is None:
+        raw = bytearray(_encode(k_cache) + _encode(v_cache))
+        maps = torch.frombuffer(raw, dtype=torch.uint8).to(k_cache.device)
+        _MAPS[key] = maps
+    return maps
+
+
+@functools.cache
+def _stream(handle: int, device: int):
+    import cupy
+
+    with warnings.catch_warnings():  # cupy 14 deprecates it for Stream.from_external
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device)
+
+
+def plan(num_requests: int, max_context_len: int, grid: int,
+         num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, pages per split): about ITEMS_PER_CTA work items per CTA, at least
+    MIN_SPLIT_PAGES pages each (or `num_splits` when given)."""
+    pages = max(1, math.ceil(max_context_len / PAGE))
+    if num_splits is None:
+        num_splits = min(math.ceil(ITEMS_PER_CTA * grid / max(1, num_requests)),
+                         math.ceil(pages / MIN_SPLIT_PAGES))
+    num_splits = max(1, min(num_splits, pages))
+    per = math.ceil(pages / num_splits)
+    return math.ceil(pages / per), per
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     max_context_len: int, scale: float, out: torch.Tensor,
+                     max_ctas: int | None = None, num_splits: int | None = None) -> None:
+    """The `cuda_bulk` decode attention; contract of reference.decode_attention."""
+    n, num_q, d = q.shape
+    if n == 0:
+        return
+    why = available() or unsupported(q, k_cache, v_cache)
+    if not why and (context_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
+        why = "it needs int32 block tables and context lengths"
+    if why:
+        raise ConfigError(f"decode attention 'cuda_bulk' cannot run: {why}")
+    num_kv = k_cache.shape[2]
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    grid = max_ctas or num_sms(q.device)
+    splits, per = plan(n, max_context_len, grid, num_splits)
+    items = n * splits
+    if splits == 1:
+        part = lse = out  # unused by the kernel
+    else:
+        part = torch.empty((n, num_q, splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((n, num_q, splits), dtype=torch.float32, device=q.device)
+    bt = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    kernel = _kernel(num_kv, num_q // num_kv, d, q.dtype == torch.float16, dev)
+    maps = tensor_maps(k_cache, v_cache)
+    args = (np.uint64(q.data_ptr()), np.uint64(maps.data_ptr()), np.uint64(bt.data_ptr()),
+            np.uint64(context_lens.data_ptr()), np.uint64(out.data_ptr()),
+            np.uint64(part.data_ptr()), np.uint64(lse.data_ptr()), np.int32(items),
+            np.int32(splits), np.int32(per), np.int32(bt.stride(0)), np.int64(q.stride(0)),
+            np.int64(q.stride(1)), np.int64(out.stride(0)), np.int64(out.stride(1)),
+            np.float32(scale * math.log2(math.e)))
+    with _stream(torch.cuda.current_stream(q.device).cuda_stream, dev):
+        kernel((min(grid, items),), (32 * (num_kv + 1),), args,
+               shared_mem=smem_bytes(num_kv, d))
+    if splits > 1:
+        from nanosched.kernels.decode_attn import merge_splits
+
+        merge_splits(part, lse, out, grid)

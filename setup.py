@@ -15,7 +15,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["nanosched", "nanosched.*"]),
-    package_data={"nanosched": ["profiler/profiles/*.json", "schedules/shipped/*.json"]},
+    package_data={"nanosched": ["profiler/profiles/*.json", "schedules/shipped/*.json",
+                               "kernels/*.cu"]},
     install_requires=[
         "torch>=2.4",
         "ortools>=9.10",

@@ -35,7 +35,10 @@ SOURCE = Path(__file__).with_name("decode_attn_bulk.cu")
 PAGE = 16  # tokens per page the kernel handles (one mma tile of 16 tokens)
 STAGES = 3  # pages in the ring: two in flight while the consumers read the third
 MIN_SPLIT_PAGES = 4
-ITEMS_PER_CTA = 4
+ITEMS_PER_CTA = 2
+# The merge is a loop of small dependent loads per (request, head): several light programs per
+# CTA of the partial kernel (one per SM) keep it from being latency-bound.
+MERGE_PROGRAMS_PER_CTA = 4
 
 
 def smem_bytes(num_kv_heads: int, head_dim: int, stages: int = STAGES) -> int:
@@ -49,10 +52,6 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Why this kernel cannot run the call, or None."""
     n, num_q, d = q.shape
     page, num_kv = k_cache.shape[1], k_cache.shape[2]
-    if q.device.type != "cuda":
-        return "it runs on a CUDA GPU only"
-    if torch.cuda.get_device_capability(q.device)[0] < 9:
-        return "it needs an sm_90 (Hopper) GPU or newer: bulk copies"
     if k_scale is not None:
         return "it reads bf16/fp16 caches only (no FP8)"
     if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype \
@@ -70,6 +69,10 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return "it needs k_cache and v_cache with one page stride"
     if q.stride(2) != 1 or q.stride(1) % 2 or q.stride(0) % 2:
         return "it needs q's rows contiguous and 4-byte aligned"
+    if q.device.type != "cuda":
+        return "it runs on a CUDA GPU only"
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return "it needs an sm_90 (Hopper) GPU or newer: tensor-map copies"
     smem = smem_bytes(num_kv, d)
     limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
     if smem > limit:
@@ -168,12 +171,14 @@ def plan(num_requests: int, max_context_len: int, grid: int,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
-                     max_ctas: int | None = None, num_splits: int | None = None) -> None:
-    """The `cuda_bulk` decode attention; contract of reference.decode_attention."""
+                     max_ctas: int | None = None, num_splits: int | None = None, *,
+                     k_scale: torch.Tensor | None = None) -> None:
+    """The `cuda_bulk` decode attention; contract of reference.decode_attention (an FP8 cache,
+    `k_scale` given, is refused: ConfigError names every reason a call cannot run here)."""
     n, num_q, d = q.shape
     if n == 0:
         return
-    why = available() or unsupported(q, k_cache, v_cache)
+    why = available() or unsupported(q, k_cache, v_cache, k_scale)
     if not why and (context_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
         why = "it needs int32 block tables and context lengths"
     if why:
@@ -203,4 +208,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if splits > 1:
         from nanosched.kernels.decode_attn import merge_splits
 
-        merge_splits(part, lse, out, grid)
+        merge_splits(part, lse, out, MERGE_PROGRAMS_PER_CTA * grid)

@@ -177,6 +177,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kernel(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
                max_ctas=impls.decode_ctas(args["max_ctas"], args["num_sms"], config.ctas_per_sm),
                num_splits=args["num_splits"], config=config, **scales)
+    elif name == impls.BULK_DECODE:
+        from nanosched.kernels.decode_attn_bulk import decode_attention as bulk
+
+        bulk(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
+             max_ctas=impls.decode_ctas(args["max_ctas"], args["num_sms"],
+                                        impls.BULK_CTAS_PER_SM),
+             num_splits=args["num_splits"], k_scale=k_scale)
     else:
         ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
                              scale, out, **scales)

@@ -7,8 +7,9 @@ Families (ops → names):
 - gemm (kqv, o, ug, d): `cublas` (torch.matmul), `cublaslt` (cuBLASLt with an SM-count
   target), `triton_persistent_<BM>x<BN>` (kernels/gemm.py on `num_sms` programs).
 - decode (attn_decode): `triton_paged`, `triton_pipelined` and `triton_pipelined_2w`
-  (kernels/decode_attn.py, three `DecodeConfig`s of one kernel: `DECODE_CONFIGS`), `torch`
-  (reference).
+  (kernels/decode_attn.py, three `DecodeConfig`s of one kernel: `DECODE_CONFIGS`), `cuda_bulk`
+  (kernels/decode_attn_bulk.py: tensor-map copies and mma.sync, one CTA per SM; Hopper, cupy),
+  `torch` (reference).
 - elementwise (rope_append, add_norm_ffn, add_norm_attn, act): `triton`
   (kernels/elementwise.py), `torch` (reference).
 - grouped (experts_ug, experts_d): `triton` (kernels/grouped_gemm.py), `torch` (a loop over
@@ -56,7 +57,7 @@ OP_FAMILY = {
 }
 FIXED_NAMES = {
     GEMM: ("cublas", "cublaslt"),
-    DECODE: ("triton_paged", "triton_pipelined", "triton_pipelined_2w", "torch"),
+    DECODE: ("triton_paged", "triton_pipelined", "triton_pipelined_2w", "cuda_bulk", "torch"),
     ELEMENTWISE: ("triton", "torch"),
     GROUPED: ("triton", "torch"),
     PREFILL: ("triton", "torch"),
@@ -70,6 +71,8 @@ LAUNCH_KEYS = ("impl", "num_sms", "max_ctas", "num_splits", "partition")
 DECODE_CONFIGS: dict[str, DecodeConfig] = {"triton_paged": PAGED, "triton_pipelined": PIPELINED,
                                            "triton_pipelined_2w": PIPELINED_2W}
 DEFAULT_DECODE = "triton_pipelined"  # what the models launch when no launch dict names one
+BULK_DECODE = "cuda_bulk"
+BULK_CTAS_PER_SM = 1  # its ring takes most of an SM's shared memory
 
 
 @dataclass(frozen=True)

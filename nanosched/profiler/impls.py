@@ -160,6 +160,13 @@ def triton_missing() -> str | None:
     return None
 
 
+def bulk_missing() -> str | None:
+    """Why the `cuda_bulk` decode attention cannot run here (it merges splits with Triton)."""
+    from nanosched.kernels.decode_attn_bulk import available
+
+    return triton_missing() or available()
+
+
 _registered = False
 
 

@@ -37,7 +37,14 @@ from nanosched.kernels import dispatch
 from nanosched.kernels.common import PrefillSegments, Segment
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
 from nanosched.profiler.backend import Unsupported
-from nanosched.profiler.impls import Impl, Kernel, OpCall, register, triton_missing
+from nanosched.profiler.impls import (
+    Impl,
+    Kernel,
+    OpCall,
+    bulk_missing,
+    register,
+    triton_missing,
+)
 from nanosched.profiler.shapes import gemm_dims, gemm_rows, heads
 
 SM_MECHANISMS = ("full", "green_ctx")
@@ -110,6 +117,13 @@ def _decode(call: OpCall, launch: Launch) -> Kernel:
         _check_gather(call, call.context)
     h = heads(call.spec, call.tp)
     k, v, tables, scales = _paged_cache(call, _rows(call), call.context, "decode_")
+    if launch["impl"] == "cuda_bulk":
+        from nanosched.kernels.decode_attn_bulk import unsupported
+
+        q = call.ws.tensor("q_decode", (_rows(call), h.num_heads, h.head_dim))
+        why = unsupported(q, k, v, scales.get("k_scale"))
+        if why:
+            raise Unsupported(f"attn_decode/cuda_bulk: {why}")
     tables = tables[:call.tokens]
     lens = torch.full((call.tokens,), call.context, dtype=torch.int32, device=k.device)
     q = call.ws.tensor("q_decode", (_rows(call), h.num_heads, h.head_dim))[:call.tokens]
@@ -195,6 +209,8 @@ def register_all() -> None:
                                  _decode, requires=triton_missing))
     register("attn_decode", Impl("triton_pipelined_2w", ("full", "green_ctx", "cta_bound"),
                                  _decode, requires=triton_missing))
+    register("attn_decode", Impl("cuda_bulk", ("full", "green_ctx", "cta_bound"), _decode,
+                                 requires=bulk_missing))
     register("attn_decode", Impl("triton_paged", ("full", "green_ctx", "cta_bound"), _decode,
                                  quick=False, requires=triton_missing))
     register("attn_decode", Impl("torch", SM_MECHANISMS, _decode, quick=False))

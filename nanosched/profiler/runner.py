@@ -36,7 +36,7 @@ DRIFT_LIMIT = 0.05
 REFERENCE_REPEATS = 5  # the start reference is the fastest of these
 MEMORY_PAIR_IMPL = "triton_pipelined"  # the memory kernel of the pairs: the runtime's default
 # attention kernels a pair may run on a partition or CTA bound: the fastest alone there
-PARTITION_MEMORY_IMPLS = ("triton_pipelined", "triton_pipelined_2w")
+PARTITION_MEMORY_IMPLS = ("triton_pipelined", "triton_pipelined_2w", "cuda_bulk")
 
 
 class ProfileInterrupted(NanoschedError):

@@ -1,0 +1,81 @@
+"""The `cuda_bulk` decode attention's host side: work planning, the reasons it refuses a call,
+and how the dispatcher and the profiler know it. The kernel itself runs only on a Hopper GPU
+(tests/gpu/test_kernels_gpu.py checks it against the reference there)."""
+
+import math
+
+import pytest
+import torch
+
+from nanosched.errors import ConfigError
+from nanosched.kernels import decode_attn_bulk as bulk
+from nanosched.kernels import dispatch, impls
+
+
+@pytest.mark.parametrize("n, ctx, grid", [(64, 1024, 132), (256, 4096, 32), (1, 16, 8),
+                                          (640, 8192, 16), (3, 1, 132), (64, 100_000, 132)])
+def test_the_plan_covers_every_page_once_with_about_two_items_per_cta(n, ctx, grid):
+    splits, per = bulk.plan(n, ctx, grid)
+    pages = math.ceil(ctx / bulk.PAGE)
+    assert splits * per >= pages > (splits - 1) * per  # every page in exactly one split
+    assert per >= min(pages, bulk.MIN_SPLIT_PAGES)
+    if pages >= bulk.MIN_SPLIT_PAGES * splits and splits > 1:
+        assert n * splits >= bulk.ITEMS_PER_CTA * grid * 0.5
+    assert bulk.plan(n, ctx, grid, num_splits=3)[0] == min(3, pages)
+
+
+def test_shared_memory_fits_an_h100_sm_for_llama3_heads():
+    assert bulk.smem_bytes(8, 128) <= 227 * 1024
+    assert bulk.SOURCE.is_file()  # shipped with the package (setup.py package_data)
+
+
+def cache(dtype=torch.bfloat16, page=16, kv=8, d=128, device="cpu"):
+    k = torch.zeros(4, page, kv, d, dtype=dtype, device=device)
+    return k, torch.zeros_like(k)
+
+
+@pytest.mark.parametrize("change, q_shape, words", [
+    (dict(), (2, 32, 128), "CUDA GPU only"),
+    (dict(dtype=torch.float32), (2, 32, 128), "bf16 or fp16"),
+    (dict(page=32), (2, 32, 128), "16-token pages"),
+    (dict(d=96), (2, 32, 96), "head_dim % 64"),
+    (dict(kv=2), (2, 32, 128), "at most 8 query heads"),
+])
+def test_unsupported_names_the_reason(change, q_shape, words):
+    k, v = cache(**change)
+    q = torch.zeros(q_shape, dtype=torch.bfloat16)
+    assert words in bulk.unsupported(q, k, v)
+    assert "FP8" in bulk.unsupported(q, k, v, k_scale=torch.ones(1))
+
+
+def test_a_cache_whose_pages_are_not_contiguous_is_refused():
+    k, v = cache()
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    wide = torch.zeros(4, 16, 8, 256, dtype=torch.bfloat16)[..., :128]  # rows 512 B apart
+    assert "contiguous" in bulk.unsupported(q, wide, v)
+
+
+def test_the_dispatcher_refuses_it_with_the_reason_where_it_cannot_run():
+    k, v = cache()
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    with pytest.raises(ConfigError, match="cuda_bulk.*cannot run"):
+        dispatch.decode_attention(q, k, v, tables, lens, 9, 0.1, torch.empty_like(q),
+                                  dispatch.KernelOptions(), {"impl": "cuda_bulk"})
+
+
+def test_it_is_a_decode_implementation_the_profiler_knows():
+    from nanosched.profiler import impls as profiler_impls
+    from nanosched.profiler.runner import PARTITION_MEMORY_IMPLS
+
+    assert impls.check_op_impl("attn_decode", "cuda_bulk") == "cuda_bulk"
+    assert impls.decode_ctas(None, 32, impls.BULK_CTAS_PER_SM) == 32
+    runnable, notes = profiler_impls.available(["attn_decode"])
+    reason = profiler_impls.bulk_missing()
+    if reason is None:
+        assert "cuda_bulk" in [i.name for i in runnable["attn_decode"]]
+    else:  # a machine without cupy (CI): the profile says why it skipped it
+        assert "not installed" in reason
+        assert any("attn_decode/cuda_bulk not measured" in n for n in notes)
+    assert "cuda_bulk" in PARTITION_MEMORY_IMPLS

@@ -31,8 +31,8 @@ setup(
         "serve": ["fastapi>=0.160", "uvicorn>=0.50"],
         "plot": ["matplotlib>=3.7"],
         "gpu": ["triton>=3.0"],
-        "cuda12": ["triton>=3.0", "cupy-cuda12x>=13"],
-        "cuda13": ["triton>=3.0", "cupy-cuda13x>=13"],
+        "cuda12": ["triton>=3.0", "cupy-cuda12x>=13", "cuda-bindings>=12.3,<13"],
+        "cuda13": ["triton>=3.0", "cupy-cuda13x>=13", "cuda-bindings>=13"],
     },
     entry_points={"console_scripts": ["nanosched=nanosched.cli:main"]},
 )

@@ -14,7 +14,7 @@ from nanosched.cli import app
 from nanosched.fileio import finite_json, write_json_atomic
 
 PROFILES = Path(__file__).resolve().parents[1] / "nanosched" / "profiler" / "profiles"
-PROFILE = str(PROFILES / "llama3-8b-tp1-h200-quick.json")
+PROFILE = str(PROFILES / "llama3-8b-tp1-h200.json")
 SCHEDULE = str(Path(__file__).resolve().parent / "data" / "llama3-8b-tp1-h200-b2048-single.json")
 
 

@@ -159,6 +159,15 @@ def activation_bytes_per_gpu(spec: ModelSpec, tp: int, dense_batch: int) -> floa
     return 2 * dense_batch * widest * spec.dtype_bytes
 
 
+def kv_capacity_tokens(spec: ModelSpec, tp: int, memory_bytes: float, dense_batch: int,
+                       mem_util: float = 0.85) -> float:
+    """KV-cache tokens one GPU of `memory_bytes` holds beside its weights and the working
+    activations of a `dense_batch` forward (the engine's default `mem_util`)."""
+    budget = (mem_util * memory_bytes - spec.num_params() * spec.dtype_bytes / tp
+              - activation_bytes_per_gpu(spec, tp, dense_batch))
+    return max(0.0, budget / spec.kv_bytes_per_token(tp))
+
+
 def max_dense_batch(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
                     mem_util: float = 0.9) -> int:
     """Largest multiple of 128 tokens whose weights, KV cache and activations fit each GPU."""

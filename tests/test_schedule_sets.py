@@ -214,11 +214,16 @@ def synthetic():
 
 def test_the_bound_is_above_what_the_search_finds(synthetic):
     from nanosched.autosearch.search import run_search
-    from nanosched.autosearch.sets import key_batch, overlap_bound, sequential_forward_us
+    from nanosched.autosearch.sets import (
+        key_batch,
+        key_config,
+        overlap_bound,
+        sequential_forward_us,
+    )
 
     for d, t in [(256, 512), (0, 512), (512, 512)]:
         bound = overlap_bound(synthetic, key_batch(synthetic, d, t))
-        sched = run_search(replace(synthetic, dense_batch=t, num_decode=d, time_limit_s=2.0))
+        sched = run_search(replace(key_config(synthetic, d, t), time_limit_s=2.0))
         forward, sequential = layer_times_us(sched)
         assert sequential == pytest.approx(
             sequential_forward_us(synthetic, key_batch(synthetic, d, t)))
@@ -336,3 +341,31 @@ def test_the_set_predicts_a_bucket_between_its_keys(single):
     assert pipe.predict_us(128, 256) == pytest.approx((1000 + 128 + 512) / 1.25)
     assert pipe.predict_us(0, 256) == pytest.approx(1000 + 512)
     assert base.sequential_us(0, 256) is None  # a single schedule: no grid to read
+
+
+def test_the_steady_state_is_the_searched_steady_key_not_the_best_pipeline(single):
+    """`show` and `bench` report the workload's mix at the dense batch: a pipeline elsewhere at
+    the dense batch, however good, is not the steady state."""
+    sset = tiny_set(single)  # pipelines (128, 256) only
+    assert sset.full.key == (128, 256)  # no search notes: the best pipeline at the dense batch
+    noted = replace(sset, search={"steady_key": [256, 256]})
+    assert noted.full.key == (256, 256) and noted.full.kind == "sequential"
+
+
+def test_a_key_whose_decode_rows_do_not_fit_is_searched_at_the_context_that_fits(synthetic):
+    from nanosched.autosearch.sets import key_batch, key_config
+    from nanosched.costmodel import kv_capacity_tokens
+
+    cap = kv_capacity_tokens(synthetic.spec, 1, synthetic.profile.identity.memory_bytes, 512)
+    few, many = key_batch(synthetic, 128, 512), key_batch(synthetic, 512, 512)
+    assert few.decode_context == 1280  # 128 x 1,280 tokens fit an H100's cache
+    least = min(r.context for r in synthetic.profile.kernels if r.op == "attn_decode")
+    assert many.decode_context == max(least, cap / 512) < 1280  # 512 x 1,280 tokens do not fit
+    small = replace(synthetic, profile=replace(synthetic.profile, identity=replace(
+        synthetic.profile.identity, memory_bytes=20 * 2**30)))  # ~2 GiB left for the cache
+    tight = key_batch(small, 256, 512)
+    room = kv_capacity_tokens(small.spec, 1, 20 * 2**30, 512) - 256
+    assert tight.decode_context == pytest.approx(max(least, room / 256))
+    assert tight.decode_context < 1280
+    assert key_config(small, 256, 512).decode_context == tight.decode_context
+    assert key_batch(small, 0, 512).decode_context == 1280  # no decode rows: nothing to fit

@@ -59,6 +59,7 @@ class SearchConfig:
     command: str = ""
     deterministic: bool = False  # time limit in CP-SAT deterministic units: reproducible (tests)
     num_decode: int | None = None  # decode tokens of the batch (default: the workload's mix)
+    decode_context: float | None = None  # their mean context (default: the workload's)
     counts: dict[str, int] | None = None  # nano-ops per op to start from (default: 2 each)
 
 
@@ -74,11 +75,13 @@ def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
 
 def search_batch(cfg: SearchConfig) -> BatchInfo:
     """The batch searched: the workload's steady mix at the dense batch, or `num_decode`
-    decode tokens when given (the contexts stay the workload's)."""
+    decode tokens at `decode_context` when given (else the workload's contexts)."""
     batch = batch_info(cfg.workload, cfg.dense_batch)
-    if cfg.num_decode is None:
-        return batch
-    return replace(batch, num_decode=cfg.num_decode)
+    if cfg.num_decode is not None:
+        batch = replace(batch, num_decode=cfg.num_decode)
+    if cfg.decode_context is not None:
+        batch = replace(batch, decode_context=cfg.decode_context)
+    return batch
 
 
 def _check_config(cfg: SearchConfig) -> None:

@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from nanosched.autosearch.cpsat import Progress
 from nanosched.autosearch.search import SearchConfig, run_search, search_batch
 from nanosched.constants import TOKEN_QUANTUM
+from nanosched.costmodel import kv_capacity_tokens
 from nanosched.errors import ScheduleError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import BatchInfo, model_info
@@ -68,10 +69,27 @@ class KeyResult:
     wall_s: float
 
 
+def key_config(cfg: SearchConfig, d: int, t: int) -> SearchConfig:
+    """The search of key (D, T): D decode of T tokens at the workload's contexts, the decode
+    context shortened to what fits in the profiled GPU's KV cache beside T - D prompt tokens
+    (the engine never holds more: 1,408 decode rows of 1,280 tokens exceed an H200's cache), but
+    not below the profile's shortest measured decode context."""
+    kcfg = replace(cfg, dense_batch=t, num_decode=d)
+    if d == 0 or not cfg.profile.identity.memory_bytes:
+        return kcfg
+    room = kv_capacity_tokens(cfg.spec, cfg.tp, cfg.profile.identity.memory_bytes,
+                              cfg.dense_batch) - (t - d)
+    context = search_batch(kcfg).decode_context
+    # never below the shortest decode context the profile measured: its rows are interpolated,
+    # not extrapolated (such a key is priced a little long)
+    least = min((r.context for r in cfg.profile.kernels if r.op == "attn_decode" and r.context),
+                default=1)
+    return replace(kcfg, decode_context=min(context, max(float(least), room / d)))
+
+
 def key_batch(cfg: SearchConfig, d: int, t: int) -> BatchInfo:
-    """The batch of key (D, T), as `run_search` searches it: the workload's contexts and prompt
-    length at D decode of T tokens."""
-    return search_batch(replace(cfg, dense_batch=t, num_decode=d))
+    """The batch of key (D, T), as `run_search` searches it (`key_config`)."""
+    return search_batch(key_config(cfg, d, t))
 
 
 def sequential_forward_us(cfg: SearchConfig, batch: BatchInfo) -> float:
@@ -194,8 +212,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
             budget = base.time_limit_s / max(1, len(order))
         t0 = time.perf_counter()
         seq = sequential[key]
-        kcfg = replace(base, dense_batch=t, num_decode=d, time_limit_s=budget,
-                       counts=nearest(key, counts))
+        kcfg = replace(key_config(base, d, t), time_limit_s=budget, counts=nearest(key, counts))
         if progress:
             progress(f"key D={d} T={t}: searching ({budget:.0f} s)")
         try:

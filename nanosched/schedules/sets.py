@@ -143,13 +143,17 @@ class ScheduleSet:
 
     @property
     def full(self) -> SetEntry | None:
-        """The entry of the steady state's batch: the best pipeline at the dense batch, else
-        the entry there that kept the search's pipeline, else the search's steady key."""
+        """The entry of the steady state's batch: the search's steady key (the workload's mix
+        at the dense batch) when the set records it; else (a `/1` file, a set without search
+        notes) the best pipeline at the dense batch, the entry there that kept a pipeline, or
+        any entry there."""
+        steady = tuple((self.search or {}).get("steady_key", ()))
+        if len(steady) == 2 and (e := self.entry(*steady)) is not None \
+                and e.key == steady:
+            return e
         at_b = [e for e in self.entries if e.num_tokens == self.dense_batch]
         pipes = [e for e in at_b if e.kind == "pipeline"]
-        steady = tuple((self.search or {}).get("steady_key", ()))
-        kept = [e for e in at_b if e.schedule is not None] or \
-            [e for e in at_b if e.key == steady]
+        kept = [e for e in at_b if e.schedule is not None]
         return max(pipes or kept or at_b, key=lambda e: (e.speedup, e.num_decode),
                    default=None)
 

@@ -181,6 +181,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     why = available() or unsupported(q, k_cache, v_cache, k_scale)
     if not why and (context_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
         why = "it needs int32 block tables and context lengths"
+    if not why and (out.dtype != q.dtype or out.stride(2) != 1):
+        why = "it writes out in q's dtype, each head's row contiguous"
     if why:
         raise ConfigError(f"decode attention 'cuda_bulk' cannot run: {why}")
     num_kv = k_cache.shape[2]

@@ -68,6 +68,24 @@ def batch_chunks(dense: int, num_decode: int, prompt: int, first_id: int,
     return chunks
 
 
+def decode_room(ws: Any, dense: int, num_decode: int, prompt: int) -> int:
+    """Free KV pages left for the decode rows of a synthetic batch once its prompt chunks have
+    theirs (the accounting of `throughput.forward_pages`: whole pages, one more per chunk for a
+    partial page, 8 spare)."""
+    rest = dense - num_decode
+    return ws.kv.allocator.num_free - -(-rest // ws.kv.page_size) - -(-rest // max(1, prompt)) - 8
+
+
+def fitting_context(ws: Any, dense: int, num_decode: int, context: int, prompt: int) -> int:
+    """The decode context of a synthetic batch: `context`, or less where `num_decode` requests
+    of it do not fit in the cache beside the prompt chunks (many decode rows at a long context
+    exceed the GPU's memory; the engine never forms such a batch)."""
+    if num_decode == 0:
+        return context
+    room = decode_room(ws, dense, num_decode, prompt)
+    return max(1, min(context, room // num_decode * ws.kv.page_size - 1))
+
+
 def bucket_batch(ws: Any, dense: int, num_decode: int, context: int, prompt: int,
                  first_id: int, align: int) -> tuple[list[Any], list[int]]:
     """A synthetic batch for a CUDA-graph bucket: `num_decode` decode tokens (each with

@@ -19,7 +19,9 @@ import torch
 
 from nanosched.benchmarks.common import (
     bucket_batch,
+    decode_room,
     environment,
+    fitting_context,
     measured_gemm_tflops,
     synthetic_batch,
 )
@@ -126,9 +128,8 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     from nanosched.runtime.strategies import Sequential
 
     page = ws.kv.page_size
-    avail = ws.kv.allocator.num_free - (dense - num_decode) // page - 8  # pages for decodes
-    num_decode = max(0, min(num_decode, avail))
-    context = max(1, min(context, avail // max(1, num_decode) * page - 1))
+    num_decode = max(0, min(num_decode, decode_room(ws, dense, num_decode, prompt)))
+    context = fitting_context(ws, dense, num_decode, context, prompt)
     runner = BucketRunner(model, ws, Backend(device), strategy, align=EngineConfig.graph_align,
                           max_pages=-(-max(context + 1, prompt) // page), capture=True) \
         if graphs else None

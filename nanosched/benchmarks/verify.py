@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from nanosched.benchmarks.common import bucket_batch
+from nanosched.benchmarks.common import bucket_batch, fitting_context
 from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError, ScheduleError
 from nanosched.runtime.backend import Backend
@@ -99,20 +99,6 @@ def _sustained(timed: _Timed, cfg: VerifyConfig, device: Any, telemetry: Any
     if reading is not None:
         out |= {"sm_clock_mhz": round(reading.clock_mhz, 1), "power_w": round(reading.power_w, 1)}
     return out
-
-
-def fitting_context(ws: Any, num_tokens: int, num_decode: int, context: int, prompt: int
-                    ) -> int:
-    """The decode context of a key's batch: the workload's `context`, or less where `num_decode`
-    requests of it do not fit in the cache beside the prompt chunks (many decode rows at a long
-    context exceed the GPU's memory; the engine never forms such a batch, and the entry is
-    timed at the longest context that fits, recorded in `measured`)."""
-    page = ws.kv.page_size
-    chunks = -(-(num_tokens - num_decode) // max(1, prompt))
-    avail = ws.kv.allocator.num_free - -(-(num_tokens - num_decode) // page) - chunks - 8
-    if num_decode == 0:
-        return context
-    return max(1, min(context, avail // num_decode * page - 1))
 
 
 def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int,

@@ -177,11 +177,13 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     results: dict[tuple[int, int], KeyResult] = {}
     counts: dict[tuple[int, int], dict[str, int]] = {}
     sequential: dict[tuple[int, int], float] = {}
+    configs: dict[tuple[int, int], SearchConfig] = {}  # each key's search: its batch's source
     to_search = []
     for key in keys:
         d, t = key
         t0 = time.perf_counter()
-        batch = key_batch(base, d, t)
+        configs[key] = key_config(base, d, t)
+        batch = search_batch(configs[key])
         seq = sequential[key] = sequential_forward_us(base, batch)
         if t < 2 * TOKEN_QUANTUM:
             results[key] = KeyResult(key, SetEntry(d, t, "sequential", seq, seq,
@@ -212,7 +214,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
             budget = base.time_limit_s / max(1, len(order))
         t0 = time.perf_counter()
         seq = sequential[key]
-        kcfg = replace(key_config(base, d, t), time_limit_s=budget, counts=nearest(key, counts))
+        kcfg = replace(configs[key], time_limit_s=budget, counts=nearest(key, counts))
         if progress:
             progress(f"key D={d} T={t}: searching ({budget:.0f} s)")
         try:

@@ -47,6 +47,14 @@ def smem_bytes(num_kv_heads: int, head_dim: int, stages: int = STAGES) -> int:
     return stages * 2 * PAGE * num_kv_heads * head_dim * 2 + 1024 + 16 * stages
 
 
+@functools.cache
+def _device_limits(index: int) -> tuple[int, int]:
+    """(compute capability major, shared memory a block may opt into) of GPU `index`, read once:
+    every launch checks them."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.shared_memory_per_block_optin
+
+
 def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 k_scale: torch.Tensor | None = None) -> str | None:
     """Why this kernel cannot run the call, or None."""
@@ -71,10 +79,11 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return "it needs q's rows contiguous and 4-byte aligned"
     if q.device.type != "cuda":
         return "it runs on a CUDA GPU only"
-    if torch.cuda.get_device_capability(q.device)[0] < 9:
+    major, limit = _device_limits(q.device.index if q.device.index is not None
+                                  else torch.cuda.current_device())
+    if major < 9:
         return "it needs an sm_90 (Hopper) GPU or newer: tensor-map copies"
     smem = smem_bytes(num_kv, d)
-    limit = torch.cuda.get_device_properties(q.device).shared_memory_per_block_optin
     if smem > limit:
         return f"its ring needs {smem} B of shared memory, the GPU offers {limit}"
     return None

@@ -2,6 +2,7 @@
 
 import itertools
 
+import pytest
 from test_point_consistency import brute_force
 
 from nanosched.autosearch.cpsat import Limits
@@ -10,6 +11,7 @@ from nanosched.autosearch.opgraph import Edge, GraphOp, OpGraph, TokenMix, expan
 from nanosched.autosearch.periodic import min_period
 from nanosched.autosearch.stage1 import Stage1Problem, min_split_ticks, solve_stage1
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
+from nanosched.errors import ConfigError
 
 # A (compute) -> M (memory) -> C (compute) -> next layer's A
 GRAPH = OpGraph((GraphOp("a", "compute"), GraphOp("m", "memory"), GraphOp("c", "compute")),
@@ -17,11 +19,12 @@ GRAPH = OpGraph((GraphOp("a", "compute"), GraphOp("m", "memory"), GraphOp("c", "
 TABLES = {"a": [0, 5, 8, 11], "m": [0, 9, 12, 16], "c": [0, 4, 7, 9]}
 
 
-def brute_force_stage1(batch: int) -> int:
-    """Least period over every split, per-stream order and layer offsets."""
+def brute_force_stage1(batch: int, fixed: dict[str, int] | None = None) -> int:
+    """Least period over every split (ops in `fixed` cut only there), per-stream order and
+    layer offsets."""
     mix, q, best = TokenMix(batch, 0, batch), batch // 128, 10**9
-    cuts = range(1, q)
-    for ca, cm, cc in itertools.product(cuts, cuts, cuts):
+    cuts = {op: [(fixed or {})[op]] if op in (fixed or {}) else range(1, q) for op in "amc"}
+    for ca, cm, cc in itertools.product(cuts["a"], cuts["m"], cuts["c"]):
         split = {op: [(0, 128 * c), (128 * c, batch)]
                  for op, c in zip("amc", (ca, cm, cc), strict=True)}
         nanos = expand(GRAPH, split, mix, {})
@@ -46,6 +49,27 @@ def test_stage1_matches_brute_force():
         st, rep = solve_stage1(prob, Limits(10, 2))
         assert rep.status == "OPTIMAL"
         assert st is not None and st.period == brute_force_stage1(batch)
+
+
+def test_stage1_with_fixed_cuts_matches_brute_force():
+    """Fixed cuts: the split is the one given, and the period is the best over the free ops'
+    cuts, orders and offsets (here above the free optimum: cutting m at 1 of 3 quanta)."""
+    prob = Stage1Problem(GRAPH, TokenMix(384, 0, 384), TABLES, {"a": 2, "m": 2, "c": 2},
+                         fixed_cuts={"m": (1,), "c": (2,)})
+    st, rep = solve_stage1(prob, Limits(10, 2))
+    assert rep.status == "OPTIMAL" and st is not None
+    assert st.split["m"] == [(0, 128), (128, 384)] and st.split["c"] == [(0, 256), (256, 384)]
+    assert st.period == brute_force_stage1(384, {"m": 1, "c": 2}) > brute_force_stage1(384)
+
+
+def test_stage1_refuses_fixed_cuts_that_do_not_fit():
+    for bad in ((0,), (3,), (2, 1), (1, 1)):
+        counts = {"a": 2, "m": len(bad) + 1, "c": 2}
+        with pytest.raises(ConfigError, match="fixed cuts"):
+            Stage1Problem(GRAPH, TokenMix(384, 0, 384), TABLES, counts, fixed_cuts={"m": bad})
+    with pytest.raises(ConfigError, match="fixed cuts"):  # 3 nano-ops need 2 cuts
+        Stage1Problem(GRAPH, TokenMix(384, 0, 384), TABLES, {"a": 2, "m": 3, "c": 2},
+                      fixed_cuts={"m": (1,)})
 
 
 def test_min_split_is_the_cheapest_split():

@@ -100,6 +100,21 @@ class Stage1Problem:
     tables: dict[str, list[int]]  # op -> ticks alone at 0, 1, ..., Q quanta
     counts: dict[str, int]  # op -> number of nano-ops
     max_period_ticks: int | None = None
+    # op -> its cuts c_{A,1..n_A-1} in quanta, fixed (len = count - 1); other ops' cuts are free
+    fixed_cuts: dict[str, tuple[int, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        q = self.mix.dense_batch // TOKEN_QUANTUM
+        for op, cuts in (self.fixed_cuts or {}).items():
+            n = self.counts.get(op, 0)
+            if len(cuts) != n - 1 or list(cuts) != sorted(set(cuts)) \
+                    or not all(0 < c < q for c in cuts):
+                raise ConfigError(f"op {op!r}: fixed cuts {cuts} are not {n - 1} increasing "
+                                  f"quanta inside (0, {q})")
+
+    def cuts_of(self, op: str) -> tuple[int, ...] | None:
+        """The fixed cuts of `op`, or None when the solver chooses them."""
+        return (self.fixed_cuts or {}).get(op)
 
 
 @dataclass(frozen=True)
@@ -217,10 +232,13 @@ def class_loads(graph: OpGraph, mix: TokenMix, least: Callable[[str, int, bool],
     return load
 
 
-def _add_cuts(m: Any, op: str, count: int, q: int) -> list[Any]:
+def _add_cuts(m: Any, op: str, count: int, q: int, fixed: tuple[int, ...] | None = None
+              ) -> list[Any]:
     if not 1 <= count <= q:
         raise ConfigError(f"op {op!r}: {count} nano-ops need at least "
                           f"{count * TOKEN_QUANTUM} tokens")
+    if fixed is not None:
+        return [m.new_constant(c) for c in (0, *fixed, q)]
     cuts = [m.new_constant(0)]
     for i in range(1, count):
         cuts.append(m.new_int_var(i, q - count + i, f"cut_{op}_{i}"))
@@ -493,7 +511,7 @@ def build_cp_model(prob: Stage1Problem, upper: int | None = None, relaxed: bool 
         m.add_exactly_one(lits.values())
     by_op: dict[str, list[NanoVars]] = {}
     for op in prob.graph.ops:
-        cuts = _add_cuts(m, op.name, prob.counts[op.name], q)
+        cuts = _add_cuts(m, op.name, prob.counts[op.name], q, prob.cuts_of(op.name))
         dom = {"all": (0, q), "decode": (0, nd), "prefill": (nd, q)}[op.domain]
         lit = forms[op.group][op.form or ""] if op.group else None
         by_op[op.name] = [_add_nano(m, op, i, cuts, dom, prob.tables[op.name], lit, horizon)
@@ -618,8 +636,9 @@ def heuristic_structure(prob: Stage1Problem) -> Structure | None:
     from nanosched.autosearch.periodic import min_period
 
     forms = {g: fs[0] for g, fs in prob.graph.groups().items()}
-    split = {o.name: even_split(prob.mix.dense_batch, prob.counts[o.name])
-             for o in prob.graph.ops}
+    split = {o.name: fixed_split(prob.cuts_of(o.name), prob.mix.dense_batch)
+             if prob.cuts_of(o.name) is not None
+             else even_split(prob.mix.dense_batch, prob.counts[o.name]) for o in prob.graph.ops}
     nanos = expand(prob.graph, split, prob.mix, forms)
     pos = {o.name: i for i, o in enumerate(prob.graph.ops)}
     durations = {n.id: prob.tables[n.op][n.work_tokens // TOKEN_QUANTUM] for n in nanos}
@@ -637,6 +656,12 @@ def heuristic_structure(prob: Stage1Problem) -> Structure | None:
     return best
 
 
+def fixed_split(cuts: tuple[int, ...], dense_batch: int) -> list[tuple[int, int]]:
+    """Token ranges of an op cut at `cuts` (quanta)."""
+    edges = [0, *(c * TOKEN_QUANTUM for c in cuts), dense_batch]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
 def add_hint(prob: Stage1Problem, m: Any, v: Stage1Vars, hint: Structure) -> None:
     """Hint the solver with a known structure (cuts, forms, streams, starts, period)."""
     m.add_hint(v.tau, hint.period)
@@ -647,7 +672,7 @@ def add_hint(prob: Stage1Problem, m: Any, v: Stage1Vars, hint: Structure) -> Non
     first = min(hint.starts.values())
     for op, xs in v.by_op.items():
         for x, (s, e) in zip(xs, hint.split[op], strict=True):
-            if not isinstance(x.cut_end, int) and e < prob.mix.dense_batch:
+            if prob.cuts_of(op) is None and e < prob.mix.dense_batch:
                 m.add_hint(x.cut_end, e // TOKEN_QUANTUM)
             n = nanos.get((op, s))
             if n is None:

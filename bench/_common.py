@@ -1,4 +1,5 @@
-"""Shared helpers of the GPU benchmark scripts: environment record, timing, output, tables.
+"""Shared helpers of the GPU benchmark scripts: environment record, timing, a copy ceiling,
+green-context places, output, tables.
 
 Each script writes one JSON file (device, versions, date, command, every number) to $OUT when
 set, else bench/results/, and prints a short table last.
@@ -47,6 +48,31 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**32) -> float:
+    """Device-to-device copy of `nbytes` on the current stream: (read + write) bytes / time."""
+    bufs = [torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")]
+    bufs.append(torch.empty_like(bufs[0]))
+    ms = median_ms(lambda: bufs[1].copy_(bufs[0]))
+    bufs.clear()
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e6
+
+
+def places(sms_list: list[int]) -> list[tuple[int, Any, Any]]:
+    """(granted SMs, stream, partition pair) for a green-context partition of about each of
+    `sms_list` SMs (the driver rounds to its granularity), then (all SMs, the current stream,
+    None) for the whole GPU. Close each pair when done."""
+    from nanosched.greenctx import split_sms
+
+    out = []
+    for small in sms_list:
+        pair = split_sms(0, small)
+        out.append((pair.small.sms, pair.small.stream, pair))
+    n = torch.cuda.get_device_properties(0).multi_processor_count
+    out.append((n, torch.cuda.current_stream(), None))
+    return out
 
 
 def write_result(name: str, data: dict[str, Any]) -> Path:

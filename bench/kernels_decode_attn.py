@@ -28,7 +28,14 @@ import math
 from pathlib import Path
 
 import torch
-from _common import environment, median_ms, print_table, write_result
+from _common import (
+    copy_bandwidth_gbs,
+    environment,
+    median_ms,
+    places,
+    print_table,
+    write_result,
+)
 
 from nanosched.kernels.common import PAGED, PIPELINED, PIPELINED_2W, DecodeConfig
 from nanosched.kernels.reference import quantize_fp8
@@ -36,15 +43,6 @@ from nanosched.kernels.reference import quantize_fp8
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
 SMEM_PER_SM = 227 * 1024  # what an H100/H200 SM offers one or more programs
 SMEM_SLACK = 1.25  # the compiler's layout-conversion scratch beside the K/V ring
-
-
-def copy_bandwidth_gbs(nbytes: int = 2**32) -> float:
-    bufs = [torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")]
-    bufs.append(torch.empty_like(bufs[0]))
-    ms = median_ms(lambda: bufs[1].copy_(bufs[0]))
-    bufs.clear()
-    torch.cuda.empty_cache()
-    return 2 * nbytes / ms / 1e6
 
 
 class Batch:
@@ -88,19 +86,6 @@ class Batch:
         decode_attention(self.q, self.k, self.v, self.tables, self.lens, self.context,
                          HD ** -0.5, self.out, max_ctas=ctas, config=config, **self.scales)
         return self.out
-
-
-def places(sms_list: list[int]) -> list[tuple[int, object, object]]:
-    """(granted SMs, stream) for each requested partition, then the whole GPU."""
-    from nanosched.greenctx import split_sms
-
-    out = []
-    for small in sms_list:
-        pair = split_sms(0, small)
-        out.append((pair.small.sms, pair.small.stream, pair))
-    n = torch.cuda.get_device_properties(0).multi_processor_count
-    out.append((n, torch.cuda.current_stream(), None))
-    return out
 
 
 def time_on(batch: Batch, config: DecodeConfig | None, sms: int, stream) -> dict:

@@ -70,7 +70,7 @@ def test_it_is_a_decode_implementation_the_profiler_knows():
     from nanosched.profiler.runner import PARTITION_MEMORY_IMPLS
 
     assert impls.check_op_impl("attn_decode", "cuda_bulk") == "cuda_bulk"
-    assert impls.decode_ctas(None, 32, impls.BULK_CTAS_PER_SM) == 32
+    assert impls.grid_bound(None, 32, impls.BULK_CTAS_PER_SM) == 32
     runnable, notes = profiler_impls.available(["attn_decode"])
     reason = profiler_impls.bulk_missing()
     if reason is None:

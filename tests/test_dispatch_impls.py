@@ -45,8 +45,8 @@ def test_names_parse_and_bad_names_are_refused_with_the_known_ones():
         impls.check_op_impl("act", "cublas")
     with pytest.raises(ConfigError, match=r"op 'ar_ffn' has no implementations"):
         impls.check_op_impl("ar_ffn", "torch")
-    assert impls.decode_ctas(None, 5, 3) == 15
-    assert impls.decode_ctas(7, 5, 3) == 7 and impls.decode_ctas(None, None, 3) is None
+    assert impls.grid_bound(None, 5, 3) == 15
+    assert impls.grid_bound(7, 5, 3) == 7 and impls.grid_bound(None, None, 3) is None
     with pytest.raises(ConfigError, match=r"decode implementation 'triton_fast' is not one of"):
         K.KernelOptions(decode_impl="triton_fast")
 
@@ -115,6 +115,90 @@ def test_elementwise_ops_honour_impl_over_the_options():
     for got, want in zip(outs[1], outs[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
+
+
+def test_elementwise_bound_is_max_ctas_else_programs_per_sm():
+    args = impls.read_launch
+    per_sm = impls.ELEMENTWISE_CTAS_PER_SM
+    assert set(per_sm) == {"rms_norm_add", "silu_mul", "rope_append"}
+    for kernel, k in per_sm.items():
+        assert impls.elementwise_ctas(args(None), kernel) is None  # one program per item
+        assert impls.elementwise_ctas(args({"impl": "triton", "num_sms": 16}), kernel) == 16 * k
+        assert impls.elementwise_ctas(args({"num_sms": 16, "partition": True}), kernel) == 16 * k
+        assert impls.elementwise_ctas(args({"num_sms": 16, "max_ctas": 3}), kernel) == 3
+    with pytest.raises(ConfigError, match=r"launch max_ctas=0 must be a positive integer"):
+        K.silu_mul(torch.randn(2, 8), torch.empty(2, 4), TORCH, {"impl": "triton", "max_ctas": 0})
+
+
+def elementwise_grids(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """Programs of every elementwise Triton launch from here on, per kernel."""
+    from nanosched.kernels import elementwise
+
+    grids: dict[str, list[int]] = {}
+    for name in ("_rms_norm_add_kernel", "_silu_mul_kernel", "_rope_append_kernel"):
+        kernel, log = getattr(elementwise, name), grids.setdefault(name, [])
+
+        class Launcher:
+            def __getitem__(self, grid, kernel=kernel, log=log):
+                log.append(grid[0])
+                return kernel[grid]
+
+        monkeypatch.setattr(elementwise, name, Launcher())
+    return grids
+
+
+@needs_interpret
+def test_elementwise_launch_bounds_reach_the_kernels(monkeypatch):
+    """max_ctas, else num_sms x the kernel's programs per SM, bound the grid; the result is the
+    torch reference's whatever the bound."""
+    gen = torch.Generator().manual_seed(5)
+    x, r = torch.randn(9, 48, generator=gen), torch.randn(9, 48, generator=gen)
+    weight = torch.rand(48, generator=gen) + 0.5
+    want = [torch.empty_like(x), torch.empty_like(x), torch.empty(9, 24)]
+    K.rms_norm_add(x, r, weight, 1e-6, want[0], want[1], TORCH, {"impl": "torch"})
+    K.silu_mul(x, want[2], TORCH, {"impl": "torch"})
+    grids = elementwise_grids(monkeypatch)
+    launches = [{"impl": "triton", "max_ctas": 3}, {"impl": "triton", "num_sms": 1},
+                {"impl": "triton", "num_sms": 1, "partition": True}, {"impl": "triton"},
+                {"impl": "triton", "num_sms": 1, "max_ctas": 2}]
+    for launch in launches:
+        got = [torch.empty_like(x), torch.empty_like(x), torch.empty(9, 24)]
+        K.rms_norm_add(x, r, weight, 1e-6, got[0], got[1], TORCH, launch)
+        K.silu_mul(x, got[2], TORCH, launch)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=str(launch))
+    per_sm = impls.ELEMENTWISE_CTAS_PER_SM
+    assert grids["_rms_norm_add_kernel"] == [3, per_sm["rms_norm_add"], per_sm["rms_norm_add"],
+                                             9, 2]
+    assert grids["_silu_mul_kernel"] == [3, per_sm["silu_mul"], per_sm["silu_mul"], 9, 2]
+
+
+def scheduled_op(op: str, mechanism: str, units: int):
+    from nanosched.schedules.format import Alloc, NanoOp
+
+    return NanoOp(f"{op}_0", op, "other", 0, 9, "memory", 0, 0, (),
+                  Alloc(0.25, 0.5, mechanism, units, impl="triton"), 0.0, 1.0)
+
+
+@needs_interpret
+def test_a_schedules_allocation_bounds_the_elementwise_kernels_of_a_forward(monkeypatch):
+    """A replayed nano-op's `cta_bound` CTAs, or green-context SMs, reach every elementwise
+    kernel of the model's forward (rope_append, both norms, act), and the forward is unchanged."""
+    from nanosched.runtime.strategies.replay import launch_config
+
+    model = CausalLM(LLAMA)
+    init_random(model, seed=3)
+    want = run_forward(model, DEFAULT_LAUNCH)
+    per_sm = impls.ELEMENTWISE_CTAS_PER_SM
+    for mechanism, units, bound in (("cta_bound", 2, {k: 2 for k in per_sm}),
+                                    ("green_ctx", 1, per_sm)):
+        cfg = launch_config(scheduled_op("act", mechanism, units))
+        grids = elementwise_grids(monkeypatch)
+        got = run_forward(model, cfg)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=mechanism)
+        for kernel, programs in bound.items():
+            launched = grids[f"_{kernel}_kernel"]
+            assert launched and max(launched) == programs, (mechanism, kernel, launched)
 
 
 @needs_interpret

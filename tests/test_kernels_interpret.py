@@ -79,9 +79,14 @@ def test_decode_attention_padded_rows_are_zero_and_read_no_page(num_splits, conf
     assert rel_err(got[real], want) < tol(torch.float32)
 
 
+# (max_ctas, prefetch): one program per item, then persistent grids smaller than the items
+BOUNDS = [(None, True), (1, True), (3, True), (3, False)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_rms_norm_add(dtype, with_residual):
+@pytest.mark.parametrize("max_ctas, prefetch", BOUNDS)
+def test_rms_norm_add(dtype, with_residual, max_ctas, prefetch):
     from nanosched.kernels.elementwise import rms_norm_add
 
     gen = torch.Generator().manual_seed(1)
@@ -91,40 +96,103 @@ def test_rms_norm_add(dtype, with_residual):
     want, want_r = torch.empty_like(x), torch.empty_like(x)
     got, got_r = torch.empty_like(x), torch.empty_like(x)
     ref.rms_norm_add(x, res, w, 1e-5, want, want_r)
-    rms_norm_add(x, res, w, 1e-5, got, got_r)
+    rms_norm_add(x, res, w, 1e-5, got, got_r, max_ctas=max_ctas, prefetch=prefetch)
     assert rel_err(got, want) < tol(dtype) and rel_err(got_r, want_r) < tol(dtype)
 
 
+@pytest.mark.parametrize("max_ctas", [None, 2])
+def test_rms_norm_add_updates_the_residual_in_place(max_ctas):
+    """residual_out aliasing residual (the model's layout): a program's next row is loaded
+    before this row's residual is stored, and rows never overlap."""
+    from nanosched.kernels.elementwise import rms_norm_add
+
+    gen = torch.Generator().manual_seed(11)
+    buf = torch.randn(9, 40, generator=gen)  # rows 1..7 of a larger buffer
+    x, w = torch.randn(7, 40, generator=gen), torch.rand(40, generator=gen) + 0.5
+    want, want_r = torch.empty_like(x), torch.empty_like(x)
+    ref.rms_norm_add(x, buf[1:8], w, 1e-5, want, want_r)
+    got, outside = torch.empty_like(x), buf[[0, 8]].clone()
+    rms_norm_add(x, buf[1:8], w, 1e-5, got, buf[1:8], max_ctas=max_ctas)
+    assert rel_err(got, want) < 1e-5 and rel_err(buf[1:8], want_r) < 1e-5
+    assert torch.equal(buf[[0, 8]], outside)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype):
+@pytest.mark.parametrize("rows, inter", [(6, 40), (3, 2088)])  # 1 and 2 items per row
+@pytest.mark.parametrize("max_ctas, prefetch", BOUNDS)
+def test_silu_mul(dtype, rows, inter, max_ctas, prefetch):
     from nanosched.kernels.elementwise import silu_mul
 
-    gu = torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(2)).to(dtype)
-    want, got = torch.empty(6, 40, dtype=dtype), torch.empty(6, 40, dtype=dtype)
+    gu = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want, got = torch.empty(rows, inter, dtype=dtype), torch.empty(rows, inter, dtype=dtype)
     ref.silu_mul(gu, want)
-    silu_mul(gu, got)
+    silu_mul(gu, got, max_ctas=max_ctas, prefetch=prefetch)
     assert rel_err(got, want) < tol(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_append(dtype):
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (6, 3)])  # 6 and 3: heads masked in the tiles
+@pytest.mark.parametrize("max_ctas, prefetch", BOUNDS)
+def test_rope_append(dtype, hq, hkv, max_ctas, prefetch):
     from nanosched.kernels.elementwise import rope_append
 
     gen = torch.Generator().manual_seed(3)
-    hq, hkv, d, pages, page = 4, 2, 16, 6, 4
+    d, pages, page = 16, 6, 4
     qkv = torch.randn(5, (hq + 2 * hkv) * d, generator=gen).to(dtype)
     pos, slots = torch.tensor([0, 3, 7, 100, 5]), torch.tensor([1, 9, 23, 3, 12])
     freqs = torch.outer(torch.arange(128).float(), 1 / 500.0 ** (torch.arange(0, d, 2) / d))
     outs = []
-    for fn in (ref.rope_append, rope_append):
+    for fn, bound in ((ref.rope_append, {}), (rope_append, {"max_ctas": max_ctas,
+                                                            "prefetch": prefetch})):
         k, v = torch.zeros(pages, page, hkv, d, dtype=dtype), torch.zeros(pages, page, hkv, d,
                                                                          dtype=dtype)
         q = torch.empty(5, hq, d, dtype=dtype)
-        fn(qkv, pos, freqs.cos(), freqs.sin(), slots, k, v, q)
+        fn(qkv, pos, freqs.cos(), freqs.sin(), slots, k, v, q, **bound)
         outs.append((q, k, v))
     for got, want in zip(outs[1], outs[0], strict=True):
         assert rel_err(got, want) < tol(dtype)
     assert outs[1][2].view(-1, hkv, d)[9].abs().sum() > 0  # V written at token 1's slot
+    assert torch.equal(outs[1][1].view(-1, hkv, d)[0], torch.zeros(hkv, d))  # no stray slot
+
+
+class GridLog:
+    """Records the grid of every launch of an elementwise Triton kernel (monkeypatched)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+        from nanosched.kernels import elementwise
+
+        self.grids: dict[str, list[tuple[int, ...]]] = {name: [] for name in names}
+        for name in names:
+            monkeypatch.setattr(elementwise, name, self._wrap(name, getattr(elementwise, name)))
+
+    def _wrap(self, name: str, kernel):
+        log = self.grids[name]
+
+        class Launcher:
+            def __getitem__(self, grid):
+                log.append(tuple(grid))
+                return kernel[grid]
+
+        return Launcher()
+
+
+def test_elementwise_grid_is_the_bound_or_one_program_per_item(monkeypatch):
+    from nanosched.kernels import elementwise as E
+
+    log = GridLog(monkeypatch, "_rms_norm_add_kernel", "_silu_mul_kernel", "_rope_append_kernel")
+    x = torch.randn(5, 48)
+    gu = torch.randn(3, 2 * (E.SILU_BLOCK + 40))  # 2 items per row
+    qkv, pos, slots = torch.randn(5, 8 * 16), torch.arange(5), torch.arange(5)
+    table = torch.rand(8, 8)
+    for bound in (None, 2, 100):
+        E.rms_norm_add(x, None, torch.ones(48), 1e-5, torch.empty_like(x), torch.empty_like(x),
+                       max_ctas=bound)
+        E.silu_mul(gu, torch.empty(3, E.SILU_BLOCK + 40), max_ctas=bound)
+        E.rope_append(qkv, pos, table, table, slots, torch.zeros(2, 4, 2, 16),
+                      torch.zeros(2, 4, 2, 16), torch.empty(5, 4, 16), max_ctas=bound)
+    assert log.grids == {"_rms_norm_add_kernel": [(5,), (2,), (5,)],
+                         "_silu_mul_kernel": [(6,), (2,), (6,)],
+                         "_rope_append_kernel": [(5,), (2,), (5,)]}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

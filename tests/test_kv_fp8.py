@@ -100,7 +100,8 @@ def test_reference_rope_append_quantises_per_token_and_head():
 
 @interpret
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_rope_append_writes_the_reference_fp8_cache(dtype):
+@pytest.mark.parametrize("max_ctas", [None, 1, 3])  # one program per token, then persistent
+def test_triton_rope_append_writes_the_reference_fp8_cache(dtype, max_ctas):
     from nanosched.kernels.elementwise import rope_append
 
     gen = torch.Generator().manual_seed(3)
@@ -109,11 +110,11 @@ def test_triton_rope_append_writes_the_reference_fp8_cache(dtype):
     pos, slots = torch.tensor([0, 3, 7, 100, 5]), torch.tensor([1, 9, 23, 3, 12])
     freqs = torch.outer(torch.arange(128).float(), 1 / 500.0 ** (torch.arange(0, d, 2) / d))
     caches = []
-    for fn in (ref.rope_append, rope_append):
+    for fn, bound in ((ref.rope_append, {}), (rope_append, {"max_ctas": max_ctas})):
         kv = KVCache(1, 6, hkv, d, dtype, page_size=4, kv_dtype="fp8")
         layer = kv.layer(0)
         fn(qkv, pos, freqs.cos(), freqs.sin(), slots, layer.k, layer.v,
-           torch.empty(5, hq, d, dtype=dtype), **layer.scales)
+           torch.empty(5, hq, d, dtype=dtype), **layer.scales, **bound)
         caches.append(kv)
     want, got = caches
     # fp16: the reference rotates in fp16 (two roundings), the kernel in fp32 (one)

@@ -90,10 +90,9 @@ def _triton_ok(x: torch.Tensor) -> None:
     use_triton(KernelOptions("triton"), x)
 
 
-def _elementwise(opts: KernelOptions, x: torch.Tensor, launch: Launch) -> bool:
-    """Whether an elementwise op runs its Triton kernel."""
-    name = _chosen(impls.read_launch(launch), impls.ELEMENTWISE,
-                   lambda: "triton" if use_triton(opts, x) else "torch")
+def _elementwise(opts: KernelOptions, x: torch.Tensor, args: dict[str, Any]) -> bool:
+    """Whether an elementwise op runs its Triton kernel (`args`: the read launch dict)."""
+    name = _chosen(args, impls.ELEMENTWISE, lambda: "triton" if use_triton(opts, x) else "torch")
     if name == "triton":
         _triton_ok(x)
     return name == "triton"
@@ -120,22 +119,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: tor
 def rms_norm_add(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, out: torch.Tensor, residual_out: torch.Tensor,
                  opts: KernelOptions, launch: Launch = None) -> None:
-    """residual_out = x (+ residual); out = RMSNorm(residual_out) * weight. All [n, D]."""
-    if _elementwise(opts, x, launch):
+    """residual_out = x (+ residual); out = RMSNorm(residual_out) * weight. All [n, D];
+    launch: impl, max_ctas or num_sms (impls.elementwise_ctas)."""
+    args = impls.read_launch(launch)
+    if _elementwise(opts, x, args):
         from nanosched.kernels.elementwise import rms_norm_add as kernel
 
-        kernel(x, residual, weight, eps, out, residual_out)
+        kernel(x, residual, weight, eps, out, residual_out,
+               max_ctas=impls.elementwise_ctas(args, "rms_norm_add"))
     else:
         ref.rms_norm_add(x, residual, weight, eps, out, residual_out)
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, opts: KernelOptions,
              launch: Launch = None) -> None:
-    """out [n, I] = SiLU(gate_up[:, :I]) * gate_up[:, I:]."""
-    if _elementwise(opts, gate_up, launch):
+    """out [n, I] = SiLU(gate_up[:, :I]) * gate_up[:, I:]; launch: impl, max_ctas or num_sms."""
+    args = impls.read_launch(launch)
+    if _elementwise(opts, gate_up, args):
         from nanosched.kernels.elementwise import silu_mul as kernel
 
-        kernel(gate_up, out)
+        kernel(gate_up, out, max_ctas=impls.elementwise_ctas(args, "silu_mul"))
     else:
         ref.silu_mul(gate_up, out)
 
@@ -146,13 +149,15 @@ def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Ten
                 launch: Launch = None, *, k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None) -> None:
     """Rotary embedding of q and k; q → q_out [n, Hq, d], k and v → the paged cache (quantised
-    to e4m3 with per-(token, KV head) scales into `k_scale`, `v_scale` for an FP8 cache)."""
+    to e4m3 with per-(token, KV head) scales into `k_scale`, `v_scale` for an FP8 cache);
+    launch: impl, max_ctas or num_sms."""
     scales = {"k_scale": k_scale, "v_scale": v_scale}
-    if _elementwise(opts, qkv, launch):
+    args = impls.read_launch(launch)
+    if _elementwise(opts, qkv, args):
         from nanosched.kernels.elementwise import rope_append as kernel
 
         kernel(qkv, positions, cos_table, sin_table, slot_mapping, k_cache, v_cache, q_out,
-               **scales)
+               max_ctas=impls.elementwise_ctas(args, "rope_append"), **scales)
     else:
         ref.rope_append(qkv, positions, cos_table, sin_table, slot_mapping, k_cache, v_cache,
                         q_out, **scales)
@@ -175,13 +180,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
         config = impls.DECODE_CONFIGS[name]
         kernel(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
-               max_ctas=impls.decode_ctas(args["max_ctas"], args["num_sms"], config.ctas_per_sm),
+               max_ctas=impls.grid_bound(args["max_ctas"], args["num_sms"], config.ctas_per_sm),
                num_splits=args["num_splits"], config=config, **scales)
     elif name == impls.BULK_DECODE:
         from nanosched.kernels.decode_attn_bulk import decode_attention as bulk
 
         bulk(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
-             max_ctas=impls.decode_ctas(args["max_ctas"], args["num_sms"],
+             max_ctas=impls.grid_bound(args["max_ctas"], args["num_sms"],
                                         impls.BULK_CTAS_PER_SM),
              num_splits=args["num_splits"], k_scale=k_scale)
     else:

@@ -27,7 +27,11 @@ A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits
 - grouped: `max_ctas`, and `num_sms` when it is fewer than the device's SMs outside a
   partition, bound the Triton programs (persistent, the smaller bound wins); otherwise the grid is
   one program per upper-bound tile (on a partition the partition itself bounds the SMs).
-- elementwise and prefill: only `impl`.
+- elementwise: `max_ctas` bounds the grid of the Triton kernels (persistent programs that
+  loop over their rows, kernels/elementwise.py); absent, it is the kernel's
+  `ELEMENTWISE_CTAS_PER_SM` times `num_sms` (a partition's SMs, or the SM target on the whole
+  GPU); with neither, one program per work item over the whole GPU. `torch` ignores them.
+- prefill: only `impl`.
 An absent `impl` means the `KernelOptions` default (dispatch.py). torch and torch.cuda only:
 no triton import here.
 """
@@ -73,6 +77,11 @@ DECODE_CONFIGS: dict[str, DecodeConfig] = {"triton_paged": PAGED, "triton_pipeli
 DEFAULT_DECODE = "triton_pipelined"  # what the models launch when no launch dict names one
 BULK_DECODE = "cuda_bulk"
 BULK_CTAS_PER_SM = 1  # its ring takes most of an SM's shared memory
+# programs per SM of each elementwise Triton kernel when a launch bounds SMs but not CTAs
+# (rms_norm_add: 8 warps a row; silu_mul: 4 warps a 2048-wide chunk; rope_append: 8 warps a
+# token): the best or near it of 1-16 on partitions of 16-64 SMs, and on all SMs as fast as
+# one program per work item (docs/measurements.md, bench/kernels_elementwise.py)
+ELEMENTWISE_CTAS_PER_SM = {"rms_norm_add": 4, "silu_mul": 8, "rope_append": 4}
 
 
 @dataclass(frozen=True)
@@ -178,12 +187,18 @@ def sm_target(args: Mapping[str, Any]) -> int | None:
     return None if args.get("partition") else args.get("num_sms")
 
 
-def decode_ctas(max_ctas: int | None, num_sms: int | None, ctas_per_sm: int) -> int | None:
-    """The decode-attention grid bound: `max_ctas`, else `ctas_per_sm` per SM of `num_sms`
-    (None: the kernel's own default over the device's SMs)."""
+def grid_bound(max_ctas: int | None, num_sms: int | None, ctas_per_sm: int) -> int | None:
+    """The grid bound of a persistent kernel (decode attention, elementwise): `max_ctas`, else
+    `ctas_per_sm` per SM of `num_sms` (None: the kernel's own default over the device's SMs)."""
     if max_ctas is not None:
         return max_ctas
     return None if num_sms is None else ctas_per_sm * num_sms
+
+
+def elementwise_ctas(args: Mapping[str, Any], kernel: str) -> int | None:
+    """The grid bound of elementwise Triton kernel `kernel` (a key of
+    `ELEMENTWISE_CTAS_PER_SM`) under the read launch dict `args`; None: one program per item."""
+    return grid_bound(args.get("max_ctas"), args.get("num_sms"), ELEMENTWISE_CTAS_PER_SM[kernel])
 
 
 def grouped_programs(args: Mapping[str, Any], total_sms: int) -> int | None:

@@ -22,7 +22,8 @@ Names (nanosched/kernels/impls.py):
 - experts_ug, experts_d: `triton` (grouped GEMM; bounded to the SMs given when they are fewer
   than the GPU's outside a partition, impls.grouped_programs) and `torch` (loop over experts),
   over the T·k rows, uniform routing (row i → expert i mod E; routing itself not timed).
-- rope_append, add_norm_ffn, add_norm_attn, act: `triton` and `torch`.
+- rope_append, add_norm_ffn, add_norm_attn, act: `triton` (persistent grid bounded by the SMs
+  given: `num_sms` times the kernel's programs per SM, impls.elementwise_ctas) and `torch`.
 """
 
 from __future__ import annotations

@@ -1,32 +1,46 @@
 // Paged GQA decode attention for a few SMs (Hopper, sm_90): bulk copies into a shared-memory
 // ring, tensor-core products. Built at run time through cupy (NVRTC) by decode_attn_bulk.py,
-// which defines HKV, GROUP, HEAD_DIM, STAGES and F16 (0: bf16, 1: fp16).
+// which defines HKV, GROUP, HEAD_DIM, SLOTS, SLOT_BOXES and F16 (0: bf16, 1: fp16).
 //
 // Contract (that of reference.decode_attention): q [n, HKV*GROUP, HEAD_DIM]; K and V caches
-// [P, PAGE, HKV, HEAD_DIM], each page contiguous; block table [n, bt_stride] int32; context
-// lengths [n] int32. A work item is (request, split): `pages_per_split` consecutive pages of one
-// request, all KV heads. The grid is persistent (`gridDim.x` CTAs, one per SM: the ring takes
-// ~193 KB of shared memory), each CTA taking items blockIdx.x, blockIdx.x + gridDim.x, ...
+// [P, PAGE, HKV, HEAD_DIM], each page contiguous; block table [n, bt_cols] int32 (row stride
+// bt_stride); context lengths [n] int32. A work item is (request, split): `pages_per_split`
+// consecutive pages of one request, all KV heads. The grid is persistent (`gridDim.x` CTAs, one
+// per SM: the ring takes most of its shared memory), each CTA taking items blockIdx.x,
+// blockIdx.x + gridDim.x, ...
 //
-// Roles: warp HKV is the producer. Per page, one lane issues four tensor copies (K and V, each
-// as two boxes of 64 dims x 16 tokens x HKV heads, 16 KB) through the tensor maps the wrapper
-// built, completing on the stage's `full` mbarrier; it runs STAGES - 1 pages ahead of the
-// consumers, across item boundaries, so a few SMs keep ~128 KB each in flight (HBM needs
-// ~2.7 MB in flight device-wide). The maps order the dims (d, token, head, page), so a box lands
-// as [head][token][64 dims] rows of 128 B under the 128-byte swizzle: the 8 token rows an
-// ldmatrix 8x8 reads for one head fall in 8 different bank groups (in the cache's own
-// [token][head][d] order they would all share one). Few large copies matter: one 2 KB bulk copy
-// per token row held a CTA to ~34 B/cycle. Warps 0..HKV-1 are consumers, warp h owning KV
-// head h and its GROUP query heads:
+// The ring: SLOTS slots of SLOT_BOXES boxes, a box being one tensor copy of 64 dims x 16 tokens
+// x HKV heads of K or V (16 KB for 8 heads). A page is 2 * HEAD_DIM / 64 boxes, its K's then its
+// V's, and the boxes of page after page fill slot after slot, round the ring. Each slot has a
+// `full` mbarrier (its bytes landed) and an `empty` one (the HKV consumer warps are done with it).
+// With a page's K (or V) per slot, the wrapper's default (6 x 32 KB for 8 KV heads of 128 dims),
+// the consumers give K back after S and V after P.V, so while they work on one page the copies
+// in flight fill the ring but for one slot: 160-192 KB per SM, where whole-page slots would keep
+// 128 KB (Little's law: a few SMs must each pull 100-190 GB/s at a microsecond or so of latency).
+//
+// Roles: warp HKV is the producer. One lane issues the tensor copies of each slot through the
+// tensor maps the wrapper built, completing on the slot's `full` mbarrier, as soon as the slot is
+// empty: it runs a whole ring ahead of the consumers, across item boundaries. The block-table
+// ids of each chunk of 32 pages (one per lane) and its item's context length are loaded while
+// the previous chunk is issued, so the producer does not stall on those loads. The maps order the
+// dims (d, token, head, page), so a box lands as [head][token][64 dims] rows of 128 B under the
+// 128-byte swizzle: the 8 token rows an ldmatrix 8x8 reads for one head fall in 8 different bank
+// groups (in the cache's own [token][head][d] order they would all share one). Few large copies
+// matter: one 2 KB bulk copy per token row held a CTA to ~34 B/cycle. Warps 0..HKV-1 are
+// consumers, warp h owning KV head h and its GROUP query heads:
 //   S^T = K_h Q_h^T   one mma m16n8k16 per 16 dims: M = the page's 16 tokens, N = 8 query heads
 //                      (GROUP of them real), A = K from shared memory (ldmatrix), B = Q in
 //                      registers for the whole item;
 //   online softmax    per query head, in the log2 domain, across the 8 lanes of a head column;
 //   O^T += V_h^T P^T  one mma per 16 dims: A = V^T (ldmatrix.trans), B = P^T moved from the
 //                      S^T accumulator layout by four shuffles.
-// A consumer warp releases a stage with one arrive on its `empty` mbarrier. A partial last page
-// is copied whole: its scores past the context are masked to -inf, and its rows there hold
-// earlier K/V of the cache (finite: the cache is zeroed when allocated), weighted by 0.
+// A consumer warp waits on a slot's `full` mbarrier before reading its first box and gives the
+// slot back with one arrive on its `empty` mbarrier after the ldmatrix of its last box. Producer
+// and consumers walk the ring with the same position (slot, parity of its use), carried across
+// items, so their phases agree whatever the pages per item; the producer's first pass waits on
+// parity 1, which a fresh mbarrier passes. A partial last page is copied whole: its scores past
+// the context are masked to -inf, and its rows there hold earlier K/V of the cache (finite: the
+// cache is zeroed when allocated), weighted by 0.
 //
 // Output: one split per request writes the normalised result to `out` in the model dtype;
 // several write fp32 partials `part` [n, Hq, splits, HEAD_DIM] and their log-sum-exp `lse`
@@ -42,8 +56,11 @@
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
-#ifndef STAGES
-#define STAGES 3
+#ifndef SLOTS
+#define SLOTS 6
+#endif
+#ifndef SLOT_BOXES
+#define SLOT_BOXES (HEAD_DIM / 64)
 #endif
 #ifndef F16
 #define F16 0
@@ -56,9 +73,9 @@ typedef unsigned long long u64;
 #define PAGE 16
 #define HQ (HKV * GROUP)
 #define BOX_BYTES (64 * 2 * PAGE * HKV)  // one tensor copy: 64 dims of every token and head
-#define TILE_BYTES ((HEAD_DIM / 64) * BOX_BYTES)  // K (or V) of one page
-#define STAGE_BYTES (2 * TILE_BYTES)
-#define RING_BYTES (STAGES * STAGE_BYTES)
+#define BOXES (HEAD_DIM / 64)             // boxes of a page's K (and of its V)
+#define SLOT_BYTES (SLOT_BOXES * BOX_BYTES)
+#define RING_BYTES (SLOTS * SLOT_BYTES)
 #define THREADS ((HKV + 1) * 32)
 #define KSTEPS (HEAD_DIM / 16)
 #define FULL_MASK 0xffffffffu
@@ -67,6 +84,8 @@ typedef unsigned long long u64;
 static_assert(GROUP >= 1 && GROUP <= 8, "a KV head's query heads fill at most the mma's N = 8");
 static_assert(HEAD_DIM % 64 == 0, "head_dim must be a multiple of 64 (128-byte boxes)");
 static_assert(HKV >= 1 && HKV <= 16, "one consumer warp per KV head");
+static_assert(SLOTS >= 1 && SLOT_BOXES >= 1 && (2 * BOXES) % SLOT_BOXES == 0,
+              "a slot holds a whole number of boxes, and a page a whole number of slots");
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
@@ -171,20 +190,31 @@ __device__ __forceinline__ Item item_at(int item, int splits, int pages_per_spli
   return it;
 }
 
+// A position in the ring: the slot and the parity of its current use (its mbarriers' phase)
+struct Ring {
+  u32 slot, parity;
+  __device__ __forceinline__ void next() {
+    if (++slot == SLOTS) {
+      slot = 0;
+      parity ^= 1;
+    }
+  }
+};
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
             const int* __restrict__ bt, const int* __restrict__ lens, u16* __restrict__ out,
             float* __restrict__ part, float* __restrict__ lse, int num_items, int splits,
-            int pages_per_split, int bt_stride, long long q_sn, long long q_sh, long long o_sn,
-            long long o_sh, float scale_log2) {
+            int pages_per_split, int bt_stride, int bt_cols, long long q_sn, long long q_sh,
+            long long o_sn, long long o_sh, float scale_log2) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const u32 ring = (smem_addr(smem) + 1023u) & ~1023u;  // the swizzle needs 1024-byte boxes
-  const u32 full0 = ring + RING_BYTES;         // STAGES mbarriers: a stage's bytes landed
-  const u32 empty0 = full0 + 8 * STAGES;       // STAGES mbarriers: HKV consumers done with it
+  const u32 full0 = ring + RING_BYTES;    // SLOTS mbarriers: a slot's bytes landed
+  const u32 empty0 = full0 + 8 * SLOTS;   // SLOTS mbarriers: HKV consumers done with it
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
+    for (int s = 0; s < SLOTS; ++s) {
       mbar_init(full0 + 8 * s, 1);
       mbar_init(empty0 + 8 * s, HKV);
     }
@@ -193,32 +223,52 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
   __syncthreads();
 
   if (warp == HKV) {  // ---- producer ----
-    u32 n = 0;  // pages issued by this CTA
-    for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
-      const Item it = item_at(item, splits, pages_per_split, lens);
-      const int* row = bt + (long long)it.req * bt_stride;
-      for (int p32 = it.p0; p32 < it.p1; p32 += 32) {
-        const int ids = p32 + lane < it.p1 ? row[p32 + lane] : 0;
-        const int cnt = min(32, it.p1 - p32);
-        for (int j = 0; j < cnt; ++j, ++n) {
-          const int page = __shfl_sync(FULL_MASK, ids, j);
-          const u32 s = n % STAGES, use = n / STAGES;
-          if (use > 0) mbar_wait(empty0 + 8 * s, (use - 1) & 1);
+    // ids of pages p .. p + 31 of `item`'s request (one per lane), within its split and the table
+    auto chunk_ids = [&](int item, int p) {
+      if (item >= num_items) return 0;
+      const int req = item / splits;
+      const int end = min((item - req * splits + 1) * pages_per_split, bt_cols);
+      return p + lane < end ? bt[(long long)req * bt_stride + p + lane] : 0;
+    };
+    Ring w = {0, 0};
+    int item = blockIdx.x;  // the chunk being issued: pages p .. p + 31 of `item`
+    int p = (item % splits) * pages_per_split;
+    int ctx = item < num_items ? lens[item / splits] : 0;
+    int ids = chunk_ids(item, p);
+    while (item < num_items) {
+      const int p1 = min((item % splits + 1) * pages_per_split, (ctx + PAGE - 1) / PAGE);
+      // the next chunk (the rest of this split, else the next item's first), loaded now
+      int nitem = item, np = p + 32, nctx = ctx;
+      if (np >= p1) {
+        nitem = item + gridDim.x;
+        np = (nitem % splits) * pages_per_split;
+        nctx = nitem < num_items ? lens[nitem / splits] : 0;
+      }
+      const int nids = chunk_ids(nitem, np);
+      const int cnt = min(32, p1 - p);
+      for (int j = 0; j < cnt; ++j) {
+        const int page = __shfl_sync(FULL_MASK, ids, j);
+#pragma unroll
+        for (int x0 = 0; x0 < 2 * BOXES; x0 += SLOT_BOXES) {
+          mbar_wait(empty0 + 8 * w.slot, w.parity ^ 1);
           if (lane == 0) {
-            const u32 full = full0 + 8 * s;
-            mbar_expect_tx(full, STAGE_BYTES);
+            const u32 full = full0 + 8 * w.slot;
+            mbar_expect_tx(full, SLOT_BYTES);
 #pragma unroll
-            for (int kv = 0; kv < 2; ++kv) {
-#pragma unroll
-              for (int b = 0; b < HEAD_DIM / 64; ++b) {
-                tma_load_4d(ring + s * STAGE_BYTES + kv * TILE_BYTES + b * BOX_BYTES,
-                            maps + 128 * kv, 64 * b, 0, 0, page, full);
-              }
+            for (int b = 0; b < SLOT_BOXES; ++b) {
+              const int x = x0 + b;  // box x of the page: K's boxes, then V's
+              tma_load_4d(ring + w.slot * SLOT_BYTES + b * BOX_BYTES, maps + 128 * (x / BOXES),
+                          64 * (x % BOXES), 0, 0, page, full);
             }
           }
           __syncwarp();
+          w.next();
         }
       }
+      item = nitem;
+      p = np;
+      ctx = nctx;
+      ids = nids;
     }
     return;
   }
@@ -245,7 +295,24 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
   };
   if (blockIdx.x < num_items) load_q(qf, blockIdx.x / splits);
 
-  u32 n = 0;
+  Ring r = {0, 0};
+  u32 slot_at = 0;  // shared-memory address of the slot being read
+  // before box x of a page (K's boxes, then V's) is read: wait for its slot when x starts one
+  auto acquire = [&](int x) {
+    if (x % SLOT_BOXES == 0) {
+      mbar_wait(full0 + 8 * r.slot, r.parity);
+      slot_at = ring + r.slot * SLOT_BYTES;
+    }
+    return slot_at + (x % SLOT_BOXES) * BOX_BYTES;
+  };
+  // after box x was read: give its slot back when x ends one
+  auto release = [&](int x) {
+    if (x % SLOT_BOXES == SLOT_BOXES - 1) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * r.slot);
+      r.next();
+    }
+  };
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
     const Item it = item_at(item, splits, pages_per_split, lens);
     const int next = item + gridDim.x;
@@ -256,20 +323,21 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
 #pragma unroll
     for (int i = 0; i < KSTEPS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-    for (int p = it.p0; p < it.p1; ++p, ++n) {
-      const u32 s = n % STAGES, use = n / STAGES;
-      const u32 stage = ring + s * STAGE_BYTES;
-      mbar_wait(full0 + 8 * s, use & 1);
+    for (int p = it.p0; p < it.p1; ++p) {
       // S^T: tokens g, g+8 x query heads 2c, 2c+1; two accumulators halve the mma chain
       float sc[4] = {0.f, 0.f, 0.f, 0.f}, sd[4] = {0.f, 0.f, 0.f, 0.f};
+      u32 box = 0;
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
+        const int x = j >> 2;  // K's box of these 16 dims
+        if ((j & 3) == 0) box = acquire(x);
         u32 a0, a1, a2, a3;
-        ldsm_x4(stage + (j >> 2) * BOX_BYTES + swz(k_row, ((j & 3) << 1) + k_hi), a0, a1, a2, a3);
+        ldsm_x4(box + swz(k_row, ((j & 3) << 1) + k_hi), a0, a1, a2, a3);
+        if ((j & 3) == 3) release(x);
         mma16816(j & 1 ? sd : sc, a0, a1, a2, a3, qf[j][0], qf[j][1]);
       }
 #pragma unroll
-      for (int r = 0; r < 4; ++r) sc[r] += sd[r];
+      for (int k = 0; k < 4; ++k) sc[k] += sd[k];
       const int valid = it.ctx - p * PAGE;
       const float x0 = g < valid ? sc[0] * scale_log2 : NEG_INF;
       const float x1 = g < valid ? sc[1] * scale_log2 : NEG_INF;
@@ -296,17 +364,17 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       const u32 b1 = __byte_perm(hi_a, hi_b, sel);  // tokens 2c+8, 2c+9
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
+        const int x = BOXES + (i >> 2);  // V's box of these 16 dims
+        if ((i & 3) == 0) box = acquire(x);
         acc[i][0] *= al0;
         acc[i][1] *= al1;
         acc[i][2] *= al0;
         acc[i][3] *= al1;
         u32 a0, a1, a2, a3;
-        ldsm_x4_t(stage + TILE_BYTES + (i >> 2) * BOX_BYTES + swz(v_row, ((i & 3) << 1) + v_hi),
-                  a0, a1, a2, a3);
+        ldsm_x4_t(box + swz(v_row, ((i & 3) << 1) + v_hi), a0, a1, a2, a3);
+        if ((i & 3) == 3) release(x);
         mma16816(acc[i], a0, a1, a2, a3, b0, b1);
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * s);
     }
 
 #pragma unroll

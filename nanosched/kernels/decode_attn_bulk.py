@@ -5,11 +5,14 @@ depth: the per-step chain of each program (wait, two small dots, cross-warp redu
 probabilities through shared memory) bounds them, so 32 SMs read 57-60% of copy bandwidth
 (docs/overlap.md). This kernel (decode_attn_bulk.cu, its header says how) moves each page with
 four tensor copies of the copy engine (`cp.async.bulk.tensor`, completing on an mbarrier) into a
-three-page shared-memory ring fed by one producer warp, and multiplies on the tensor cores
-(`mma.sync` m16n8k16) in one consumer warp per KV head, so the work per SM no longer grows with
-the instructions that move bytes. It needs an sm_90 GPU (Hopper), cupy (NVRTC) and cuda-bindings
-(the tensor maps), page size 16, head_dim a multiple of 64, at most 8 query heads per KV head, a
-bf16/fp16 cache with each page contiguous, and one CTA per SM (~193 KB of shared memory).
+shared-memory ring fed by one producer warp, and multiplies on the tensor cores (`mma.sync`
+m16n8k16) in one consumer warp per KV head, so the work per SM no longer grows with the
+instructions that move bytes. The ring's slots hold a page's K or its V, each given back as soon
+as the products have read it (K after S, V after P.V), so the copies in flight fill all of the
+ring but one slot. It needs an sm_90 GPU (Hopper), cupy (NVRTC) and cuda-bindings (the tensor
+maps), page size 16, head_dim a multiple of 64, at most 8 query heads per KV head, a bf16/fp16
+cache with each page contiguous, and one CTA per SM (the ring: 6 x 32 KB for 8 KV heads of 128
+dims, 193 KB of shared memory with its mbarriers; at least two pages).
 
 Launch arguments are those of the Triton kernels: `max_ctas` bounds the persistent grid (default:
 one per SM), `num_splits` fixes split-K over the context (default: about four work items per
@@ -33,7 +36,17 @@ from nanosched.kernels.common import num_sms
 
 SOURCE = Path(__file__).with_name("decode_attn_bulk.cu")
 PAGE = 16  # tokens per page the kernel handles (one mma tile of 16 tokens)
-STAGES = 3  # pages in the ring: two in flight while the consumers read the third
+# The ring: RING_BYTES of slots, each of SLOT_BOXES boxes (a box: 64 dims x 16 tokens x all KV
+# heads of K or V, one tensor copy; 16 KB for 8 KV heads; None: a page's K or V, head_dim / 64
+# boxes). A slot is given back as soon as its boxes are read, so all of the ring but one slot
+# can be in flight: 160-192 KB of a 192 KB ring of 32 KB slots, against 128 KB for three whole
+# pages. On 32 H100 SMs a 224 KB ring (7 x 32 KB, 14 x 16 KB) read 1.5-2.5 points of copy less,
+# and 16 KB slots (K and V given back per 64 dims) 1-3 points less than 32 KB ones
+# (bench/kernels_decode_bulk_ring.py).
+SLOT_BOXES: int | None = None
+RING_BYTES = 192 * 1024
+MIN_RING_PAGES = 2  # a ring that fits fewer slots than two pages' is refused
+HOPPER_SMEM = 227 * 1024  # shared memory a block may opt into on an H100 / H200
 MIN_SPLIT_PAGES = 4
 ITEMS_PER_CTA = 2
 # The merge is a loop of small dependent loads per (request, head): several light programs per
@@ -41,10 +54,37 @@ ITEMS_PER_CTA = 2
 MERGE_PROGRAMS_PER_CTA = 4
 
 
-def smem_bytes(num_kv_heads: int, head_dim: int, stages: int = STAGES) -> int:
-    """Dynamic shared memory of one CTA: the K/V ring (1024-byte aligned for the swizzle) and its
-    2 x `stages` mbarriers."""
-    return stages * 2 * PAGE * num_kv_heads * head_dim * 2 + 1024 + 16 * stages
+def slot_boxes(head_dim: int) -> int:
+    """64-dim boxes in one ring slot: SLOT_BOXES, or a page's K (or V) when None."""
+    return SLOT_BOXES or head_dim // 64
+
+
+def slot_bytes(num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one ring slot: its boxes of 64 dims x PAGE tokens x the KV heads."""
+    return slot_boxes(head_dim) * 64 * PAGE * num_kv_heads * 2
+
+
+def page_slots(head_dim: int) -> int:
+    """Slots one page's K and V fill."""
+    return 2 * (head_dim // 64) // slot_boxes(head_dim)
+
+
+def smem_bytes(num_kv_heads: int, head_dim: int, slots: int | None = None) -> int:
+    """Dynamic shared memory of one CTA: a ring of `slots` slots (default: the ring an H100 /
+    H200 gives these heads), 1024-byte aligned for the swizzle, and their 2 x `slots`
+    mbarriers."""
+    if slots is None:
+        slots = (ring_slots(num_kv_heads, head_dim, HOPPER_SMEM)
+                 or MIN_RING_PAGES * page_slots(head_dim))
+    return slots * slot_bytes(num_kv_heads, head_dim) + 1024 + 16 * slots
+
+
+def ring_slots(num_kv_heads: int, head_dim: int, limit: int) -> int:
+    """Slots of the ring under `limit` bytes of shared memory: RING_BYTES' worth, at least
+    MIN_RING_PAGES pages', no more than fit (0 when those pages do not fit)."""
+    size, need = slot_bytes(num_kv_heads, head_dim), MIN_RING_PAGES * page_slots(head_dim)
+    slots = min(max(need, RING_BYTES // size), (limit - 1024) // (size + 16))
+    return slots if slots >= need else 0
 
 
 @functools.cache
@@ -83,8 +123,8 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   else torch.cuda.current_device())
     if major < 9:
         return "it needs an sm_90 (Hopper) GPU or newer: tensor-map copies"
-    smem = smem_bytes(num_kv, d)
-    if smem > limit:
+    if not ring_slots(num_kv, d, limit):
+        smem = smem_bytes(num_kv, d, MIN_RING_PAGES * page_slots(d))
         return f"its ring needs {smem} B of shared memory, the GPU offers {limit}"
     return None
 
@@ -101,15 +141,16 @@ def available() -> str | None:
 
 
 @functools.cache
-def _kernel(num_kv: int, group: int, head_dim: int, f16: bool, device: int):
+def _kernel(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slots: int,
+            boxes: int):
     import cupy
 
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=SOURCE.read_text(), options=(
             "-std=c++17", f"-DHKV={num_kv}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}",
-            f"-DSTAGES={STAGES}", f"-DF16={int(f16)}"))
+            f"-DSLOTS={slots}", f"-DSLOT_BOXES={boxes}", f"-DF16={int(f16)}"))
         kernel = module.get_function("decode_bulk")
-        kernel.max_dynamic_shared_size_bytes = smem_bytes(num_kv, head_dim)
+        kernel.max_dynamic_shared_size_bytes = smem_bytes(num_kv, head_dim, slots)
     return kernel
 
 
@@ -205,17 +246,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part = torch.empty((n, num_q, splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, num_q, splits), dtype=torch.float32, device=q.device)
     bt = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    kernel = _kernel(num_kv, num_q // num_kv, d, q.dtype == torch.float16, dev)
+    slots = ring_slots(num_kv, d, _device_limits(dev)[1])
+    kernel = _kernel(num_kv, num_q // num_kv, d, q.dtype == torch.float16, dev, slots,
+                     slot_boxes(d))
     maps = tensor_maps(k_cache, v_cache)
     args = (np.uint64(q.data_ptr()), np.uint64(maps.data_ptr()), np.uint64(bt.data_ptr()),
             np.uint64(context_lens.data_ptr()), np.uint64(out.data_ptr()),
             np.uint64(part.data_ptr()), np.uint64(lse.data_ptr()), np.int32(items),
-            np.int32(splits), np.int32(per), np.int32(bt.stride(0)), np.int64(q.stride(0)),
-            np.int64(q.stride(1)), np.int64(out.stride(0)), np.int64(out.stride(1)),
+            np.int32(splits), np.int32(per), np.int32(bt.stride(0)), np.int32(bt.shape[1]),
+            np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(out.stride(0)),
+            np.int64(out.stride(1)),
             np.float32(scale * math.log2(math.e)))
     with _stream(torch.cuda.current_stream(q.device).cuda_stream, dev):
         kernel((min(grid, items),), (32 * (num_kv + 1),), args,
-               shared_mem=smem_bytes(num_kv, d))
+               shared_mem=smem_bytes(num_kv, d, slots))
     if splits > 1:
         from nanosched.kernels.decode_attn import merge_splits
 

@@ -135,3 +135,37 @@ def test_pairs_run_the_attention_kernel_fastest_at_their_placement_and_points_na
                                                     "memory": table.points})
     impls = {o.impl for o in alloc_options(prof, "memory") if o.mechanism == "green_ctx"}
     assert impls == {"triton_pipelined_2w"}
+
+
+def test_p_is_normalised_to_the_kernel_rows():
+    """t_row / P is the time the kernel took in the pair: P against the profile's row of that
+    op and shape, not the pair's own (sustained, slower) alone time; the pair's own alone time
+    where the profile has no row."""
+    p = PairRow("ug", "attn_decode", "memory", 640, "green_ctx", "triton", 100, 32, 247.0,
+                1103.0, 524.0, 1581.0, context=1280)
+    rows = {("ug", 640, 0): 210.0, ("attn_decode", 640, 1280): 1110.0}
+    table = derive_rp([p], 132, lambda op, tokens, ctx: rows.get((op, tokens, ctx)))
+    (point,) = table.points
+    assert 210.0 / point.p_compute == pytest.approx(524.0)
+    assert 1110.0 / point.p_other == pytest.approx(1581.0)
+    (bare,) = derive_rp([p], 132, lambda op, tokens, ctx: None).points
+    assert (bare.p_compute, bare.p_other) == pytest.approx((247 / 524, 1103 / 1581))
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-tp1-h100", "llama3-8b-tp1-h200"])
+def test_shipped_profiles_follow_the_derivation(name):
+    """The shipped profiles' R->P tables are what `rederive_rp` gives from their pairs and
+    rows, and a paired GEMM's row / P is its time in the pair (within the fold's spread)."""
+    from nanosched.autosearch.request import shipped_profiles
+    from nanosched.profiler.build import rederive_rp
+    from nanosched.profiler.format import load_profile
+
+    prof = load_profile(shipped_profiles()[name])
+    assert rederive_rp(prof) == prof
+    for pt in prof.rp_shapes.get("memory", ()):
+        pair = next(p for p in prof.pairs if (p.compute_op, p.tokens, p.context, p.mechanism,
+                                              p.compute_impl, p.compute_sms, p.other_sms) ==
+                    (pt.compute_op, pt.tokens, pt.context, pt.mechanism, pt.compute_impl,
+                     pt.compute_sms, pt.other_sms))
+        row = prof.kernel_time_us(pt.compute_op, pt.tokens)
+        assert row / pt.p_compute == pytest.approx(pair.compute_us, rel=1e-6)

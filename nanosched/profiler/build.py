@@ -11,6 +11,7 @@ and a latency taken from a two-H200 measurement (docs/measurements.md). Every mo
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +20,7 @@ from nanosched.hardware import GPUS, prior_for
 from nanosched.models.ops import NETWORK
 from nanosched.profiler.backend import NetworkRequest, NetworkResult, ProfilerBackend
 from nanosched.profiler.format import Ceilings, KernelRow, PairRow, Profile
-from nanosched.profiler.interference import FIT_LIMIT, derive_rp
+from nanosched.profiler.interference import FIT_LIMIT, AloneTime, derive_rp
 from nanosched.profiler.network_model import (
     KINDS,
     OPS_OF_KIND,
@@ -128,43 +129,76 @@ def mark_best(rows: list[KernelRow]) -> list[KernelRow]:
 P_VALID = 1.05  # a kernel never runs faster beside another than alone, beyond timing noise
 
 
-def valid_pairs(pairs: list[PairRow], state: RunState) -> list[PairRow]:
-    """The pairs whose P are physical. A kernel that ran faster beside another kernel than
-    alone (P > P_VALID) had its alone time bounded by the CPU's launch rate, not by the GPU:
-    such a pair is kept in the profile's raw pairs but left out of the R->P table, with a note."""
-    bad = [p for p in pairs if p.p_compute > P_VALID or p.p_other > P_VALID]
-    if bad:
-        what = sorted({f"{p.compute_op}@{p.tokens}" for p in bad})
-        state.note(f"{len(bad)} pair(s) left out of the R->P table: a kernel ran faster beside "
-                   f"another than alone (P > {P_VALID}), so its alone time was bounded by the "
-                   f"CPU's launch rate ({', '.join(what)})")
-    return [p for p in pairs if p not in bad]
+def invalid_pairs(pairs: list[PairRow]) -> list[PairRow]:
+    """The pairs whose P are not physical. A kernel that ran faster beside another kernel than
+    alone (P > P_VALID, against the pair's own alone time) had its alone time bounded by the
+    CPU's launch rate, not by the GPU: such a pair stays in the profile's raw pairs but is left
+    out of the R->P table, with a note."""
+    return [p for p in pairs if p.p_compute > P_VALID or p.p_other > P_VALID]
+
+
+def row_alone(profile: Profile) -> AloneTime:
+    """The profile's kernel rows as `derive_rp`'s alone times (None where it has no row)."""
+    def alone(op: str, tokens: int, context: int) -> float | None:
+        try:
+            return profile.kernel_time_us(op, tokens, None, context or None)
+        except ProfileError:
+            return None
+    return alone
+
+
+RP_NOTE = "R->P "  # notes of the R->P derivation start with this
+
+
+def with_rp(profile: Profile, note: Callable[[str], None]) -> Profile:
+    """`profile` with its R->P tables derived from its pairs (the valid ones), P against its
+    kernel rows (interference.py). `note` receives what the derivation says."""
+    alone = row_alone(profile)
+    rp, rp_shapes = {}, {}
+    for cls in ("memory", "network"):
+        pairs = [p for p in profile.pairs if p.other_class == cls]
+        bad = invalid_pairs(pairs)
+        if bad:
+            what = sorted({f"{p.compute_op}@{p.tokens}" for p in bad})
+            note(f"{RP_NOTE}{cls}: {len(bad)} pair(s) left out: a kernel ran faster beside "
+                 f"another than alone (P > {P_VALID}), so its alone time was bounded by the "
+                 f"CPU's launch rate ({', '.join(what)})")
+        pairs = [p for p in pairs if p not in bad]
+        if not pairs:
+            continue
+        table = derive_rp(pairs, profile.identity.num_sms, alone)
+        rp[cls] = table.points
+        note(f"{RP_NOTE}{cls}: {len(table.points)} Pareto points from {len(pairs)} pairs over "
+             f"{table.num_shapes} shapes, P against the kernel rows; largest spread of P across "
+             f"shapes {100 * table.fit:.1f}% (NanoFlow: within {100 * FIT_LIMIT:.0f}%)")
+        if not table.fits:
+            rp_shapes[cls] = table.per_shape
+            note(f"{RP_NOTE}{cls}: one table does not fit every shape; per-shape tables kept")
+    return replace(profile, rp=rp, rp_shapes=rp_shapes)
+
+
+def rederive_rp(profile: Profile) -> Profile:
+    """`profile` with its R->P tables derived again from its pairs and kernel rows, and its
+    R->P notes replaced: for a profile taken before the rule changed (no GPU needed)."""
+    notes: list[str] = []
+    fresh = with_rp(replace(profile, notes=()), notes.append)
+    kept = tuple(n for n in profile.notes if not n.startswith(RP_NOTE))
+    return replace(fresh, notes=kept + tuple(notes))
 
 
 def build_profile(settings: ProfileSettings, state: RunState) -> Profile:
     num_sms = state.identity.num_sms
     net_rows, net_ceil = network_rows(settings, state, num_sms)
     kernels = mark_best(list(state.kernels.values()) + net_rows)
-    rp, rp_shapes = {}, {}
-    for cls in ("memory", "network"):
-        pairs = valid_pairs([p for p in state.pairs.values() if p.other_class == cls], state)
-        if not pairs:
-            continue
-        table = derive_rp(pairs, num_sms)
-        rp[cls] = table.points
-        state.note(f"R->P {cls}: {len(table.points)} Pareto points from {len(pairs)} pairs over "
-                   f"{table.num_shapes} shapes; largest spread of P across shapes "
-                   f"{100 * table.fit:.1f}% (NanoFlow: within {100 * FIT_LIMIT:.0f}%)")
-        if not table.fits:
-            rp_shapes[cls] = table.per_shape
-            state.note(f"R->P {cls}: one table does not fit every shape; per-shape tables kept")
-    if state.skipped:
-        reasons = sorted(set(state.skipped.values()))
-        state.note(f"{len(state.skipped)} rows not measured: {'; '.join(reasons[:5])}")
     if state.ceilings is None:
         raise ProfileError("no ceilings were measured; run the profile again")
     ceilings = Ceilings(**{**state.ceilings.__dict__, **net_ceil})
-    return Profile(identity=state.identity, model=settings.model, tp=settings.tp,
+    bare = Profile(identity=state.identity, model=settings.model, tp=settings.tp,
                    dense_batch=settings.dense_batch, ceilings=ceilings, kernels=tuple(kernels),
-                   pairs=tuple(state.pairs.values()), rp=rp, notes=tuple(state.notes),
-                   rp_shapes=rp_shapes, kv_dtype=settings.kv_dtype)
+                   pairs=tuple(state.pairs.values()), rp={}, notes=(),
+                   kv_dtype=settings.kv_dtype)
+    prof = with_rp(bare, state.note)
+    if state.skipped:
+        reasons = sorted(set(state.skipped.values()))
+        state.note(f"{len(state.skipped)} rows not measured: {'; '.join(reasons[:5])}")
+    return replace(prof, notes=tuple(state.notes))

@@ -7,13 +7,22 @@ at least one shape is folded over all shapes where it was measured: mean R, P_ot
 P_compute, and `std_rel` = standard deviation / mean of P_other. The folded points are filtered
 again, giving one table per class. `fit` is the largest `std_rel` of the table; NanoFlow found
 within 5%. Where the fit is worse than `FIT_LIMIT`, the per-shape Pareto points are kept too.
+
+A point's P is normalised to the profile's kernel row of that op and shape (`alone`: the fastest
+time alone on the whole GPU, which the search divides by P), not to the pair's own alone time:
+so t_row / P is the time the kernel took in the pair. The two alone times differ. A pair's alone
+times are looped until the clock settles under the power cap, so a GEMM's is 12-15% slower
+than its row (median over the shipped H100 and H200 profiles' pairs; the attention's within 2%).
+P against the pair's alone time, divided into the row, predicted every paired GEMM that much
+faster than it ran. The pair rows keep both times (`PairRow.p_compute` is the P against the
+pair's own alone time: the interference itself, which `profile show` prints).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nanosched.profiler.format import PairRow, RPPoint
@@ -21,6 +30,9 @@ from nanosched.profiler.format import PairRow, RPPoint
 FIT_LIMIT = 0.05
 R_MIN, R_MAX = 0.01, 0.99
 P_MAX = 1.5
+
+# (op, tokens, context) -> the profile's time of that op alone on the whole GPU, or None
+AloneTime = Callable[[str, int, int], "float | None"]
 
 
 def r_of(pair: PairRow, num_sms: int) -> float:
@@ -36,11 +48,22 @@ def _p(value: float) -> float:
     return min(max(value, 1e-3), P_MAX)
 
 
-def point_of(pair: PairRow, num_sms: int, per_shape: bool = False) -> RPPoint:
+def pair_ps(pair: PairRow, alone: AloneTime | None = None) -> tuple[float, float]:
+    """(P_compute, P_other) of a pair against the `alone` times of its shapes (module
+    docstring), each side against the pair's own alone time where `alone` has no row."""
+    tc = alone(pair.compute_op, pair.tokens, 0) if alone else None
+    to = alone(pair.other_op, pair.tokens, pair.context) if alone else None
+    return (tc / pair.compute_us if tc else pair.p_compute,
+            to / pair.other_us if to else pair.p_other)
+
+
+def point_of(pair: PairRow, num_sms: int, per_shape: bool = False,
+             alone: AloneTime | None = None) -> RPPoint:
     shape = {"compute_op": pair.compute_op, "tokens": pair.tokens,
              "context": pair.context} if per_shape else {}
-    return RPPoint(r=r_of(pair, num_sms), p_other=_p(pair.p_other),
-                   p_compute=_p(pair.p_compute), mechanism=pair.mechanism,
+    p_compute, p_other = pair_ps(pair, alone)
+    return RPPoint(r=r_of(pair, num_sms), p_other=_p(p_other),
+                   p_compute=_p(p_compute), mechanism=pair.mechanism,
                    compute_sms=pair.compute_sms, other_sms=pair.other_sms,
                    compute_impl=pair.compute_impl, clock_mhz=pair.clock_mhz,
                    other_impl=pair.other_impl, **shape)
@@ -76,12 +99,14 @@ class RPTable:
         return self.fit <= FIT_LIMIT
 
 
-def derive_rp(pairs: Iterable[PairRow], num_sms: int) -> RPTable:
-    """The R->P table of one class from its raw pairs."""
+def derive_rp(pairs: Iterable[PairRow], num_sms: int, alone: AloneTime | None = None
+              ) -> RPTable:
+    """The R->P table of one class from its raw pairs, P against `alone` (module docstring;
+    None: against each pair's own alone times)."""
     shapes: dict[tuple[str, int, int], list[RPPoint]] = defaultdict(list)
     for pair in pairs:
         shapes[(pair.compute_op, pair.tokens, pair.context)].append(
-            point_of(pair, num_sms, per_shape=True))
+            point_of(pair, num_sms, per_shape=True, alone=alone))
     front = {shape: pareto(pts) for shape, pts in shapes.items()}
     useful = {_realisation(p) for pts in front.values() for p in pts}
     folded = []

@@ -193,7 +193,7 @@ def _run_tasks(loop: _Loop, ktasks: list[KernelTask],
             _kernel(loop, task)
     ptasks = pair_tasks()
     if ptasks:
-        state.note(f"co-run pairs and the alone times they are normalised to: looped "
+        state.note(f"co-run pairs and their own alone times: looped "
                    f"{loop.settings.pair_settle_ms:.0f} ms, then timed over "
                    f"{loop.settings.pair_window_ms:.0f} ms, so the SM clock had settled under "
                    f"the power cap (bench/power_settle.py)")

@@ -32,9 +32,9 @@ def steady_h100() -> SearchConfig:
 def test_search_keeps_the_faster_structure(steady_h100, monkeypatch):
     """On the shipped H100 profile's steady state the decode/prompt split allocates faster than
     stage I's structure (whose interference-free optimum stage II cannot fill): both are
-    allocated and the faster replay is kept."""
+    allocated and the faster forward is kept."""
     both = run_search(steady_h100)
     assert [list(r) for r in both.ranges["kqv"]] == [[0, 384], [384, 1024]]
     monkeypatch.setattr(search, "boundary_cuts", lambda graph, mix: None)
     alone = run_search(steady_h100)
-    assert both.prediction.period_us < alone.prediction.period_us
+    assert both.prediction.iteration_us < alone.prediction.iteration_us

@@ -180,13 +180,12 @@ def boundary_cuts(graph: OpGraph, mix: TokenMix) -> dict[str, tuple[int, ...]] |
 def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
     """Stage I, stage II, build, check. ScheduleError when no schedule was found.
 
-    Two structures are allocated and the one whose replay is faster is kept: the decode/prompt
-    split (`boundary_cuts`, its order and offsets from stage I), then stage I's own search.
-    Stage I prices nano-ops without interference, where any overlap is free, so among
-    structures of nearly equal period it may pick one that stage II cannot fill: on the shipped
-    H100 profile's steady state its structure allocates to 0.97x of Sequential and the
-    decode/prompt split to 1.03x (the decode rows' attention beside the prompt rows' GEMMs,
-    each nano-batch's GEMMs whole)."""
+    Two structures are allocated and the one whose replayed forward (L layers, the pipeline's
+    fill and drain included: what a set entry is judged by) is faster is kept: the
+    decode/prompt split (`boundary_cuts`, its order and offsets from stage I), then stage I's
+    own search. Stage I prices nano-ops without interference, where any overlap is free, so
+    among structures of nearly equal period it may pick one that stage II cannot fill
+    (docs/search.md has the H100 figures)."""
     from nanosched.autosearch.build import build_schedule
     from nanosched.autosearch.check import check_schedule
 
@@ -254,7 +253,7 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
             raise ScheduleError(_no_solution("stage II", rep2))
     elif not found:
         raise ScheduleError(_no_solution("stage I", rep1))
-    return min(found, key=lambda s: s.prediction.period_us)
+    return min(found, key=lambda s: s.prediction.iteration_us)  # a forward: fill and drain too
 
 
 def _no_solution(stage: str, rep: StageReport) -> str:

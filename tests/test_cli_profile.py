@@ -34,3 +34,22 @@ def test_profile_errors_name_the_input(tmp_path):
     bad.write_text('{"format": "nanosched.profile/1", "identity"')
     r = runner.invoke(app, ["profile", "show", str(bad)])
     assert r.exit_code == 2 and "not valid JSON" in r.output
+
+
+def test_profile_rederive_rewrites_the_rp_tables(tmp_path):
+    """A profile whose R->P points were derived by another rule gets them again from its pairs
+    and kernel rows; a current one is left as it is; a missing file is named."""
+    from nanosched.autosearch.request import shipped_profiles
+
+    shipped = json.loads(shipped_profiles()["llama3-8b-tp1-h100"].read_text())
+    old = {**shipped, "rp": {"memory": shipped["rp"]["memory"][:1]}, "rp_shapes": {}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    r = runner.invoke(app, ["profile", "rederive", str(path), "--out", str(tmp_path / "new.json")])
+    assert r.exit_code == 0 and "(changed)" in r.output, r.output
+    new = json.loads((tmp_path / "new.json").read_text())
+    assert (new["rp"], new["rp_shapes"]) == (shipped["rp"], shipped["rp_shapes"])
+    r = runner.invoke(app, ["profile", "rederive", str(tmp_path / "new.json")])
+    assert r.exit_code == 0 and "(unchanged)" in r.output, r.output
+    r = runner.invoke(app, ["profile", "rederive", str(tmp_path / "missing.json")])
+    assert r.exit_code == 2 and "missing.json" in r.output

@@ -37,10 +37,10 @@ Contents
   nothing bounds it (`stream_priority`). `p_other` is its performance normalised to running
   alone, `p_compute` the compute kernel's (measured, not assumed 1 - R), each against the
   profile's kernel row of that op and shape (not the pair's own, sustained alone time), so that
-  row / P is the time the kernel took in the pair (profiler/interference.py says why). Each point says how it
-  was realised (mechanism, SMs or CTAs of each side, the compute implementation), so a schedule
-  that picks the point can be run as measured. `std_rel` is the spread of `p_other` across
-  shapes (NanoFlow found one table fits within 5%).
+  row / P is the time the kernel took in the pair (profiler/interference.py says why). Each
+  point says how it was realised (mechanism, SMs or CTAs of each side, the compute
+  implementation), so a schedule that picks the point can be run as measured. `std_rel` is the
+  spread of `p_other` across shapes (NanoFlow found one table fits within 5%).
 - `rp_shapes`: per-shape R->P points (`compute_op`, `tokens` and `context` set), kept when one
   table does not fit every shape; `rp_points(cls, compute_op, tokens)` prefers them.
 

@@ -3,7 +3,8 @@
     python bench/kernels_decode_attn.py [--requests 64,256,640] [--contexts 1024,4096,8192]
                                         [--sms 16,32,48] [--sweep] [--kv-dtype auto,fp8]
 
-Llama-3-8B heads (Hq 32, Hkv 8, d 128), bf16, page 16, pages shuffled, random data. Each
+Llama-3-8B heads (Hq 32, Hkv 8, d 128), bf16, page 16, pages shuffled (`--pages in_order`:
+each request's pages consecutive, as a fresh cache hands them out), random data. Each
 kernel runs on a green-context partition of about `--sms` SMs (the driver rounds to its 8-SM
 granularity; the granted count is reported) with `ctas_per_sm` programs per granted SM, and on
 the whole GPU. Bandwidth = K/V bytes read / median time (triton.testing.do_bench); the ceiling
@@ -49,7 +50,7 @@ class Batch:
     """A paged decode batch: `requests` requests of `context` tokens each."""
 
     def __init__(self, requests: int, context: int, seed: int = 0,
-                 kv_dtype: str = "auto") -> None:
+                 kv_dtype: str = "auto", pages_in_order: bool = False) -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         pages_per = math.ceil(context / PAGE)
         pages = requests * pages_per
@@ -63,8 +64,9 @@ class Batch:
             self.v, vs = quantize_fp8(self.v)
             self.scales = {"k_scale": ks, "v_scale": vs}
             token_bytes = HKV * (HD + 4)
-        self.tables = torch.randperm(pages, device="cuda", generator=gen).int().view(
-            requests, pages_per)
+        order = (torch.arange(pages, device="cuda") if pages_in_order
+                 else torch.randperm(pages, device="cuda", generator=gen))
+        self.tables = order.int().view(requests, pages_per)
         self.lens = torch.full((requests,), context, dtype=torch.int32, device="cuda")
         self.q = torch.randn(requests, HQ, HD, device="cuda", dtype=torch.bfloat16,
                              generator=gen)
@@ -167,15 +169,16 @@ def print_sweep(rows: list[dict]) -> None:
 
 
 def table(where: list, configs: dict[str, DecodeConfig], requests: list[int],
-          contexts: list[int], copy_gbs: float, kv_dtypes: list[str]) -> list[dict]:
+          contexts: list[int], copy_gbs: float, kv_dtypes: list[str],
+          page_orders: tuple[str, ...] = ("shuffled",)) -> list[dict]:
     rows = []
-    for n, ctx, kv_dtype in itertools.product(requests, contexts, kv_dtypes):
-        batch = Batch(n, ctx, kv_dtype=kv_dtype)
+    for n, ctx, kv_dtype, order in itertools.product(requests, contexts, kv_dtypes, page_orders):
+        batch = Batch(n, ctx, kv_dtype=kv_dtype, pages_in_order=order == "in_order")
         for name, cfg in configs.items():
             for sms, stream, _ in where:
                 r = time_on(batch, cfg, sms, stream)
                 rows.append({"kernel": name, "kv_dtype": kv_dtype, "requests": n,
-                             "context": ctx, "sms": sms, **r,
+                             "context": ctx, "pages": order, "sms": sms, **r,
                              "pct_of_copy": 100 * r["gbs"] / copy_gbs})
         del batch
         torch.cuda.empty_cache()
@@ -193,6 +196,8 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8, or both: auto,fp8")
     ap.add_argument("--kernels", default="triton_pipelined,triton_pipelined_2w,cuda_bulk",
                     help="any of triton_paged, triton_pipelined, triton_pipelined_2w, cuda_bulk")
+    ap.add_argument("--pages", default="shuffled", help="page order of the block tables: "
+                    "shuffled (a long-running cache), in_order (a fresh one), or both")
     ap.add_argument("--sweep-grid", default="", help="axes of the sweep to replace, e.g. "
                     "'block_n=16,32;warps=1,2;ctas_per_sm=4,8'")
     args = ap.parse_args()
@@ -212,7 +217,8 @@ def main() -> None:
              "triton_pipelined_2w": PIPELINED_2W, "cuda_bulk": None}
     configs = {k: known[k] for k in args.kernels.split(",")}
     rows = table(where, configs, [int(x) for x in args.requests.split(",")],
-                 [int(x) for x in args.contexts.split(",")], copy_gbs, args.kv_dtype.split(","))
+                 [int(x) for x in args.contexts.split(",")], copy_gbs, args.kv_dtype.split(","),
+                 tuple(args.pages.split(",")))
     path = write_result("kernels_decode_attn", {
         "env": env, "copy_gbs": copy_gbs,
         "configs": {k: vars(v) if v else "cuda_bulk" for k, v in configs.items()},
@@ -222,12 +228,14 @@ def main() -> None:
     print(f"{env['device']}: copy {copy_gbs:.0f} GB/s; pipelined config {pipelined}; {path}")
     summary = {}
     for r in rows:
-        summary.setdefault((r["kernel"], r["kv_dtype"], r["sms"]), []).append(r["pct_of_copy"])
-    print_table([{"kernel": k, "kv": kv, "sms": s, "min": min(v), "max": max(v)}
-                 for (k, kv, s), v in sorted(summary.items())],
-                [("kernel", "kernel", ""), ("kv", "KV", ""), ("sms", "SMs", ""),
+        summary.setdefault((r["kernel"], r["kv_dtype"], r["pages"], r["sms"]), []).append(
+            r["pct_of_copy"])
+    print_table([{"kernel": k, "kv": kv, "pages": pg, "sms": s, "min": min(v), "max": max(v)}
+                 for (k, kv, pg, s), v in sorted(summary.items())],
+                [("kernel", "kernel", ""), ("kv", "KV", ""), ("pages", "pages", ""),
+                 ("sms", "SMs", ""),
                  ("min", "min % copy", ".1f"), ("max", "max % copy", ".1f")])
-    if len(set(args.kv_dtype.split(","))) > 1:  # time of fp8 against bf16, same shapes
+    if len(set(args.kv_dtype.split(","))) > 1 and "," not in args.pages:  # fp8 against bf16
         times = {(r["kernel"], r["kv_dtype"], r["requests"], r["context"], r["sms"]): r["ms"]
                  for r in rows}
         print_table([{"kernel": k, "requests": n, "context": c, "sms": s,

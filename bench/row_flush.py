@@ -1,0 +1,87 @@
+"""How the L2 flush before each timed launch changes a kernel row (`profiler.timing.bench_us`).
+
+    PYTHONPATH=. python bench/row_flush.py [--tokens 1024]
+
+Llama-3-8B's GEMMs (`kqv`, `o`, `ug`, `d`: bf16 `torch.nn.functional.linear`, random data) and
+two elementwise kernels (RMSNorm + residual, SiLU-and-mul: the Triton ones the model runs) at
+`--tokens` rows (weights and inputs of `--w-std` and `--x-std`: a GEMM's power, and so its
+clock, depends on its data), each timed three ways: the L2 flushed by writing 128 MB before
+every launch (the rows' way: the kernel then also pays for writing back the dirty lines it
+evicts), flushed by reading 128 MB (a clean, cold L2), and not flushed (its inputs stay in L2
+from the launch before, as a layer leaves the previous op's output there). GPU only; JSON to $OUT or
+bench/results/; table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import environment, print_table, write_result  # noqa: E402
+
+from nanosched.profiler import timing  # noqa: E402
+
+HIDDEN, INTER, QKV = 4096, 14336, 6144
+
+
+def timed(fn, device: torch.device, mode: str) -> float:
+    """bench_us of `fn` with the L2 flushed by a write ('write'), a read ('read') or not."""
+    if mode == "none":
+        return timing.bench_us(fn, device, flush=False)
+    if mode == "write":
+        return timing.bench_us(fn, device, flush=True)
+    buf = timing._flush_buffer(device)
+    sink = torch.empty((), dtype=torch.int64, device=device)
+
+    def read_then_fn() -> None:
+        torch.sum(buf, 0, out=sink)
+        fn()
+    flush_us = timing.bench_us(lambda: torch.sum(buf, 0, out=sink), device, flush=False)
+    return timing.bench_us(read_then_fn, device, flush=False) - flush_us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--w-std", type=float, default=0.02, help="weights' standard deviation")
+    ap.add_argument("--x-std", type=float, default=1.0, help="inputs' standard deviation")
+    args = ap.parse_args()
+    from nanosched.kernels.elementwise import rms_norm_add, silu_mul
+
+    dev = torch.device("cuda", 0)
+    t = args.tokens
+    x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16) * args.x_std
+    a = torch.randn(t, INTER, device=dev, dtype=torch.bfloat16) * args.x_std
+    gu = torch.randn(t, 2 * INTER, device=dev, dtype=torch.bfloat16)
+    ws = {n: torch.randn(o, i, device=dev, dtype=torch.bfloat16) * args.w_std
+          for n, (o, i) in {"kqv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN),
+                            "ug": (2 * INTER, HIDDEN), "d": (HIDDEN, INTER)}.items()}
+    outs = {n: torch.empty(t, w.shape[0], device=dev, dtype=torch.bfloat16)
+            for n, w in ws.items()}
+    res, norm_w = torch.randn_like(x), torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16)
+    y, r_out, act = torch.empty_like(x), torch.empty_like(x), torch.empty_like(a)
+    ops = {n: (lambda n=n: F.linear(a if n == "d" else x, ws[n], out=outs[n])) for n in ws}
+    ops["rms_norm_add"] = lambda: rms_norm_add(x, res, norm_w, 1e-5, y, r_out)
+    ops["silu_mul"] = lambda: silu_mul(gu, act)
+    rows = []
+    for name, fn in ops.items():
+        row = {"op": name, "tokens": t}
+        for mode in ("write", "read", "none"):
+            row[mode] = timed(fn, dev, mode)
+        rows.append(row)
+    path = write_result("row_flush", {"env": environment(), "tokens": t, "w_std": args.w_std,
+                                      "x_std": args.x_std, "rows": rows})
+    print(path)
+    print_table(rows, [("op", "op", ""), ("write", "write-flush us", ".1f"),
+                       ("read", "read-flush us", ".1f"), ("none", "no flush us", ".1f")])
+
+
+if __name__ == "__main__":
+    main()

@@ -6,10 +6,10 @@ Llama-3-8B's GEMMs (`kqv`, `o`, `ug`, `d`: bf16 `torch.nn.functional.linear`, ra
 two elementwise kernels (RMSNorm + residual, SiLU-and-mul: the Triton ones the model runs) at
 `--tokens` rows (weights and inputs of `--w-std` and `--x-std`: a GEMM's power, and so its
 clock, depends on its data), each timed three ways: the L2 flushed by writing 128 MB before
-every launch (the rows' way: the kernel then also pays for writing back the dirty lines it
-evicts), flushed by reading 128 MB (a clean, cold L2), and not flushed (its inputs stay in L2
-from the launch before, as a layer leaves the previous op's output there). GPU only; JSON to $OUT or
-bench/results/; table last.
+every launch (the kernel then also pays for writing back the dirty lines it evicts: the rows'
+way until 2026-11-25), flushed by reading 128 MB (a clean, cold L2: `bench_us`'s way since),
+and not flushed (its inputs stay in L2 from the launch before, as a layer leaves the previous
+op's output there). GPU only; JSON to $OUT or bench/results/; table last.
 """
 
 from __future__ import annotations
@@ -32,19 +32,17 @@ HIDDEN, INTER, QKV = 4096, 14336, 6144
 
 
 def timed(fn, device: torch.device, mode: str) -> float:
-    """bench_us of `fn` with the L2 flushed by a write ('write'), a read ('read') or not."""
-    if mode == "none":
-        return timing.bench_us(fn, device, flush=False)
-    if mode == "write":
-        return timing.bench_us(fn, device, flush=True)
+    """`fn`'s time with the L2 flushed by a write ('write'), a read ('read': `bench_us`'s own
+    flush) or not ('none'); a flush's own time is not counted."""
+    if mode != "write":
+        return timing.bench_us(fn, device, flush=mode == "read")
     buf = timing._flush_buffer(device)
-    sink = torch.empty((), dtype=torch.int64, device=device)
 
-    def read_then_fn() -> None:
-        torch.sum(buf, 0, out=sink)
+    def write_then_fn() -> None:
+        buf.zero_()
         fn()
-    flush_us = timing.bench_us(lambda: torch.sum(buf, 0, out=sink), device, flush=False)
-    return timing.bench_us(read_then_fn, device, flush=False) - flush_us
+    return timing.bench_us(write_then_fn, device, flush=False) - \
+        timing.bench_us(buf.zero_, device, flush=False)
 
 
 def main() -> None:

@@ -1,7 +1,11 @@
 """CUDA-event timing of one kernel alone and of two kernels co-running (GPU-only).
 
 `bench_us(fn)`: warm-up, then as many launches as fit `rep_ms` (5..`max_iters`), each between
-two events with the L2 cache flushed before it; the median, in us. The timed launches are queued
+two events with the L2 cache flushed before it; the median, in us. The flush reads a buffer
+twice the L2's size, which leaves the L2 cold and clean: a flush by writing left it full of
+dirty lines that the timed kernel then wrote back as it evicted them, which made an RMSNorm at
+1,024 rows 16.4 us against 14.1 (read flush) and 10.5 (none; `bench/row_flush.py`); GEMMs take
+the same time either way. The timed launches are queued
 behind a `torch.cuda._sleep` long enough for the CPU to queue all of them first, so an op that
 launches several kernels from Python (prefill attention: a few per prompt) is timed by its GPU
 work, not by the CPU's launch gaps between its kernels (a CUDA graph or a runtime that runs
@@ -32,14 +36,24 @@ SLEEP_CYCLES_PER_US = 2_000  # an H100/H200 SM clock is at most about 2 GHz
 MAX_SLEEP_US = 200_000.0
 MIN_SPAN_US = 100.0  # sustained_run: GPU work between two events of one stream, at least
 
+FLUSH_CPU_US = 20.0  # what launching one flush costs the CPU, about
+
 _flush: dict[str, torch.Tensor] = {}
+_sink: dict[str, torch.Tensor] = {}
 
 
 def _flush_buffer(device: torch.device) -> torch.Tensor:
     key = str(device)
     if key not in _flush:
-        _flush[key] = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        _flush[key] = torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        _sink[key] = torch.empty((), dtype=torch.int64, device=device)
     return _flush[key]
+
+
+def flush_l2(device: torch.device) -> None:
+    """Evict the L2 by reading a buffer twice its size (it is left cold and clean)."""
+    buf = _flush_buffer(device)
+    torch.sum(buf, 0, out=_sink[str(device)])
 
 
 def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
@@ -55,13 +69,14 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
     end.synchronize()
     estimate_ms = max(start.elapsed_time(end), 1e-3)
     n = int(min(max_iters, max(5, rep_ms / estimate_ms)))
-    buf = _flush_buffer(device) if flush else None
+    if flush:
+        _flush_buffer(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(n)]
-    torch.cuda._sleep(queue_cycles(n * (cpu_us + 20)))  # the 20 us: each flush
+    torch.cuda._sleep(queue_cycles(n * (cpu_us + (FLUSH_CPU_US if flush else 0.0))))
     for a, b in events:
-        if buf is not None:
-            buf.zero_()
+        if flush:
+            flush_l2(device)
         a.record(stream)
         fn()
         b.record(stream)

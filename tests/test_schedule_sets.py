@@ -369,3 +369,21 @@ def test_a_key_whose_decode_rows_do_not_fit_is_searched_at_the_context_that_fits
     assert tight.decode_context < 1280
     assert key_config(small, 256, 512).decode_context == tight.decode_context
     assert key_batch(small, 0, 512).decode_context == 1280  # no decode rows: nothing to fit
+
+
+def test_the_bound_counts_per_shape_points():
+    """A per-shape R->P point can sum above the folded table (the shipped H100 profile's do):
+    the bound's P sum is the largest of any point the search can pick."""
+    from nanosched.autosearch.request import resolve
+    from nanosched.autosearch.search import SearchConfig
+    from nanosched.autosearch.sets import max_p_sum
+    from nanosched.models.spec import load_spec
+    from nanosched.workloads import fixed
+
+    spec, wl = load_spec("llama3-8b"), fixed(1024, 512)
+    prof = resolve(spec, None, None, "h100", wl, "1024").profile
+    cfg = SearchConfig(spec, 1, prof, wl, 1024)
+    folded = max(p.p_compute + p.p_other for pts in prof.rp.values() for p in pts)
+    shaped = max(p.p_compute + p.p_other for pts in prof.rp_shapes.values() for p in pts)
+    assert shaped > folded
+    assert max_p_sum(cfg) == shaped

@@ -9,9 +9,9 @@ Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
    space (its fewest ticks over 2..max_nano_ops nano-ops covering the batch, or 1..max_nano_ops
    covering an attention op's part, `stage1.op_min_ticks`), so the period is at least the
    busiest class's load, and at least the whole layer's load over the largest P sum the profile
-   measured for a pair (P_compute + P_other of its R->P points: at tp = 1 two streams run at
-   once, and nothing runs faster than alone, so per unit of time at most that much work gets
-   done). Sequential time / that period bounds every schedule's predicted gain.
+   measured for a pair (P_compute + P_other of its R->P points, folded or per shape: at tp = 1
+   two streams run at once, and nothing runs faster than alone, so per unit of time at most
+   that much work gets done). Sequential time / that period bounds every schedule's predicted gain.
 3. **searched**: `run_search` at (D, T) with its share of the time left (the steady state's key
    first, with a fifth of it; at most 60 s a key; a search of one key gets it all); kept as
    `pipeline` when it predicts at least `min_gain`, else `sequential` with the gain it found in
@@ -100,9 +100,11 @@ def sequential_forward_us(cfg: SearchConfig, batch: BatchInfo) -> float:
 
 
 def max_p_sum(cfg: SearchConfig) -> float:
-    """The largest P_compute + P_other of any measured R->P point (1 when none beats alone)."""
-    sums = [p.p_compute + p.p_other for pts in cfg.profile.rp.values() for p in pts]
-    return max([1.0, *sums])
+    """The largest P_compute + P_other of any R->P point the search can pick, folded or of one
+    shape (1 when none beats alone): a per-shape point may sum higher than the fold, and the
+    bound must hold for every allocation."""
+    tables = (*cfg.profile.rp.values(), *cfg.profile.rp_shapes.values())
+    return max([1.0, *(p.p_compute + p.p_other for pts in tables for p in pts)])
 
 
 def overlap_bound(cfg: SearchConfig, batch: BatchInfo) -> float:

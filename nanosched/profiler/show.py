@@ -67,13 +67,15 @@ def show_profile(prof: Profile, echo: Callable[[str], None] = print) -> None:
                     "compute_sms", "other_sms", "p_compute", "p_other", "p_sum", "clock_mhz",
                     "power_w", "settle_ms", "window_ms"]
             table = pairs[cols].to_string(index=False, float_format="{:.2f}".format)  # type: ignore
-            echo(f"\nco-run pairs (P against each kernel alone on all SMs):\n{table}")
+            echo(f"\nco-run pairs (P against each kernel's own sustained time alone on all "
+                 f"SMs: the interference):\n{table}")
         rp = f["rp"]
         if len(rp):  # type: ignore[arg-type]
             cols = ["class", "r", "p_other", "p_compute", "mechanism", "compute_impl",
                     "compute_sms", "other_sms", "std_rel", "clock_mhz", "throttled"]
             table = rp[cols].to_string(index=False, float_format="{:.3f}".format)  # type: ignore
-            echo(f"\nR->P tables:\n{table}")
+            echo(f"\nR->P tables (P against the kernel rows above, which the search divides "
+                 f"by P: row / P is the time in the pair):\n{table}")
     why = prof.unsettled()
     echo(f"\npairs: {why}" if why else "\npairs: timed sustained (clock settled under the "
          "power cap)" if prof.pairs else "\npairs: none")

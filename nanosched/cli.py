@@ -662,7 +662,9 @@ def verify(
     """Time each pipeline of a schedule set against Sequential on this GPU (CUDA graphs, the
     clock settled under the power cap) and write the set with every pipeline that does not
     reach the set's --min-gain made sequential; each checked entry records the times, SM clock
-    and board power."""
+    and board power. The table sets each measured time beside its prediction (at the context
+    the key was searched at: a key timed at a shorter one, where its decode rows do not fit,
+    says so in the context column)."""
     from nanosched.benchmarks.verify import VerifyConfig, run_verify
 
     _, rows = run_verify(file, out, device, VerifyConfig(settle, window, rounds), typer.echo)
@@ -670,7 +672,10 @@ def verify(
         print_table(rows, [("num_decode", "D", ""), ("num_tokens", "T", ""),
                            ("predicted_gain", "predicted", ".3f"),
                            ("sequential_ms", "sequential ms", ".2f"),
-                           ("pipeline_ms", "pipeline ms", ".2f"), ("gain", "measured", ".3f"),
+                           ("predicted_sequential_ms", "(predicted)", ".2f"),
+                           ("pipeline_ms", "pipeline ms", ".2f"),
+                           ("predicted_pipeline_ms", "(predicted)", ".2f"),
+                           ("gain", "measured", ".3f"),
                            ("decode_context", "context", ""),
                            ("kept", "kept", "")])
     typer.echo(f"verified set written to {out}")

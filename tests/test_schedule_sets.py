@@ -277,6 +277,9 @@ def test_verify_keeps_a_pipeline_only_where_it_measures_the_min_gain(model, sing
     assert ws.kv.allocator.num_free == free  # the timed batch gave its pages back
     assert len(rows) == 1 and rows[0]["kept"] is kept and lines
     e = out.entry(128, 256)
+    before = sset.entry(128, 256)  # each measured time beside its prediction
+    assert rows[0]["predicted_sequential_ms"] == pytest.approx(before.sequential_us / 1e3)
+    assert rows[0]["predicted_pipeline_ms"] == pytest.approx(before.forward_us / 1e3)
     assert e.measured["sequential_ms"] > 0 and e.measured["pipeline_ms"] > 0
     assert e.kind == ("pipeline" if kept else "sequential")
     if not kept:

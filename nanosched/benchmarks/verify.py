@@ -179,7 +179,9 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
                     reason=f"{e.reason}; measured {gain:.3f}x on {device_name or 'this GPU'} "
                            f"(needs {sset.min_gain:.2f}x): runs Sequential")
             rows.append({"num_decode": d, "num_tokens": t, "predicted_gain": e.speedup,
-                         **measured, "kept": keep})
+                         "predicted_sequential_ms": e.sequential_us / 1e3,
+                         "predicted_pipeline_ms": e.forward_us / 1e3, **measured,
+                         "kept": keep})
             if progress:
                 progress(f"  Sequential {med['sequential']:.3f} ms, pipeline "
                          f"{med['pipeline']:.3f} ms: {gain:.3f}x (predicted {e.speedup:.3f}x, "

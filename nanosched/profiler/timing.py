@@ -38,22 +38,26 @@ MIN_SPAN_US = 100.0  # sustained_run: GPU work between two events of one stream,
 
 FLUSH_CPU_US = 20.0  # what launching one flush costs the CPU, about
 
-_flush: dict[str, torch.Tensor] = {}
-_sink: dict[str, torch.Tensor] = {}
+_flush: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (buffer, its sum)
+
+
+def _flush_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = str(device)
+    if key not in _flush:
+        _flush[key] = (torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device),
+                       torch.empty((), dtype=torch.int64, device=device))
+    return _flush[key]
 
 
 def _flush_buffer(device: torch.device) -> torch.Tensor:
-    key = str(device)
-    if key not in _flush:
-        _flush[key] = torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-        _sink[key] = torch.empty((), dtype=torch.int64, device=device)
-    return _flush[key]
+    """The buffer `flush_l2` reads (bench/row_flush.py also writes it)."""
+    return _flush_buffers(device)[0]
 
 
 def flush_l2(device: torch.device) -> None:
     """Evict the L2 by reading a buffer twice its size (it is left cold and clean)."""
-    buf = _flush_buffer(device)
-    torch.sum(buf, 0, out=_sink[str(device)])
+    buf, total = _flush_buffers(device)
+    torch.sum(buf, 0, out=total)
 
 
 def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
@@ -69,8 +73,8 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
     end.synchronize()
     estimate_ms = max(start.elapsed_time(end), 1e-3)
     n = int(min(max_iters, max(5, rep_ms / estimate_ms)))
-    if flush:
-        _flush_buffer(device)
+    if flush:  # allocated before the launches are queued behind the sleep
+        _flush_buffers(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(n)]
     torch.cuda._sleep(queue_cycles(n * (cpu_us + (FLUSH_CPU_US if flush else 0.0))))

@@ -51,6 +51,27 @@ def test_stage1_matches_brute_force():
         assert st is not None and st.period == brute_force_stage1(batch)
 
 
+def test_stage1_out_of_time_keeps_the_heuristic_with_a_finite_bound(monkeypatch):
+    """No CP-SAT solve finishing in time (a loaded machine, a short --time-limit) keeps the
+    heuristic structure, reported with R's bound: a schedule refuses NaN in its stages."""
+    import math
+
+    from nanosched.autosearch import stage1
+    from nanosched.schedules.format import StageReport
+
+    def nothing(model, stage, limits, progress, **kw):
+        return None, StageReport(stage, "UNKNOWN", math.nan, math.nan, math.nan, 0.01,
+                                 limits.time_limit_s, limits.num_workers), False
+
+    monkeypatch.setattr(stage1, "solve", nothing)
+    prob = Stage1Problem(GRAPH, TokenMix(384, 0, 384), TABLES, {"a": 2, "m": 2, "c": 2})
+    st, rep = solve_stage1(prob, Limits(1, 1))
+    assert st is not None and rep.status == "HINT"
+    assert rep.objective_us * stage1.TICKS_PER_US == st.period
+    assert math.isfinite(rep.bound_us) and math.isfinite(rep.gap)
+    assert 0 < rep.bound_us <= rep.objective_us and 0 <= rep.gap < 1
+
+
 def test_stage1_with_fixed_cuts_matches_brute_force():
     """Fixed cuts: the split is the one given, and the period is the best over the free ops'
     cuts, orders and offsets (here above the free optimum: cutting m at 1 of 3 quanta)."""

@@ -565,7 +565,11 @@ def solve_stage1(prob: Stage1Problem, limits: Limits, progress: Progress | None 
         first = replace(limits, time_limit_s=PHASE1_SHARE * limits.time_limit_s)
     solver, report, found = solve(m, "stage I", first, progress, stall_s=STALL_S)
     if not found and hint is not None:  # out of time before CP-SAT took up the hint: keep it
-        return hint, replace(report, status="HINT", objective_us=hint.period / TICKS_PER_US,
+        # R's bound still holds for every structure: the report stays finite (a schedule
+        # refuses NaN) and says how far the heuristic may be from the best
+        obj, bound = hint.period / TICKS_PER_US, lower / TICKS_PER_US
+        return hint, replace(report, status="HINT", objective_us=obj, bound_us=bound,
+                             gap=gap(obj, bound),
                              note="no solve finished in time: the heuristic structure")
     if not found:
         return None, report

@@ -124,6 +124,41 @@ def test_stage2_overlaps_when_it_pays():
     assert {x: o.share for x, o in alloc.choice.items()} == {"x": 600, "y": 400}
 
 
+def test_stage2_out_of_time_keeps_the_sequential_placement_with_a_finite_bound(monkeypatch):
+    """No solve finding anything in its time keeps the all-sequential hint (feasible, every
+    nano-op on the whole GPU), with a bound no higher than the true optimum."""
+    import math
+
+    from nanosched.autosearch import stage2
+    from nanosched.schedules.format import StageReport
+
+    def nothing(model, stage, limits, progress, **kw):
+        return None, StageReport(stage, "UNKNOWN", math.nan, math.nan, math.nan, 0.01,
+                                 limits.time_limit_s, limits.num_workers), False
+
+    full = AllocOption(1000, 1.0, "full", 132)
+    options = {"x": [full, AllocOption(600, 0.6, "green_ctx", 80)],
+               "y": [full, AllocOption(400, 0.8, "green_ctx", 52)]}
+    for deps in ([], [("x", "y", 0)]):
+        prob = Stage2Problem({"x": 10.0, "y": 8.0}, options,
+                             {"compute": ["x"], "memory": ["y"]}, {"x": 0, "y": 0}, deps)
+        best = brute_force(prob, consistent=False)[0]
+        monkeypatch.setattr(stage2, "solve", nothing)
+        alloc, rep = solve_stage2(prob, Limits(1, 1))
+        monkeypatch.undo()
+        assert alloc is not None and rep.status == "HINT" and "in time" in rep.note
+        assert alloc.period == 18 and rep.objective_us == 18
+        assert {o.share for o in alloc.choice.values()} == {1000}
+        assert alloc.starts["x"] + alloc.durations["x"] <= alloc.starts["y"] or \
+            alloc.starts["y"] + alloc.durations["y"] <= alloc.starts["x"]
+        assert math.isfinite(rep.bound_us) and 0 < rep.bound_us <= best
+        assert rep.gap == pytest.approx((18 - rep.bound_us) / 18)
+    prob = Stage2Problem({"x": 10.0, "y": 8.0}, options, {"compute": ["x"], "memory": ["y"]},
+                         {"x": 0, "y": 0}, [], max_period_ticks=17)
+    monkeypatch.setattr(stage2, "solve", nothing)
+    assert solve_stage2(prob, Limits(1, 1))[0] is None  # the hint breaks --max-period-us
+
+
 def test_min_period_keeps_every_start_in_its_offset_period():
     # y (10 ticks, stream b) feeds x (1 tick, stream a), both of layer offset 0: x cannot
     # start before 10, so τ = 10 would put it in period 1; the least τ is 11.

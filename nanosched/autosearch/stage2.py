@@ -82,9 +82,11 @@ no A_xy) and becomes the whole problem's complete hint. The whole problem gets t
 time (all of it: a warm start that proves its problem optimal early hands its unused time on)
 and gives the reported incumbent, bound and gap (the restricted bound is no bound of the
 whole problem); if the whole problem finds nothing in its time (too short to load it), the
-warm start's answer is returned with its own bound and a note saying so. The warm start is
-needed because from the sequential hint alone CP-SAT's LNS rarely finds an improvement: every
-improvement needs two nano-ops to change option together and many starts to move.
+warm start's answer is returned with its own bound and a note saying so, and if no solve found
+anything, the all-sequential hint itself (status HINT, with `lower_bound`'s bound). The warm
+start is needed because from the sequential hint alone CP-SAT's LNS rarely finds an
+improvement: every improvement needs two nano-ops to change option together and many starts
+to move.
 """
 
 from __future__ import annotations
@@ -93,11 +95,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from nanosched.autosearch.cpsat import Limits, Progress, solve
+from nanosched.autosearch.cpsat import Limits, Progress, gap, solve
 from nanosched.autosearch.durations import (
     FULL_SHARE,
     PARTITION,
     SIDES,
+    TICKS_PER_US,
     AllocOption,
     Mechanism,
     Side,
@@ -467,7 +470,8 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
     plain = {x: [o for o in opts if not o.paired]
              for x, opts in prob.options.items()}
     if plain == prob.options:
-        return _solve(prob, limits, progress, hint, "stage II")
+        alloc, report = _solve(prob, limits, progress, hint, "stage II")
+        return (alloc, report) if alloc is not None else _keep_hint(prob, hint, report)
     warm_limits = replace(limits, time_limit_s=GREEN_SHARE * limits.time_limit_s)
     warm, warm_rep = _solve(replace(prob, options=plain), warm_limits, progress, hint,
                      "stage II (full and green_ctx options)", rows=False)
@@ -481,4 +485,33 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
         return warm, replace(warm_rep, stage="stage II", note=(
             "the whole problem found no solution in its time: this is the warm start's "
             "answer, with the bound and gap of its problem (full and green_ctx options only)"))
+    if alloc is None:
+        return _keep_hint(prob, hint, report)
     return alloc, report
+
+
+def _keep_hint(prob: Stage2Problem, hint: tuple[int, dict[str, int], dict[str, AllocOption]]
+               | None, report: StageReport) -> tuple[Allocation | None, StageReport]:
+    """No solve found a solution in its time (a short --time-limit, a loaded machine): the
+    all-sequential placement it was hinted with, which is always feasible, reported with the
+    model's simple lower bound so that the report stays finite (a schedule refuses NaN)."""
+    if hint is None or (prob.max_period_ticks and hint[0] > prob.max_period_ticks):
+        return None, report
+    period, starts, choice = hint
+    durations = {x: o.ticks(prob.alone[x]) for x, o in choice.items()}
+    bound = min(lower_bound(prob), period)
+    return Allocation(choice, durations, starts, period), replace(
+        report, status="HINT", objective_us=period / TICKS_PER_US,
+        bound_us=bound / TICKS_PER_US, gap=gap(period, bound),
+        note="no solve finished in time: every nano-op on the whole GPU, one at a time")
+
+
+def lower_bound(prob: Stage2Problem) -> int:
+    """A lower bound of τ that needs no solve: the largest of each stream's nano-ops at their
+    shortest options (a stream runs its nano-ops one after another within τ) and the GPU
+    energy Σ_x min_j r_j d_{x,j} / 1000 (the energy row)."""
+    shortest = {x: min(o.ticks(prob.alone[x]) for o in opts) for x, opts in prob.options.items()}
+    streams = [sum(shortest[x] for x in chain if x in shortest) for chain in prob.orders.values()]
+    energy = sum(min(o.share * o.ticks(prob.alone[x]) for o in opts)
+                 for x, opts in prob.options.items())
+    return max([1, math.ceil(energy / FULL_SHARE)] + streams)

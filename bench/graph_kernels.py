@@ -117,19 +117,22 @@ def alone(op: str, spec: Any, rows: int, ctx: int, max_tokens: int, dev: torch.d
         t0 = time.perf_counter()
         out["sustained_us"], _ = traced(kernel.fn)
         out["sustained_clock"] = clock(tele, t0 - 0.05, time.perf_counter())
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            kernel.fn()  # warm the capture stream's handles (cuBLAS workspace) first
-            side.synchronize()
-            with torch.cuda.graph(graph, stream=side):
-                for _ in range(LAUNCHES):
-                    kernel.fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        out["graph_us"], out["graph_kernels"] = traced(graph.replay, 1)
-        out["graph_us"] /= LAUNCHES
+        try:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                kernel.fn()  # warm the capture stream's handles (cuBLAS workspace) first
+                side.synchronize()
+                with torch.cuda.graph(graph, stream=side):
+                    for _ in range(LAUNCHES):
+                        kernel.fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            us, out["graph_kernels"] = traced(graph.replay, 1)
+            out["graph_us"] = us / LAUNCHES
+        except Exception as exc:  # noqa: BLE001 - a setup that cannot be captured: say so
+            out["graph_us"], out["graph_error"] = float("nan"), f"{type(exc).__name__}: {exc}"
     ws.clear()
     return out
 
@@ -211,7 +214,12 @@ def main() -> None:
     rows = []
     for op in OPS:
         n, c = shape_of(op, args.decode, args.tokens, ctx, args.prompt)
-        r = alone(op, spec, n, c, args.tokens, dev, tele, args.alone_settle)
+        try:
+            r = alone(op, spec, n, c, args.tokens, dev, tele, args.alone_settle)
+        except Exception as exc:  # noqa: BLE001 - one op's failure keeps the others' figures
+            print(f"{op}: not timed alone: {type(exc).__name__}: {exc}", flush=True)
+            torch.cuda.synchronize()
+            continue
         r["profile_row_us"] = profile_row(prof, op, n, c)
         r["in_forward_us"] = in_forward.get(op)
         r["in_forward_kernels"] = sorted(names.get(op, ()))

@@ -81,7 +81,7 @@ class Batch:
             from nanosched.kernels.decode_attn_bulk import decode_attention as bulk
 
             bulk(self.q, self.k, self.v, self.tables, self.lens, self.context, HD ** -0.5,
-                 self.out, max_ctas=ctas)
+                 self.out, max_ctas=ctas, **self.scales)
             return self.out
         from nanosched.kernels.decode_attn import decode_attention
 

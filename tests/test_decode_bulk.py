@@ -29,6 +29,17 @@ def test_shared_memory_fits_an_h100_sm_for_llama3_heads():
     assert bulk.SOURCE.is_file()  # shipped with the package (setup.py package_data)
 
 
+def test_an_fp8_ring_holds_each_page_half_and_its_scales():
+    """e4m3: a slot is a page's K (or V), 16 KB for 8 heads of 128 dims, plus its 512 B of
+    scales, rounded to 1 KB for the swizzle; the same 192 KB then hold 11 slots (5.5 pages,
+    against 3 of bf16)."""
+    assert bulk.slot_bytes(8, 128, fp8=True) == 17 * 1024
+    assert bulk.page_slots(128, fp8=True) == 2 and bulk.slot_boxes(128, fp8=True) == 1
+    assert bulk.ring_slots(8, 128, 227 * 1024, fp8=True) == 11
+    assert bulk.smem_bytes(8, 128, fp8=True) <= 227 * 1024
+    assert bulk.ring_slots(8, 128, 227 * 1024) == 6  # bf16, unchanged
+
+
 def cache(dtype=torch.bfloat16, page=16, kv=8, d=128, device="cpu"):
     k = torch.zeros(4, page, kv, d, dtype=dtype, device=device)
     return k, torch.zeros_like(k)
@@ -45,7 +56,27 @@ def test_unsupported_names_the_reason(change, q_shape, words):
     k, v = cache(**change)
     q = torch.zeros(q_shape, dtype=torch.bfloat16)
     assert words in bulk.unsupported(q, k, v)
-    assert "FP8" in bulk.unsupported(q, k, v, k_scale=torch.ones(1))
+
+
+def fp8_cache(pages=4, kv=8, d=128):
+    k, v = cache(dtype=torch.float8_e4m3fn, kv=kv, d=d)
+    return k, v, torch.ones(pages, 16, kv), torch.ones(pages, 16, kv)
+
+
+def test_an_fp8_cache_is_read_with_its_scales_or_refused_with_the_reason():
+    k, v, ks, vs = fp8_cache()
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    assert bulk.unsupported(q, k, v, ks, vs) == "it runs on a CUDA GPU only"  # all else fits
+    assert "both k_scale and v_scale" in bulk.unsupported(q, k, v, ks)
+    assert "float8_e4m3fn" in bulk.unsupported(q, *cache(), ks, vs)
+    assert "k_scale fp32 [4, 16, 8]" in bulk.unsupported(q, k, v, ks.double(), vs)
+    assert "v_scale fp32" in bulk.unsupported(q, k, v, ks, vs[:, :, :4])
+    assert "v_scale fp32" in bulk.unsupported(q, k, v, ks, vs.transpose(1, 2).contiguous()
+                                              .transpose(1, 2))
+    assert "bf16 or fp16 q" in bulk.unsupported(q.float(), k, v, ks, vs)
+    k64, v64, ks64, vs64 = fp8_cache(d=64)  # a 64-dim row is half a 128-byte box row
+    assert "head_dim % 128" in bulk.unsupported(torch.zeros(2, 32, 64, dtype=torch.bfloat16),
+                                                k64, v64, ks64, vs64)
 
 
 def test_a_cache_whose_pages_are_not_contiguous_is_refused():

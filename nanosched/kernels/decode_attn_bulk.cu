@@ -42,6 +42,21 @@
 // the context are masked to -inf, and its rows there hold earlier K/V of the cache (finite: the
 // cache is zeroed when allocated), weighted by 0.
 //
+// An FP8 cache (KV_FP8 = 1: e4m3 K and V, one fp32 scale per (token, KV head) in `ks`, `vs`
+// [P, PAGE, HKV], each page's block contiguous): a box is 128 dims (128 B rows, the same
+// swizzle) and a slot holds a page's K (or V) and, after its boxes, the page's 512 B of scales,
+// copied with one bulk copy completing on the same mbarrier. The products run in fp16 (e4m3
+// converts to f16 in one instruction, `cvt.rn.f16x2.e4m3x2`; q is converted once per item):
+//   K as A of S^T      the mma's k slots (2c, 2c+1, 2c+8, 2c+9) of lane (g, c) are dims 4c..4c+3
+//                      of each 16 (the sum over k does not care which dim sits in which slot, so
+//                      Q's B fragment is loaded in the same order): one 32-bit shared load per
+//                      token row (g, g+8) gives a lane its four K bytes of a step;
+//   V^T as A of O^T    rows g and g+8 of an m-tile are dims 2g and 2g+1 (the output is written
+//                      in that order), so one 16-bit load per token (2c, 2c+1, 2c+8, 2c+9) gives
+//                      both rows' bytes, put in token pairs by a byte permute;
+//   scales             a token's K scale multiplies its row of S^T before the softmax; its V
+//                      scale multiplies its probabilities after the row sums and before P.V.
+//
 // Output: one split per request writes the normalised result to `out` in the model dtype;
 // several write fp32 partials `part` [n, Hq, splits, HEAD_DIM] and their log-sum-exp `lse`
 // [n, Hq, splits] (natural log), which the Triton merge kernel of decode_attn.py combines.
@@ -65,6 +80,9 @@
 #ifndef F16
 #define F16 0
 #endif
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -72,9 +90,18 @@ typedef unsigned long long u64;
 
 #define PAGE 16
 #define HQ (HKV * GROUP)
-#define BOX_BYTES (64 * 2 * PAGE * HKV)  // one tensor copy: 64 dims of every token and head
-#define BOXES (HEAD_DIM / 64)             // boxes of a page's K (and of its V)
-#define SLOT_BYTES (SLOT_BOXES * BOX_BYTES)
+#if KV_FP8
+#define BOX_DIMS 128  // 128 B rows of 1-byte elements
+#define SCALE_BYTES (PAGE * HKV * 4)  // a page's fp32 scales of K (or of V)
+#else
+#define BOX_DIMS 64   // 128 B rows of 2-byte elements
+#define SCALE_BYTES 0
+#endif
+#define BOX_BYTES (128 * PAGE * HKV)     // one tensor copy: BOX_DIMS dims of every token and head
+#define BOXES (HEAD_DIM / BOX_DIMS)      // boxes of a page's K (and of its V)
+#define STEPS_PER_BOX (BOX_DIMS / 16)    // 16-dim mma steps in a box
+// a slot: its boxes (and, FP8, the page's scales after them), 1024-byte aligned for the swizzle
+#define SLOT_BYTES ((SLOT_BOXES * BOX_BYTES + SCALE_BYTES + 1023) / 1024 * 1024)
 #define RING_BYTES (SLOTS * SLOT_BYTES)
 #define THREADS ((HKV + 1) * 32)
 #define KSTEPS (HEAD_DIM / 16)
@@ -82,7 +109,8 @@ typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000)
 
 static_assert(GROUP >= 1 && GROUP <= 8, "a KV head's query heads fill at most the mma's N = 8");
-static_assert(HEAD_DIM % 64 == 0, "head_dim must be a multiple of 64 (128-byte boxes)");
+static_assert(HEAD_DIM % BOX_DIMS == 0, "head_dim must fill whole 128-byte box rows");
+static_assert(!KV_FP8 || SLOT_BOXES == BOXES, "an FP8 slot holds a page's K (or V) and scales");
 static_assert(HKV >= 1 && HKV <= 16, "one consumer warp per KV head");
 static_assert(SLOTS >= 1 && SLOT_BOXES >= 1 && (2 * BOXES) % SLOT_BOXES == 0,
               "a slot holds a whole number of boxes, and a page a whole number of slots");
@@ -126,6 +154,39 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const void* map, int c0, in
       : "memory");
 }
 
+// `bytes` (a multiple of 16) from global `src` into shared `dst`, completing on `bar`
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ u32 lds32(u32 addr) {
+  u32 r;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
+  return r;
+}
+
+__device__ __forceinline__ u32 lds16(u32 addr) {
+  unsigned short r;
+  asm volatile("ld.shared.b16 %0, [%1];" : "=h"(r) : "r"(addr));
+  return r;
+}
+
+__device__ __forceinline__ float ldsf(u32 addr) {
+  float r;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(r) : "r"(addr));
+  return r;
+}
+
+// two e4m3 (low byte first) -> f16x2 (low half first)
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 x) {
+  u32 r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(x)));
+  return r;
+}
+
 // byte offset of 16-byte chunk `chunk` of row `row` in a box under the 128-byte swizzle
 __device__ __forceinline__ u32 swz(int row, int chunk) {
   return row * 128 + ((chunk ^ (row & 7)) << 4);
@@ -148,25 +209,44 @@ __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u
 #else
 #define DT "bf16"
 #endif
+#if KV_FP8
+#define MT "f16"  // the products' type: e4m3 converts to f16 in one instruction
+#else
+#define MT DT
+#endif
 
 // d += a (16x16, row) * b (16x8, col); fp32 accumulators
 __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32." DT "." DT ".f32 {%0, %1, %2, %3}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32." MT "." MT ".f32 {%0, %1, %2, %3}, "
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// two floats -> the model dtype, packed: lo in bits 0-15, hi in bits 16-31
+// two floats -> the products' type, packed: lo in bits 0-15, hi in bits 16-31
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 r;
-  asm("cvt.rn." DT "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  asm("cvt.rn." MT "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 
-__device__ __forceinline__ u16 to_half(float x) { return static_cast<u16>(pack2(x, 0.f)); }
+// a float -> the model dtype (the output)
+__device__ __forceinline__ u16 to_half(float x) {
+  u32 r;
+  asm("cvt.rn." DT "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(0.f), "f"(x));
+  return static_cast<u16>(r);
+}
+
+// two elements of q (the model dtype, packed) -> the products' type
+__device__ __forceinline__ u32 q_pair(u32 x) {
+#if KV_FP8 && !F16
+  return pack2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+#else
+  return x;
+#endif
+}
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float r;
@@ -206,7 +286,8 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
             const int* __restrict__ bt, const int* __restrict__ lens, u16* __restrict__ out,
             float* __restrict__ part, float* __restrict__ lse, int num_items, int splits,
             int pages_per_split, int bt_stride, int bt_cols, long long q_sn, long long q_sh,
-            long long o_sn, long long o_sh, float scale_log2) {
+            long long o_sn, long long o_sh, float scale_log2, const float* __restrict__ ks,
+            const float* __restrict__ vs, long long scale_page) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const u32 ring = (smem_addr(smem) + 1023u) & ~1023u;  // the swizzle needs 1024-byte boxes
@@ -253,13 +334,17 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
           mbar_wait(empty0 + 8 * w.slot, w.parity ^ 1);
           if (lane == 0) {
             const u32 full = full0 + 8 * w.slot;
-            mbar_expect_tx(full, SLOT_BYTES);
+            mbar_expect_tx(full, SLOT_BOXES * BOX_BYTES + SCALE_BYTES);
 #pragma unroll
             for (int b = 0; b < SLOT_BOXES; ++b) {
               const int x = x0 + b;  // box x of the page: K's boxes, then V's
               tma_load_4d(ring + w.slot * SLOT_BYTES + b * BOX_BYTES, maps + 128 * (x / BOXES),
-                          64 * (x % BOXES), 0, 0, page, full);
+                          BOX_DIMS * (x % BOXES), 0, 0, page, full);
             }
+#if KV_FP8
+            bulk_load(ring + w.slot * SLOT_BYTES + SLOT_BOXES * BOX_BYTES,
+                      (x0 < BOXES ? ks : vs) + (long long)page * scale_page, SCALE_BYTES, full);
+#endif
           }
           __syncwarp();
           w.next();
@@ -277,20 +362,27 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
   const int h = warp, g = lane >> 2, c = lane & 3;
   // ldmatrix rows (lane l names row l & 7 of matrix l >> 3): K as A of S^T (rows = tokens,
   // 16 dims per step), V transposed as A of O^T (rows = dims); box rows are head * PAGE + token
+#if !KV_FP8
   const int k_row = h * PAGE + (lane & 15), k_hi = lane >> 4;
   const int v_row = h * PAGE + (lane & 7) + 8 * (lane >> 4), v_hi = (lane >> 3) & 1;
+#endif
   // P^T's B fragment comes from lanes holding tokens 2c and 2c+1 of this lane's query head g
   const int src_a = (2 * c) * 4 + (g >> 1), src_b = (2 * c + 1) * 4 + (g >> 1);
   const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
   const bool q_ok = g < GROUP;
 
+#if KV_FP8
+  const int q_at = 4 * c, q_hi = 2;  // k slots 2c, 2c+1 | 2c+8, 2c+9: dims 4c, 4c+1 | 4c+2, 4c+3
+#else
+  const int q_at = 2 * c, q_hi = 8;  // dims 2c, 2c+1 | 2c+8, 2c+9
+#endif
   u32 qf[KSTEPS][2], qn[KSTEPS][2];
   auto load_q = [&](u32 (*dst)[2], int req) {
-    const u16* qp = q + req * q_sn + (h * GROUP + (q_ok ? g : 0)) * q_sh + 2 * c;
+    const u16* qp = q + req * q_sn + (h * GROUP + (q_ok ? g : 0)) * q_sh + q_at;
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) {
-      dst[j][0] = q_ok ? *reinterpret_cast<const u32*>(qp + 16 * j) : 0u;
-      dst[j][1] = q_ok ? *reinterpret_cast<const u32*>(qp + 16 * j + 8) : 0u;
+      dst[j][0] = q_ok ? q_pair(*reinterpret_cast<const u32*>(qp + 16 * j)) : 0u;
+      dst[j][1] = q_ok ? q_pair(*reinterpret_cast<const u32*>(qp + 16 * j + q_hi)) : 0u;
     }
   };
   if (blockIdx.x < num_items) load_q(qf, blockIdx.x / splits);
@@ -327,6 +419,24 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       // S^T: tokens g, g+8 x query heads 2c, 2c+1; two accumulators halve the mma chain
       float sc[4] = {0.f, 0.f, 0.f, 0.f}, sd[4] = {0.f, 0.f, 0.f, 0.f};
       u32 box = 0;
+#if KV_FP8
+      // the K slot: the page's K boxes, then its K scales [token][head]
+      const u32 kslot = acquire(0);
+      const float ks0 = ldsf(kslot + SLOT_BOXES * BOX_BYTES + (g * HKV + h) * 4);
+      const float ks1 = ldsf(kslot + SLOT_BOXES * BOX_BYTES + ((g + 8) * HKV + h) * 4);
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) {
+        box = kslot + (j / STEPS_PER_BOX) * BOX_BYTES;
+        const int chunk = j % STEPS_PER_BOX;  // 16 dims: one 16-byte chunk of each row
+        const u32 w0 = lds32(box + swz(h * PAGE + g, chunk) + 4 * c);
+        const u32 w1 = lds32(box + swz(h * PAGE + g + 8, chunk) + 4 * c);
+        mma16816(j & 1 ? sd : sc, e4m3x2_to_f16x2(w0), e4m3x2_to_f16x2(w1),
+                 e4m3x2_to_f16x2(w0 >> 16), e4m3x2_to_f16x2(w1 >> 16), qf[j][0], qf[j][1]);
+      }
+      release(SLOT_BOXES - 1);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sc[k] = (sc[k] + sd[k]) * (k < 2 ? ks0 : ks1);
+#else
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
         const int x = j >> 2;  // K's box of these 16 dims
@@ -338,6 +448,7 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       }
 #pragma unroll
       for (int k = 0; k < 4; ++k) sc[k] += sd[k];
+#endif
       const int valid = it.ctx - p * PAGE;
       const float x0 = g < valid ? sc[0] * scale_log2 : NEG_INF;
       const float x1 = g < valid ? sc[1] * scale_log2 : NEG_INF;
@@ -357,24 +468,50 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       l1 = l1 * al1 + e1 + e3;
       m0 = mn0;
       m1 = mn1;
+#if KV_FP8
+      // the V slot: the page's V boxes, then its V scales; a token's probabilities carry its
+      // V scale into P.V (the row sums above do not)
+      const u32 vslot = acquire(BOXES);
+      const float vs0 = ldsf(vslot + SLOT_BOXES * BOX_BYTES + (g * HKV + h) * 4);
+      const float vs1 = ldsf(vslot + SLOT_BOXES * BOX_BYTES + ((g + 8) * HKV + h) * 4);
+      const u32 lo = pack2(e0 * vs0, e1 * vs0), hi = pack2(e2 * vs1, e3 * vs1);
+#else
       const u32 lo = pack2(e0, e1), hi = pack2(e2, e3);  // tokens g, g+8; heads 2c, 2c+1
+#endif
       const u32 lo_a = __shfl_sync(FULL_MASK, lo, src_a), hi_a = __shfl_sync(FULL_MASK, hi, src_a);
       const u32 lo_b = __shfl_sync(FULL_MASK, lo, src_b), hi_b = __shfl_sync(FULL_MASK, hi, src_b);
       const u32 b0 = __byte_perm(lo_a, lo_b, sel);  // tokens 2c, 2c+1 of head g
       const u32 b1 = __byte_perm(hi_a, hi_b, sel);  // tokens 2c+8, 2c+9
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
-        const int x = BOXES + (i >> 2);  // V's box of these 16 dims
-        if ((i & 3) == 0) box = acquire(x);
         acc[i][0] *= al0;
         acc[i][1] *= al1;
         acc[i][2] *= al0;
         acc[i][3] *= al1;
+#if KV_FP8
+        // rows g, g+8 of this m-tile are dims 16i + 2g, 16i + 2g + 1: one 16-bit load per token
+        box = vslot + (i / STEPS_PER_BOX) * BOX_BYTES;
+        const int chunk = i % STEPS_PER_BOX, r0 = h * PAGE + 2 * c;
+        const u32 v0 = lds16(box + swz(r0, chunk) + 2 * g);
+        const u32 v1 = lds16(box + swz(r0 + 1, chunk) + 2 * g);
+        const u32 v8 = lds16(box + swz(r0 + 8, chunk) + 2 * g);
+        const u32 v9 = lds16(box + swz(r0 + 9, chunk) + 2 * g);
+        const u32 w = __byte_perm(v0, v1, 0x5140);   // dim 2g: tokens 2c, 2c+1 | dim 2g+1
+        const u32 w8 = __byte_perm(v8, v9, 0x5140);  // the same of tokens 2c+8, 2c+9
+        mma16816(acc[i], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16), e4m3x2_to_f16x2(w8),
+                 e4m3x2_to_f16x2(w8 >> 16), b0, b1);
+#else
+        const int x = BOXES + (i >> 2);  // V's box of these 16 dims
+        if ((i & 3) == 0) box = acquire(x);
         u32 a0, a1, a2, a3;
         ldsm_x4_t(box + swz(v_row, ((i & 3) << 1) + v_hi), a0, a1, a2, a3);
         if ((i & 3) == 3) release(x);
         mma16816(acc[i], a0, a1, a2, a3, b0, b1);
+#endif
       }
+#if KV_FP8
+      release(2 * BOXES - 1);
+#endif
     }
 
 #pragma unroll
@@ -382,7 +519,13 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       l0 += __shfl_xor_sync(FULL_MASK, l0, o);
       l1 += __shfl_xor_sync(FULL_MASK, l1, o);
     }
-    // acc[i]: dims 16i+g (0, 1) and 16i+g+8 (2, 3) of query heads 2c (0, 2) and 2c+1 (1, 3)
+    // acc[i]: dims 16i+g (0, 1) and 16i+g+8 (2, 3) of query heads 2c (0, 2) and 2c+1 (1, 3);
+    // with an FP8 cache dims 16i+2g and 16i+2g+1
+#if KV_FP8
+    const int d_lo = 2 * g, d_hi = 1;
+#else
+    const int d_lo = g, d_hi = 8;
+#endif
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int qh = 2 * c + e;
@@ -391,19 +534,19 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int head = h * GROUP + qh;
       if (splits == 1) {
-        u16* o = out + it.req * o_sn + head * o_sh + g;
+        u16* o = out + it.req * o_sn + head * o_sh + d_lo;
 #pragma unroll
         for (int i = 0; i < KSTEPS; ++i) {
           o[16 * i] = to_half(acc[i][e] * inv);
-          o[16 * i + 8] = to_half(acc[i][2 + e] * inv);
+          o[16 * i + d_hi] = to_half(acc[i][2 + e] * inv);
         }
       } else {
         const long long row = ((long long)it.req * HQ + head) * splits + it.split;
-        float* o = part + row * HEAD_DIM + g;
+        float* o = part + row * HEAD_DIM + d_lo;
 #pragma unroll
         for (int i = 0; i < KSTEPS; ++i) {
           o[16 * i] = acc[i][e] * inv;
-          o[16 * i + 8] = acc[i][2 + e] * inv;
+          o[16 * i + d_hi] = acc[i][2 + e] * inv;
         }
         if (g == 0) lse[row] = l > 0.f ? (m + __log2f(l)) * 0.6931471805599453f : NEG_INF;
       }

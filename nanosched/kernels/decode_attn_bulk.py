@@ -12,7 +12,10 @@ as the products have read it (K after S, V after P.V), so the copies in flight f
 ring but one slot. It needs an sm_90 GPU (Hopper), cupy (NVRTC) and cuda-bindings (the tensor
 maps), page size 16, head_dim a multiple of 64, at most 8 query heads per KV head, a bf16/fp16
 cache with each page contiguous, and one CTA per SM (the ring: 6 x 32 KB for 8 KV heads of 128
-dims, 193 KB of shared memory with its mbarriers; at least two pages).
+dims, 193 KB of shared memory with its mbarriers; at least two pages). An FP8 cache (e4m3 with
+fp32 scales per token and KV head, models/kvcache.py) is read at half the bytes: boxes of 128
+dims, a slot per page's K (or V) with its 512 B of scales (11 x 17 KB), the products in fp16
+(head_dim a multiple of 128).
 
 Launch arguments are those of the Triton kernels: `max_ctas` bounds the persistent grid (default:
 one per SM), `num_splits` fixes split-K over the context (default: about four work items per
@@ -54,35 +57,48 @@ ITEMS_PER_CTA = 2
 MERGE_PROGRAMS_PER_CTA = 4
 
 
-def slot_boxes(head_dim: int) -> int:
-    """64-dim boxes in one ring slot: SLOT_BOXES, or a page's K (or V) when None."""
-    return SLOT_BOXES or head_dim // 64
+def box_dims(fp8: bool = False) -> int:
+    """Dims of one box: a 128-byte row of the cache's elements."""
+    return 128 if fp8 else 64
 
 
-def slot_bytes(num_kv_heads: int, head_dim: int) -> int:
-    """Bytes of one ring slot: its boxes of 64 dims x PAGE tokens x the KV heads."""
-    return slot_boxes(head_dim) * 64 * PAGE * num_kv_heads * 2
+def slot_boxes(head_dim: int, fp8: bool = False) -> int:
+    """Boxes in one ring slot: SLOT_BOXES, or a page's K (or V) when None (always with an FP8
+    cache, whose slot also holds the page's scales)."""
+    whole = head_dim // box_dims(fp8)
+    return whole if fp8 else SLOT_BOXES or whole
 
 
-def page_slots(head_dim: int) -> int:
+def slot_bytes(num_kv_heads: int, head_dim: int, fp8: bool = False) -> int:
+    """Bytes of one ring slot: its boxes of 128-byte rows x PAGE tokens x the KV heads, and
+    with an FP8 cache the page's fp32 scales (PAGE x KV heads), 1024-byte aligned."""
+    size = slot_boxes(head_dim, fp8) * 128 * PAGE * num_kv_heads
+    if fp8:
+        size = -(-(size + 4 * PAGE * num_kv_heads) // 1024) * 1024
+    return size
+
+
+def page_slots(head_dim: int, fp8: bool = False) -> int:
     """Slots one page's K and V fill."""
-    return 2 * (head_dim // 64) // slot_boxes(head_dim)
+    return 2 * (head_dim // box_dims(fp8)) // slot_boxes(head_dim, fp8)
 
 
-def smem_bytes(num_kv_heads: int, head_dim: int, slots: int | None = None) -> int:
+def smem_bytes(num_kv_heads: int, head_dim: int, slots: int | None = None,
+               fp8: bool = False) -> int:
     """Dynamic shared memory of one CTA: a ring of `slots` slots (default: the ring an H100 /
     H200 gives these heads), 1024-byte aligned for the swizzle, and their 2 x `slots`
     mbarriers."""
     if slots is None:
-        slots = (ring_slots(num_kv_heads, head_dim, HOPPER_SMEM)
-                 or MIN_RING_PAGES * page_slots(head_dim))
-    return slots * slot_bytes(num_kv_heads, head_dim) + 1024 + 16 * slots
+        slots = (ring_slots(num_kv_heads, head_dim, HOPPER_SMEM, fp8)
+                 or MIN_RING_PAGES * page_slots(head_dim, fp8))
+    return slots * slot_bytes(num_kv_heads, head_dim, fp8) + 1024 + 16 * slots
 
 
-def ring_slots(num_kv_heads: int, head_dim: int, limit: int) -> int:
+def ring_slots(num_kv_heads: int, head_dim: int, limit: int, fp8: bool = False) -> int:
     """Slots of the ring under `limit` bytes of shared memory: RING_BYTES' worth, at least
     MIN_RING_PAGES pages', no more than fit (0 when those pages do not fit)."""
-    size, need = slot_bytes(num_kv_heads, head_dim), MIN_RING_PAGES * page_slots(head_dim)
+    size = slot_bytes(num_kv_heads, head_dim, fp8)
+    need = MIN_RING_PAGES * page_slots(head_dim, fp8)
     slots = min(max(need, RING_BYTES // size), (limit - 1024) // (size + 16))
     return slots if slots >= need else 0
 
@@ -96,22 +112,30 @@ def _device_limits(index: int) -> tuple[int, int]:
 
 
 def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                k_scale: torch.Tensor | None = None) -> str | None:
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> str | None:
     """Why this kernel cannot run the call, or None."""
     n, num_q, d = q.shape
     page, num_kv = k_cache.shape[1], k_cache.shape[2]
-    if k_scale is not None:
-        return "it reads bf16/fp16 caches only (no FP8)"
-    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype \
+    fp8 = k_scale is not None or v_scale is not None
+    if fp8:
+        why = _fp8_unsupported(k_cache, v_cache, k_scale, v_scale)
+        if why:
+            return why
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            return f"it needs bf16 or fp16 q, got {q.dtype}"
+    elif q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype \
             or v_cache.dtype != q.dtype:
         return f"it needs bf16 or fp16 q and cache of one dtype, got {q.dtype}, {k_cache.dtype}"
     if page != PAGE:
         return f"it needs {PAGE}-token pages, got {page}"
-    if d % 64 or num_q % num_kv or num_q // num_kv > 8 or num_kv > 16:
-        return (f"it needs head_dim % 64 == 0, at most 8 query heads per KV head and at most 16 "
-                f"KV heads; got d={d}, Hq={num_q}, Hkv={num_kv}")
+    dims = box_dims(fp8)
+    if d % dims or num_q % num_kv or num_q // num_kv > 8 or num_kv > 16:
+        return (f"it needs head_dim % {dims} == 0, at most 8 query heads per KV head and at most "
+                f"16 KV heads; got d={d}, Hq={num_q}, Hkv={num_kv}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride()[1:] != (num_kv * d, d, 1) or t.stride(0) % 8 or t.data_ptr() % 16:
+        if t.stride()[1:] != (num_kv * d, d, 1) or t.stride(0) * t.element_size() % 16 \
+                or t.data_ptr() % 16:
             return f"it needs each page of {name} contiguous and 16-byte aligned"
     if v_cache.stride(0) != k_cache.stride(0):
         return "it needs k_cache and v_cache with one page stride"
@@ -123,9 +147,30 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   else torch.cuda.current_device())
     if major < 9:
         return "it needs an sm_90 (Hopper) GPU or newer: tensor-map copies"
-    if not ring_slots(num_kv, d, limit):
-        smem = smem_bytes(num_kv, d, MIN_RING_PAGES * page_slots(d))
+    if not ring_slots(num_kv, d, limit, fp8):
+        smem = smem_bytes(num_kv, d, MIN_RING_PAGES * page_slots(d, fp8), fp8)
         return f"its ring needs {smem} B of shared memory, the GPU offers {limit}"
+    return None
+
+
+def _fp8_unsupported(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str | None:
+    """Why an FP8 cache with these scales cannot be read, or None: e4m3 K and V, fp32 scales
+    [P, PAGE, Hkv] (one per token and KV head), each page's block contiguous and 16-byte
+    aligned (one bulk copy), one page stride for K's and V's."""
+    if k_scale is None or v_scale is None:
+        return "an FP8 cache needs both k_scale and v_scale"
+    if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn:
+        return f"its FP8 cache must be float8_e4m3fn, got {k_cache.dtype}, {v_cache.dtype}"
+    pages, page, num_kv = k_cache.shape[:3]
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (pages, page, num_kv) \
+                or t.stride()[1:] != (num_kv, 1) or t.stride(0) % 4 or t.data_ptr() % 16:
+            return (f"it needs {name} fp32 [{pages}, {page}, {num_kv}], each page's block "
+                    f"contiguous and 16-byte aligned; got {t.dtype} {tuple(t.shape)} strides "
+                    f"{t.stride()}")
+    if k_scale.stride(0) != v_scale.stride(0):
+        return "it needs k_scale and v_scale with one page stride"
     return None
 
 
@@ -142,15 +187,16 @@ def available() -> str | None:
 
 @functools.cache
 def _kernel(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slots: int,
-            boxes: int):
+            boxes: int, fp8: bool = False):
     import cupy
 
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=SOURCE.read_text(), options=(
             "-std=c++17", f"-DHKV={num_kv}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}",
-            f"-DSLOTS={slots}", f"-DSLOT_BOXES={boxes}", f"-DF16={int(f16)}"))
+            f"-DSLOTS={slots}", f"-DSLOT_BOXES={boxes}", f"-DF16={int(f16)}",
+            f"-DKV_FP8={int(fp8)}"))
         kernel = module.get_function("decode_bulk")
-        kernel.max_dynamic_shared_size_bytes = smem_bytes(num_kv, head_dim, slots)
+        kernel.max_dynamic_shared_size_bytes = smem_bytes(num_kv, head_dim, slots, fp8)
     return kernel
 
 
@@ -159,20 +205,23 @@ _MAPS: dict[tuple, torch.Tensor] = {}
 
 def _encode(t: torch.Tensor) -> bytes:
     """The 128-byte tensor map of a paged cache [P, PAGE, Hkv, d]: dims ordered (d, token, head,
-    page) and boxes of 64 dims x PAGE tokens x Hkv heads, 128-byte swizzle."""
+    page) and boxes of one 128-byte row of dims (64 of bf16/fp16, 128 of e4m3) x PAGE tokens x
+    Hkv heads, 128-byte swizzle."""
     import ctypes
 
     from cuda.bindings import driver as drv
 
     pages, page, num_kv, d = t.shape
     size = t.element_size()
-    dtype = (drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if t.dtype == torch.float16
-             else drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    types = drv.CUtensorMapDataType
+    dtype = {torch.float16: types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             torch.float8_e4m3fn: types.CU_TENSOR_MAP_DATA_TYPE_UINT8}.get(
+                 t.dtype, types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
     err, tmap = drv.cuTensorMapEncodeTiled(
         dtype, 4, t.data_ptr(), [u64(x) for x in (d, page, num_kv, pages)],
         [u64(x * size) for x in (t.stride(1), t.stride(2), t.stride(0))],
-        [u32(x) for x in (64, page, num_kv, 1)], [u32(1)] * 4,
+        [u32(x) for x in (128 // size, page, num_kv, 1)], [u32(1)] * 4,
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -222,13 +271,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
                      max_ctas: int | None = None, num_splits: int | None = None, *,
-                     k_scale: torch.Tensor | None = None) -> None:
-    """The `cuda_bulk` decode attention; contract of reference.decode_attention (an FP8 cache,
-    `k_scale` given, is refused: ConfigError names every reason a call cannot run here)."""
+                     k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> None:
+    """The `cuda_bulk` decode attention; contract of reference.decode_attention (an FP8 cache:
+    e4m3 K/V with `k_scale`, `v_scale`; ConfigError names every reason a call cannot run here)."""
     n, num_q, d = q.shape
     if n == 0:
         return
-    why = available() or unsupported(q, k_cache, v_cache, k_scale)
+    fp8 = k_scale is not None or v_scale is not None
+    why = available() or unsupported(q, k_cache, v_cache, k_scale, v_scale)
     if not why and (context_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
         why = "it needs int32 block tables and context lengths"
     if not why and (out.dtype != q.dtype or out.stride(2) != 1):
@@ -246,20 +297,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part = torch.empty((n, num_q, splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, num_q, splits), dtype=torch.float32, device=q.device)
     bt = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    slots = ring_slots(num_kv, d, _device_limits(dev)[1])
+    slots = ring_slots(num_kv, d, _device_limits(dev)[1], fp8)
     kernel = _kernel(num_kv, num_q // num_kv, d, q.dtype == torch.float16, dev, slots,
-                     slot_boxes(d))
+                     slot_boxes(d, fp8), fp8)
     maps = tensor_maps(k_cache, v_cache)
+    ks, vs = (k_scale, v_scale) if fp8 else (out, out)  # unused by a bf16/fp16 kernel
     args = (np.uint64(q.data_ptr()), np.uint64(maps.data_ptr()), np.uint64(bt.data_ptr()),
             np.uint64(context_lens.data_ptr()), np.uint64(out.data_ptr()),
             np.uint64(part.data_ptr()), np.uint64(lse.data_ptr()), np.int32(items),
             np.int32(splits), np.int32(per), np.int32(bt.stride(0)), np.int32(bt.shape[1]),
             np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(out.stride(0)),
             np.int64(out.stride(1)),
-            np.float32(scale * math.log2(math.e)))
+            np.float32(scale * math.log2(math.e)), np.uint64(ks.data_ptr()),
+            np.uint64(vs.data_ptr()), np.int64(ks.stride(0) if fp8 else 0))
     with _stream(torch.cuda.current_stream(q.device).cuda_stream, dev):
         kernel((min(grid, items),), (32 * (num_kv + 1),), args,
-               shared_mem=smem_bytes(num_kv, d, slots))
+               shared_mem=smem_bytes(num_kv, d, slots, fp8))
     if splits > 1:
         from nanosched.kernels.decode_attn import merge_splits
 

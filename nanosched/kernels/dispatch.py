@@ -188,7 +188,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         bulk(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
              max_ctas=impls.grid_bound(args["max_ctas"], args["num_sms"],
                                         impls.BULK_CTAS_PER_SM),
-             num_splits=args["num_splits"], k_scale=k_scale)
+             num_splits=args["num_splits"], **scales)
     else:
         ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
                              scale, out, **scales)

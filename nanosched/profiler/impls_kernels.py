@@ -122,7 +122,7 @@ def _decode(call: OpCall, launch: Launch) -> Kernel:
         from nanosched.kernels.decode_attn_bulk import unsupported
 
         q = call.ws.tensor("q_decode", (_rows(call), h.num_heads, h.head_dim))
-        why = unsupported(q, k, v, scales.get("k_scale"))
+        why = unsupported(q, k, v, scales.get("k_scale"), scales.get("v_scale"))
         if why:
             raise Unsupported(f"attn_decode/cuda_bulk: {why}")
     tables = tables[:call.tokens]

@@ -103,6 +103,65 @@ def test_decode_attention_on_fp8_cache(max_ctas, num_splits, config):
     assert torch.equal(got[5], torch.zeros_like(got[5]))  # context 0: zero, no NaN
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("max_ctas, num_splits", [(16, None), (32, None), (None, None),
+                                                  (132, 1), (64, 16)])
+def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits):
+    """`cuda_bulk` on an e4m3 cache (its K/V and scales through the ring, the products in fp16)
+    against the reference on the same cache: partial last pages, a padded row of context 0, one
+    split (written in the model dtype) and several (merged)."""
+    pytest.importorskip("cupy")
+    from nanosched.kernels.decode_attn_bulk import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    contexts = [1, 15, 16, 17, 4096, 0] + torch.randint(1, 4097, (58,), generator=g).tolist()
+    tables, num_pages = block_tables([max(1, math.ceil(c / PAGE)) for c in contexts], 8, 4)
+    kc, ks, vc, vs = fp8_pages(num_pages, seed=5)
+    q = torch.randn(len(contexts), HQ, HD, device="cuda", generator=gen(7)).to(dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    want = torch.empty(q.shape, device="cuda")
+    got = torch.full_like(q, float("nan"))
+    ref.decode_attention(q.float(), kc, vc, tables, lens, max(contexts), HD ** -0.5, want,
+                         k_scale=ks, v_scale=vs)
+    decode_attention(q, kc, vc, tables, lens, max(contexts), HD ** -0.5, got, max_ctas=max_ctas,
+                     num_splits=num_splits, k_scale=ks, v_scale=vs)
+    assert not got.isnan().any()
+    assert torch.equal(got[5], torch.zeros_like(got[5]))  # context 0: zero, no NaN
+    assert rel_err(got, want) <= 1e-2
+
+
+def test_cuda_bulk_on_fp8_cache_is_captured_in_a_cuda_graph():
+    """Replayed from a graph on new context lengths and queries: the new result each time."""
+    pytest.importorskip("cupy")
+    from nanosched.kernels.decode_attn_bulk import decode_attention
+
+    contexts = [700] * 16 + [2000] * 16
+    tables, num_pages = block_tables([math.ceil(c / PAGE) for c in contexts], 8, 4)
+    kc, ks, vc, vs = fp8_pages(num_pages, seed=5)
+    q = torch.randn(32, HQ, HD, device="cuda", generator=gen(7)).bfloat16()
+    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # build outside the capture
+        decode_attention(q, kc, vc, tables, lens, 2000, HD ** -0.5, out, max_ctas=32,
+                         k_scale=ks, v_scale=vs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, kc, vc, tables, lens, 2000, HD ** -0.5, out, max_ctas=32,
+                         k_scale=ks, v_scale=vs)
+    for seed in (5, 6):
+        lens.copy_(torch.randint(1, 2001, (32,), device="cuda", generator=gen(seed)).int())
+        q.copy_(torch.randn(32, HQ, HD, device="cuda", generator=gen(seed + 10)).bfloat16())
+        want = torch.empty(q.shape, device="cuda")
+        ref.decode_attention(q.float(), kc, vc, tables, lens, 2000, HD ** -0.5, want,
+                             k_scale=ks, v_scale=vs)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out, want) <= 1e-2
+
+
 @pytest.mark.parametrize("segments", [[(0, 2048, 0)], [(0, 512, 1536)],
                                       [(0, 512, 0), (512, 812, 700), (812, 813, 4000)]])
 def test_prefill_attention_on_fp8_cache(segments):

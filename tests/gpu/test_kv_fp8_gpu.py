@@ -106,12 +106,16 @@ def test_decode_attention_on_fp8_cache(max_ctas, num_splits, config):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_ctas, num_splits", [(16, None), (32, None), (None, None),
                                                   (132, 1), (64, 16)])
-def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits):
+def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, monkeypatch):
     """`cuda_bulk` on an e4m3 cache (its K/V and scales through the ring, the products in fp16)
     against the reference on the same cache: partial last pages, a padded row of context 0, one
-    split (written in the model dtype) and several (merged)."""
+    split (written in the model dtype) and several (merged). Run with the FP8 path let through
+    (`FP8_VERIFIED`), which these tests are what verify."""
     pytest.importorskip("cupy")
+    from nanosched.kernels import decode_attn_bulk
     from nanosched.kernels.decode_attn_bulk import decode_attention
+
+    monkeypatch.setattr(decode_attn_bulk, "FP8_VERIFIED", True)
 
     g = torch.Generator().manual_seed(0)
     contexts = [1, 15, 16, 17, 4096, 0] + torch.randint(1, 4097, (58,), generator=g).tolist()
@@ -130,10 +134,13 @@ def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits):
     assert rel_err(got, want) <= 1e-2
 
 
-def test_cuda_bulk_on_fp8_cache_is_captured_in_a_cuda_graph():
+def test_cuda_bulk_on_fp8_cache_is_captured_in_a_cuda_graph(monkeypatch):
     """Replayed from a graph on new context lengths and queries: the new result each time."""
     pytest.importorskip("cupy")
+    from nanosched.kernels import decode_attn_bulk
     from nanosched.kernels.decode_attn_bulk import decode_attention
+
+    monkeypatch.setattr(decode_attn_bulk, "FP8_VERIFIED", True)
 
     contexts = [700] * 16 + [2000] * 16
     tables, num_pages = block_tables([math.ceil(c / PAGE) for c in contexts], 8, 4)

@@ -82,41 +82,9 @@ def test_rope_append_writes_the_reference_fp8_cache():
             assert err < 0.03
 
 
-@pytest.mark.parametrize("max_ctas, num_splits", [(64, None), (None, None), (264, 1)])
-@pytest.mark.parametrize("config", [PAGED, PIPELINED])
-def test_decode_attention_on_fp8_cache(max_ctas, num_splits, config):
-    from nanosched.kernels.decode_attn import decode_attention
-
-    g = torch.Generator().manual_seed(0)
-    contexts = [1, 15, 16, 17, 4096, 0] + torch.randint(1, 4097, (58,), generator=g).tolist()
-    tables, num_pages = block_tables([max(1, math.ceil(c / PAGE)) for c in contexts], 8, 4)
-    kc, ks, vc, vs = fp8_pages(num_pages, seed=5)
-    q = torch.randn(len(contexts), HQ, HD, device="cuda", generator=gen(7)).bfloat16()
-    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    want = torch.empty(q.shape, device="cuda")
-    got = torch.full_like(q, float("nan"))
-    ref.decode_attention(q.float(), kc, vc, tables, lens, max(contexts), HD ** -0.5, want,
-                         k_scale=ks, v_scale=vs)
-    decode_attention(q, kc, vc, tables, lens, max(contexts), HD ** -0.5, got, max_ctas=max_ctas,
-                     num_splits=num_splits, config=config, k_scale=ks, v_scale=vs)
-    assert rel_err(got, want) <= 1e-2
-    assert torch.equal(got[5], torch.zeros_like(got[5]))  # context 0: zero, no NaN
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("max_ctas, num_splits", [(16, None), (32, None), (None, None),
-                                                  (132, 1), (64, 16)])
-def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, monkeypatch):
-    """`cuda_bulk` on an e4m3 cache (its K/V and scales through the ring, the products in fp16)
-    against the reference on the same cache: partial last pages, a padded row of context 0, one
-    split (written in the model dtype) and several (merged). Run with the FP8 path let through
-    (`FP8_VERIFIED`), which these tests are what verify."""
-    pytest.importorskip("cupy")
-    from nanosched.kernels import decode_attn_bulk
-    from nanosched.kernels.decode_attn_bulk import decode_attention
-
-    monkeypatch.setattr(decode_attn_bulk, "FP8_VERIFIED", True)
-
+def decode_case(dtype=torch.bfloat16):
+    """64 requests of contexts 0 to 4,096 (partial last pages; row 5 a padded row of context 0)
+    on a shuffled e4m3 cache, and the reference's output on that same cache."""
     g = torch.Generator().manual_seed(0)
     contexts = [1, 15, 16, 17, 4096, 0] + torch.randint(1, 4097, (58,), generator=g).tolist()
     tables, num_pages = block_tables([max(1, math.ceil(c / PAGE)) for c in contexts], 8, 4)
@@ -124,14 +92,47 @@ def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, mo
     q = torch.randn(len(contexts), HQ, HD, device="cuda", generator=gen(7)).to(dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     want = torch.empty(q.shape, device="cuda")
-    got = torch.full_like(q, float("nan"))
     ref.decode_attention(q.float(), kc, vc, tables, lens, max(contexts), HD ** -0.5, want,
                          k_scale=ks, v_scale=vs)
-    decode_attention(q, kc, vc, tables, lens, max(contexts), HD ** -0.5, got, max_ctas=max_ctas,
-                     num_splits=num_splits, k_scale=ks, v_scale=vs)
+    args = (q, kc, vc, tables, lens, max(contexts), HD ** -0.5)
+    return args, {"k_scale": ks, "v_scale": vs}, want
+
+
+def check_decode(got: torch.Tensor, want: torch.Tensor) -> None:
     assert not got.isnan().any()
     assert torch.equal(got[5], torch.zeros_like(got[5]))  # context 0: zero, no NaN
     assert rel_err(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("max_ctas, num_splits", [(64, None), (None, None), (264, 1)])
+@pytest.mark.parametrize("config", [PAGED, PIPELINED])
+def test_decode_attention_on_fp8_cache(max_ctas, num_splits, config):
+    from nanosched.kernels.decode_attn import decode_attention
+
+    args, scales, want = decode_case()
+    got = torch.full_like(args[0], float("nan"))
+    decode_attention(*args, got, max_ctas=max_ctas, num_splits=num_splits, config=config,
+                     **scales)
+    check_decode(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("max_ctas, num_splits", [(16, None), (32, None), (None, None),
+                                                  (132, 1), (64, 16)])
+def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, monkeypatch):
+    """`cuda_bulk` on an e4m3 cache (its K/V and scales through the ring, the products in fp16)
+    against the reference on the same cache, one split (written in the model dtype) and
+    several (merged). Run with the FP8 path let through (`FP8_VERIFIED`), which these tests are
+    what verify."""
+    pytest.importorskip("cupy")
+    from nanosched.kernels import decode_attn_bulk
+
+    monkeypatch.setattr(decode_attn_bulk, "FP8_VERIFIED", True)
+    args, scales, want = decode_case(dtype)
+    got = torch.full_like(args[0], float("nan"))
+    decode_attn_bulk.decode_attention(*args, got, max_ctas=max_ctas, num_splits=num_splits,
+                                      **scales)
+    check_decode(got, want)
 
 
 def test_cuda_bulk_on_fp8_cache_is_captured_in_a_cuda_graph(monkeypatch):

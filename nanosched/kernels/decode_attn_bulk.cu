@@ -286,8 +286,11 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
             const int* __restrict__ bt, const int* __restrict__ lens, u16* __restrict__ out,
             float* __restrict__ part, float* __restrict__ lse, int num_items, int splits,
             int pages_per_split, int bt_stride, int bt_cols, long long q_sn, long long q_sh,
-            long long o_sn, long long o_sh, float scale_log2, const float* __restrict__ ks,
-            const float* __restrict__ vs, long long scale_page) {
+            long long o_sn, long long o_sh, float scale_log2
+#if KV_FP8
+            , const float* __restrict__ ks, const float* __restrict__ vs, long long scale_page
+#endif
+            ) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const u32 ring = (smem_addr(smem) + 1023u) & ~1023u;  // the swizzle needs 1024-byte boxes
@@ -484,11 +487,11 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       const u32 b1 = __byte_perm(hi_a, hi_b, sel);  // tokens 2c+8, 2c+9
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
+#if KV_FP8
         acc[i][0] *= al0;
         acc[i][1] *= al1;
         acc[i][2] *= al0;
         acc[i][3] *= al1;
-#if KV_FP8
         // rows g, g+8 of this m-tile are dims 16i + 2g, 16i + 2g + 1: one 16-bit load per token
         box = vslot + (i / STEPS_PER_BOX) * BOX_BYTES;
         const int chunk = i % STEPS_PER_BOX, r0 = h * PAGE + 2 * c;
@@ -503,6 +506,10 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
 #else
         const int x = BOXES + (i >> 2);  // V's box of these 16 dims
         if ((i & 3) == 0) box = acquire(x);
+        acc[i][0] *= al0;
+        acc[i][1] *= al1;
+        acc[i][2] *= al0;
+        acc[i][3] *= al1;
         u32 a0, a1, a2, a3;
         ldsm_x4_t(box + swz(v_row, ((i & 3) << 1) + v_hi), a0, a1, a2, a3);
         if ((i & 3) == 3) release(x);

@@ -309,15 +309,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kernel = _kernel(num_kv, num_q // num_kv, d, q.dtype == torch.float16, dev, slots,
                      slot_boxes(d, fp8), fp8)
     maps = tensor_maps(k_cache, v_cache)
-    ks, vs = (k_scale, v_scale) if fp8 else (out, out)  # unused by a bf16/fp16 kernel
     args = (np.uint64(q.data_ptr()), np.uint64(maps.data_ptr()), np.uint64(bt.data_ptr()),
             np.uint64(context_lens.data_ptr()), np.uint64(out.data_ptr()),
             np.uint64(part.data_ptr()), np.uint64(lse.data_ptr()), np.int32(items),
             np.int32(splits), np.int32(per), np.int32(bt.stride(0)), np.int32(bt.shape[1]),
             np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(out.stride(0)),
             np.int64(out.stride(1)),
-            np.float32(scale * math.log2(math.e)), np.uint64(ks.data_ptr()),
-            np.uint64(vs.data_ptr()), np.int64(ks.stride(0) if fp8 else 0))
+            np.float32(scale * math.log2(math.e)))
+    if fp8:  # the FP8 kernel's scales: pointers and their page stride (floats)
+        args += (np.uint64(k_scale.data_ptr()), np.uint64(v_scale.data_ptr()),
+                 np.int64(k_scale.stride(0)))
     with _stream(torch.cuda.current_stream(q.device).cuda_stream, dev):
         kernel((min(grid, items),), (32 * (num_kv + 1),), args,
                shared_mem=smem_bytes(num_kv, d, slots, fp8))

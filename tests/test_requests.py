@@ -73,3 +73,18 @@ def test_sampling_greedy_temperature_top_p():
     freq = (draws[:, 1] == 2).float().mean().item()  # p(2 | row 1) = e^1.9/(e^2+1+e^1.9)
     expected = torch.softmax(logits[1], 0)[2].item()
     assert freq == pytest.approx(expected, abs=0.04)
+
+
+def test_sampling_told_on_the_host_whether_any_row_is_random_draws_the_same():
+    """The engine says `any_random` from the requests' parameters (reading it from the device
+    tensor would wait for the GPU); the tokens are those sample() finds by itself."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    top_p = torch.full((6,), 0.9)
+    for temps in ([0.0] * 6, [0.0, 0.7, 0.0, 1.0, 0.0, 0.3]):
+        temp = torch.tensor(temps)
+        own = sample(logits, temp, top_p, torch.Generator().manual_seed(2))
+        told = sample(logits, temp, top_p, torch.Generator().manual_seed(2),
+                      any_random=any(t > 0 for t in temps))
+        assert torch.equal(own, told)
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample(logits, torch.zeros(6), top_p, any_random=False), greedy)

@@ -380,9 +380,9 @@ def test_nan_logits_end_that_request_alone_and_the_engine_goes_on(srv, http, mon
 
     real = engine_module.sample
 
-    def poisoned(logits, temperature, top_p, generator=None):  # rows at temperature 0.5
+    def poisoned(logits, temperature, top_p, generator=None, **kw):  # rows at temperature 0.5
         logits = logits.masked_fill((temperature == 0.5).unsqueeze(1), float("nan"))
-        return real(logits, temperature, top_p, generator)
+        return real(logits, temperature, top_p, generator, **kw)
 
     monkeypatch.setattr(engine_module, "sample", poisoned)
     m0 = metrics(http, srv.url)

@@ -137,10 +137,13 @@ class PrefillSegments:
     @classmethod
     def build(cls, segments: Sequence[Segment], device: torch.device | str,
               num_segments: int | None = None) -> PrefillSegments:
-        """From (start, end, first_pos) tuples: one H2D copy; `num_segments` pads with empty
-        segments."""
+        """From (start, end, first_pos) tuples: one H2D copy, queued without waiting for the
+        GPU (from pinned memory: a blocking copy would synchronise the stream); `num_segments`
+        pads with empty segments."""
         table = torch.tensor(segment_rows(segments, num_segments), dtype=torch.int32)
-        return cls(table.to(device), tuple(tuple(s) for s in segments))
+        if torch.device(device).type == "cuda":
+            table = table.pin_memory()
+        return cls(table.to(device, non_blocking=True), tuple(tuple(s) for s in segments))
 
     def write(self, segments: Sequence[Segment]) -> PrefillSegments:
         """Copy new segments into these tensors in place (same S: a graph replays them); the

@@ -24,11 +24,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import PrefillSegments
+
+
+def host_to_device(values: Sequence[Any], dtype: torch.dtype,
+                   device: torch.device | str) -> torch.Tensor:
+    """A host sequence as a tensor on `device`, queued without waiting for the device: on a GPU
+    through pinned memory. (`torch.tensor(values, device=...)` copies blocking, which
+    synchronises the stream: a step that does so waits for every forward queued before it.) The
+    caching host allocator keeps the pinned block until its copy has run."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -124,10 +137,10 @@ class BatchMeta(TokenRange):
         return _with_prefill(cls(
             start=0, end=len(positions), num_decode=sum(c.is_decode for c in chunks),
             page_size=page_size,
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device).view(-1, width),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            positions=host_to_device(positions, torch.int64, device),
+            slot_mapping=host_to_device(slots, torch.int64, device),
+            block_tables=host_to_device(tables, torch.int32, device).view(-1, width),
+            context_lens=host_to_device(lens, torch.int32, device),
             seg_starts=tuple(starts), seg_ends=tuple(ends),
             seg_first_pos=tuple(c.first_pos for c in chunks),
             seg_request=tuple(range(len(chunks))), context_lens_cpu=lens))
@@ -155,14 +168,14 @@ class BatchMeta(TokenRange):
                 first_pos.append(p + lo - (s + self.start))
         lens = tuple(p + e - s for s, e, p in zip(starts, ends, first_pos, strict=True))
         device = self.positions.device
-        index = torch.tensor(rows, dtype=torch.int64, device=device)
+        index = host_to_device(rows, torch.int64, device)
         a, b = start - self.start, end - self.start
         return _with_prefill(BatchMeta(
             start=start, end=end, num_decode=sum(r < self.num_decode for r in rows),
             page_size=self.page_size, positions=self.positions[a:b],
             slot_mapping=self.slot_mapping[a:b],
             block_tables=self.block_tables.index_select(0, index),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            context_lens=host_to_device(lens, torch.int32, device),
             seg_starts=tuple(starts), seg_ends=tuple(ends), seg_first_pos=tuple(first_pos),
             seg_request=tuple(self.seg_request[r] for r in rows), context_lens_cpu=lens))
 

@@ -10,7 +10,12 @@ sequentially by the strategy's decision, and fell back.
 Asynchronous loop. With `config.async_loop` the CPU forms and launches batch i+1 before it reads
 back batch i's tokens: a decode whose previous token is still on the device takes it from the
 device tensor of the last iteration, and a request that ended with EOS in batch i is seen one
-iteration late (its extra token is dropped). Without a GPU both loops give the same tokens.
+iteration late (its extra token is dropped). Without a GPU both loops give the same tokens. A
+step waits for the GPU only there, on batch i's event: every host value it sends goes through
+pinned memory (`models.batch.host_to_device`) and sampling is told on the host whether any row
+samples at random, since a blocking copy or the truth of a device tensor would wait for the
+forward just launched and leave the GPU idle while the CPU post-processes and forms the next
+batch (tests/gpu/test_graphs_gpu.py checks a replayed step under torch's sync debug mode).
 
 CUDA graphs (`graphs="on"`). Each batch is laid out in a bucket (decode rows rounded up to
 `graph_align`, then prompt chunks; models/bucket.py) and replayed from a CUDA graph captured per
@@ -39,7 +44,7 @@ from typing import Any
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.models.batch import BatchMeta
+from nanosched.models.batch import BatchMeta, host_to_device
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.batcher import Batch, Batcher
 from nanosched.runtime.config import GRAPH_MODES, EngineConfig
@@ -195,11 +200,11 @@ class Engine:
             row += e.num_tokens
             if e.samples:
                 rows.append(row - 1)
-        ws.token_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        ws.token_ids[:n].copy_(host_to_device(ids, torch.int64, dev))
         if from_device:
             dst, src = zip(*from_device, strict=True)
-            ws.token_ids.index_copy_(0, torch.tensor(dst, device=dev),
-                                     self._in_flight.tokens[torch.tensor(src, device=dev)])
+            ws.token_ids.index_copy_(0, host_to_device(dst, torch.int64, dev),
+                                     self._in_flight.tokens[host_to_device(src, torch.int64, dev)])
         timer = _ForwardTimer(self.is_cuda) if self.time_forwards else None
         if bucket is not None:
             entry = self.graphs.entry(bucket)
@@ -226,10 +231,12 @@ class Engine:
         dev = self.model.device
         samplers = [e.request for e in batch.entries if e.samples]
         if samplers:
-            logits = self.model.logits(self.ws, torch.tensor(rows, dtype=torch.int64, device=dev))
-            temp = torch.tensor([r.params.temperature for r in samplers], device=dev)
-            top_p = torch.tensor([r.params.top_p for r in samplers], device=dev)
-            marked = sample(logits, temp, top_p, self.generator)  # -1: the row failed
+            logits = self.model.logits(self.ws, host_to_device(rows, torch.int64, dev))
+            temps = [r.params.temperature for r in samplers]
+            temp = host_to_device(temps, torch.float32, dev)
+            top_p = host_to_device([r.params.top_p for r in samplers], torch.float32, dev)
+            marked = sample(logits, temp, top_p, self.generator,  # -1: the row failed
+                            any_random=any(t > 0 for t in temps))
             tokens = marked.clamp_min(0)  # what a decode on the device may read as its input
         else:  # every entry is a prompt chunk that does not end its prompt
             tokens = marked = torch.empty(0, dtype=torch.int64, device=dev)

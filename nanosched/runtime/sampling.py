@@ -6,20 +6,25 @@ import torch
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, *,
+           any_random: bool | None = None) -> torch.Tensor:
     """Next token per row, or -1 for a row that cannot be sampled.
 
     logits [N, V] (any float dtype), temperature [N] (0 = greedy), top_p [N] in (0, 1].
     Returns [N] int64 on the logits' device. Rows with temperature 0 take the argmax. A row
     whose logits hold NaN or +inf gives -1 (its request has failed; the caller ends it) and is
     sampled as if uniform, so one bad row neither fails the batch's draw nor changes the draws
-    of the others. The check stays on the device: no synchronisation.
+    of the others. The check stays on the device. `any_random`: whether some row has a
+    temperature above 0, when the caller knows it on the host; None reads it from `temperature`,
+    which on a GPU waits for everything queued before it (the forward that made `logits`).
     """
     bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
     logits = logits.masked_fill(bad.unsqueeze(1), 0.0)
     greedy = logits.argmax(dim=-1)
     is_random = temperature > 0
-    if not bool(is_random.any()):
+    if any_random is None:
+        any_random = bool(is_random.any())
+    if not any_random:
         return torch.where(bad, -1, greedy)
     scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)  # [N, V]
     probs = torch.softmax(scaled, dim=-1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import serve_all
+from runtime_helpers import make_engine, serve_all
 
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import REGISTRY
@@ -108,3 +108,29 @@ def test_engine_with_graphs_gives_the_tokens_of_the_same_layout_run_eagerly(mode
         stats.append(eng.stats.graphs)
     assert outs[0] == outs[1]
     assert stats[1].replays > stats[1].captures > 0 and not stats[1].unbucketed
+
+
+def test_a_replayed_engine_step_waits_on_the_gpu_only_for_the_last_batch(model):
+    """The asynchronous loop keeps the GPU busy only if a step never waits for the GPU but to
+    read back the previous batch's tokens (an event). Once every request decodes and its bucket
+    is captured, steps run under torch's sync debug mode "error", which raises on any
+    synchronising op: a blocking host-to-device copy (`torch.tensor(..., device=...)`), `.item()`
+    or the truth of a device tensor."""
+    reqs = make_requests(None, 32, 64, 16, SPEC.vocab_size, 2048, seed=3)
+    eng = make_engine(model, num_pages=4096, dense_batch=512, graphs="on", graph_align=32)
+    assert eng.async_loop
+    for r in reqs:
+        eng.add_request(r)
+    with torch.inference_mode():
+        while not (all(r.output_ids for r in reqs) and eng.stats.graphs.replays >= 2):
+            eng.step()
+        done = sum(len(r.output_ids) for r in reqs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(8):
+                eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert sum(len(r.output_ids) for r in reqs) >= done + 7 * len(reqs)
+        eng.run_to_completion()
+    assert all(len(r.output_ids) == 64 for r in reqs)

@@ -1,0 +1,126 @@
+"""CPU: a `nanosched bench` run's batches priced by a profile's rows, against its measured time.
+
+    PYTHONPATH=. python bench/price_run.py BENCH_JSON --profile NAME_OR_FILE [--run NAME]
+
+Replays the run's workload (its input/output lengths, prompts, dense batch, admission policy and
+the KV pages it had) through the engine's batcher and paged cache over a fake model
+(`runtime.kvsim.KVSim`, as bench/admission_sim.py does), and prices each iteration's batch with
+the profile's kernel rows: every op of a layer over its rows (decode rows, prompt rows or all),
+linear between the profile's 128-row grid points, decode attention at the batch's mean decode
+context, prefill attention at its prompt's length; times the layers. The sum is the GPU time the
+rows give the run's forwards (the LM head and sampling left out; a Sequential graph runs ~10%
+under its rows, docs/overlap.md). Measured time well above it is time the GPU was not running
+forwards: the CPU between iterations, captures, eager first runs. Dense models at tp = 1. JSON
+to $OUT or bench/results/; summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nanosched.autosearch.durations import op_context  # noqa: E402
+from nanosched.autosearch.opgraph import layer_graph  # noqa: E402
+from nanosched.autosearch.request import load_named_profile  # noqa: E402
+from nanosched.constants import TOKEN_QUANTUM  # noqa: E402
+from nanosched.models.spec import load_spec  # noqa: E402
+from nanosched.profiler.format import Profile, load_profile  # noqa: E402
+from nanosched.runtime.kvsim import KVSim, sim_cost  # noqa: E402
+from nanosched.runtime.preempt import AdmissionConfig  # noqa: E402
+from nanosched.runtime.requests import Request, SamplingParams  # noqa: E402
+
+
+def row_us(prof: Profile, op: str, rows: int, context: float | None) -> float:
+    """`op` over `rows` rows: the profile's rows linear between its 128-row grid points (the
+    smallest point for fewer rows: a GEMM then costs its weights' read)."""
+    lo = max(TOKEN_QUANTUM, rows // TOKEN_QUANTUM * TOKEN_QUANTUM)
+    hi = max(TOKEN_QUANTUM, -(-rows // TOKEN_QUANTUM) * TOKEN_QUANTUM)
+    a = prof.kernel_time_us(op, lo, None, context)
+    if hi == lo:
+        return a
+    return a + (prof.kernel_time_us(op, hi, None, context) - a) * (rows - lo) / (hi - lo)
+
+
+def batches(cfg: dict, pages: int) -> list[tuple[int, float, int, int]]:
+    """(decode rows, their mean context, prompt rows, the longest prompt end) per iteration."""
+    n, inp, out = cfg["num_prompts"], cfg["input_len"], cfg["output_len"]
+    sim = KVSim(num_pages=pages, page_size=cfg["page_size"], dense_batch=cfg["dense_batch"],
+                admission=AdmissionConfig(policy=cfg.get("admission") or "use",
+                                          headroom=cfg.get("kv_headroom") or 0.0),
+                decode_align=cfg.get("graph_align") or 32, check=False, cost=sim_cost(True),
+                stop_at=dict.fromkeys(range(n), out))
+    for i in range(n):
+        sim.add(Request(i, [1] * inp, SamplingParams(max_tokens=out)))
+    shapes = []
+    run = sim._run
+
+    def spy(batch):
+        dec = [e for e in batch.entries if e.is_decode]
+        pre = [e for e in batch.entries if not e.is_decode]
+        shapes.append((len(dec), statistics.fmean(e.start + 1 for e in dec) if dec else 0.0,
+                       sum(e.num_tokens for e in pre),
+                       max((e.start + e.num_tokens for e in pre), default=0)))
+        return run(batch)
+
+    sim._run = spy
+    sim.run(10**7)
+    return shapes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench_json")
+    ap.add_argument("--profile", required=True, help="a shipped profile's name or a file")
+    ap.add_argument("--run", default=None, help="which run of the file (default: the first)")
+    args = ap.parse_args()
+    data = json.loads(Path(args.bench_json).read_text())
+    cfg = data["config"]
+    name = args.run or next(iter(data["runs"]))
+    run = data["runs"][name]
+    prof = (load_profile(args.profile) if args.profile.endswith(".json")
+            else load_named_profile(args.profile))
+    spec = load_spec(cfg["model"])
+    graph = layer_graph(spec, 1)
+    ops = graph.active_ops({g: "ar" for g in graph.groups()})
+    shapes = batches(cfg, run["kv_pages"])
+    kinds: dict[str, list[float]] = {"full": [], "decode only": [], "other": []}
+    for d, ctx, p, plen in shapes:
+        layer = 0.0
+        for op in ops:
+            rows = {"decode": d, "prefill": p}.get(op.domain, d + p)
+            if rows > 0:
+                layer += row_us(prof, op.name, rows,
+                                op_context(op.name, ctx or 1.0, max(1, plen or cfg["input_len"])))
+        kind = ("full" if d + p >= cfg["dense_batch"] else "decode only" if p == 0 else "other")
+        kinds[kind].append(layer * spec.num_layers)
+    priced_s = sum(sum(v) for v in kinds.values()) / 1e6
+    measured_s = run["results"]["elapsed_s"]
+    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python", *sys.argv]), "bench": args.bench_json, "run": name,
+           "profile": args.profile, "measured_iterations": run["iterations"],
+           "simulated_iterations": len(shapes), "measured_s": measured_s,
+           "priced_forwards_s": round(priced_s, 2),
+           "kinds": {k: {"iterations": len(v), "priced_s": round(sum(v) / 1e6, 2),
+                         "ms_each": round(statistics.fmean(v) / 1e3, 2) if v else None}
+                     for k, v in kinds.items()}}
+    dest = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
+    path = dest / f"price_run-{Path(args.bench_json).stem}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(path)
+    print(f"{name}: {run['iterations']} iterations measured, {len(shapes)} simulated; "
+          f"measured {measured_s:.1f} s, forwards priced by the rows {priced_s:.1f} s "
+          f"({100 * (1 - priced_s / measured_s):.0f}% of the run outside them)")
+    for k, v in out["kinds"].items():
+        print(f"  {k}: {v['iterations']} iterations, {v['priced_s']} s, {v['ms_each']} ms each")
+
+
+if __name__ == "__main__":
+    main()

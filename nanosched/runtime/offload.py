@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from nanosched.errors import ConfigError
+from nanosched.models.batch import host_to_device
 from nanosched.models.kvcache import KVCache
 
 # the GEMM rate the cost rule assumes when not told: a conservative bf16 rate on a Hopper GPU
@@ -130,7 +131,7 @@ class HostSwap:
             compute = torch.cuda.current_stream(kv.device)
             with torch.cuda.stream(self._stream):
                 self._stream.wait_stream(compute)
-                index = torch.tensor(pages, dtype=torch.int64, device=kv.device)
+                index = host_to_device(pages, torch.int64, kv.device)
                 for h, t in zip(host, kv.page_tensors(), strict=True):
                     h.copy_(t.index_select(1, index), non_blocking=True)
             compute.wait_stream(self._stream)  # freed pages are rewritten only after the copy
@@ -155,7 +156,7 @@ class HostSwap:
             compute = torch.cuda.current_stream(kv.device)
             with torch.cuda.stream(self._stream):
                 self._stream.wait_stream(compute)
-                index = torch.tensor(pages[:n], dtype=torch.int64, device=kv.device)
+                index = host_to_device(pages[:n], torch.int64, kv.device)
                 for h, t in zip(s.host, kv.page_tensors(), strict=True):
                     t.index_copy_(1, index, h.to(kv.device, non_blocking=True))
                 done = torch.cuda.Event()

@@ -335,6 +335,11 @@ def _print_run(name: str, run: dict[str, Any]) -> None:
                f"{100 * run['full_batch_share']:.1f}% at the dense batch; admission "
                f"{run['admission']}: {p['preemptions']} preemptions ({p['recomputed']} "
                f"recomputed, {p['swapped']} swapped)")
+    if "gpu_timeline" in run:
+        t, wall = run["gpu_timeline"], run["results"]["elapsed_s"]
+        typer.echo(f"  GPU: {t['busy_s']:.1f} s on {t['iterations']} iterations' work, "
+                   f"{t['idle_s']:.1f} s between them waiting for the CPU "
+                   f"({100 * t['idle_s'] / wall:.0f}% of the {wall:.1f} s run)")
     if "graph_stats" in run:
         g = run["graph_stats"]
         typer.echo(f"  CUDA graphs: {g['replays']} replays, {g['captures']} captures "

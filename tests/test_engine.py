@@ -169,3 +169,23 @@ def test_no_kv_page_leaks_over_10000_steps_with_random_arrivals():
     while b.has_work:
         _plan_and_advance(kv, b)
     assert kv.allocator.num_free == pages and not kv.tables
+
+
+def test_gpu_busy_and_idle_from_the_iterations_spans():
+    """What `bench` reports of the GPU timeline: the work of each iteration, and the gaps in
+    which the GPU had finished one and the CPU had not yet queued the next (overlaps, when the
+    CPU ran ahead, are not gaps)."""
+    from nanosched.runtime.engine import busy_and_idle
+
+    assert busy_and_idle([]) == (0.0, 0.0)
+    assert busy_and_idle([(0.0, 30.0)]) == (30.0, 0.0)
+    assert busy_and_idle([(0.0, 30.0), (42.0, 70.0), (70.0, 100.0)]) == (88.0, 12.0)
+
+
+def test_the_gpu_timeline_is_a_gpu_record_and_off_on_the_cpu(model):
+    eng = make_engine(model, num_pages=64, dense_batch=64, gpu_timeline=True)
+    assert not eng.gpu_timeline  # nothing to record without a GPU
+    for r in make_requests(None, 8, 4, 3, model.spec.vocab_size, 64, seed=1):
+        eng.add_request(r)
+    eng.run_to_completion()
+    assert eng.stats.gpu_marks == [] and eng.gpu_timeline_report() is None

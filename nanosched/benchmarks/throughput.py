@@ -324,6 +324,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
     def on_token(req: Request, token: int) -> None:
         token_times.setdefault(req.request_id, []).append(time.perf_counter())
 
+    run_cfg = replace(run_cfg, gpu_timeline=True)  # how long the GPU waited for the CPU
     with build_engine(model, run_cfg, run.choice, requests=reqs + warm_reqs,
                       on_token=on_token) as loaded:
         engine, dense = loaded.engine, loaded.config.dense_batch
@@ -339,6 +340,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
             bar = _progress(len(reqs), progress)
             elapsed = _drain(engine, reqs, bar)
             bar.close()
+            timeline = engine.gpu_timeline_report()
             fwd, n_dec, ctx = forward_ms(model, engine.ws, engine.strategy,
                                          engine.backend.device, dense, n_dec, context, prompt,
                                          graphs=run.graphs)
@@ -364,6 +366,8 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
            "layer_us_full_batch": fwd * 1e3 / spec.num_layers,
            "results": summarize(reqs, elapsed, run_cfg.tp, spec.num_params(active=True), gemm,
                                token_times)}
+    if timeline is not None:  # the compute stream over the timed run's iterations
+        out["gpu_timeline"] = timeline
     if stats.graphs is not None:
         out["graph_stats"] = stats.graphs.as_dict()
         out["graph_stats_warmup"] = warm_graphs

@@ -37,8 +37,11 @@ class EngineConfig:
     `max_context` the longest request (the longest known request, else the model's positions);
     `graphs` off, on (a CUDA graph per batch bucket), layout (bucket layout, run eagerly) or auto
     (on with a GPU); `eos_ids` (the checkpoint's); `async_loop` (on with a
-    GPU); `time_forwards` times every forward (it synchronises); `admission` how the batcher
-    admits requests and preempts them when KV pages run out (runtime/preempt.py).
+    GPU); `time_forwards` times every forward (it synchronises); `gpu_timeline` records a CUDA
+    event before and after each iteration's GPU work, never waiting on them
+    (`Engine.gpu_timeline()` then says how long the GPU waited for the CPU between iterations);
+    `admission` how the batcher admits requests and preempts them when KV pages run out
+    (runtime/preempt.py).
     """
 
     model: str | None = None
@@ -60,6 +63,7 @@ class EngineConfig:
     eos_ids: frozenset[int] | None = None
     async_loop: bool | None = None
     time_forwards: bool = False
+    gpu_timeline: bool = False
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:

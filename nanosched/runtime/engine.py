@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -72,6 +73,17 @@ class EngineStats:
     # with time_forwards: (strategy name, forward time in ms) per iteration
     forward_ms: list[tuple[str, float]] = field(default_factory=list)
     graphs: GraphStats | None = None  # with graphs="on" or "layout"
+    # with gpu_timeline on a GPU: CUDA events before and after each iteration's GPU work
+    gpu_marks: list[tuple[Any, Any]] = field(default_factory=list)
+
+
+def busy_and_idle(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """(busy, idle) of a stream over iterations whose work ran from start to end (in order, one
+    clock): busy the sum of the spans, idle the gaps between an end and the next start, when
+    the GPU had finished one iteration and the CPU had not yet queued the next."""
+    busy = sum(end - start for start, end in spans)
+    idle = sum(max(0.0, nxt - end) for (_, end), (nxt, _) in pairwise(spans))
+    return busy, idle
 
 
 @dataclass
@@ -117,6 +129,7 @@ class Engine:
         self.stream_configs = stream_configs
         self.backend = Backend(device or (CudaDevice() if self.is_cuda else SerialDevice()))
         self.time_forwards = cfg.time_forwards
+        self.gpu_timeline = cfg.gpu_timeline and self.is_cuda
         self.on_token = on_token
         self.eos_ids = frozenset(cfg.eos_ids or ())
         self.generator = torch.Generator(device=model.device).manual_seed(cfg.seed)
@@ -178,6 +191,10 @@ class Engine:
     # ---- run the scheduler -----------------------------------------------------------------
     def _run(self, batch: Batch) -> _Launched:
         ws, dev = self.ws, self.model.device
+        if self.gpu_timeline:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.stats.gpu_marks.append((start, None))
         seqs = ws.kv.plan_chunks([(e.request.request_id, e.num_tokens, e.is_decode)
                                   for e in batch.entries])
         bucket = self.graphs.bucket(seqs) if self.graphs else None
@@ -256,7 +273,23 @@ class Engine:
         host.copy_(marked, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
+        if self.gpu_timeline:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.stats.gpu_marks[-1] = (self.stats.gpu_marks[-1][0], end)
         return _Launched(samplers, tokens, host, event)
+
+    def gpu_timeline_report(self) -> dict[str, float] | None:
+        """With `gpu_timeline`: the iterations recorded since the stats were last reset, the
+        seconds the GPU spent on their work, and the seconds it sat between them waiting for
+        the CPU (waits for the last iteration's end). None without a record."""
+        marks = [(s, e) for s, e in self.stats.gpu_marks if e is not None]
+        if not marks:
+            return None
+        marks[-1][1].synchronize()
+        t0 = marks[0][0]
+        busy, idle = busy_and_idle([(t0.elapsed_time(s), t0.elapsed_time(e)) for s, e in marks])
+        return {"iterations": len(marks), "busy_s": busy / 1e3, "idle_s": idle / 1e3}
 
     # ---- post-process ----------------------------------------------------------------------
     def _post_process(self, launched: _Launched) -> list[Request]:

@@ -117,8 +117,9 @@ def test_a_replayed_engine_step_waits_on_the_gpu_only_for_the_last_batch(model):
     synchronising op: a blocking host-to-device copy (`torch.tensor(..., device=...)`), `.item()`
     or the truth of a device tensor."""
     reqs = make_requests(None, 32, 64, 16, SPEC.vocab_size, 2048, seed=3)
-    eng = make_engine(model, num_pages=4096, dense_batch=512, graphs="on", graph_align=32)
-    assert eng.async_loop
+    eng = make_engine(model, num_pages=4096, dense_batch=512, graphs="on", graph_align=32,
+                      gpu_timeline=True)
+    assert eng.async_loop and eng.gpu_timeline
     for r in reqs:
         eng.add_request(r)
     with torch.inference_mode():
@@ -134,3 +135,6 @@ def test_a_replayed_engine_step_waits_on_the_gpu_only_for_the_last_batch(model):
         assert sum(len(r.output_ids) for r in reqs) >= done + 7 * len(reqs)
         eng.run_to_completion()
     assert all(len(r.output_ids) == 64 for r in reqs)
+    report = eng.gpu_timeline_report()  # the events recorded never made a step wait
+    assert report["iterations"] == eng.stats.iterations
+    assert report["busy_s"] > 0 and report["idle_s"] >= 0

@@ -39,7 +39,8 @@ class EngineConfig:
     (on with a GPU); `eos_ids` (the checkpoint's); `async_loop` (on with a
     GPU); `time_forwards` times every forward (it synchronises); `gpu_timeline` records a CUDA
     event before and after each iteration's GPU work, never waiting on them
-    (`Engine.gpu_timeline()` then says how long the GPU waited for the CPU between iterations);
+    (`Engine.gpu_timeline_report()` then says how long the GPU waited for the CPU between
+    iterations);
     `admission` how the batcher admits requests and preempts them when KV pages run out
     (runtime/preempt.py).
     """

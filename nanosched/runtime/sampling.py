@@ -14,9 +14,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     Returns [N] int64 on the logits' device. Rows with temperature 0 take the argmax. A row
     whose logits hold NaN or +inf gives -1 (its request has failed; the caller ends it) and is
     sampled as if uniform, so one bad row neither fails the batch's draw nor changes the draws
-    of the others. The check stays on the device. `any_random`: whether some row has a
-    temperature above 0, when the caller knows it on the host; None reads it from `temperature`,
-    which on a GPU waits for everything queued before it (the forward that made `logits`).
+    of the others. Given `any_random` (whether some row has a temperature above 0, which the
+    caller knows on the host), nothing here waits for the device: the draw is an exponential
+    race on the device's generator. None reads it from `temperature`, which on a GPU waits for
+    everything queued before it (the forward that made `logits`).
     """
     bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
     logits = logits.masked_fill(bad.unsqueeze(1), 0.0)
@@ -32,6 +33,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     # keep the smallest prefix whose mass reaches top_p (always at least the top token)
     before = sorted_p.cumsum(dim=-1) - sorted_p
     sorted_p = sorted_p.masked_fill(before >= top_p.unsqueeze(1), 0.0)
-    pick = torch.multinomial(sorted_p, 1, generator=generator).squeeze(1)  # [N]
+    # an exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) draws i with probability p_i
+    # (as torch.multinomial does, which on a GPU may wait for it)
+    noise = torch.empty_like(sorted_p).exponential_(generator=generator)
+    pick = (sorted_p / noise).argmax(dim=-1)  # [N]
     drawn = order.gather(1, pick.unsqueeze(1)).squeeze(1)
     return torch.where(bad, -1, torch.where(is_random, drawn, greedy))

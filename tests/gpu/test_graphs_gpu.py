@@ -14,7 +14,7 @@ from nanosched.models.weights import init_random
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import CudaDevice
 from nanosched.runtime.graphs import BucketRunner
-from nanosched.runtime.requests import make_requests
+from nanosched.runtime.requests import Request, SamplingParams, make_requests
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import load_schedule
@@ -115,8 +115,11 @@ def test_a_replayed_engine_step_waits_on_the_gpu_only_for_the_last_batch(model):
     read back the previous batch's tokens (an event). Once every request decodes and its bucket
     is captured, steps run under torch's sync debug mode "error", which raises on any
     synchronising op: a blocking host-to-device copy (`torch.tensor(..., device=...)`), `.item()`
-    or the truth of a device tensor."""
-    reqs = make_requests(None, 32, 64, 16, SPEC.vocab_size, 2048, seed=3)
+    or the truth of a device tensor; half the requests sample at random, half greedily."""
+    g = torch.Generator().manual_seed(3)
+    reqs = [Request(i, torch.randint(0, SPEC.vocab_size, (32,), generator=g).tolist(),
+                    SamplingParams(temperature=0.8 if i % 2 else 0.0, max_tokens=64,
+                                   ignore_eos=True)) for i in range(16)]  # greedy and random
     eng = make_engine(model, num_pages=4096, dense_batch=512, graphs="on", graph_align=32,
                       gpu_timeline=True)
     assert eng.async_loop and eng.gpu_timeline

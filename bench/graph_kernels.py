@@ -45,6 +45,7 @@ from _common import environment, print_table, write_result  # noqa: E402
 
 from nanosched.autosearch.durations import op_context  # noqa: E402
 from nanosched.autosearch.request import load_named_profile  # noqa: E402
+from nanosched.autosearch.simulate import sequential_op_times  # noqa: E402
 from nanosched.benchmarks.common import bucket_batch, fitting_context  # noqa: E402
 from nanosched.benchmarks.kernel_trace import attribute, cuda_kernels  # noqa: E402
 from nanosched.benchmarks.throughput import forward_pages  # noqa: E402
@@ -59,6 +60,7 @@ from nanosched.runtime.device import CudaDevice  # noqa: E402
 from nanosched.runtime.graphs import BucketRunner  # noqa: E402
 from nanosched.runtime.loader import load_model  # noqa: E402
 from nanosched.runtime.strategies import Sequential  # noqa: E402
+from nanosched.schedules.format import BatchInfo  # noqa: E402
 
 OPS = ("kqv", "rope_append", "attn_decode", "attn_prefill", "o", "add_norm_ffn", "ug", "act",
        "d", "add_norm_attn")
@@ -137,14 +139,6 @@ def alone(op: str, spec: Any, rows: int, ctx: int, max_tokens: int, dev: torch.d
     return out
 
 
-def profile_row(prof: Any, op: str, rows: int, ctx: int) -> float:
-    """The shipped H100 profile's time of `op` at this shape (us), as the search prices
-    Sequential."""
-    if op in ("attn_decode", "attn_prefill"):
-        return prof.kernel_time_us(op, rows, None, ctx)
-    return prof.kernel_time_us(op, rows)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode", type=int, default=256)
@@ -210,7 +204,10 @@ def main() -> None:
     del graph, entry, runner, ws, model
     torch.cuda.empty_cache()
 
-    prof = load_named_profile("llama3-8b-tp1-h100")
+    # the shipped H100 profile's row of each op at this batch, as the search prices Sequential
+    profile_rows = sequential_op_times(
+        spec, 1, load_named_profile("llama3-8b-tp1-h100"),
+        BatchInfo(args.tokens, args.decode, args.prompt, ctx, 0.0))
     rows = []
     for op in OPS:
         n, c = shape_of(op, args.decode, args.tokens, ctx, args.prompt)
@@ -220,7 +217,7 @@ def main() -> None:
             print(f"{op}: not timed alone: {type(exc).__name__}: {exc}", flush=True)
             torch.cuda.synchronize()
             continue
-        r["profile_row_us"] = profile_row(prof, op, n, c)
+        r["profile_row_us"] = profile_rows[op]
         r["in_forward_us"] = in_forward.get(op)
         r["in_forward_kernels"] = sorted(names.get(op, ()))
         r["same_kernels"] = set(r["in_forward_kernels"]) == set(r["burst_kernels"])

@@ -27,15 +27,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nanosched.autosearch.durations import op_context  # noqa: E402
-from nanosched.autosearch.opgraph import layer_graph  # noqa: E402
 from nanosched.autosearch.request import load_named_profile  # noqa: E402
+from nanosched.autosearch.simulate import sequential_op_times  # noqa: E402
 from nanosched.constants import TOKEN_QUANTUM  # noqa: E402
 from nanosched.models.spec import load_spec  # noqa: E402
 from nanosched.profiler.format import Profile, load_profile  # noqa: E402
 from nanosched.runtime.kvsim import KVSim, sim_cost  # noqa: E402
 from nanosched.runtime.preempt import AdmissionConfig  # noqa: E402
 from nanosched.runtime.requests import Request, SamplingParams  # noqa: E402
+from nanosched.schedules.format import BatchInfo  # noqa: E402
 
 
 def row_us(prof: Profile, op: str, rows: int, context: float | None) -> float:
@@ -88,17 +88,15 @@ def main() -> None:
     prof = (load_profile(args.profile) if args.profile.endswith(".json")
             else load_named_profile(args.profile))
     spec = load_spec(cfg["model"])
-    graph = layer_graph(spec, 1)
-    ops = graph.active_ops({g: "ar" for g in graph.groups()})
     shapes = batches(cfg, run["kv_pages"])
     kinds: dict[str, list[float]] = {"full": [], "decode only": [], "other": []}
+
+    def time_us(op: str, rows: int, context: float | None) -> float:
+        return row_us(prof, op, rows, context)
+
     for d, ctx, p, plen in shapes:
-        layer = 0.0
-        for op in ops:
-            rows = {"decode": d, "prefill": p}.get(op.domain, d + p)
-            if rows > 0:
-                layer += row_us(prof, op.name, rows,
-                                op_context(op.name, ctx or 1.0, max(1, plen or cfg["input_len"])))
+        batch = BatchInfo(d + p, d, max(1, plen or cfg["input_len"]), ctx or 1.0, 0.0)
+        layer = sum(sequential_op_times(spec, 1, prof, batch, time_us).values())
         kind = ("full" if d + p >= cfg["dense_batch"] else "decode only" if p == 0 else "other")
         kinds[kind].append(layer * spec.num_layers)
     priced_s = sum(sum(v) for v in kinds.values()) / 1e6

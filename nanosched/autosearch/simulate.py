@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanosched.autosearch.durations import PARTITION, compatible, op_context
@@ -165,17 +166,21 @@ def simulate(s: Schedule, profile: Profile, num_layers: int | None = None) -> Si
                      max_concurrent_share(s, spans))
 
 
-def sequential_op_times(spec: ModelSpec, tp: int, profile: Profile, batch: BatchInfo
+def sequential_op_times(spec: ModelSpec, tp: int, profile: Profile, batch: BatchInfo,
+                        time_us: Callable[[str, int, float | None], float] | None = None
                         ) -> dict[str, float]:
-    """Each op of one layer over its whole token domain, alone on the full GPU, in us."""
+    """Each op of one layer over its whole token domain, alone on the full GPU, in us.
+    `time_us(op, rows, context)` prices an op's rows (default: the profile's row at exactly
+    that count)."""
     mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
     graph = layer_graph(spec, tp)
+    price = time_us or (lambda op, rows, ctx: profile.kernel_time_us(op, rows, None, ctx))
     times = {}
     for op in graph.active_ops({g: "ar" for g in graph.groups()}):
         lo, hi = mix.domain(op.domain)
         if hi > lo:
-            ctx = op_context(op.name, batch.decode_context, batch.prompt_len)
-            times[op.name] = profile.kernel_time_us(op.name, hi - lo, None, ctx)
+            times[op.name] = price(op.name, hi - lo,
+                                   op_context(op.name, batch.decode_context, batch.prompt_len))
     return times
 
 

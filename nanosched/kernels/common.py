@@ -9,6 +9,7 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,6 +106,18 @@ def bind_device(device: torch.device) -> None:
 Segment = tuple[int, int, int]  # (start, end, first_pos) of one prefill segment
 
 
+def host_to_device(values: Sequence[Any], dtype: torch.dtype,
+                   device: torch.device | str) -> torch.Tensor:
+    """A host sequence as a tensor on `device`, queued without waiting for the device: on a GPU
+    through pinned memory. (`torch.tensor(values, device=...)` copies blocking, which
+    synchronises the stream: a step that does so waits for every forward queued before it.) The
+    caching host allocator keeps the pinned block until its copy has run."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class PrefillSegments:
     """Prefill segment metadata on the device, as the Triton prefill kernel reads it.
@@ -138,12 +151,9 @@ class PrefillSegments:
     def build(cls, segments: Sequence[Segment], device: torch.device | str,
               num_segments: int | None = None) -> PrefillSegments:
         """From (start, end, first_pos) tuples: one H2D copy, queued without waiting for the
-        GPU (from pinned memory: a blocking copy would synchronise the stream); `num_segments`
-        pads with empty segments."""
-        table = torch.tensor(segment_rows(segments, num_segments), dtype=torch.int32)
-        if torch.device(device).type == "cuda":
-            table = table.pin_memory()
-        return cls(table.to(device, non_blocking=True), tuple(tuple(s) for s in segments))
+        GPU (`host_to_device`); `num_segments` pads with empty segments."""
+        table = host_to_device(segment_rows(segments, num_segments), torch.int32, device)
+        return cls(table, tuple(tuple(s) for s in segments))
 
     def write(self, segments: Sequence[Segment]) -> PrefillSegments:
         """Copy new segments into these tensors in place (same S: a graph replays them); the

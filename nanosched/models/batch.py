@@ -24,24 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.kernels.common import PrefillSegments
-
-
-def host_to_device(values: Sequence[Any], dtype: torch.dtype,
-                   device: torch.device | str) -> torch.Tensor:
-    """A host sequence as a tensor on `device`, queued without waiting for the device: on a GPU
-    through pinned memory. (`torch.tensor(values, device=...)` copies blocking, which
-    synchronises the stream: a step that does so waits for every forward queued before it.) The
-    caching host allocator keeps the pinned block until its copy has run."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+from nanosched.kernels.common import PrefillSegments, host_to_device
 
 
 @dataclass(frozen=True)

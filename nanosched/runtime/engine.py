@@ -12,7 +12,7 @@ back batch i's tokens: a decode whose previous token is still on the device take
 device tensor of the last iteration, and a request that ended with EOS in batch i is seen one
 iteration late (its extra token is dropped). Without a GPU both loops give the same tokens. A
 step waits for the GPU only there, on batch i's event: every host value it sends goes through
-pinned memory (`models.batch.host_to_device`) and sampling is told on the host whether any row
+pinned memory (`kernels.common.host_to_device`) and sampling is told on the host whether any row
 samples at random, since a blocking copy or the truth of a device tensor would wait for the
 forward just launched and leave the GPU idle while the CPU post-processes and forms the next
 batch (tests/gpu/test_graphs_gpu.py checks a replayed step under torch's sync debug mode).
@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.models.batch import BatchMeta, host_to_device
+from nanosched.kernels.common import host_to_device
+from nanosched.models.batch import BatchMeta
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.batcher import Batch, Batcher
 from nanosched.runtime.config import GRAPH_MODES, EngineConfig

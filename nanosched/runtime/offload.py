@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.models.batch import host_to_device
+from nanosched.kernels.common import host_to_device
 from nanosched.models.kvcache import KVCache
 
 # the GEMM rate the cost rule assumes when not told: a conservative bf16 rate on a Hopper GPU

@@ -192,10 +192,7 @@ class Engine:
     # ---- run the scheduler -----------------------------------------------------------------
     def _run(self, batch: Batch) -> _Launched:
         ws, dev = self.ws, self.model.device
-        if self.gpu_timeline:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.stats.gpu_marks.append((start, None))
+        start = self._gpu_mark()
         seqs = ws.kv.plan_chunks([(e.request.request_id, e.num_tokens, e.is_decode)
                                   for e in batch.entries])
         bucket = self.graphs.bucket(seqs) if self.graphs else None
@@ -243,7 +240,18 @@ class Engine:
             self.stats.sequential += not strategy.pipelined
         if timer:
             self.stats.forward_ms.append((strategy.name, timer.stop()))
-        return self._sample(batch, rows)
+        launched = self._sample(batch, rows)
+        if start is not None:
+            self.stats.gpu_marks.append((start, self._gpu_mark()))
+        return launched
+
+    def _gpu_mark(self) -> Any:
+        """With `gpu_timeline`: a timing event recorded on the current stream, else None."""
+        if not self.gpu_timeline:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _sample(self, batch: Batch, rows: list[int]) -> _Launched:
         dev = self.model.device
@@ -274,17 +282,13 @@ class Engine:
         host.copy_(marked, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        if self.gpu_timeline:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.stats.gpu_marks[-1] = (self.stats.gpu_marks[-1][0], end)
         return _Launched(samplers, tokens, host, event)
 
     def gpu_timeline_report(self) -> dict[str, float] | None:
         """With `gpu_timeline`: the iterations recorded since the stats were last reset, the
         seconds the GPU spent on their work, and the seconds it sat between them waiting for
         the CPU (waits for the last iteration's end). None without a record."""
-        marks = [(s, e) for s, e in self.stats.gpu_marks if e is not None]
+        marks = self.stats.gpu_marks
         if not marks:
             return None
         marks[-1][1].synchronize()

@@ -51,6 +51,7 @@ from nanosched.benchmarks.kernel_trace import attribute, cuda_kernels  # noqa: E
 from nanosched.benchmarks.throughput import forward_pages  # noqa: E402
 from nanosched.constants import PAGE_SIZE  # noqa: E402
 from nanosched.kernels.impls import DEFAULT_DECODE  # noqa: E402
+from nanosched.models.ops import layer_ops  # noqa: E402
 from nanosched.models.spec import load_spec  # noqa: E402
 from nanosched.profiler import impls, timing  # noqa: E402
 from nanosched.profiler.telemetry import open_telemetry  # noqa: E402
@@ -62,8 +63,6 @@ from nanosched.runtime.loader import load_model  # noqa: E402
 from nanosched.runtime.strategies import Sequential  # noqa: E402
 from nanosched.schedules.format import BatchInfo  # noqa: E402
 
-OPS = ("kqv", "rope_append", "attn_decode", "attn_prefill", "o", "add_norm_ffn", "ug", "act",
-       "d", "add_norm_attn")
 IMPL = {"kqv": "cublas", "o": "cublas", "ug": "cublas", "d": "cublas",
         "attn_decode": DEFAULT_DECODE}  # every other op: "triton"
 LAUNCHES = 20
@@ -209,7 +208,7 @@ def main() -> None:
         spec, 1, load_named_profile("llama3-8b-tp1-h100"),
         BatchInfo(args.tokens, args.decode, args.prompt, ctx, 0.0))
     rows = []
-    for op in OPS:
+    for op in (o.name for o in layer_ops(spec)):
         n, c = shape_of(op, args.decode, args.tokens, ctx, args.prompt)
         try:
             r = alone(op, spec, n, c, args.tokens, dev, tele, args.alone_settle)

@@ -15,7 +15,7 @@ cache with each page contiguous, and one CTA per SM (the ring: 6 x 32 KB for 8 K
 dims, 193 KB of shared memory with its mbarriers; at least two pages). An FP8 cache (e4m3 with
 fp32 scales per token and KV head, models/kvcache.py) is read at half the bytes: boxes of 128
 dims, a slot per page's K (or V) with its 512 B of scales (11 x 17 KB), the products in fp16
-(head_dim a multiple of 128); `FP8_VERIFIED` holds it back until its GPU tests pass.
+(head_dim a multiple of 128); tests/gpu/test_kv_fp8_gpu.py checks it against the reference.
 
 Launch arguments are those of the Triton kernels: `max_ctas` bounds the persistent grid (default:
 one per SM), `num_splits` fixes split-K over the context (default: about four work items per
@@ -50,11 +50,6 @@ SLOT_BOXES: int | None = None
 RING_BYTES = 192 * 1024
 MIN_RING_PAGES = 2  # a ring that fits fewer slots than two pages' is refused
 HOPPER_SMEM = 227 * 1024  # shared memory a block may opt into on an H100 / H200
-# The FP8 path (KV_FP8) compiles for sm_90a but has not yet run on a GPU: until
-# `pytest -m gpu tests/gpu/test_kv_fp8_gpu.py -k cuda_bulk` passes on a Hopper GPU, FP8 calls
-# are refused with that reason (the Triton kernels read FP8 caches), so no profile, schedule or
-# server runs it unchecked.
-FP8_VERIFIED = False
 MIN_SPLIT_PAGES = 4
 ITEMS_PER_CTA = 2
 # The merge is a loop of small dependent loads per (request, head): several light programs per
@@ -146,9 +141,6 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return "it needs k_cache and v_cache with one page stride"
     if q.stride(2) != 1 or q.stride(1) % 2 or q.stride(0) % 2:
         return "it needs q's rows contiguous and 4-byte aligned"
-    if fp8 and not FP8_VERIFIED:
-        return ("its FP8 path has not run on a GPU yet (tests/gpu/test_kv_fp8_gpu.py -k "
-                "cuda_bulk); the Triton kernels read FP8 caches")
     if q.device.type != "cuda":
         return "it runs on a CUDA GPU only"
     major, limit = _device_limits(q.device.index if q.device.index is not None
@@ -182,6 +174,7 @@ def _fp8_unsupported(k_cache: torch.Tensor, v_cache: torch.Tensor,
     return None
 
 
+@functools.cache
 def available() -> str | None:
     """Why the kernel cannot be built on this machine (no cupy or cuda-bindings), or None."""
     try:

@@ -119,15 +119,13 @@ def test_decode_attention_on_fp8_cache(max_ctas, num_splits, config):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_ctas, num_splits", [(16, None), (32, None), (None, None),
                                                   (132, 1), (64, 16)])
-def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, monkeypatch):
+def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits):
     """`cuda_bulk` on an e4m3 cache (its K/V and scales through the ring, the products in fp16)
     against the reference on the same cache, one split (written in the model dtype) and
-    several (merged). Run with the FP8 path let through (`FP8_VERIFIED`), which these tests are
-    what verify."""
+    several (merged)."""
     pytest.importorskip("cupy")
     from nanosched.kernels import decode_attn_bulk
 
-    monkeypatch.setattr(decode_attn_bulk, "FP8_VERIFIED", True)
     args, scales, want = decode_case(dtype)
     got = torch.full_like(args[0], float("nan"))
     decode_attn_bulk.decode_attention(*args, got, max_ctas=max_ctas, num_splits=num_splits,
@@ -135,13 +133,10 @@ def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, mo
     check_decode(got, want)
 
 
-def test_cuda_bulk_on_fp8_cache_is_captured_in_a_cuda_graph(monkeypatch):
+def test_cuda_bulk_on_fp8_cache_is_captured_in_a_cuda_graph():
     """Replayed from a graph on new context lengths and queries: the new result each time."""
     pytest.importorskip("cupy")
-    from nanosched.kernels import decode_attn_bulk
     from nanosched.kernels.decode_attn_bulk import decode_attention
-
-    monkeypatch.setattr(decode_attn_bulk, "FP8_VERIFIED", True)
 
     contexts = [700] * 16 + [2000] * 16
     tables, num_pages = block_tables([math.ceil(c / PAGE) for c in contexts], 8, 4)

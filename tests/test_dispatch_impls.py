@@ -343,3 +343,22 @@ def test_bind_device_gives_torch_an_index_for_a_bare_cuda_device(monkeypatch):
     bind_device(torch.device("cuda", 1))
     bind_device(torch.device("cpu"))
     assert calls == [3, 1]
+
+
+def test_the_default_decode_reads_an_fp8_cache_with_cuda_bulk_where_it_runs(monkeypatch):
+    """`auto`: cuda_bulk for an FP8 cache when it can run the call, the Triton kernel for a bf16
+    cache or where it cannot; a named implementation always wins; torch without Triton."""
+    q, k, v = torch.zeros(2, 4, 8), torch.zeros(1, 16, 1, 8), torch.zeros(1, 16, 1, 8)
+    scale = torch.ones(1, 16, 1)
+    auto, named = K.KernelOptions("triton"), K.KernelOptions("triton", decode_impl="triton_paged")
+    monkeypatch.setattr(K, "use_triton", lambda opts, x: True)
+    monkeypatch.setattr(K, "_bulk_runs", lambda *a: True)
+    assert K._default_decode(auto, q, k, v, scale, scale) == "cuda_bulk"
+    assert K._default_decode(auto, q, k, v, None, None) == impls.DEFAULT_DECODE
+    assert K._default_decode(named, q, k, v, scale, scale) == "triton_paged"
+    monkeypatch.setattr(K, "_bulk_runs", lambda *a: False)
+    assert K._default_decode(auto, q, k, v, scale, scale) == impls.DEFAULT_DECODE
+    monkeypatch.setattr(K, "use_triton", lambda opts, x: False)
+    assert K._default_decode(auto, q, k, v, scale, scale) == "torch"
+    monkeypatch.undo()
+    assert not K._bulk_runs(q, k, v, scale, scale)  # a CPU tensor: never the CUDA kernel

@@ -37,14 +37,16 @@ class KernelOptions:
 
     backend: str = "auto"  # auto | torch | triton
     gemm: str = "torch"  # torch (cuBLAS/CPU BLAS) | triton (persistent GEMM) | a GEMM impl name
-    decode_impl: str = impls.DEFAULT_DECODE  # the Triton decode attention (impls.DECODE_CONFIGS)
+    # auto: cuda_bulk on an FP8 cache where it can run the call, else DEFAULT_DECODE (impls);
+    # or one of impls.DECODE_CONFIGS
+    decode_impl: str = impls.AUTO_DECODE
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"kernel backend {self.backend!r} is not one of {BACKENDS}")
-        if self.decode_impl not in impls.DECODE_CONFIGS:
+        if self.decode_impl != impls.AUTO_DECODE and self.decode_impl not in impls.DECODE_CONFIGS:
             raise ConfigError(f"decode implementation {self.decode_impl!r} is not one of "
-                              f"{tuple(impls.DECODE_CONFIGS)}")
+                              f"{(impls.AUTO_DECODE, *impls.DECODE_CONFIGS)}")
         if self.gemm not in GEMM_ALIASES and not impls.is_known(self.gemm, impls.GEMM):
             raise ConfigError(f"gemm implementation {self.gemm!r} is not one of "
                               f"{tuple(GEMM_ALIASES)} or {impls.known_names(impls.GEMM)}")
@@ -173,7 +175,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits; k_scale, v_scale [P, S, Hkv] for an FP8 cache."""
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     args = impls.read_launch(launch)
-    name = _chosen(args, impls.DECODE, lambda: opts.decode_impl if use_triton(opts, q) else "torch")
+    name = _chosen(args, impls.DECODE,
+                   lambda: _default_decode(opts, q, k_cache, v_cache, k_scale, v_scale))
     if name in impls.DECODE_CONFIGS:
         _triton_ok(q)
         from nanosched.kernels.decode_attn import decode_attention as kernel
@@ -192,6 +195,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
                              scale, out, **scales)
+
+
+def _default_decode(opts: KernelOptions, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> str:
+    """The decode attention a call runs when its launch names none (`KernelOptions.decode_impl`;
+    `auto`: see impls.AUTO_DECODE)."""
+    if not use_triton(opts, q):
+        return "torch"
+    if opts.decode_impl != impls.AUTO_DECODE:
+        return opts.decode_impl
+    if k_scale is not None and _bulk_runs(q, k_cache, v_cache, k_scale, v_scale):
+        return impls.BULK_DECODE
+    return impls.DEFAULT_DECODE
+
+
+def _bulk_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               k_scale: torch.Tensor, v_scale: torch.Tensor | None) -> bool:
+    """Whether `cuda_bulk` can run this call here (GPU, cupy, the cache's layout)."""
+    if q.device.type != "cuda":
+        return False
+    from nanosched.kernels import decode_attn_bulk as bulk
+
+    return bulk.available() is None and bulk.unsupported(q, k_cache, v_cache, k_scale,
+                                                         v_scale) is None
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

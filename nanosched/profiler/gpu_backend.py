@@ -159,10 +159,7 @@ class GPUBackend:
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
         ws = impls.ScratchSpace(self.device)
-        a = ws.tensor("a", (8192, 8192))
-        b = ws.tensor("b", (8192, 8192))
-        t = timing.bench_us(lambda: a @ b, self.device, rep_ms=50, flush=False)
-        peak = 2 * 8192 ** 3 / t / 1e6
+        peak = timing.gemm_peak_tflops(self.device)
         flops = us = 0.0
         for op in ("kqv", "o") if settings.model.is_moe else ("kqv", "o", "ug", "d"):
             k, n = gemm_dims(settings.model, settings.tp, op)

@@ -88,6 +88,23 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
     return 1e3 * statistics.median(a.elapsed_time(b) for a, b in events)
 
 
+def gemm_peak_tflops(device: torch.device) -> float:
+    """bf16 GEMM TFLOP/s at 8192^3: the median of 50 ms of launches, started from an idle GPU.
+
+    This is the peak with the SM clock at its maximum. A longer window reads less (a GEMM loop
+    draws the board to its power cap within a few hundred ms and the clock falls: 686-757
+    TFLOP/s over 200 ms on one H100, 791-798 over 50 ms), and how far it falls depends on what
+    the GPU ran just before; the short window reads the same in every run, so a throughput
+    measured against it (the benchmark's % of optimal) is comparable across runs and with the
+    profile's ceiling."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    torch.cuda.synchronize(device)
+    time.sleep(0.2)  # whatever ran before has let the clock back up
+    t = bench_us(lambda: a @ b, device, rep_ms=50, flush=False)
+    return 2 * 8192 ** 3 / t / 1e6
+
+
 def launch_cpu_us(fn: Callable[[], Any]) -> float:
     """What one call of `fn` costs the CPU, in us (its GPU work is not waited for)."""
     t0 = time.perf_counter()

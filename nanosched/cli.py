@@ -461,6 +461,11 @@ def bench(
                f"{weights_used}" + (f" (seed {seed})" if conf["weights"] == "random" else ""))
     for line in results_table({name: run["results"] for name, run in out["runs"].items()}):
         typer.echo(line)
+    optimal = next(iter(out["runs"].values()))["results"].get("optimal_tokens_per_s_per_gpu")
+    if optimal:
+        typer.echo(f"optimal: {optimal:,.0f} tokens/s per GPU = GEMM peak "
+                   f"{out['gemm_tflops_8192']:.0f} TFLOP/s (8192^3, 50 ms from an idle GPU) / "
+                   f"(2 x active parameters)")
     for name, run in out["runs"].items():
         _print_run(name, run)
     for ratio in out["ratios"].values():

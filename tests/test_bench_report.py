@@ -125,3 +125,21 @@ def test_a_gpu_runs_timeline_is_printed_as_busy_and_waiting_time(capsys):
     del run["gpu_timeline"]
     _print_run("sequential", run)
     assert "waiting for the CPU" not in capsys.readouterr().out
+
+
+def test_percent_of_optimal_and_its_denominator_are_printed_where_a_gemm_peak_is_measured(
+        monkeypatch, tmp_path):
+    """On a GPU the run measures a GEMM peak; the report then has a % of optimal row and says
+    what optimal is (here the peak is given, as no CPU measures one)."""
+    from nanosched.benchmarks import throughput
+
+    monkeypatch.setattr(throughput, "measured_gemm_tflops", lambda device: 800.0)
+    path = tmp_path / "b.json"
+    r = CliRunner().invoke(app, ["bench", *TINY, "--json", str(path)])
+    assert r.exit_code == 0, r.output
+    res = strict_load(path)["runs"]["sequential"]["results"]
+    params = strict_load(path)["model_params"]
+    assert res["optimal_tokens_per_s_per_gpu"] == pytest.approx(800e12 / (2 * params))
+    assert f"optimal: {res['optimal_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU = GEMM peak " \
+           "800 TFLOP/s" in r.output
+    assert "% of optimal" in r.output

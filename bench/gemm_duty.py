@@ -20,8 +20,9 @@ clock and board power over the pattern.
 Then the data: `ug` (x @ w_gate_up.T at `--rows` rows) back to back on operands of the same
 shapes filled differently: N(0, 1) both (the profiler's scratch tensors), the model's weight
 scale, zeros, and the normed activations and weights of a Llama-3-8B forward (seeded random
-weights, one Sequential forward of a 256-decode batch as `bench/graph_kernels.py` runs it), so
-the table shows whether a GEMM's time depends on the values it multiplies.
+weights, one Sequential forward of a 256-decode batch laid out as `verify` lays out a key, its
+decode rows attending to a zero-filled cache or to random K/V), so the table shows whether a
+GEMM's time depends on the values it multiplies and where collapsed rows come from.
 GPU only; JSON to $OUT or bench/results/; tables last.
 """
 
@@ -63,8 +64,10 @@ def series(fn, gap, launches: int) -> list[float]:
     return [1e3 * a.elapsed_time(b) for a, b in events]
 
 
-def forward_operands(spec: Any, dev: torch.device, rows: int) -> tuple[torch.Tensor, ...]:
-    """The last layer's normed input and its w_gate_up after one Sequential forward."""
+def forward_operands(spec: Any, dev: torch.device, rows: int,
+                     random_cache: bool) -> tuple[torch.Tensor, ...]:
+    """The final normed rows and the last layer's w_gate_up after one Sequential forward, the
+    decode rows attending to a zero-filled cache or (`random_cache`) to random K/V."""
     from nanosched.benchmarks.common import bucket_batch, fitting_context
     from nanosched.benchmarks.throughput import forward_pages
     from nanosched.constants import PAGE_SIZE
@@ -79,6 +82,8 @@ def forward_operands(spec: Any, dev: torch.device, rows: int) -> tuple[torch.Ten
     model = load_model(spec, "random", dev)
     ws = model.new_workspace(rows, num_pages=forward_pages(rows, decode, context, prompt,
                                                            PAGE_SIZE))
+    if random_cache:
+        ws.kv.fill_random(torch.Generator(dev).manual_seed(0))
     ctx = fitting_context(ws, rows, decode, context, prompt)
     seqs, _ = bucket_batch(ws, rows, decode, ctx, prompt, 10**8, EngineConfig.graph_align)
     runner = BucketRunner(model, ws, Backend(CudaDevice()), Sequential(),
@@ -101,7 +106,8 @@ def mean_abs_cos(x: torch.Tensor) -> float:
 def data_cases(spec: Any, dev: torch.device, rows: int, launches: int, idle: float,
                tele: Any) -> list[dict[str, Any]]:
     """`ug` back to back on operands filled in different ways (see the module docstring)."""
-    x_fwd, w_fwd = forward_operands(spec, dev, rows)
+    x_fwd, w_fwd = forward_operands(spec, dev, rows, random_cache=False)
+    x_rand_cache, _ = forward_operands(spec, dev, rows, random_cache=True)
     n, k = w_fwd.shape
     std = 1 / spec.hidden_size ** 0.5  # init_random's w_gate_up scale
     randn = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
@@ -110,6 +116,7 @@ def data_cases(spec: Any, dev: torch.device, rows: int, launches: int, idle: flo
              "forward's x, randn w": (x_fwd, randn(n, k)),
              "randn x, forward's w": (randn(rows, k), w_fwd),
              "forward's x and w": (x_fwd, w_fwd),
+             "forward's x over a random cache, randn w": (x_rand_cache, randn(n, k)),
              "zeros x, randn w": (torch.zeros_like(x_fwd), randn(n, k)),
              "one randn row repeated as x, randn w": (randn(1, k).expand(rows, k).contiguous(),
                                                      randn(n, k))}

@@ -5,7 +5,8 @@
 
 Llama-3-8B, random bf16 weights, one batch of `--decode` decode rows (each with `--context`
 cached tokens) and prompt chunks filling `--tokens` rows, laid out as `nanosched verify` lays
-out a key (`benchmarks.common.bucket_batch`), run by Sequential and captured as a CUDA graph.
+out a key (`benchmarks.common.bucket_batch`; the cache filled with random K/V, as `verify`
+fills it), run by Sequential and captured as a CUDA graph.
 The graph is replayed back to back for `--settle` seconds (the clock settles under the power
 cap), then `--forwards` replays are traced one by one by CUPTI (torch.profiler). Each forward's
 kernels are attributed to the layer's ops (`benchmarks.kernel_trace`: GEMMs by their order,
@@ -154,6 +155,7 @@ def main() -> None:
     model = load_model(spec, "random", dev)
     pages = forward_pages(args.tokens, args.decode, args.context, args.prompt, PAGE_SIZE)
     ws = model.new_workspace(args.tokens, num_pages=pages)
+    ws.kv.fill_random(torch.Generator(dev).manual_seed(0))  # cached context: random, as verify's
     ctx = fitting_context(ws, args.tokens, args.decode, args.context, args.prompt)
     seqs, _ = bucket_batch(ws, args.tokens, args.decode, ctx, args.prompt, 10**8,
                            EngineConfig.graph_align)

@@ -275,6 +275,7 @@ def test_verify_keeps_a_pipeline_only_where_it_measures_the_min_gain(model, sing
     out, rows = verify_set(model, ws, sset, 40, 64, VerifyConfig(0.0, 0.02, 1), "cpu",
                            lines.append)
     assert ws.kv.allocator.num_free == free  # the timed batch gave its pages back
+    assert bool((ws.kv.k != 0).any())  # the decode rows attended to random context, not zeros
     assert len(rows) == 1 and rows[0]["kept"] is kept and lines
     e = out.entry(128, 256)
     before = sset.entry(128, 256)  # each measured time beside its prediction

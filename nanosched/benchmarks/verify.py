@@ -105,9 +105,15 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
                cfg: VerifyConfig = VerifyConfig(), device_name: str = "",
                progress: Callable[[str], None] | None = None
                ) -> tuple[ScheduleSet, list[dict[str, Any]]]:
-    """Measure every pipeline entry against Sequential at its key; returns the set with the
-    losing entries made sequential and every checked entry's `measured`, and one row per entry
-    (key, both times, clock, power, the gain, the decision)."""
+    """Measure every pipeline entry against Sequential at its key (`ws`'s cache filled with
+    random K/V first); returns the set with the losing entries made sequential and every
+    checked entry's `measured`, and one row per entry (key, both times, clock, power, the gain,
+    the decision)."""
+    # the decode rows attend to cached context no prompt wrote: random K/V as a served cache
+    # holds, not zeros (after a forward over a zero-filled cache the rows had collapsed, mean
+    # |cos| 0.93, and a GEMM multiplies such rows ~12% faster: docs/overlap.md, 'What the rows
+    # price')
+    ws.kv.fill_random(torch.Generator(model.device).manual_seed(0))
     telemetry = None
     if model.device.type == "cuda":
         from nanosched.profiler.telemetry import open_telemetry

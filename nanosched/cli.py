@@ -276,6 +276,23 @@ def _print_analysis(a: Any) -> None:
 KV_DTYPE_HELP = ("KV cache element type, as vLLM's flag: 'auto' (the model's dtype) or 'fp8' "
                  "(e4m3 with one scale per token and KV head: about half the bytes, so twice "
                  "the tokens fit and the decode attention reads half as much).")
+DECODE_ATTENTION_HELP = ("Decode attention kernel where a schedule names none: 'auto' "
+                         "(cuda_bulk on an FP8 cache where it can run: a Hopper GPU with cupy "
+                         "and cuda-bindings; else triton_pipelined), or triton_pipelined, "
+                         "triton_pipelined_2w, triton_paged (on a CPU without Triton: the torch "
+                         "reference).")
+
+
+def kernel_options(decode_attention: str) -> Any:
+    """The engine's KernelOptions for --decode-attention, refused with the flag's name."""
+    from nanosched.kernels import impls
+    from nanosched.kernels.dispatch import KernelOptions
+
+    choices = (impls.AUTO_DECODE, *impls.DECODE_CONFIGS)
+    if decode_attention not in choices:
+        raise ConfigError(f"--decode-attention must be one of {', '.join(choices)}; got "
+                          f"{decode_attention!r}")
+    return KernelOptions(decode_impl=decode_attention)
 
 
 @app.command()
@@ -294,6 +311,8 @@ def generate(
     seed: int = typer.Option(0, "--seed", help="Seed of random weights and of sampling."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_DTYPE_HELP),
+    decode_attention: str = typer.Option("auto", "--decode-attention",
+                                         help=DECODE_ATTENTION_HELP),
 ) -> None:
     """Generate a continuation: the prompt served as one request by the engine."""
     from nanosched.errors import ConfigError
@@ -308,7 +327,8 @@ def generate(
         except ValueError:
             raise ConfigError(f"--prompt-ids must be comma-separated integers, got "
                               f"{prompt_ids!r}") from None
-    engine = EngineConfig(model=model, device=device, tp=tp, seed=seed, kv_dtype=kv_cache_dtype)
+    engine = EngineConfig(model=model, device=device, tp=tp, seed=seed, kv_dtype=kv_cache_dtype,
+                          kernels=kernel_options(decode_attention))
     cfg = GenerateConfig(engine, prompt=prompt, prompt_ids=ids, max_tokens=max_tokens,
                          temperature=temperature)
     result = run_generate(cfg)
@@ -431,6 +451,8 @@ def bench(
     preemption: str = typer.Option("recompute", "--preemption", help=PREEMPTION_HELP),
     swap_space: float = typer.Option(4.0, "--swap-space", help=SWAP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_DTYPE_HELP),
+    decode_attention: str = typer.Option("auto", "--decode-attention",
+                                         help=DECODE_ATTENTION_HELP),
 ) -> None:
     """Serve a workload with the engine and report throughput and latency (NanoFlow §6).
 
@@ -448,7 +470,8 @@ def bench(
                             swap_space_gib=swap_space)
     engine = EngineConfig(model=model, tp=tp, weights=weights, device=device, seed=seed,
                           schedule=schedule, force=force, dense_batch=dense_batch,
-                          graphs=graphs, admission=admit, kv_dtype=kv_cache_dtype)
+                          graphs=graphs, admission=admit, kv_dtype=kv_cache_dtype,
+                          kernels=kernel_options(decode_attention))
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,
                       warmup_prompts=warmup_prompts)
@@ -783,6 +806,8 @@ def serve(
     preemption: str = typer.Option("recompute", "--preemption", help=PREEMPTION_HELP),
     swap_space: float = typer.Option(4.0, "--swap-space", help=SWAP_HELP),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help=KV_DTYPE_HELP),
+    decode_attention: str = typer.Option("auto", "--decode-attention",
+                                         help=DECODE_ATTENTION_HELP),
 ) -> None:
     """Serve the model over HTTP with OpenAI's completions and chat completions APIs."""
     try:
@@ -799,7 +824,8 @@ def serve(
                             swap_space_gib=swap_space)
     engine = EngineConfig(model=model, weights=weights, tp=tp, schedule=schedule,
                           dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
-                          admission=admit, kv_dtype=kv_cache_dtype)
+                          admission=admit, kv_dtype=kv_cache_dtype,
+                          kernels=kernel_options(decode_attention))
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
                            api_key=api_key, served_model_name=served_model_name,

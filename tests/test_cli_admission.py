@@ -69,3 +69,21 @@ def test_bench_on_a_workload_smaller_than_its_full_batch(tmp_path):
     data = json.loads(out.read_text())
     run_ = next(iter(data["runs"].values()))
     assert run_["forward_ms_full_batch"] > 0 and run_["forward_decode_tokens"] > 0
+
+
+@pytest.mark.parametrize("command", ["bench", "serve", "generate"])
+def test_decode_attention_is_chosen_by_flag_and_refused_naming_it(command):
+    args = {"bench": BENCH, "serve": ["serve", "--model", CONFIG, "--device", "cpu"],
+            "generate": ["generate", "--model", CONFIG, "--prompt-ids", "1,2"]}[command]
+    r = run(*args, "--decode-attention", "flash")
+    assert r.exit_code == 2, r.output
+    assert "--decode-attention must be one of auto, triton_paged, triton_pipelined" in r.output
+    text = " ".join(run(command, "--help").output.replace("│", " ").split())
+    assert "--decode-attention" in text and "cuda_bulk on an FP8 cache" in text
+
+
+def test_bench_records_the_decode_attention_it_was_given(tmp_path):
+    path = tmp_path / "b.json"
+    r = run(*BENCH, "--decode-attention", "triton_paged", "--json", str(path))
+    assert r.exit_code == 0, r.output
+    assert json.loads(path.read_text())["config"]["decode_attention"] == "triton_paged"

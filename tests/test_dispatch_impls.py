@@ -362,3 +362,25 @@ def test_the_default_decode_reads_an_fp8_cache_with_cuda_bulk_where_it_runs(monk
     assert K._default_decode(auto, q, k, v, scale, scale) == "torch"
     monkeypatch.undo()
     assert not K._bulk_runs(q, k, v, scale, scale)  # a CPU tensor: never the CUDA kernel
+
+
+def test_a_cuda_bulk_that_cannot_be_built_here_is_warned_about_and_the_triton_kernel_runs(
+        monkeypatch):
+    """`auto` on an FP8 cache: a failed NVRTC build of cuda_bulk falls back to the Triton
+    kernel with one warning that names the failure and the flag."""
+    from nanosched.kernels import decode_attn_bulk as bulk
+
+    q, k, v, scale = torch.zeros(2, 4, 8), torch.zeros(1, 16, 1, 8), torch.zeros(1, 16, 1, 8), \
+        torch.ones(1, 16, 1)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    monkeypatch.setattr(bulk, "available", lambda: None)
+    monkeypatch.setattr(bulk, "unsupported", lambda *a: None)
+    monkeypatch.setattr(bulk, "build_error", lambda *a: None)
+    assert K._bulk_runs(q, k, v, scale, scale)
+    monkeypatch.setattr(bulk, "build_error", lambda *a: "CompileException: no sm_90a (test)")
+    K._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match=r"could not be built here \(CompileException: no "
+                                            r"sm_90a \(test\)\).*--decode-attention"):
+        assert not K._bulk_runs(q, k, v, scale, scale)
+    monkeypatch.setattr(bulk, "unsupported", lambda *a: "it needs 16-token pages")
+    assert not K._bulk_runs(q, k, v, scale, scale)

@@ -257,7 +257,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids", "admission")}
     adm = eng.admission
     record |= {"weights": weights, "admission": adm.policy, "kv_headroom": adm.headroom,
-               "preemption": adm.preemption, "swap_space_gib": adm.swap_space_gib}
+               "preemption": adm.preemption, "swap_space_gib": adm.swap_space_gib,
+               "decode_attention": eng.kernels.decode_impl}
     out: dict[str, Any] = {"config": record | {"dense_batch": dense, "graphs": graphs},
                            "environment": environment(device), "model_params": spec.num_params(),
                            "gemm_tflops_8192": gemm, "runs": {}, "warmup_prompts": warm}

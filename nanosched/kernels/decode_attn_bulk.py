@@ -201,6 +201,26 @@ def _kernel(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slot
     return kernel
 
 
+@functools.cache
+def _build_error(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slots: int,
+                 boxes: int, fp8: bool) -> str | None:
+    try:
+        _kernel(num_kv, group, head_dim, f16, device, slots, boxes, fp8)
+    except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or cupy: any failure, said
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def build_error(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> str | None:
+    """Why the kernel for this call's shapes cannot be compiled (NVRTC) and loaded on q's GPU,
+    or None; each shape is built once. For a call `unsupported` accepts."""
+    num_kv, d = k_cache.shape[2], q.shape[2]
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    slots = ring_slots(num_kv, d, _device_limits(dev)[1], fp8)
+    return _build_error(num_kv, q.shape[1] // num_kv, d, q.dtype == torch.float16, dev, slots,
+                        slot_boxes(d, fp8), fp8)
+
+
 _MAPS: dict[tuple, torch.Tensor] = {}
 
 

@@ -15,6 +15,7 @@ works on machines without it.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -213,13 +214,27 @@ def _default_decode(opts: KernelOptions, q: torch.Tensor, k_cache: torch.Tensor,
 
 def _bulk_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                k_scale: torch.Tensor, v_scale: torch.Tensor | None) -> bool:
-    """Whether `cuda_bulk` can run this call here (GPU, cupy, the cache's layout)."""
+    """Whether `cuda_bulk` can run this call here (GPU, cupy, the cache's layout, and its
+    kernel builds: a failed NVRTC build is warned about once and the Triton kernel runs)."""
     if q.device.type != "cuda":
         return False
     from nanosched.kernels import decode_attn_bulk as bulk
 
-    return bulk.available() is None and bulk.unsupported(q, k_cache, v_cache, k_scale,
-                                                         v_scale) is None
+    if bulk.available() is not None or \
+            bulk.unsupported(q, k_cache, v_cache, k_scale, v_scale) is not None:
+        return False
+    why = bulk.build_error(q, k_cache, k_scale is not None)
+    if why is not None:
+        _warn_once(f"decode attention 'cuda_bulk' could not be built here ({why}); the FP8 "
+                   f"cache is read by {impls.DEFAULT_DECODE} instead (--decode-attention "
+                   f"chooses)")
+        return False
+    return True
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

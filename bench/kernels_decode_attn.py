@@ -44,6 +44,7 @@ from nanosched.kernels.reference import quantize_fp8
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
 SMEM_PER_SM = 227 * 1024  # what an H100/H200 SM offers one or more programs
 SMEM_SLACK = 1.25  # the compiler's layout-conversion scratch beside the K/V ring
+CONSUME = "consume"  # `cuda_bulk_consume`: cuda_bulk's ring with consumers that read nothing
 
 
 class Batch:
@@ -75,13 +76,19 @@ class Batch:
         self.kv_dtype = kv_dtype
         self.kv_bytes = 2 * requests * context * token_bytes
 
-    def run(self, config: DecodeConfig | None, ctas: int) -> torch.Tensor:
-        """One launch of `config`'s Triton kernel, or of `cuda_bulk` for None."""
-        if config is None:
-            from nanosched.kernels.decode_attn_bulk import decode_attention as bulk
+    def run(self, config: DecodeConfig | str | None, ctas: int) -> torch.Tensor:
+        """One launch of `config`'s Triton kernel, of `cuda_bulk` for None, or of its
+        consume-only diagnostic for CONSUME (the ring's copy ceiling; zeros out)."""
+        if not isinstance(config, DecodeConfig):
+            from nanosched.kernels import decode_attn_bulk
 
-            bulk(self.q, self.k, self.v, self.tables, self.lens, self.context, HD ** -0.5,
-                 self.out, max_ctas=ctas, **self.scales)
+            decode_attn_bulk.CONSUME_ONLY = config == CONSUME
+            try:
+                decode_attn_bulk.decode_attention(
+                    self.q, self.k, self.v, self.tables, self.lens, self.context, HD ** -0.5,
+                    self.out, max_ctas=ctas, **self.scales)
+            finally:
+                decode_attn_bulk.CONSUME_ONLY = False
             return self.out
         from nanosched.kernels.decode_attn import decode_attention
 
@@ -91,7 +98,7 @@ class Batch:
 
 
 def time_on(batch: Batch, config: DecodeConfig | None, sms: int, stream) -> dict:
-    ctas = (1 if config is None else config.ctas_per_sm) * sms
+    ctas = (config.ctas_per_sm if isinstance(config, DecodeConfig) else 1) * sms
     with torch.cuda.stream(stream):
         ms = median_ms(lambda: batch.run(config, ctas))
     return {"ms": ms, "gbs": batch.kv_bytes / ms / 1e6, "ctas": ctas}
@@ -168,7 +175,7 @@ def print_sweep(rows: list[dict]) -> None:
                        ("rel_err", "err", ".1e")])
 
 
-def table(where: list, configs: dict[str, DecodeConfig], requests: list[int],
+def table(where: list, configs: dict[str, DecodeConfig | str | None], requests: list[int],
           contexts: list[int], copy_gbs: float, kv_dtypes: list[str],
           page_orders: tuple[str, ...] = ("shuffled",)) -> list[dict]:
     rows = []
@@ -195,7 +202,9 @@ def main() -> None:
     ap.add_argument("--ok-file", default="", help="bench/decode_config_check.py --ok-file")
     ap.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8, or both: auto,fp8")
     ap.add_argument("--kernels", default="triton_pipelined,triton_pipelined_2w,cuda_bulk",
-                    help="any of triton_paged, triton_pipelined, triton_pipelined_2w, cuda_bulk")
+                    help="any of triton_paged, triton_pipelined, triton_pipelined_2w, cuda_bulk, "
+                    "cuda_bulk_consume (a diagnostic: cuda_bulk's copies alone, its consumers "
+                    "reading nothing)")
     ap.add_argument("--pages", default="shuffled", help="page order of the block tables: "
                     "shuffled (a long-running cache), in_order (a fresh one), or both")
     ap.add_argument("--sweep-grid", default="", help="axes of the sweep to replace, e.g. "
@@ -214,14 +223,16 @@ def main() -> None:
     if args.config:
         pipelined = DecodeConfig(*(int(x) for x in args.config.split(",")))
     known = {"triton_paged": PAGED, "triton_pipelined": pipelined,
-             "triton_pipelined_2w": PIPELINED_2W, "cuda_bulk": None}
+             "triton_pipelined_2w": PIPELINED_2W, "cuda_bulk": None,
+             "cuda_bulk_consume": CONSUME}
     configs = {k: known[k] for k in args.kernels.split(",")}
     rows = table(where, configs, [int(x) for x in args.requests.split(",")],
                  [int(x) for x in args.contexts.split(",")], copy_gbs, args.kv_dtype.split(","),
                  tuple(args.pages.split(",")))
     path = write_result("kernels_decode_attn", {
         "env": env, "copy_gbs": copy_gbs,
-        "configs": {k: vars(v) if v else "cuda_bulk" for k, v in configs.items()},
+        "configs": {k: vars(v) if isinstance(v, DecodeConfig) else k
+                    for k, v in configs.items()},
         "shapes": {"num_heads": HQ, "num_kv_heads": HKV, "head_dim": HD, "page_size": PAGE,
                    "dtype": "bfloat16", "kv_dtypes": args.kv_dtype.split(",")},
         "sweep": sweep_rows, "rows": rows})

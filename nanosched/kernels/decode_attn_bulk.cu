@@ -61,6 +61,10 @@
 // several write fp32 partials `part` [n, Hq, splits, HEAD_DIM] and their log-sum-exp `lse`
 // [n, Hq, splits] (natural log), which the Triton merge kernel of decode_attn.py combines.
 // An item with no tokens (a padded row) writes zeros and lse = -inf.
+//
+// CONSUME_ONLY = 1 builds a diagnostic, not an attention: its consumers wait for each slot and
+// give it back without reading it, so its time is what the producer and the ring alone allow
+// (bench/kernels_decode_attn.py --kernels cuda_bulk_consume); it writes zeros.
 
 #ifndef HKV
 #define HKV 8
@@ -82,6 +86,9 @@
 #endif
 #ifndef KV_FP8
 #define KV_FP8 0
+#endif
+#ifndef CONSUME_ONLY
+#define CONSUME_ONLY 0  // 1: a diagnostic whose consumers only take and give back slots
 #endif
 
 typedef unsigned short u16;
@@ -419,6 +426,14 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
     for (int i = 0; i < KSTEPS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
     for (int p = it.p0; p < it.p1; ++p) {
+      if (CONSUME_ONLY) {  // the ring's copy ceiling: no products (the output is zeros)
+#pragma unroll
+        for (int x = 0; x < 2 * BOXES; ++x) {
+          acquire(x);
+          release(x);
+        }
+        continue;
+      }
       // S^T: tokens g, g+8 x query heads 2c, 2c+1; two accumulators halve the mma chain
       float sc[4] = {0.f, 0.f, 0.f, 0.f}, sd[4] = {0.f, 0.f, 0.f, 0.f};
       u32 box = 0;

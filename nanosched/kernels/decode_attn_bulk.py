@@ -50,6 +50,10 @@ SLOT_BOXES: int | None = None
 RING_BYTES = 192 * 1024
 MIN_RING_PAGES = 2  # a ring that fits fewer slots than two pages' is refused
 HOPPER_SMEM = 227 * 1024  # shared memory a block may opt into on an H100 / H200
+# A diagnostic for benchmarks only: True builds the kernel with consumers that take and give
+# back each slot without reading it (the .cu's CONSUME_ONLY), so its time is the ring's copy
+# ceiling and its output zeros (bench/kernels_decode_attn.py --kernels cuda_bulk_consume).
+CONSUME_ONLY = False
 MIN_SPLIT_PAGES = 4
 ITEMS_PER_CTA = 2
 # The merge is a loop of small dependent loads per (request, head): several light programs per
@@ -188,14 +192,14 @@ def available() -> str | None:
 
 @functools.cache
 def _kernel(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slots: int,
-            boxes: int, fp8: bool = False):
+            boxes: int, fp8: bool = False, consume_only: bool = False):
     import cupy
 
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=SOURCE.read_text(), options=(
             "-std=c++17", f"-DHKV={num_kv}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}",
             f"-DSLOTS={slots}", f"-DSLOT_BOXES={boxes}", f"-DF16={int(f16)}",
-            f"-DKV_FP8={int(fp8)}"))
+            f"-DKV_FP8={int(fp8)}", f"-DCONSUME_ONLY={int(consume_only)}"))
         kernel = module.get_function("decode_bulk")
         kernel.max_dynamic_shared_size_bytes = smem_bytes(num_kv, head_dim, slots, fp8)
     return kernel
@@ -203,9 +207,9 @@ def _kernel(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slot
 
 @functools.cache
 def _build_error(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slots: int,
-                 boxes: int, fp8: bool) -> str | None:
+                 boxes: int, fp8: bool, consume_only: bool) -> str | None:
     try:
-        _kernel(num_kv, group, head_dim, f16, device, slots, boxes, fp8)
+        _kernel(num_kv, group, head_dim, f16, device, slots, boxes, fp8, consume_only)
     except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or cupy: any failure, said
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -218,7 +222,7 @@ def build_error(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> str | None
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     slots = ring_slots(num_kv, d, _device_limits(dev)[1], fp8)
     return _build_error(num_kv, q.shape[1] // num_kv, d, q.dtype == torch.float16, dev, slots,
-                        slot_boxes(d, fp8), fp8)
+                        slot_boxes(d, fp8), fp8, CONSUME_ONLY)
 
 
 _MAPS: dict[tuple, torch.Tensor] = {}
@@ -320,7 +324,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bt = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     slots = ring_slots(num_kv, d, _device_limits(dev)[1], fp8)
     kernel = _kernel(num_kv, num_q // num_kv, d, q.dtype == torch.float16, dev, slots,
-                     slot_boxes(d, fp8), fp8)
+                     slot_boxes(d, fp8), fp8, CONSUME_ONLY)
     maps = tensor_maps(k_cache, v_cache)
     args = (np.uint64(q.data_ptr()), np.uint64(maps.data_ptr()), np.uint64(bt.data_ptr()),
             np.uint64(context_lens.data_ptr()), np.uint64(out.data_ptr()),

@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -73,6 +73,43 @@ def places(sms_list: list[int]) -> list[tuple[int, Any, Any]]:
     n = torch.cuda.get_device_properties(0).multi_processor_count
     out.append((n, torch.cuda.current_stream(), None))
     return out
+
+
+class KeyBatch(NamedTuple):
+    """One batch laid out as `nanosched verify` lays out a key, ready for Sequential."""
+
+    runner: Any  # runtime.graphs.BucketRunner
+    entry: Any  # its bucket entry (its CUDA graph once run, with capture)
+    seqs: Any  # the batch's SeqChunks
+    ws: Any  # the workspace it is planned into
+    context: int  # the decode rows' cached context (what fits the cache)
+
+
+def key_batch(model: Any, rows: int, decode: int, context: int, prompt: int, *,
+              capture: bool, random_cache: bool = True) -> KeyBatch:
+    """`decode` decode rows with `context` cached tokens each, then prompt chunks of at most
+    `prompt` tokens filling `rows` (`benchmarks.common.bucket_batch`), in a workspace of their
+    own, on a Sequential `BucketRunner` (`capture`: a CUDA graph on the first run). The cache
+    holds random K/V as `verify` fills it, or zeros (`random_cache=False`)."""
+    from nanosched.benchmarks.common import bucket_batch, fitting_context
+    from nanosched.benchmarks.throughput import forward_pages
+    from nanosched.constants import PAGE_SIZE
+    from nanosched.runtime.backend import Backend
+    from nanosched.runtime.config import EngineConfig
+    from nanosched.runtime.device import CudaDevice
+    from nanosched.runtime.graphs import BucketRunner
+    from nanosched.runtime.strategies import Sequential
+
+    ws = model.new_workspace(rows, num_pages=forward_pages(rows, decode, context, prompt,
+                                                           PAGE_SIZE))
+    if random_cache:
+        ws.kv.fill_random(torch.Generator(model.device).manual_seed(0))
+    ctx = fitting_context(ws, rows, decode, context, prompt)
+    seqs, _ = bucket_batch(ws, rows, decode, ctx, prompt, 10**8, EngineConfig.graph_align)
+    runner = BucketRunner(model, ws, Backend(CudaDevice()), Sequential(),
+                          align=EngineConfig.graph_align,
+                          max_pages=-(-max(ctx + 1, prompt) // PAGE_SIZE), capture=capture)
+    return KeyBatch(runner, runner.entry(runner.bucket(seqs)), seqs, ws, ctx)
 
 
 def write_result(name: str, data: dict[str, Any]) -> Path:

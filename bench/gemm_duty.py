@@ -40,11 +40,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import environment, print_table, write_result  # noqa: E402
+from _common import environment, key_batch, print_table, write_result  # noqa: E402
 
 from nanosched.models.spec import load_spec  # noqa: E402
 from nanosched.profiler import impls, timing  # noqa: E402
 from nanosched.profiler.telemetry import open_telemetry  # noqa: E402
+from nanosched.runtime.loader import load_model  # noqa: E402
 
 GEMMS = ("kqv", "o", "ug", "d")
 
@@ -68,30 +69,12 @@ def forward_operands(spec: Any, dev: torch.device, rows: int,
                      random_cache: bool) -> tuple[torch.Tensor, ...]:
     """The final normed rows and the last layer's w_gate_up after one Sequential forward, the
     decode rows attending to a zero-filled cache or (`random_cache`) to random K/V."""
-    from nanosched.benchmarks.common import bucket_batch, fitting_context
-    from nanosched.benchmarks.throughput import forward_pages
-    from nanosched.constants import PAGE_SIZE
-    from nanosched.runtime.backend import Backend
-    from nanosched.runtime.config import EngineConfig
-    from nanosched.runtime.device import CudaDevice
-    from nanosched.runtime.graphs import BucketRunner
-    from nanosched.runtime.loader import load_model
-    from nanosched.runtime.strategies import Sequential
-
-    decode, context, prompt = min(256, rows // 2), 1280, 1024
+    decode = min(256, rows // 2)
     model = load_model(spec, "random", dev)
-    ws = model.new_workspace(rows, num_pages=forward_pages(rows, decode, context, prompt,
-                                                           PAGE_SIZE))
-    if random_cache:
-        ws.kv.fill_random(torch.Generator(dev).manual_seed(0))
-    ctx = fitting_context(ws, rows, decode, context, prompt)
-    seqs, _ = bucket_batch(ws, rows, decode, ctx, prompt, 10**8, EngineConfig.graph_align)
-    runner = BucketRunner(model, ws, Backend(CudaDevice()), Sequential(),
-                          align=EngineConfig.graph_align,
-                          max_pages=-(-max(ctx + 1, prompt) // PAGE_SIZE), capture=False)
-    runner.run(runner.entry(runner.bucket(seqs)), seqs)
+    kb = key_batch(model, rows, decode, 1280, 1024, capture=False, random_cache=random_cache)
+    kb.runner.run(kb.entry, kb.seqs)
     torch.cuda.synchronize()
-    return ws.normed[:rows].clone(), model.layers[-1].w_gate_up.detach().clone()
+    return kb.ws.normed[:rows].clone(), model.layers[-1].w_gate_up.detach().clone()
 
 
 def mean_abs_cos(x: torch.Tensor) -> float:

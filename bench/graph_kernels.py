@@ -42,26 +42,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import environment, print_table, write_result  # noqa: E402
+from _common import environment, key_batch, print_table, write_result  # noqa: E402
 
 from nanosched.autosearch.durations import op_context  # noqa: E402
 from nanosched.autosearch.request import load_named_profile  # noqa: E402
 from nanosched.autosearch.simulate import sequential_op_times  # noqa: E402
-from nanosched.benchmarks.common import bucket_batch, fitting_context  # noqa: E402
 from nanosched.benchmarks.kernel_trace import attribute, cuda_kernels  # noqa: E402
-from nanosched.benchmarks.throughput import forward_pages  # noqa: E402
-from nanosched.constants import PAGE_SIZE  # noqa: E402
 from nanosched.kernels.impls import DEFAULT_DECODE  # noqa: E402
 from nanosched.models.ops import layer_ops  # noqa: E402
 from nanosched.models.spec import load_spec  # noqa: E402
 from nanosched.profiler import impls, timing  # noqa: E402
 from nanosched.profiler.telemetry import open_telemetry  # noqa: E402
-from nanosched.runtime.backend import Backend  # noqa: E402
-from nanosched.runtime.config import EngineConfig  # noqa: E402
-from nanosched.runtime.device import CudaDevice  # noqa: E402
-from nanosched.runtime.graphs import BucketRunner  # noqa: E402
 from nanosched.runtime.loader import load_model  # noqa: E402
-from nanosched.runtime.strategies import Sequential  # noqa: E402
 from nanosched.schedules.format import BatchInfo  # noqa: E402
 
 IMPL = {"kqv": "cublas", "o": "cublas", "ug": "cublas", "d": "cublas",
@@ -153,16 +145,8 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     tele = open_telemetry(0)
     model = load_model(spec, "random", dev)
-    pages = forward_pages(args.tokens, args.decode, args.context, args.prompt, PAGE_SIZE)
-    ws = model.new_workspace(args.tokens, num_pages=pages)
-    ws.kv.fill_random(torch.Generator(dev).manual_seed(0))  # cached context: random, as verify's
-    ctx = fitting_context(ws, args.tokens, args.decode, args.context, args.prompt)
-    seqs, _ = bucket_batch(ws, args.tokens, args.decode, ctx, args.prompt, 10**8,
-                           EngineConfig.graph_align)
-    runner = BucketRunner(model, ws, Backend(CudaDevice()), Sequential(),
-                          align=EngineConfig.graph_align,
-                          max_pages=-(-max(ctx + 1, args.prompt) // PAGE_SIZE), capture=True)
-    entry = runner.entry(runner.bucket(seqs))
+    runner, entry, seqs, ws, ctx = key_batch(model, args.tokens, args.decode, args.context,
+                                             args.prompt, capture=True)
     runner.run(entry, seqs)  # eager first (compiles), then captured
     graph = entry.graph
     assert graph is not None, "no CUDA graph was captured"

@@ -288,10 +288,9 @@ def kernel_options(decode_attention: str) -> Any:
     from nanosched.kernels import impls
     from nanosched.kernels.dispatch import KernelOptions
 
-    choices = (impls.AUTO_DECODE, *impls.DECODE_CONFIGS)
-    if decode_attention not in choices:
-        raise ConfigError(f"--decode-attention must be one of {', '.join(choices)}; got "
-                          f"{decode_attention!r}")
+    if decode_attention not in impls.DECODE_OPTIONS:
+        raise ConfigError(f"--decode-attention must be one of {', '.join(impls.DECODE_OPTIONS)}; "
+                          f"got {decode_attention!r}")
     return KernelOptions(decode_impl=decode_attention)
 
 

@@ -45,9 +45,9 @@ class KernelOptions:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"kernel backend {self.backend!r} is not one of {BACKENDS}")
-        if self.decode_impl != impls.AUTO_DECODE and self.decode_impl not in impls.DECODE_CONFIGS:
+        if self.decode_impl not in impls.DECODE_OPTIONS:
             raise ConfigError(f"decode implementation {self.decode_impl!r} is not one of "
-                              f"{(impls.AUTO_DECODE, *impls.DECODE_CONFIGS)}")
+                              f"{impls.DECODE_OPTIONS}")
         if self.gemm not in GEMM_ALIASES and not impls.is_known(self.gemm, impls.GEMM):
             raise ConfigError(f"gemm implementation {self.gemm!r} is not one of "
                               f"{tuple(GEMM_ALIASES)} or {impls.known_names(impls.GEMM)}")

@@ -80,6 +80,7 @@ DEFAULT_DECODE = "triton_pipelined"  # what the models launch when no launch dic
 # contexts 512-1,536), while on a bf16 cache the two are within 3% (triton_pipelined ahead on
 # small batches), so bf16 keeps the Triton kernel. "auto" in `KernelOptions.decode_impl`.
 AUTO_DECODE = "auto"
+DECODE_OPTIONS = (AUTO_DECODE, *DECODE_CONFIGS)  # what `KernelOptions.decode_impl` may name
 BULK_DECODE = "cuda_bulk"
 BULK_CTAS_PER_SM = 1  # its ring takes most of an SM's shared memory
 # programs per SM of each elementwise Triton kernel when a launch bounds SMs but not CTAs

@@ -30,6 +30,7 @@ import functools
 import math
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -190,26 +191,47 @@ def available() -> str | None:
     return None
 
 
+class _Build(NamedTuple):
+    """What one compiled kernel is specialised to (the .cu's defines) and the GPU it loads on."""
+
+    num_kv: int
+    group: int
+    head_dim: int
+    f16: bool
+    device: int
+    slots: int
+    boxes: int
+    fp8: bool
+    consume_only: bool
+
+
+def _build(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> _Build:
+    """The kernel a call on `q` and `k_cache` runs."""
+    num_kv, d = k_cache.shape[2], q.shape[2]
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _Build(num_kv, q.shape[1] // num_kv, d, q.dtype == torch.float16, dev,
+                  ring_slots(num_kv, d, _device_limits(dev)[1], fp8), slot_boxes(d, fp8), fp8,
+                  CONSUME_ONLY)
+
+
 @functools.cache
-def _kernel(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slots: int,
-            boxes: int, fp8: bool = False, consume_only: bool = False):
+def _kernel(b: _Build):
     import cupy
 
-    with cupy.cuda.Device(device):
+    with cupy.cuda.Device(b.device):
         module = cupy.RawModule(code=SOURCE.read_text(), options=(
-            "-std=c++17", f"-DHKV={num_kv}", f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}",
-            f"-DSLOTS={slots}", f"-DSLOT_BOXES={boxes}", f"-DF16={int(f16)}",
-            f"-DKV_FP8={int(fp8)}", f"-DCONSUME_ONLY={int(consume_only)}"))
+            "-std=c++17", f"-DHKV={b.num_kv}", f"-DGROUP={b.group}", f"-DHEAD_DIM={b.head_dim}",
+            f"-DSLOTS={b.slots}", f"-DSLOT_BOXES={b.boxes}", f"-DF16={int(b.f16)}",
+            f"-DKV_FP8={int(b.fp8)}", f"-DCONSUME_ONLY={int(b.consume_only)}"))
         kernel = module.get_function("decode_bulk")
-        kernel.max_dynamic_shared_size_bytes = smem_bytes(num_kv, head_dim, slots, fp8)
+        kernel.max_dynamic_shared_size_bytes = smem_bytes(b.num_kv, b.head_dim, b.slots, b.fp8)
     return kernel
 
 
 @functools.cache
-def _build_error(num_kv: int, group: int, head_dim: int, f16: bool, device: int, slots: int,
-                 boxes: int, fp8: bool, consume_only: bool) -> str | None:
+def _build_error(b: _Build) -> str | None:
     try:
-        _kernel(num_kv, group, head_dim, f16, device, slots, boxes, fp8, consume_only)
+        _kernel(b)
     except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or cupy: any failure, said
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -218,11 +240,7 @@ def _build_error(num_kv: int, group: int, head_dim: int, f16: bool, device: int,
 def build_error(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> str | None:
     """Why the kernel for this call's shapes cannot be compiled (NVRTC) and loaded on q's GPU,
     or None; each shape is built once. For a call `unsupported` accepts."""
-    num_kv, d = k_cache.shape[2], q.shape[2]
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    slots = ring_slots(num_kv, d, _device_limits(dev)[1], fp8)
-    return _build_error(num_kv, q.shape[1] // num_kv, d, q.dtype == torch.float16, dev, slots,
-                        slot_boxes(d, fp8), fp8, CONSUME_ONLY)
+    return _build_error(_build(q, k_cache, fp8))
 
 
 _MAPS: dict[tuple, torch.Tensor] = {}
@@ -311,8 +329,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         why = "it writes out in q's dtype, each head's row contiguous"
     if why:
         raise ConfigError(f"decode attention 'cuda_bulk' cannot run: {why}")
-    num_kv = k_cache.shape[2]
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    build = _build(q, k_cache, fp8)
+    num_kv, dev, slots = build.num_kv, build.device, build.slots
     grid = max_ctas or num_sms(q.device)
     splits, per = plan(n, max_context_len, grid, num_splits)
     items = n * splits
@@ -322,9 +340,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part = torch.empty((n, num_q, splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, num_q, splits), dtype=torch.float32, device=q.device)
     bt = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    slots = ring_slots(num_kv, d, _device_limits(dev)[1], fp8)
-    kernel = _kernel(num_kv, num_q // num_kv, d, q.dtype == torch.float16, dev, slots,
-                     slot_boxes(d, fp8), fp8, CONSUME_ONLY)
+    kernel = _kernel(build)
     maps = tensor_maps(k_cache, v_cache)
     args = (np.uint64(q.data_ptr()), np.uint64(maps.data_ptr()), np.uint64(bt.data_ptr()),
             np.uint64(context_lens.data_ptr()), np.uint64(out.data_ptr()),

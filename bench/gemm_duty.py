@@ -65,16 +65,14 @@ def series(fn, gap, launches: int) -> list[float]:
     return [1e3 * a.elapsed_time(b) for a, b in events]
 
 
-def forward_operands(spec: Any, dev: torch.device, rows: int,
-                     random_cache: bool) -> tuple[torch.Tensor, ...]:
-    """The final normed rows and the last layer's w_gate_up after one Sequential forward, the
-    decode rows attending to a zero-filled cache or (`random_cache`) to random K/V."""
-    decode = min(256, rows // 2)
-    model = load_model(spec, "random", dev)
-    kb = key_batch(model, rows, decode, 1280, 1024, capture=False, random_cache=random_cache)
+def forward_rows(model: Any, rows: int, random_cache: bool) -> torch.Tensor:
+    """The final normed rows after one Sequential forward of `model`, the decode rows
+    attending to a zero-filled cache or (`random_cache`) to random K/V."""
+    kb = key_batch(model, rows, min(256, rows // 2), 1280, 1024, capture=False,
+                   random_cache=random_cache)
     kb.runner.run(kb.entry, kb.seqs)
     torch.cuda.synchronize()
-    return kb.ws.normed[:rows].clone(), model.layers[-1].w_gate_up.detach().clone()
+    return kb.ws.normed[:rows].clone()
 
 
 def mean_abs_cos(x: torch.Tensor) -> float:
@@ -89,8 +87,11 @@ def mean_abs_cos(x: torch.Tensor) -> float:
 def data_cases(spec: Any, dev: torch.device, rows: int, launches: int, idle: float,
                tele: Any) -> list[dict[str, Any]]:
     """`ug` back to back on operands filled in different ways (see the module docstring)."""
-    x_fwd, w_fwd = forward_operands(spec, dev, rows, random_cache=False)
-    x_rand_cache, _ = forward_operands(spec, dev, rows, random_cache=True)
+    model = load_model(spec, "random", dev)
+    x_fwd = forward_rows(model, rows, random_cache=False)
+    x_rand_cache = forward_rows(model, rows, random_cache=True)
+    w_fwd = model.layers[-1].w_gate_up.detach().clone()
+    del model
     n, k = w_fwd.shape
     std = 1 / spec.hidden_size ** 0.5  # init_random's w_gate_up scale
     randn = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731

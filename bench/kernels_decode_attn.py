@@ -44,7 +44,14 @@ from nanosched.kernels.reference import quantize_fp8
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
 SMEM_PER_SM = 227 * 1024  # what an H100/H200 SM offers one or more programs
 SMEM_SLACK = 1.25  # the compiler's layout-conversion scratch beside the K/V ring
-CONSUME = "consume"  # `cuda_bulk_consume`: cuda_bulk's ring with consumers that read nothing
+# cuda_bulk and its variants: the decode_attn_bulk settings each one runs under
+BULK = {
+    "cuda_bulk": {},
+    # a diagnostic: the ring with consumers that read nothing (its copy ceiling; zeros out)
+    "cuda_bulk_consume": {"CONSUME_ONLY": True},
+    "cuda_bulk_1w": {"WARPS_PER_HEAD": 1},  # one consumer warp per KV head
+    "cuda_bulk_2w": {"WARPS_PER_HEAD": 2},  # two, taking alternate pages
+}
 
 
 class Batch:
@@ -76,19 +83,22 @@ class Batch:
         self.kv_dtype = kv_dtype
         self.kv_bytes = 2 * requests * context * token_bytes
 
-    def run(self, config: DecodeConfig | str | None, ctas: int) -> torch.Tensor:
-        """One launch of `config`'s Triton kernel, of `cuda_bulk` for None, or of its
-        consume-only diagnostic for CONSUME (the ring's copy ceiling; zeros out)."""
+    def run(self, config: DecodeConfig | str, ctas: int) -> torch.Tensor:
+        """One launch of `config`'s Triton kernel, or of the `cuda_bulk` variant it names
+        (BULK)."""
         if not isinstance(config, DecodeConfig):
             from nanosched.kernels import decode_attn_bulk
 
-            decode_attn_bulk.CONSUME_ONLY = config == CONSUME
+            saved = {k: getattr(decode_attn_bulk, k) for k in BULK[config]}
+            for k, v in BULK[config].items():
+                setattr(decode_attn_bulk, k, v)
             try:
                 decode_attn_bulk.decode_attention(
                     self.q, self.k, self.v, self.tables, self.lens, self.context, HD ** -0.5,
                     self.out, max_ctas=ctas, **self.scales)
             finally:
-                decode_attn_bulk.CONSUME_ONLY = False
+                for k, v in saved.items():
+                    setattr(decode_attn_bulk, k, v)
             return self.out
         from nanosched.kernels.decode_attn import decode_attention
 
@@ -97,7 +107,7 @@ class Batch:
         return self.out
 
 
-def time_on(batch: Batch, config: DecodeConfig | None, sms: int, stream) -> dict:
+def time_on(batch: Batch, config: DecodeConfig | str, sms: int, stream) -> dict:
     ctas = (config.ctas_per_sm if isinstance(config, DecodeConfig) else 1) * sms
     with torch.cuda.stream(stream):
         ms = median_ms(lambda: batch.run(config, ctas))
@@ -175,18 +185,25 @@ def print_sweep(rows: list[dict]) -> None:
                        ("rel_err", "err", ".1e")])
 
 
-def table(where: list, configs: dict[str, DecodeConfig | str | None], requests: list[int],
+def table(where: list, configs: dict[str, DecodeConfig | str], requests: list[int],
           contexts: list[int], copy_gbs: float, kv_dtypes: list[str],
           page_orders: tuple[str, ...] = ("shuffled",)) -> list[dict]:
+    """Each kernel on each partition; `rel_err`: its output against triton_pipelined's on the
+    whole GPU (None for the consume-only diagnostic)."""
     rows = []
     for n, ctx, kv_dtype, order in itertools.product(requests, contexts, kv_dtypes, page_orders):
         batch = Batch(n, ctx, kv_dtype=kv_dtype, pages_in_order=order == "in_order")
+        want = batch.run(PIPELINED, PIPELINED.ctas_per_sm * where[-1][0]).float()
         for name, cfg in configs.items():
+            err = None
+            if cfg != "cuda_bulk_consume":
+                got = batch.run(cfg, where[-1][0]).float()
+                err = ((got - want).norm() / want.norm()).item()
             for sms, stream, _ in where:
                 r = time_on(batch, cfg, sms, stream)
                 rows.append({"kernel": name, "kv_dtype": kv_dtype, "requests": n,
                              "context": ctx, "pages": order, "sms": sms, **r,
-                             "pct_of_copy": 100 * r["gbs"] / copy_gbs})
+                             "pct_of_copy": 100 * r["gbs"] / copy_gbs, "rel_err": err})
         del batch
         torch.cuda.empty_cache()
     return rows
@@ -204,7 +221,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="triton_pipelined,triton_pipelined_2w,cuda_bulk",
                     help="any of triton_paged, triton_pipelined, triton_pipelined_2w, cuda_bulk, "
                     "cuda_bulk_consume (a diagnostic: cuda_bulk's copies alone, its consumers "
-                    "reading nothing)")
+                    "reading nothing), cuda_bulk_1w / cuda_bulk_2w (one or two consumer warps "
+                    "per KV head)")
     ap.add_argument("--pages", default="shuffled", help="page order of the block tables: "
                     "shuffled (a long-running cache), in_order (a fresh one), or both")
     ap.add_argument("--sweep-grid", default="", help="axes of the sweep to replace, e.g. "
@@ -223,8 +241,7 @@ def main() -> None:
     if args.config:
         pipelined = DecodeConfig(*(int(x) for x in args.config.split(",")))
     known = {"triton_paged": PAGED, "triton_pipelined": pipelined,
-             "triton_pipelined_2w": PIPELINED_2W, "cuda_bulk": None,
-             "cuda_bulk_consume": CONSUME}
+             "triton_pipelined_2w": PIPELINED_2W, **{k: k for k in BULK}}
     configs = {k: known[k] for k in args.kernels.split(",")}
     rows = table(where, configs, [int(x) for x in args.requests.split(",")],
                  [int(x) for x in args.contexts.split(",")], copy_gbs, args.kv_dtype.split(","),
@@ -237,15 +254,18 @@ def main() -> None:
                    "dtype": "bfloat16", "kv_dtypes": args.kv_dtype.split(",")},
         "sweep": sweep_rows, "rows": rows})
     print(f"{env['device']}: copy {copy_gbs:.0f} GB/s; pipelined config {pipelined}; {path}")
-    summary = {}
+    summary, errs = {}, {}
     for r in rows:
-        summary.setdefault((r["kernel"], r["kv_dtype"], r["pages"], r["sms"]), []).append(
-            r["pct_of_copy"])
-    print_table([{"kernel": k, "kv": kv, "pages": pg, "sms": s, "min": min(v), "max": max(v)}
+        key = (r["kernel"], r["kv_dtype"], r["pages"], r["sms"])
+        summary.setdefault(key, []).append(r["pct_of_copy"])
+        errs.setdefault(key, []).append(r["rel_err"] if r["rel_err"] is not None else math.nan)
+    print_table([{"kernel": k, "kv": kv, "pages": pg, "sms": s, "min": min(v), "max": max(v),
+                  "err": max(errs[(k, kv, pg, s)])}
                  for (k, kv, pg, s), v in sorted(summary.items())],
                 [("kernel", "kernel", ""), ("kv", "KV", ""), ("pages", "pages", ""),
                  ("sms", "SMs", ""),
-                 ("min", "min % copy", ".1f"), ("max", "max % copy", ".1f")])
+                 ("min", "min % copy", ".1f"), ("max", "max % copy", ".1f"),
+                 ("err", "max err vs triton", ".1e")])
     if len(set(args.kv_dtype.split(","))) > 1 and "," not in args.pages:  # fp8 against bf16
         times = {(r["kernel"], r["kv_dtype"], r["requests"], r["context"], r["sms"]): r["ms"]
                  for r in rows}

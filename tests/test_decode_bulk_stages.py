@@ -46,3 +46,26 @@ def test_the_reason_names_the_shared_memory_the_ring_needs(monkeypatch):
     k = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
     why = bulk.unsupported(q, k, torch.zeros_like(k))
     assert "shared memory" in why and str(bulk.smem_bytes(8, 128, 4)) in why
+
+
+def test_an_fp8_cache_gets_two_consumer_warps_per_head_and_their_merge_area_fits():
+    """FP8, 8 KV heads: two warps a head (17 warps), the merge area beside the ring, and still
+    eleven 17 KB slots within an H100's shared memory; bf16 and 16 KV heads keep one."""
+    assert bulk.warps_per_head(8, fp8=True) == 2
+    assert bulk.warps_per_head(8, fp8=False) == bulk.warps_per_head(16, fp8=True) == 1
+    merge = bulk.merge_bytes(8, 128, 2)
+    assert merge == 8 * 32 * (4 + 32) * 4 and bulk.merge_bytes(8, 128, 1) == 0
+    slots = bulk.ring_slots(8, 128, H100_OPTIN, fp8=True, warps=2)
+    assert slots == 11
+    smem = bulk.smem_bytes(8, 128, slots, fp8=True, warps=2)
+    assert smem == slots * bulk.slot_bytes(8, 128, fp8=True) + 1024 + 16 * slots + merge
+    assert smem <= H100_OPTIN
+
+
+def test_a_forced_warp_count_is_kept(monkeypatch):
+    monkeypatch.setattr(bulk, "WARPS_PER_HEAD", 1)
+    assert bulk.warps_per_head(8, fp8=True) == 1
+    monkeypatch.setattr(bulk, "WARPS_PER_HEAD", 2)
+    assert bulk.warps_per_head(8, fp8=False) == 2
+    # bf16 with two warps: the merge area costs the ring a slot
+    assert bulk.ring_slots(8, 128, H100_OPTIN, warps=2) == 5

@@ -18,7 +18,7 @@
 // in flight fill the ring but for one slot: 160-192 KB per SM, where whole-page slots would keep
 // 128 KB (Little's law: a few SMs must each pull 100-190 GB/s at a microsecond or so of latency).
 //
-// Roles: warp HKV is the producer. One lane issues the tensor copies of each slot through the
+// Roles: the last warp is the producer. One lane issues the tensor copies of each slot through the
 // tensor maps the wrapper built, completing on the slot's `full` mbarrier, as soon as the slot is
 // empty: it runs a whole ring ahead of the consumers, across item boundaries. The block-table
 // ids of each chunk of 32 pages (one per lane) and its item's context length are loaded while
@@ -27,7 +27,8 @@
 // 128-byte swizzle: the 8 token rows an ldmatrix 8x8 reads for one head fall in 8 different bank
 // groups (in the cache's own [token][head][d] order they would all share one). Few large copies
 // matter: one 2 KB bulk copy per token row held a CTA to ~34 B/cycle. Warps 0..HKV-1 are
-// consumers, warp h owning KV head h and its GROUP query heads:
+// consumers, WARPS_PER_HEAD of them per KV head
+// (warp w owns KV head w % HKV and its GROUP query heads):
 //   S^T = K_h Q_h^T   one mma m16n8k16 per 16 dims: M = the page's 16 tokens, N = 8 query heads
 //                      (GROUP of them real), A = K from shared memory (ldmatrix), B = Q in
 //                      registers for the whole item;
@@ -38,25 +39,41 @@
 // slot back with one arrive on its `empty` mbarrier after the ldmatrix of its last box. Producer
 // and consumers walk the ring with the same position (slot, parity of its use), carried across
 // items, so their phases agree whatever the pages per item; the producer's first pass waits on
-// parity 1, which a fresh mbarrier passes. A partial last page is copied whole: its scores past
+// parity 1, which a fresh mbarrier passes.
+//
+// Two warps per KV head (WARPS_PER_HEAD = 2, the wrapper's choice for an FP8 cache) take an
+// item's pages alternately, each with its own (m, l, O), merged through shared memory at the
+// item's end (the second warp writes, the first merges and writes the output; one named barrier
+// per head orders them). A warp's pages are a chain of dependent steps (S, its max across lanes,
+// the exponentials, P.V), so one warp per head leaves each SM scheduler two warps to switch
+// between; two warps halve the pages on each chain. A slot's `empty` barrier counts the HKV
+// warps that read its page. A warp waits on the `full` barrier of the other warp's pages too
+// (without reading them), so that it never waits on a slot's next use before the current one
+// landed: a wait names only the parity of a use. A partial last page is copied whole: its scores past
 // the context are masked to -inf, and its rows there hold earlier K/V of the cache (finite: the
 // cache is zeroed when allocated), weighted by 0.
 //
 // An FP8 cache (KV_FP8 = 1: e4m3 K and V, one fp32 scale per (token, KV head) in `ks`, `vs`
 // [P, PAGE, HKV], each page's block contiguous): a box is 128 dims (128 B rows, the same
 // swizzle) and a slot holds a page's K (or V) and, after its boxes, the page's 512 B of scales,
-// copied with one bulk copy completing on the same mbarrier. The products run in fp16 (e4m3
-// converts to f16 in one instruction, `cvt.rn.f16x2.e4m3x2`; q is converted once per item):
-//   K as A of S^T      the mma's k slots (2c, 2c+1, 2c+8, 2c+9) of lane (g, c) are dims 4c..4c+3
-//                      of each 16 (the sum over k does not care which dim sits in which slot, so
-//                      Q's B fragment is loaded in the same order): one 32-bit shared load per
-//                      token row (g, g+8) gives a lane its four K bytes of a step;
-//   V^T as A of O^T    rows g and g+8 of an m-tile are dims 2g and 2g+1 (the output is written
-//                      in that order), so one 16-bit load per token (2c, 2c+1, 2c+8, 2c+9) gives
-//                      both rows' bytes, put in token pairs by a byte permute;
+// copied with one bulk copy completing on the same mbarrier. The products run in fp16: e4m3
+// converts to f16 two values an instruction (`cvt.rn.f16x2.e4m3x2`, of either half of a word);
+// q is converted once per item. (An e4m3 `mma.sync` m16n8k32 is no faster on sm_90: ptxas
+// lowers it to the same conversions and two f16 mmas; Hopper's FP8 tensor path is wgmma.) One
+// ldmatrix.x4 gives a lane four 32-bit words of two 16-dim steps, each byte pair one b16:
+//   K as A of S^T      a word holds dims 4c..4c+3 of token g (or g+8): the mma's k slots
+//                      (2c, 2c+1 | 2c+8, 2c+9) of lane (g, c) take dims (4c, 4c+1 | 4c+2, 4c+3)
+//                      (the sum over k does not care which dim sits in which slot, so Q's B
+//                      fragment is loaded in the same order);
+//   V^T as A of O^T    (.trans) a word holds dims 2g, 2g+1 of tokens 2c, 2c+1 (or 2c+8, 2c+9):
+//                      rows g and g+8 of an m-tile are dims 2g and 2g+1 (the output is written
+//                      in that order), each taking its dim's two tokens after a byte permute;
 //   scales             a token's K scale multiplies its row of S^T before the softmax; its V
 //                      scale multiplies its probabilities after the row sums and before P.V.
-//
+// The conversions keep the integer pipe the busiest of an SM (Nsight Compute, 16 H100 SMs:
+// 56% of its peak with one warp per head); bit moves in their place (sign and the 7 other bits
+// of a byte at the top of an f16 half is the value x 2^-8) cost more of it, not less.
+
 // Output: one split per request writes the normalised result to `out` in the model dtype;
 // several write fp32 partials `part` [n, Hq, splits, HEAD_DIM] and their log-sum-exp `lse`
 // [n, Hq, splits] (natural log), which the Triton merge kernel of decode_attn.py combines.
@@ -90,6 +107,9 @@
 #ifndef CONSUME_ONLY
 #define CONSUME_ONLY 0  // 1: a diagnostic whose consumers only take and give back slots
 #endif
+#ifndef WARPS_PER_HEAD
+#define WARPS_PER_HEAD 1
+#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -110,15 +130,23 @@ typedef unsigned long long u64;
 // a slot: its boxes (and, FP8, the page's scales after them), 1024-byte aligned for the swizzle
 #define SLOT_BYTES ((SLOT_BOXES * BOX_BYTES + SCALE_BYTES + 1023) / 1024 * 1024)
 #define RING_BYTES (SLOTS * SLOT_BYTES)
-#define THREADS ((HKV + 1) * 32)
+#define CONSUMERS (HKV * WARPS_PER_HEAD)
+#define THREADS ((CONSUMERS + 1) * 32)
+#define PAGE_SLOTS (2 * BOXES / SLOT_BOXES)  // slots of one page's K and V
 #define KSTEPS (HEAD_DIM / 16)
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
+// the merge of two warps' (m, l, O): per KV head, per lane, m and l of two query heads and O
+#define MERGE_FLOATS (4 + 4 * KSTEPS)
+#define MERGE_BYTES (WARPS_PER_HEAD > 1 ? HKV * 32 * MERGE_FLOATS * 4 : 0)
 
 static_assert(GROUP >= 1 && GROUP <= 8, "a KV head's query heads fill at most the mma's N = 8");
 static_assert(HEAD_DIM % BOX_DIMS == 0, "head_dim must fill whole 128-byte box rows");
 static_assert(!KV_FP8 || SLOT_BOXES == BOXES, "an FP8 slot holds a page's K (or V) and scales");
 static_assert(HKV >= 1 && HKV <= 16, "one consumer warp per KV head");
+static_assert(WARPS_PER_HEAD == 1 || (WARPS_PER_HEAD == 2 && HKV <= 15),
+              "two warps per head merge through one named barrier per head (ids 1..15)");
+
 static_assert(SLOTS >= 1 && SLOT_BOXES >= 1 && (2 * BOXES) % SLOT_BOXES == 0,
               "a slot holds a whole number of boxes, and a page a whole number of slots");
 
@@ -169,29 +197,46 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
       : "memory");
 }
 
-__device__ __forceinline__ u32 lds32(u32 addr) {
-  u32 r;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
-  return r;
-}
-
-__device__ __forceinline__ u32 lds16(u32 addr) {
-  unsigned short r;
-  asm volatile("ld.shared.b16 %0, [%1];" : "=h"(r) : "r"(addr));
-  return r;
-}
-
 __device__ __forceinline__ float ldsf(u32 addr) {
   float r;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(r) : "r"(addr));
   return r;
 }
 
-// two e4m3 (low byte first) -> f16x2 (low half first)
+// two e4m3 (the low half of x, low byte first) -> f16x2 (low half first)
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 x) {
   u32 r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<unsigned short>(x)));
+  asm("{.reg .b16 lo, hi;\n"
+      "mov.b32 {lo, hi}, %1;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, lo;}" : "=r"(r) : "r"(x));
   return r;
+}
+
+__device__ __forceinline__ u32 e4m3x2_hi_to_f16x2(u32 x) {  // of the high half of x
+  u32 r;
+  asm("{.reg .b16 lo, hi;\n"
+      "mov.b32 {lo, hi}, %1;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, hi;}" : "=r"(r) : "r"(x));
+  return r;
+}
+
+// a word of K from ldmatrix (dims 4c..4c+3 of one token) -> the f16x2 pairs of the mma's k
+// slots 2c, 2c+1 (dims 4c, 4c+1) and 2c+8, 2c+9 (dims 4c+2, 4c+3)
+__device__ __forceinline__ void e4m3x4_k(u32 x, u32& lo, u32& hi) {
+  lo = e4m3x2_to_f16x2(x);
+  hi = e4m3x2_hi_to_f16x2(x);
+}
+
+// a word of V from ldmatrix.trans (token t: dims d, d+1; token t+1: dims d, d+1) -> the f16x2
+// of dim d (tokens t, t+1) and of dim d+1
+__device__ __forceinline__ void e4m3x4_v(u32 x, u32& d0, u32& d1) {
+  const u32 y = __byte_perm(x, 0, 0x3120);
+  d0 = e4m3x2_to_f16x2(y);
+  d1 = e4m3x2_hi_to_f16x2(y);
+}
+
+__device__ __forceinline__ void named_barrier(u32 id, u32 threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // byte offset of 16-byte chunk `chunk` of row `row` in a box under the 128-byte swizzle
@@ -303,6 +348,7 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
   const u32 ring = (smem_addr(smem) + 1023u) & ~1023u;  // the swizzle needs 1024-byte boxes
   const u32 full0 = ring + RING_BYTES;    // SLOTS mbarriers: a slot's bytes landed
   const u32 empty0 = full0 + 8 * SLOTS;   // SLOTS mbarriers: HKV consumers done with it
+  float* const merge = reinterpret_cast<float*>(smem + (empty0 + 8 * SLOTS - smem_addr(smem)));
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < SLOTS; ++s) {
@@ -313,7 +359,7 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
   }
   __syncthreads();
 
-  if (warp == HKV) {  // ---- producer ----
+  if (warp == CONSUMERS) {  // ---- producer ----
     // ids of pages p .. p + 31 of `item`'s request (one per lane), within its split and the table
     auto chunk_ids = [&](int item, int p) {
       if (item >= num_items) return 0;
@@ -368,34 +414,35 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
     return;
   }
 
-  // ---- consumers: warp h = KV head h ----
-  const int h = warp, g = lane >> 2, c = lane & 3;
-  // ldmatrix rows (lane l names row l & 7 of matrix l >> 3): K as A of S^T (rows = tokens,
-  // 16 dims per step), V transposed as A of O^T (rows = dims); box rows are head * PAGE + token
-#if !KV_FP8
+  // ---- consumers: warp w = KV head w % HKV, taking the item's pages `half` mod WARPS_PER_HEAD
+  const int h = warp % HKV, half = warp / HKV, g = lane >> 2, c = lane & 3;
+  // ldmatrix rows (lane l names row l & 7 of matrix l >> 3); box rows are head * PAGE + token.
+  // K as A of S^T: matrices (tokens 0-7, 8-15) x two 16-byte chunks; bf16 V transposed as A of
+  // O^T: (dims 0-7, 8-15 of a chunk pair) x (tokens 0-7, 8-15); FP8 V, transposed, as K
   const int k_row = h * PAGE + (lane & 15), k_hi = lane >> 4;
+#if !KV_FP8
   const int v_row = h * PAGE + (lane & 7) + 8 * (lane >> 4), v_hi = (lane >> 3) & 1;
 #endif
   // P^T's B fragment comes from lanes holding tokens 2c and 2c+1 of this lane's query head g
   const int src_a = (2 * c) * 4 + (g >> 1), src_b = (2 * c + 1) * 4 + (g >> 1);
-  const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
   const bool q_ok = g < GROUP;
 
+  const u32 sel = (g & 1) ? 0x7632u : 0x5410u;
 #if KV_FP8
   const int q_at = 4 * c, q_hi = 2;  // k slots 2c, 2c+1 | 2c+8, 2c+9: dims 4c, 4c+1 | 4c+2, 4c+3
 #else
   const int q_at = 2 * c, q_hi = 8;  // dims 2c, 2c+1 | 2c+8, 2c+9
 #endif
-  u32 qf[KSTEPS][2], qn[KSTEPS][2];
-  auto load_q = [&](u32 (*dst)[2], int req) {
+  u32 qf[KSTEPS][2];  // this item's q as B fragments of S^T's 16-dim steps
+  auto load_q = [&](int req) {
     const u16* qp = q + req * q_sn + (h * GROUP + (q_ok ? g : 0)) * q_sh + q_at;
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) {
-      dst[j][0] = q_ok ? q_pair(*reinterpret_cast<const u32*>(qp + 16 * j)) : 0u;
-      dst[j][1] = q_ok ? q_pair(*reinterpret_cast<const u32*>(qp + 16 * j + q_hi)) : 0u;
+      qf[j][0] = q_ok ? q_pair(*reinterpret_cast<const u32*>(qp + 16 * j)) : 0u;
+      qf[j][1] = q_ok ? q_pair(*reinterpret_cast<const u32*>(qp + 16 * j + q_hi)) : 0u;
     }
   };
-  if (blockIdx.x < num_items) load_q(qf, blockIdx.x / splits);
+  if (blockIdx.x < num_items) load_q(blockIdx.x / splits);
 
   Ring r = {0, 0};
   u32 slot_at = 0;  // shared-memory address of the slot being read
@@ -418,7 +465,6 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
     const Item it = item_at(item, splits, pages_per_split, lens);
     const int next = item + gridDim.x;
-    if (next < num_items) load_q(qn, next / splits);  // used next item: its latency hides
 
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
     float acc[KSTEPS][4];
@@ -426,6 +472,15 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
     for (int i = 0; i < KSTEPS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
     for (int p = it.p0; p < it.p1; ++p) {
+      if (WARPS_PER_HEAD > 1 && (p - it.p0) % WARPS_PER_HEAD != half) {
+        // the other warp's page: wait for its slots to land (see the header), read nothing
+#pragma unroll
+        for (int x = 0; x < PAGE_SLOTS; ++x) {
+          mbar_wait(full0 + 8 * r.slot, r.parity);
+          r.next();
+        }
+        continue;
+      }
       if (CONSUME_ONLY) {  // the ring's copy ceiling: no products (the output is zeros)
 #pragma unroll
         for (int x = 0; x < 2 * BOXES; ++x) {
@@ -443,13 +498,17 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       const float ks0 = ldsf(kslot + SLOT_BOXES * BOX_BYTES + (g * HKV + h) * 4);
       const float ks1 = ldsf(kslot + SLOT_BOXES * BOX_BYTES + ((g + 8) * HKV + h) * 4);
 #pragma unroll
-      for (int j = 0; j < KSTEPS; ++j) {
+      for (int j = 0; j < KSTEPS; j += 2) {  // steps j, j+1: 16-byte chunks of each token row
         box = kslot + (j / STEPS_PER_BOX) * BOX_BYTES;
-        const int chunk = j % STEPS_PER_BOX;  // 16 dims: one 16-byte chunk of each row
-        const u32 w0 = lds32(box + swz(h * PAGE + g, chunk) + 4 * c);
-        const u32 w1 = lds32(box + swz(h * PAGE + g + 8, chunk) + 4 * c);
-        mma16816(j & 1 ? sd : sc, e4m3x2_to_f16x2(w0), e4m3x2_to_f16x2(w1),
-                 e4m3x2_to_f16x2(w0 >> 16), e4m3x2_to_f16x2(w1 >> 16), qf[j][0], qf[j][1]);
+        u32 w0, w1, w2, w3;  // tokens g, g+8 of step j, then of step j+1
+        ldsm_x4(box + swz(k_row, j % STEPS_PER_BOX + k_hi), w0, w1, w2, w3);
+        u32 a0, a1, a2, a3;
+        e4m3x4_k(w0, a0, a2);
+        e4m3x4_k(w1, a1, a3);
+        mma16816(sc, a0, a1, a2, a3, qf[j][0], qf[j][1]);
+        e4m3x4_k(w2, a0, a2);
+        e4m3x4_k(w3, a1, a3);
+        mma16816(sd, a0, a1, a2, a3, qf[j + 1][0], qf[j + 1][1]);
       }
       release(SLOT_BOXES - 1);
 #pragma unroll
@@ -500,47 +559,97 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       const u32 lo_b = __shfl_sync(FULL_MASK, lo, src_b), hi_b = __shfl_sync(FULL_MASK, hi, src_b);
       const u32 b0 = __byte_perm(lo_a, lo_b, sel);  // tokens 2c, 2c+1 of head g
       const u32 b1 = __byte_perm(hi_a, hi_b, sel);  // tokens 2c+8, 2c+9
+      // O's rescale, skipped while no query head's max moved (most pages after the first few)
+      const bool rescale = __any_sync(FULL_MASK, al0 != 1.f || al1 != 1.f);
+#if KV_FP8
+#pragma unroll
+      for (int i = 0; i < KSTEPS; i += 2) {
+        if (rescale) {
+#pragma unroll
+          for (int t = i; t < i + 2; ++t) {
+            acc[t][0] *= al0;
+            acc[t][1] *= al1;
+            acc[t][2] *= al0;
+            acc[t][3] *= al1;
+          }
+        }
+        // rows g, g+8 of an m-tile are dims 16i + 2g, 16i + 2g + 1 (steps i, i+1)
+        box = vslot + (i / STEPS_PER_BOX) * BOX_BYTES;
+        u32 w0, w1, w2, w3;  // tokens 2c, 2c+1 | 2c+8, 2c+9 of step i, then of step i+1
+        ldsm_x4_t(box + swz(k_row, i % STEPS_PER_BOX + k_hi), w0, w1, w2, w3);
+        u32 a0, a1, a2, a3;
+        e4m3x4_v(w0, a0, a1);
+        e4m3x4_v(w1, a2, a3);
+        mma16816(acc[i], a0, a1, a2, a3, b0, b1);
+        e4m3x4_v(w2, a0, a1);
+        e4m3x4_v(w3, a2, a3);
+        mma16816(acc[i + 1], a0, a1, a2, a3, b0, b1);
+      }
+#else
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
-#if KV_FP8
-        acc[i][0] *= al0;
-        acc[i][1] *= al1;
-        acc[i][2] *= al0;
-        acc[i][3] *= al1;
-        // rows g, g+8 of this m-tile are dims 16i + 2g, 16i + 2g + 1: one 16-bit load per token
-        box = vslot + (i / STEPS_PER_BOX) * BOX_BYTES;
-        const int chunk = i % STEPS_PER_BOX, r0 = h * PAGE + 2 * c;
-        const u32 v0 = lds16(box + swz(r0, chunk) + 2 * g);
-        const u32 v1 = lds16(box + swz(r0 + 1, chunk) + 2 * g);
-        const u32 v8 = lds16(box + swz(r0 + 8, chunk) + 2 * g);
-        const u32 v9 = lds16(box + swz(r0 + 9, chunk) + 2 * g);
-        const u32 w = __byte_perm(v0, v1, 0x5140);   // dim 2g: tokens 2c, 2c+1 | dim 2g+1
-        const u32 w8 = __byte_perm(v8, v9, 0x5140);  // the same of tokens 2c+8, 2c+9
-        mma16816(acc[i], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16), e4m3x2_to_f16x2(w8),
-                 e4m3x2_to_f16x2(w8 >> 16), b0, b1);
-#else
         const int x = BOXES + (i >> 2);  // V's box of these 16 dims
         if ((i & 3) == 0) box = acquire(x);
-        acc[i][0] *= al0;
-        acc[i][1] *= al1;
-        acc[i][2] *= al0;
-        acc[i][3] *= al1;
+        if (rescale) {
+          acc[i][0] *= al0;
+          acc[i][1] *= al1;
+          acc[i][2] *= al0;
+          acc[i][3] *= al1;
+        }
         u32 a0, a1, a2, a3;
         ldsm_x4_t(box + swz(v_row, ((i & 3) << 1) + v_hi), a0, a1, a2, a3);
         if ((i & 3) == 3) release(x);
         mma16816(acc[i], a0, a1, a2, a3, b0, b1);
-#endif
       }
+#endif
 #if KV_FP8
       release(2 * BOXES - 1);
 #endif
     }
 
+    // the next item's q, loaded while this one's result is merged and written (q's registers
+    // are free once the pages are read; held across them they would not fit two warps per head)
+    if (next < num_items) load_q(next / splits);
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
       l0 += __shfl_xor_sync(FULL_MASK, l0, o);
       l1 += __shfl_xor_sync(FULL_MASK, l1, o);
     }
+#if WARPS_PER_HEAD > 1
+    {  // the second warp's (m, l, O) into the first's: [head][float][lane], conflict-free
+      float* mg = merge + h * 32 * MERGE_FLOATS + lane;
+      if (half) {
+        mg[0] = m0;
+        mg[32] = m1;
+        mg[64] = l0;
+        mg[96] = l1;
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) mg[32 * (4 + 4 * i + k)] = acc[i][k];
+      }
+      named_barrier(1 + h, 64);
+      if (!half) {
+        const float mb0 = mg[0], mb1 = mg[32];
+        const float mn0 = fmaxf(m0, mb0), mn1 = fmaxf(m1, mb1);
+        // a warp with no tokens of this item has m = -inf and l = O = 0; both: all stay 0
+        const float fa0 = mn0 == NEG_INF ? 0.f : fast_exp2(m0 - mn0);
+        const float fb0 = mn0 == NEG_INF ? 0.f : fast_exp2(mb0 - mn0);
+        const float fa1 = mn1 == NEG_INF ? 0.f : fast_exp2(m1 - mn1);
+        const float fb1 = mn1 == NEG_INF ? 0.f : fast_exp2(mb1 - mn1);
+        l0 = l0 * fa0 + mg[64] * fb0;
+        l1 = l1 * fa1 + mg[96] * fb1;
+        m0 = mn0;
+        m1 = mn1;
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i)
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            acc[i][k] = acc[i][k] * (k & 1 ? fa1 : fa0) + mg[32 * (4 + 4 * i + k)] * (k & 1 ? fb1 : fb0);
+      }
+      named_barrier(1 + h, 64);  // the area is free for the next item once the first warp read it
+    }
+#endif
     // acc[i]: dims 16i+g (0, 1) and 16i+g+8 (2, 3) of query heads 2c (0, 2) and 2c+1 (1, 3);
     // with an FP8 cache dims 16i+2g and 16i+2g+1
 #if KV_FP8
@@ -551,7 +660,7 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int qh = 2 * c + e;
-      if (qh >= GROUP) continue;
+      if (qh >= GROUP || half) continue;  // the first warp of a head writes its result
       const float l = e ? l1 : l0, m = e ? m1 : m0;
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int head = h * GROUP + qh;
@@ -571,13 +680,6 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
           o[16 * i + d_hi] = acc[i][2 + e] * inv;
         }
         if (g == 0) lse[row] = l > 0.f ? (m + __log2f(l)) * 0.6931471805599453f : NEG_INF;
-      }
-    }
-    if (next < num_items) {
-#pragma unroll
-      for (int j = 0; j < KSTEPS; ++j) {
-        qf[j][0] = qn[j][0];
-        qf[j][1] = qn[j][1];
       }
     }
   }

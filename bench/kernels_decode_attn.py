@@ -49,8 +49,6 @@ BULK = {
     "cuda_bulk": {},
     # a diagnostic: the ring with consumers that read nothing (its copy ceiling; zeros out)
     "cuda_bulk_consume": {"CONSUME_ONLY": True},
-    "cuda_bulk_1w": {"WARPS_PER_HEAD": 1},  # one consumer warp per KV head
-    "cuda_bulk_2w": {"WARPS_PER_HEAD": 2},  # two, taking alternate pages
 }
 
 
@@ -221,8 +219,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="triton_pipelined,triton_pipelined_2w,cuda_bulk",
                     help="any of triton_paged, triton_pipelined, triton_pipelined_2w, cuda_bulk, "
                     "cuda_bulk_consume (a diagnostic: cuda_bulk's copies alone, its consumers "
-                    "reading nothing), cuda_bulk_1w / cuda_bulk_2w (one or two consumer warps "
-                    "per KV head)")
+                    "reading nothing)")
     ap.add_argument("--pages", default="shuffled", help="page order of the block tables: "
                     "shuffled (a long-running cache), in_order (a fresh one), or both")
     ap.add_argument("--sweep-grid", default="", help="axes of the sweep to replace, e.g. "

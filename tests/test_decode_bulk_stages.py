@@ -48,24 +48,11 @@ def test_the_reason_names_the_shared_memory_the_ring_needs(monkeypatch):
     assert "shared memory" in why and str(bulk.smem_bytes(8, 128, 4)) in why
 
 
-def test_an_fp8_cache_gets_two_consumer_warps_per_head_and_their_merge_area_fits():
-    """FP8, 8 KV heads: two warps a head (17 warps), the merge area beside the ring, and still
-    eleven 17 KB slots within an H100's shared memory; bf16 and 16 KV heads keep one."""
-    assert bulk.warps_per_head(8, fp8=True) == 2
-    assert bulk.warps_per_head(8, fp8=False) == bulk.warps_per_head(16, fp8=True) == 1
-    merge = bulk.merge_bytes(8, 128, 2)
-    assert merge == 8 * 32 * (4 + 32) * 4 and bulk.merge_bytes(8, 128, 1) == 0
-    slots = bulk.ring_slots(8, 128, H100_OPTIN, fp8=True, warps=2)
-    assert slots == 11
-    smem = bulk.smem_bytes(8, 128, slots, fp8=True, warps=2)
-    assert smem == slots * bulk.slot_bytes(8, 128, fp8=True) + 1024 + 16 * slots + merge
-    assert smem <= H100_OPTIN
 
-
-def test_a_forced_warp_count_is_kept(monkeypatch):
-    monkeypatch.setattr(bulk, "WARPS_PER_HEAD", 1)
-    assert bulk.warps_per_head(8, fp8=True) == 1
-    monkeypatch.setattr(bulk, "WARPS_PER_HEAD", 2)
-    assert bulk.warps_per_head(8, fp8=False) == 2
-    # bf16 with two warps: the merge area costs the ring a slot
-    assert bulk.ring_slots(8, 128, H100_OPTIN, warps=2) == 5
+def test_an_fp8_ring_takes_eleven_slots_of_a_pages_k_or_v_and_its_scales():
+    """FP8, Llama-3 heads: a slot is a page's 16 KB of K (or V) and its 512 B of scales, 1024-byte
+    aligned; eleven fill RING_BYTES within an H100's shared memory."""
+    size = bulk.slot_bytes(8, 128, fp8=True)
+    assert size == 17 * 1024 and bulk.page_slots(128, fp8=True) == 2
+    slots = bulk.ring_slots(8, 128, H100_OPTIN, fp8=True)
+    assert slots == 11 and bulk.smem_bytes(8, 128, fp8=True) == 11 * size + 1024 + 16 * 11

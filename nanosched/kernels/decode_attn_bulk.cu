@@ -27,8 +27,7 @@
 // 128-byte swizzle: the 8 token rows an ldmatrix 8x8 reads for one head fall in 8 different bank
 // groups (in the cache's own [token][head][d] order they would all share one). Few large copies
 // matter: one 2 KB bulk copy per token row held a CTA to ~34 B/cycle. Warps 0..HKV-1 are
-// consumers, WARPS_PER_HEAD of them per KV head
-// (warp w owns KV head w % HKV and its GROUP query heads):
+// consumers, warp h owning KV head h and its GROUP query heads:
 //   S^T = K_h Q_h^T   one mma m16n8k16 per 16 dims: M = the page's 16 tokens, N = 8 query heads
 //                      (GROUP of them real), A = K from shared memory (ldmatrix), B = Q in
 //                      registers for the whole item;
@@ -39,19 +38,12 @@
 // slot back with one arrive on its `empty` mbarrier after the ldmatrix of its last box. Producer
 // and consumers walk the ring with the same position (slot, parity of its use), carried across
 // items, so their phases agree whatever the pages per item; the producer's first pass waits on
-// parity 1, which a fresh mbarrier passes.
-//
-// Two warps per KV head (WARPS_PER_HEAD = 2, the wrapper's choice for an FP8 cache) take an
-// item's pages alternately, each with its own (m, l, O), merged through shared memory at the
-// item's end (the second warp writes, the first merges and writes the output; one named barrier
-// per head orders them). A warp's pages are a chain of dependent steps (S, its max across lanes,
-// the exponentials, P.V), so one warp per head leaves each SM scheduler two warps to switch
-// between; two warps halve the pages on each chain. A slot's `empty` barrier counts the HKV
-// warps that read its page. A warp waits on the `full` barrier of the other warp's pages too
-// (without reading them), so that it never waits on a slot's next use before the current one
-// landed: a wait names only the parity of a use. A partial last page is copied whole: its scores past
-// the context are masked to -inf, and its rows there hold earlier K/V of the cache (finite: the
-// cache is zeroed when allocated), weighted by 0.
+// parity 1, which a fresh mbarrier passes. A wait names only the parity of a use, so no
+// consumer may skip a slot's use: one that did could find the slot two uses on and wait on the
+// wrong phase (two consumer warps per head taking alternate pages of one ring fail that way).
+// O is rescaled only when some query head's running max moved. A partial
+// last page is copied whole: its scores past the context are masked to -inf, and its rows there
+// hold earlier K/V of the cache (finite: the cache is zeroed when allocated), weighted by 0.
 //
 // An FP8 cache (KV_FP8 = 1: e4m3 K and V, one fp32 scale per (token, KV head) in `ks`, `vs`
 // [P, PAGE, HKV], each page's block contiguous): a box is 128 dims (128 B rows, the same
@@ -107,9 +99,6 @@
 #ifndef CONSUME_ONLY
 #define CONSUME_ONLY 0  // 1: a diagnostic whose consumers only take and give back slots
 #endif
-#ifndef WARPS_PER_HEAD
-#define WARPS_PER_HEAD 1
-#endif
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -130,23 +119,15 @@ typedef unsigned long long u64;
 // a slot: its boxes (and, FP8, the page's scales after them), 1024-byte aligned for the swizzle
 #define SLOT_BYTES ((SLOT_BOXES * BOX_BYTES + SCALE_BYTES + 1023) / 1024 * 1024)
 #define RING_BYTES (SLOTS * SLOT_BYTES)
-#define CONSUMERS (HKV * WARPS_PER_HEAD)
-#define THREADS ((CONSUMERS + 1) * 32)
-#define PAGE_SLOTS (2 * BOXES / SLOT_BOXES)  // slots of one page's K and V
+#define THREADS ((HKV + 1) * 32)
 #define KSTEPS (HEAD_DIM / 16)
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
-// the merge of two warps' (m, l, O): per KV head, per lane, m and l of two query heads and O
-#define MERGE_FLOATS (4 + 4 * KSTEPS)
-#define MERGE_BYTES (WARPS_PER_HEAD > 1 ? HKV * 32 * MERGE_FLOATS * 4 : 0)
 
 static_assert(GROUP >= 1 && GROUP <= 8, "a KV head's query heads fill at most the mma's N = 8");
 static_assert(HEAD_DIM % BOX_DIMS == 0, "head_dim must fill whole 128-byte box rows");
 static_assert(!KV_FP8 || SLOT_BOXES == BOXES, "an FP8 slot holds a page's K (or V) and scales");
 static_assert(HKV >= 1 && HKV <= 16, "one consumer warp per KV head");
-static_assert(WARPS_PER_HEAD == 1 || (WARPS_PER_HEAD == 2 && HKV <= 15),
-              "two warps per head merge through one named barrier per head (ids 1..15)");
-
 static_assert(SLOTS >= 1 && SLOT_BOXES >= 1 && (2 * BOXES) % SLOT_BOXES == 0,
               "a slot holds a whole number of boxes, and a page a whole number of slots");
 
@@ -233,10 +214,6 @@ __device__ __forceinline__ void e4m3x4_v(u32 x, u32& d0, u32& d1) {
   const u32 y = __byte_perm(x, 0, 0x3120);
   d0 = e4m3x2_to_f16x2(y);
   d1 = e4m3x2_hi_to_f16x2(y);
-}
-
-__device__ __forceinline__ void named_barrier(u32 id, u32 threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // byte offset of 16-byte chunk `chunk` of row `row` in a box under the 128-byte swizzle
@@ -348,7 +325,6 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
   const u32 ring = (smem_addr(smem) + 1023u) & ~1023u;  // the swizzle needs 1024-byte boxes
   const u32 full0 = ring + RING_BYTES;    // SLOTS mbarriers: a slot's bytes landed
   const u32 empty0 = full0 + 8 * SLOTS;   // SLOTS mbarriers: HKV consumers done with it
-  float* const merge = reinterpret_cast<float*>(smem + (empty0 + 8 * SLOTS - smem_addr(smem)));
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < SLOTS; ++s) {
@@ -359,7 +335,7 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
   }
   __syncthreads();
 
-  if (warp == CONSUMERS) {  // ---- producer ----
+  if (warp == HKV) {  // ---- producer ----
     // ids of pages p .. p + 31 of `item`'s request (one per lane), within its split and the table
     auto chunk_ids = [&](int item, int p) {
       if (item >= num_items) return 0;
@@ -414,8 +390,8 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
     return;
   }
 
-  // ---- consumers: warp w = KV head w % HKV, taking the item's pages `half` mod WARPS_PER_HEAD
-  const int h = warp % HKV, half = warp / HKV, g = lane >> 2, c = lane & 3;
+  // ---- consumers: warp h = KV head h ----
+  const int h = warp, g = lane >> 2, c = lane & 3;
   // ldmatrix rows (lane l names row l & 7 of matrix l >> 3); box rows are head * PAGE + token.
   // K as A of S^T: matrices (tokens 0-7, 8-15) x two 16-byte chunks; bf16 V transposed as A of
   // O^T: (dims 0-7, 8-15 of a chunk pair) x (tokens 0-7, 8-15); FP8 V, transposed, as K
@@ -472,15 +448,6 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
     for (int i = 0; i < KSTEPS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
     for (int p = it.p0; p < it.p1; ++p) {
-      if (WARPS_PER_HEAD > 1 && (p - it.p0) % WARPS_PER_HEAD != half) {
-        // the other warp's page: wait for its slots to land (see the header), read nothing
-#pragma unroll
-        for (int x = 0; x < PAGE_SLOTS; ++x) {
-          mbar_wait(full0 + 8 * r.slot, r.parity);
-          r.next();
-        }
-        continue;
-      }
       if (CONSUME_ONLY) {  // the ring's copy ceiling: no products (the output is zeros)
 #pragma unroll
         for (int x = 0; x < 2 * BOXES; ++x) {
@@ -607,49 +574,14 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
 #endif
     }
 
-    // the next item's q, loaded while this one's result is merged and written (q's registers
-    // are free once the pages are read; held across them they would not fit two warps per head)
+    // the next item's q, loaded while this one's result is reduced and written (q's registers
+    // are free once the pages are read: held across them, 16 more)
     if (next < num_items) load_q(next / splits);
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
       l0 += __shfl_xor_sync(FULL_MASK, l0, o);
       l1 += __shfl_xor_sync(FULL_MASK, l1, o);
     }
-#if WARPS_PER_HEAD > 1
-    {  // the second warp's (m, l, O) into the first's: [head][float][lane], conflict-free
-      float* mg = merge + h * 32 * MERGE_FLOATS + lane;
-      if (half) {
-        mg[0] = m0;
-        mg[32] = m1;
-        mg[64] = l0;
-        mg[96] = l1;
-#pragma unroll
-        for (int i = 0; i < KSTEPS; ++i)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) mg[32 * (4 + 4 * i + k)] = acc[i][k];
-      }
-      named_barrier(1 + h, 64);
-      if (!half) {
-        const float mb0 = mg[0], mb1 = mg[32];
-        const float mn0 = fmaxf(m0, mb0), mn1 = fmaxf(m1, mb1);
-        // a warp with no tokens of this item has m = -inf and l = O = 0; both: all stay 0
-        const float fa0 = mn0 == NEG_INF ? 0.f : fast_exp2(m0 - mn0);
-        const float fb0 = mn0 == NEG_INF ? 0.f : fast_exp2(mb0 - mn0);
-        const float fa1 = mn1 == NEG_INF ? 0.f : fast_exp2(m1 - mn1);
-        const float fb1 = mn1 == NEG_INF ? 0.f : fast_exp2(mb1 - mn1);
-        l0 = l0 * fa0 + mg[64] * fb0;
-        l1 = l1 * fa1 + mg[96] * fb1;
-        m0 = mn0;
-        m1 = mn1;
-#pragma unroll
-        for (int i = 0; i < KSTEPS; ++i)
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            acc[i][k] = acc[i][k] * (k & 1 ? fa1 : fa0) + mg[32 * (4 + 4 * i + k)] * (k & 1 ? fb1 : fb0);
-      }
-      named_barrier(1 + h, 64);  // the area is free for the next item once the first warp read it
-    }
-#endif
     // acc[i]: dims 16i+g (0, 1) and 16i+g+8 (2, 3) of query heads 2c (0, 2) and 2c+1 (1, 3);
     // with an FP8 cache dims 16i+2g and 16i+2g+1
 #if KV_FP8
@@ -660,7 +592,7 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int qh = 2 * c + e;
-      if (qh >= GROUP || half) continue;  // the first warp of a head writes its result
+      if (qh >= GROUP) continue;
       const float l = e ? l1 : l0, m = e ? m1 : m0;
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int head = h * GROUP + qh;

@@ -15,10 +15,7 @@ cache with each page contiguous, and one CTA per SM (the ring: 6 x 32 KB for 8 K
 dims, 193 KB of shared memory with its mbarriers; at least two pages). An FP8 cache (e4m3 with
 fp32 scales per token and KV head, models/kvcache.py) is read at half the bytes: boxes of 128
 dims, a slot per page's K (or V) with its 512 B of scales (11 x 17 KB), the products in fp16
-(head_dim a multiple of 128), and two consumer warps per KV head taking alternate pages (with
-at most 8 KV heads: 17 warps fit 96 registers a thread), because converting e4m3 leaves one
-warp too few instructions' latency to hide; tests/gpu/test_kv_fp8_gpu.py checks it against the
-reference.
+(head_dim a multiple of 128); tests/gpu/test_kv_fp8_gpu.py checks it against the reference.
 
 Launch arguments are those of the Triton kernels: `max_ctas` bounds the persistent grid (default:
 one per SM), `num_splits` fixes split-K over the context (default: about four work items per
@@ -58,11 +55,6 @@ HOPPER_SMEM = 227 * 1024  # shared memory a block may opt into on an H100 / H200
 # back each slot without reading it (the .cu's CONSUME_ONLY), so its time is the ring's copy
 # ceiling and its output zeros (bench/kernels_decode_attn.py --kernels cuda_bulk_consume).
 CONSUME_ONLY = False
-# Consumer warps per KV head (the .cu's WARPS_PER_HEAD): None takes two for an FP8 cache (its
-# pages alternate between them and their results merge, the header says why) and one for bf16,
-# whose consumers keep up with the ring on one; benchmarks may force either.
-WARPS_PER_HEAD: int | None = None
-MAX_KV_HEADS_FOR_TWO = 8  # 17 warps: the register budget (96 a thread) the kernel fits
 MIN_SPLIT_PAGES = 4
 ITEMS_PER_CTA = 2
 # The merge is a loop of small dependent loads per (request, head): several light programs per
@@ -96,41 +88,23 @@ def page_slots(head_dim: int, fp8: bool = False) -> int:
     return 2 * (head_dim // box_dims(fp8)) // slot_boxes(head_dim, fp8)
 
 
-def warps_per_head(num_kv_heads: int, fp8: bool = False) -> int:
-    """Consumer warps per KV head: WARPS_PER_HEAD if set, else two for an FP8 cache with at
-    most MAX_KV_HEADS_FOR_TWO KV heads, else one."""
-    if WARPS_PER_HEAD is not None:
-        return WARPS_PER_HEAD
-    return 2 if fp8 and num_kv_heads <= MAX_KV_HEADS_FOR_TWO else 1
-
-
-def merge_bytes(num_kv_heads: int, head_dim: int, warps: int = 1) -> int:
-    """Shared memory where two warps of a head merge their results: per head and lane, m and l
-    of two query heads and their head_dim / 16 x 4 output accumulators (fp32)."""
-    return num_kv_heads * 32 * (4 + head_dim // 4) * 4 if warps > 1 else 0
-
-
 def smem_bytes(num_kv_heads: int, head_dim: int, slots: int | None = None,
-               fp8: bool = False, warps: int = 1) -> int:
+               fp8: bool = False) -> int:
     """Dynamic shared memory of one CTA: a ring of `slots` slots (default: the ring an H100 /
-    H200 gives these heads), 1024-byte aligned for the swizzle, their 2 x `slots` mbarriers and,
-    with two warps per head, their merge area."""
+    H200 gives these heads), 1024-byte aligned for the swizzle, and their 2 x `slots`
+    mbarriers."""
     if slots is None:
-        slots = (ring_slots(num_kv_heads, head_dim, HOPPER_SMEM, fp8, warps)
+        slots = (ring_slots(num_kv_heads, head_dim, HOPPER_SMEM, fp8)
                  or MIN_RING_PAGES * page_slots(head_dim, fp8))
-    return (slots * slot_bytes(num_kv_heads, head_dim, fp8) + 1024 + 16 * slots
-            + merge_bytes(num_kv_heads, head_dim, warps))
+    return slots * slot_bytes(num_kv_heads, head_dim, fp8) + 1024 + 16 * slots
 
 
-def ring_slots(num_kv_heads: int, head_dim: int, limit: int, fp8: bool = False,
-               warps: int = 1) -> int:
-    """Slots of the ring under `limit` bytes of shared memory (less the merge area of `warps`
-    per head): RING_BYTES' worth, at least MIN_RING_PAGES pages', no more than fit (0 when those
-    pages do not fit)."""
+def ring_slots(num_kv_heads: int, head_dim: int, limit: int, fp8: bool = False) -> int:
+    """Slots of the ring under `limit` bytes of shared memory: RING_BYTES' worth, at least
+    MIN_RING_PAGES pages', no more than fit (0 when those pages do not fit)."""
     size = slot_bytes(num_kv_heads, head_dim, fp8)
     need = MIN_RING_PAGES * page_slots(head_dim, fp8)
-    room = limit - 1024 - merge_bytes(num_kv_heads, head_dim, warps)
-    slots = min(max(need, RING_BYTES // size), room // (size + 16))
+    slots = min(max(need, RING_BYTES // size), (limit - 1024) // (size + 16))
     return slots if slots >= need else 0
 
 
@@ -178,9 +152,8 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   else torch.cuda.current_device())
     if major < 9:
         return "it needs an sm_90 (Hopper) GPU or newer: tensor-map copies"
-    warps = warps_per_head(num_kv, fp8)
-    if not ring_slots(num_kv, d, limit, fp8, warps):
-        smem = smem_bytes(num_kv, d, MIN_RING_PAGES * page_slots(d, fp8), fp8, warps)
+    if not ring_slots(num_kv, d, limit, fp8):
+        smem = smem_bytes(num_kv, d, MIN_RING_PAGES * page_slots(d, fp8), fp8)
         return f"its ring needs {smem} B of shared memory, the GPU offers {limit}"
     return None
 
@@ -230,25 +203,23 @@ class _Build(NamedTuple):
     boxes: int
     fp8: bool
     consume_only: bool
-    warps: int  # consumer warps per KV head
 
     @property
     def threads(self) -> int:
-        return 32 * (self.num_kv * self.warps + 1)
+        return 32 * (self.num_kv + 1)  # a consumer warp per KV head and the producer
 
     @property
     def smem(self) -> int:
-        return smem_bytes(self.num_kv, self.head_dim, self.slots, self.fp8, self.warps)
+        return smem_bytes(self.num_kv, self.head_dim, self.slots, self.fp8)
 
 
 def _build(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> _Build:
     """The kernel a call on `q` and `k_cache` runs."""
     num_kv, d = k_cache.shape[2], q.shape[2]
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    warps = warps_per_head(num_kv, fp8)
     return _Build(num_kv, q.shape[1] // num_kv, d, q.dtype == torch.float16, dev,
-                  ring_slots(num_kv, d, _device_limits(dev)[1], fp8, warps), slot_boxes(d, fp8),
-                  fp8, CONSUME_ONLY, warps)
+                  ring_slots(num_kv, d, _device_limits(dev)[1], fp8), slot_boxes(d, fp8), fp8,
+                  CONSUME_ONLY)
 
 
 @functools.cache
@@ -259,8 +230,7 @@ def _kernel(b: _Build):
         module = cupy.RawModule(code=SOURCE.read_text(), options=(
             "-std=c++17", f"-DHKV={b.num_kv}", f"-DGROUP={b.group}", f"-DHEAD_DIM={b.head_dim}",
             f"-DSLOTS={b.slots}", f"-DSLOT_BOXES={b.boxes}", f"-DF16={int(b.f16)}",
-            f"-DKV_FP8={int(b.fp8)}", f"-DCONSUME_ONLY={int(b.consume_only)}",
-            f"-DWARPS_PER_HEAD={b.warps}"))
+            f"-DKV_FP8={int(b.fp8)}", f"-DCONSUME_ONLY={int(b.consume_only)}"))
         kernel = module.get_function("decode_bulk")
         kernel.max_dynamic_shared_size_bytes = b.smem
     return kernel

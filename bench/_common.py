@@ -112,10 +112,17 @@ def key_batch(model: Any, rows: int, decode: int, context: int, prompt: int, *,
     return KeyBatch(runner, runner.entry(runner.bucket(seqs)), seqs, ws, ctx)
 
 
-def write_result(name: str, data: dict[str, Any]) -> Path:
-    """Write data as JSON to $OUT or bench/results/, named after the script, device and time."""
+def results_dir() -> Path:
+    """Where a benchmark writes its JSON: $OUT when set (the GPU machine's), else
+    bench/results/."""
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    """Write data as JSON to `results_dir()`, named after the script, device and time."""
+    out_dir = results_dir()
     env = data["env"]
     stamp = env["date"].replace(":", "").replace("-", "")[:15]
     device = env["device"].replace(" ", "_")

@@ -25,12 +25,9 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import results_dir
 
 import nanosched.runtime.engine as engine_module  # noqa: E402
 import nanosched.runtime.graphs as graphs_module  # noqa: E402
@@ -87,8 +84,7 @@ def main() -> None:
            "steady_median_ms": 1e3 * statistics.median(steady),
            "note": "steady: the middle third of the steps" + (", timed under cProfile"
                                                                if args.profile else "")}
-    dest = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
-    path = dest / f"engine_cpu-{datetime.now(timezone.utc):%Y%m%d}.json"
+    path = results_dir() / f"engine_cpu-{datetime.now(timezone.utc):%Y%m%d}.json"
     path.write_text(json.dumps(out, indent=2))
     print(text.getvalue())
     print(path)

@@ -8,24 +8,23 @@ the KV pages it had) through the engine's batcher and paged cache over a fake mo
 the profile's kernel rows: every op of a layer over its rows (decode rows, prompt rows or all),
 linear between the profile's 128-row grid points, decode attention at the batch's mean decode
 context, prefill attention at its prompt's length; times the layers. The sum is the GPU time the
-rows give the run's forwards (the LM head and sampling left out; a Sequential graph runs ~10%
-under its rows, docs/overlap.md). Measured time well above it is time the GPU was not running
-forwards: the CPU between iterations, captures, eager first runs. Dense models at tp = 1. JSON
-to $OUT or bench/results/; summary last.
+rows give the run's forwards (the LM head and sampling left out; the engine's own forwards have
+measured 4-8% above their rows, docs/overlap.md). Measured time well above it is time the GPU
+was not running forwards: the CPU between iterations, captures, eager first runs. Dense models
+at tp = 1. JSON to $OUT or bench/results/; summary last.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import results_dir
 
 from nanosched.autosearch.request import load_named_profile  # noqa: E402
 from nanosched.autosearch.simulate import sequential_op_times  # noqa: E402
@@ -91,12 +90,10 @@ def main() -> None:
     shapes = batches(cfg, run["kv_pages"])
     kinds: dict[str, list[float]] = {"full": [], "decode only": [], "other": []}
 
-    def time_us(op: str, rows: int, context: float | None) -> float:
-        return row_us(prof, op, rows, context)
-
+    price = functools.partial(row_us, prof)
     for d, ctx, p, plen in shapes:
         batch = BatchInfo(d + p, d, max(1, plen or cfg["input_len"]), ctx or 1.0, 0.0)
-        layer = sum(sequential_op_times(spec, 1, prof, batch, time_us).values())
+        layer = sum(sequential_op_times(spec, 1, prof, batch, price).values())
         kind = ("full" if d + p >= cfg["dense_batch"] else "decode only" if p == 0 else "other")
         kinds[kind].append(layer * spec.num_layers)
     priced_s = sum(sum(v) for v in kinds.values()) / 1e6
@@ -109,8 +106,7 @@ def main() -> None:
            "kinds": {k: {"iterations": len(v), "priced_s": round(sum(v) / 1e6, 2),
                          "ms_each": round(statistics.fmean(v) / 1e3, 2) if v else None}
                      for k, v in kinds.items()}}
-    dest = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
-    path = dest / f"price_run-{Path(args.bench_json).stem}.json"
+    path = results_dir() / f"price_run-{Path(args.bench_json).stem}.json"
     path.write_text(json.dumps(out, indent=2))
     print(path)
     print(f"{name}: {run['iterations']} iterations measured, {len(shapes)} simulated; "

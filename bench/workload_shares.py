@@ -16,13 +16,14 @@ bench/results/ (or $OUT); table last.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _common import results_dir  # noqa: E402
 
 from nanosched.autosearch.request import load_named_profile  # noqa: E402
 from nanosched.autosearch.search import batch_info  # noqa: E402
@@ -68,9 +69,8 @@ def shares(gpu: str, workload, dense: int, profile_name: str) -> dict:
 
 def main() -> None:
     rows = [shares(*case) for case in CASES]
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
     date = datetime.now(timezone.utc)
-    path = out / f"workload_shares-{date:%Y%m%d}.json"
+    path = results_dir() / f"workload_shares-{date:%Y%m%d}.json"
     path.write_text(json.dumps({"date": date.isoformat(timespec="seconds"),
                                 "command": "python bench/workload_shares.py",
                                 "model": "llama3-8b", "tp": 1, "rows": rows}, indent=2))

@@ -160,12 +160,13 @@ def activation_bytes_per_gpu(spec: ModelSpec, tp: int, dense_batch: int) -> floa
 
 
 def kv_capacity_tokens(spec: ModelSpec, tp: int, memory_bytes: float, dense_batch: int,
-                       mem_util: float = 0.85) -> float:
+                       mem_util: float = 0.85, kv_dtype: str = "auto") -> float:
     """KV-cache tokens one GPU of `memory_bytes` holds beside its weights and the working
-    activations of a `dense_batch` forward (the engine's default `mem_util`)."""
+    activations of a `dense_batch` forward (the engine's default `mem_util`), in a cache of
+    `kv_dtype` ("fp8" holds about twice the tokens of a bf16 one)."""
     budget = (mem_util * memory_bytes - spec.num_params() * spec.dtype_bytes / tp
               - activation_bytes_per_gpu(spec, tp, dense_batch))
-    return max(0.0, budget / spec.kv_bytes_per_token(tp))
+    return max(0.0, budget / spec.kv_bytes_per_token(tp, kv_dtype=kv_dtype))
 
 
 def max_dense_batch(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,

@@ -347,6 +347,40 @@ def test_the_set_predicts_a_bucket_between_its_keys(single):
     assert base.sequential_us(0, 256) is None  # a single schedule: no grid to read
 
 
+def test_between_keys_whose_contexts_differ_the_weight_is_the_decode_kv_tokens(single):
+    """A key whose decode rows do not all fit at the workload's context was priced at a shorter
+    one; a batch between it and the key below has the context that fits its own rows, so it
+    sits nearer the upper key than its row count says (the decode attention follows KV
+    tokens). Sets that record no contexts stay linear in D."""
+    from nanosched.schedules.sets import fitting_context
+
+    base = from_single(single)
+    # a cache of 300,000 tokens: 128 and 192 rows of 1,280 fit, 256 do not
+    notes = {"contexts": {"workload": 1280.0, "least": 512.0, "kv_capacity_tokens": 300_000.0}}
+    ctx = {d: fitting_context(1280.0, 512.0, 300_000.0, d, 256) for d in (128, 192, 256)}
+    assert ctx[128] == ctx[192] == 1280
+    assert ctx[256] == pytest.approx(300_000 / 256) and ctx[256] < 1280
+    entries = tuple(SetEntry(d, t, "sequential", 1000.0 + d, 1000.0 + d, "x",
+                             decode_context=fitting_context(1280.0, 512.0, 300_000.0, d, t)
+                             if d else None)
+                    for d, t in set_keys(256))
+    sset = replace(base, entries=entries, source_format=SET_FORMAT, search=notes)
+    w = (192 * 1280 - 128 * 1280) / (256 * ctx[256] - 128 * 1280)
+    assert 0.5 < w < 1
+    assert sset.sequential_us(192, 256) == pytest.approx(1000 + 128 + w * 128)
+    assert sset.sequential_us(128, 256) == pytest.approx(1128)  # a key: its own time
+    plain = replace(sset, search=None,
+                    entries=tuple(replace(e, decode_context=None) for e in entries))
+    assert plain.sequential_us(192, 256) == pytest.approx(1192)  # linear in D
+    # the contexts survive a round trip, and a bad one is refused
+    again = ScheduleSet.from_json(json.loads(json.dumps(sset.to_json())))
+    assert again.entries == sset.entries and again.search == sset.search
+    bad = sset.to_json()
+    bad["entries"][3]["decode_context"] = -1
+    with pytest.raises(ScheduleError, match="decode_context"):
+        ScheduleSet.from_json(bad)
+
+
 def test_the_steady_state_is_the_searched_steady_key_not_the_best_pipeline(single):
     """`show` and `bench` report the workload's mix at the dense batch: a pipeline elsewhere at
     the dense batch, however good, is not the steady state."""
@@ -373,6 +407,12 @@ def test_a_key_whose_decode_rows_do_not_fit_is_searched_at_the_context_that_fits
     assert tight.decode_context < 1280
     assert key_config(small, 256, 512).decode_context == tight.decode_context
     assert key_batch(small, 0, 512).decode_context == 1280  # no decode rows: nothing to fit
+    # an FP8 cache holds about twice the tokens: 512 x 1,280 fit an H100's FP8 cache
+    fp8 = replace(synthetic, profile=replace(synthetic.profile, kv_dtype="fp8"))
+    cap8 = kv_capacity_tokens(synthetic.spec, 1, synthetic.profile.identity.memory_bytes, 512,
+                              kv_dtype="fp8")
+    assert cap8 > 1.8 * cap
+    assert key_batch(fp8, 512, 512).decode_context == 1280 > many.decode_context
 
 
 def test_the_bound_counts_per_shape_points():

@@ -40,7 +40,13 @@ from nanosched.costmodel import kv_capacity_tokens
 from nanosched.errors import ScheduleError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import BatchInfo, model_info
-from nanosched.schedules.sets import ScheduleSet, SetEntry, layer_times_us, set_keys
+from nanosched.schedules.sets import (
+    ScheduleSet,
+    SetEntry,
+    fitting_context,
+    layer_times_us,
+    set_keys,
+)
 
 MIN_GAIN = 1.05  # a pipeline entry must predict this much over Sequential (see shipped.py)
 STEADY_SHARE = 0.2  # of the set's time for the steady-state key (at most 60 s)
@@ -71,20 +77,30 @@ class KeyResult:
 
 def key_config(cfg: SearchConfig, d: int, t: int) -> SearchConfig:
     """The search of key (D, T): D decode of T tokens at the workload's contexts, the decode
-    context shortened to what fits in the profiled GPU's KV cache beside T - D prompt tokens
-    (the engine never holds more: 1,408 decode rows of 1,280 tokens exceed an H200's cache), but
-    not below the profile's shortest measured decode context."""
+    context shortened to what fits in the profiled GPU's KV cache beside T - D prompt tokens (the
+    engine never holds more: 1,408 decode rows of 1,280 tokens exceed an H200's bf16 cache), in
+    the profile's KV dtype (an FP8 cache holds about twice the tokens), but not below the
+    profile's shortest measured decode context."""
     kcfg = replace(cfg, dense_batch=t, num_decode=d)
     if d == 0 or not cfg.profile.identity.memory_bytes:
         return kcfg
-    room = kv_capacity_tokens(cfg.spec, cfg.tp, cfg.profile.identity.memory_bytes,
-                              cfg.dense_batch) - (t - d)
-    context = search_batch(kcfg).decode_context
-    # never below the shortest decode context the profile measured: its rows are interpolated,
-    # not extrapolated (such a key is priced a little long)
-    least = min((r.context for r in cfg.profile.kernels if r.op == "attn_decode" and r.context),
-                default=1)
-    return replace(kcfg, decode_context=min(context, max(float(least), room / d)))
+    c = context_notes(cfg)
+    return replace(kcfg, decode_context=fitting_context(c["workload"], c["least"],
+                                                        c["kv_capacity_tokens"], d, t))
+
+
+def context_notes(cfg: SearchConfig) -> dict[str, float]:
+    """What `key_config` fits each key's decode context by, as a set records it (so that
+    `ScheduleSet.sequential_us` weighs a batch between keys by the context it can have): the
+    workload's decode context, the profile's shortest measured one, and the KV tokens the
+    profiled GPU's cache holds (0: unknown, nothing shortened)."""
+    mem = cfg.profile.identity.memory_bytes
+    return {"workload": search_batch(cfg).decode_context,
+            "least": float(min((r.context for r in cfg.profile.kernels
+                                if r.op == "attn_decode" and r.context), default=1)),
+            "kv_capacity_tokens": kv_capacity_tokens(cfg.spec, cfg.tp, mem, cfg.dense_batch,
+                                                     kv_dtype=cfg.profile.kv_dtype)
+            if mem else 0.0}
 
 
 def key_batch(cfg: SearchConfig, d: int, t: int) -> BatchInfo:
@@ -247,11 +263,13 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     prof = base.profile
     return ScheduleSet(
         model_info(base.spec), base.tp, prof.identity.gpu_name, prof.identity.num_sms,
-        prof.digest(), base.dense_batch, tuple(results[k].entry for k in sorted(results)),
+        prof.digest(), base.dense_batch,
+        tuple(replace(results[k].entry, decode_context=search_batch(configs[k]).decode_context
+                      if k[0] else None) for k in sorted(results)),
         prof.kv_dtype, base.workload.name, cfg.min_gain,
         {"wall_s": round(time.perf_counter() - start_t, 1), "time_limit_s": base.time_limit_s,
          "workers": base.num_workers, "keys": n, "searched": how.count("searched"),
          "bounded": how.count("bounded"), "small": how.count("small"),
          "failed": how.count("failed"), "max_p_sum": round(max_p_sum(base), 4),
-         "steady_key": list(start)},
+         "steady_key": list(start), "contexts": context_notes(base)},
         datetime.now(timezone.utc).isoformat(timespec="seconds"), base.command)

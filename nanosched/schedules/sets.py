@@ -56,6 +56,8 @@ class SetEntry:
     schedule: Schedule | None = None  # the pipeline (a sequential entry may keep the best one
     # the search found, never run, for `show`)
     measured: dict[str, Any] | None = None  # `nanosched verify` on a GPU: both times, gain
+    decode_context: float | None = None  # the decode rows' mean context the key was priced
+    # at (what fits the cache: `fitting_context`); None in older files
 
     @property
     def key(self) -> tuple[int, int]:
@@ -67,11 +69,14 @@ class SetEntry:
         return self.sequential_us / self.forward_us
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_decode": self.num_decode, "num_tokens": self.num_tokens, "kind": self.kind,
-                "forward_us": self.forward_us, "sequential_us": self.sequential_us,
-                "reason": self.reason,
-                "schedule": self.schedule.to_json() if self.schedule is not None else None,
-                "measured": self.measured}
+        out = {"num_decode": self.num_decode, "num_tokens": self.num_tokens, "kind": self.kind,
+               "forward_us": self.forward_us, "sequential_us": self.sequential_us,
+               "reason": self.reason,
+               "schedule": self.schedule.to_json() if self.schedule is not None else None,
+               "measured": self.measured}
+        if self.decode_context is not None:  # absent from older files: they round-trip as read
+            out["decode_context"] = self.decode_context
+        return out
 
 
 @dataclass(frozen=True)
@@ -105,9 +110,14 @@ class ScheduleSet:
 
     def sequential_us(self, num_decode: int, num_tokens: int) -> float | None:
         """Predicted Sequential forward (layers) of a batch of `num_decode` decode rows out of
-        `num_tokens`: linear in D between the keys either side, then linear in T, over the
-        keys' `sequential_us` (rows below the quantum are priced at the quantum: the profile
-        holds nothing smaller). None when a key it needs is missing (a `/1` file)."""
+        `num_tokens`: between the keys either side in D, then linear in T, over the keys'
+        `sequential_us` (rows below the quantum are priced at the quantum: the profile holds
+        nothing smaller). In D the weight is that of the decode rows' KV tokens (rows x the
+        context that fits, `decode_kv_tokens`), which the decode attention's time follows:
+        where the upper key's rows had to be priced at a shorter context than the workload's
+        (the cache holds no more), a batch in between is nearer the upper key than its row
+        count says. Linear in D for sets that do not record the contexts. None when a key it
+        needs is missing (a `/1` file)."""
         q, keys = TOKEN_QUANTUM, self._by_key
 
         def row(t: int) -> float | None:
@@ -117,6 +127,10 @@ class ScheduleSet:
             if a is None or b is None:
                 return None
             w = 0.0 if hi == lo else (d - lo) / (hi - lo)
+            ka, kb = self.decode_kv_tokens(a), self.decode_kv_tokens(b)
+            kd = self.decode_kv_tokens(SetEntry(d, t, "sequential", 1.0, 1.0))
+            if hi != lo and None not in (ka, kb, kd) and kb > ka:
+                w = min(1.0, max(0.0, (kd - ka) / (kb - ka)))
             return (1 - w) * a.sequential_us + w * b.sequential_us
 
         t = min(max(num_tokens, q), self.dense_batch)
@@ -127,6 +141,19 @@ class ScheduleSet:
             return None
         w = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
         return (1 - w) * a + w * b
+
+    def decode_kv_tokens(self, e: SetEntry) -> float | None:
+        """KV tokens the decode rows of `e`'s shape read: rows x their context, the entry's own
+        when recorded, else what fits there by the search's notes (`fitting_context`); None
+        when the set records neither."""
+        ctx = (self.search or {}).get("contexts")
+        if e.decode_context is not None and e.num_decode:
+            return e.num_decode * e.decode_context
+        if not ctx:
+            return None
+        return e.num_decode * fitting_context(ctx["workload"], ctx["least"],
+                                              ctx["kv_capacity_tokens"], e.num_decode,
+                                              e.num_tokens)
 
     def predict_us(self, num_decode: int, num_tokens: int) -> float | None:
         """Predicted forward (layers) of that batch as the set runs it: `sequential_us` there,
@@ -195,6 +222,18 @@ class ScheduleSet:
         return sset
 
 
+def fitting_context(context: float, least: float, capacity: float | None, num_decode: int,
+                    num_tokens: int) -> float:
+    """The mean context `num_decode` decode rows of a `num_tokens`-row batch can have: the
+    workload's `context`, shortened to what a cache of `capacity` tokens holds beside the
+    batch's prompt rows (the engine never holds more), but not below `least` (the profile's
+    shortest measured decode context: its rows are interpolated, not extrapolated)."""
+    if num_decode <= 0 or not capacity:
+        return context
+    room = capacity - (num_tokens - num_decode)
+    return min(context, max(float(least), room / num_decode))
+
+
 def _entry(data: Any, where: str) -> SetEntry:
     check_fields(SetEntry, data, where, ScheduleError)
     sched = data.get("schedule")
@@ -228,6 +267,11 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or v <= 0:
                 raise ScheduleError(f"{at}: {name} must be a positive finite time, got {v!r}")
+        c = e.decode_context
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not math.isfinite(c) or c <= 0):
+            raise ScheduleError(f"{at}: decode_context must be a positive finite number of "
+                                f"tokens, got {c!r}")
         if e.kind == "pipeline" and e.schedule is None:
             raise ScheduleError(f"{at}: a pipeline entry holds a schedule")
         if e.schedule is not None:

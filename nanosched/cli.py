@@ -385,7 +385,8 @@ def _print_run(name: str, run: dict[str, Any]) -> None:
                 if row.get("predicted_forward_ms") is not None:
                     text += f", predicted {row['predicted_forward_ms']:.2f} ms"
         if "forward_ms" in row:
-            text += f", measured {row['forward_ms']:.2f} ms"
+            text += f", measured {row['forward_ms']:.2f} ms (median of the run's " \
+                    f"{row['forward_iterations']} forwards there)"
         typer.echo(text)
 
 

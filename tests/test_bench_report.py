@@ -143,3 +143,20 @@ def test_percent_of_optimal_and_its_denominator_are_printed_where_a_gemm_peak_is
     assert f"optimal: {res['optimal_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU = GEMM peak " \
            "800 TFLOP/s" in r.output
     assert "% of optimal" in r.output
+
+
+def test_each_shape_reports_the_runs_own_forwards_there():
+    """The shapes a run ran most carry the median GPU time of its own forwards at each (what a
+    set's per-shape prediction is set beside); a shape with no timed forward carries none."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from nanosched.benchmarks.throughput import shape_report
+
+    stats = SimpleNamespace(shapes=Counter({(352, 1024): 3, (384, 1024): 1, (64, 64): 2}))
+    rows = shape_report(stats, None, {(352, 1024): [33.0, 35.0, 34.0], (384, 1024): [36.0]})
+    by = {(r["num_decode"], r["num_tokens"]): r for r in rows}
+    assert [(r["num_decode"], r["iterations"]) for r in rows] == [(352, 3), (64, 2), (384, 1)]
+    assert by[352, 1024]["forward_ms"] == 34.0 and by[352, 1024]["forward_iterations"] == 3
+    assert by[384, 1024]["forward_ms"] == 36.0
+    assert "forward_ms" not in by[64, 64]

@@ -189,3 +189,34 @@ def test_the_gpu_timeline_is_a_gpu_record_and_off_on_the_cpu(model):
         eng.add_request(r)
     eng.run_to_completion()
     assert eng.stats.gpu_marks == [] and eng.gpu_timeline_report() is None
+
+
+def test_each_forward_is_timed_at_the_shape_it_ran(model):
+    """`forward_ms_by_shape`: the GPU time between the marks around each forward, grouped by
+    the (D, T) shape `stats.shapes` counts it under (what `bench` sets beside a set's
+    prediction for that shape). Events stand in for CUDA's on the CPU: each reads the step
+    count it was recorded at."""
+
+    class Mark:
+        count = 0
+
+        def __init__(self) -> None:
+            Mark.count += 1
+            self.at = float(Mark.count)
+
+        def elapsed_time(self, end: "Mark") -> float:
+            return end.at - self.at
+
+        def synchronize(self) -> None:
+            pass
+
+    eng = make_engine(model, num_pages=64, dense_batch=64)
+    eng.gpu_timeline, eng._gpu_mark = True, Mark
+    for r in make_requests(None, 8, 4, 3, model.spec.vocab_size, 64, seed=1):
+        eng.add_request(r)
+    eng.run_to_completion()
+    times = eng.forward_ms_by_shape()
+    assert {k: len(v) for k, v in times.items()} == dict(eng.stats.shapes)
+    # marks per iteration: start, forward start, forward end, end: one mark between the two
+    assert all(t == 1.0 for v in times.values() for t in v)
+    assert eng.gpu_timeline_report()["iterations"] == eng.stats.iterations

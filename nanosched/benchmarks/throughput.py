@@ -161,7 +161,6 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
 
 
 GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
-TIMED_SHAPES = 3  # graphed runs time a forward at each of their most-run batch shapes
 
 
 def set_info(sset: Any, num_layers: int) -> dict[str, Any]:
@@ -180,14 +179,18 @@ def set_info(sset: Any, num_layers: int) -> dict[str, Any]:
     return info
 
 
-def shape_report(stats: Any, sset: Any, top: int = 8) -> list[dict[str, Any]]:
-    """The batch shapes (D decode rows, T rows) the run ran most, with their count and, for a
-    set, the entry that ran them (kind, its key, the key's predicted forward time and gain) and
-    the set's prediction at the shape itself (`ScheduleSet.predict_us`, interpolated between
-    keys), which a graphed run sets beside its measured forward."""
+def shape_report(stats: Any, sset: Any, forwards: dict[tuple[int, int], list[float]],
+                 top: int = 8) -> list[dict[str, Any]]:
+    """The batch shapes (D decode rows, T rows) the run ran most, with their count; the median
+    GPU time of the run's own forwards at that shape (`forwards`, `Engine.forward_ms_by_shape`:
+    metadata writes and layers, no LM head), over its timed iterations; and, for a set, the
+    entry that ran them (kind, its key, the key's predicted forward time and gain) and the set's
+    prediction at the shape itself (`ScheduleSet.predict_us`, interpolated between keys)."""
     rows = []
     for (d, t), n in stats.shapes.most_common(top):
         row: dict[str, Any] = {"num_decode": d, "num_tokens": t, "iterations": n}
+        if times := forwards.get((d, t)):
+            row |= {"forward_ms": float(np.median(times)), "forward_iterations": len(times)}
         if sset is not None:
             e = sset.entry(d, t)
             pred = sset.predict_us(d, t)
@@ -345,11 +348,8 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
             fwd, n_dec, ctx = forward_ms(model, engine.ws, engine.strategy,
                                          engine.backend.device, dense, n_dec, context, prompt,
                                          graphs=run.graphs)
-            shapes = shape_report(engine.stats, run.choice.schedule)
-            for row in shapes[:TIMED_SHAPES] if run.graphs else ():
-                row["forward_ms"] = forward_ms(
-                    model, engine.ws, engine.strategy, engine.backend.device, row["num_tokens"],
-                    row["num_decode"], context, prompt, graphs=True)[0]
+            shapes = shape_report(engine.stats, run.choice.schedule,
+                                  engine.forward_ms_by_shape())
         stats, batches = engine.stats, engine.batcher.report()
         pages = loaded.config.num_pages
         graph_errors = dict(engine.graphs.errors) if engine.graphs else {}

@@ -76,6 +76,9 @@ class EngineStats:
     graphs: GraphStats | None = None  # with graphs="on" or "layout"
     # with gpu_timeline on a GPU: CUDA events before and after each iteration's GPU work
     gpu_marks: list[tuple[Any, Any]] = field(default_factory=list)
+    # and around each forward (its batch's metadata writes and the layers, not the LM head
+    # and sampling), with the (D rows, T rows) shape it ran at
+    forward_marks: list[tuple[tuple[int, int], Any, Any]] = field(default_factory=list)
 
 
 def busy_and_idle(spans: list[tuple[float, float]]) -> tuple[float, float]:
@@ -221,6 +224,7 @@ class Engine:
             ws.token_ids.index_copy_(0, host_to_device(dst, torch.int64, dev),
                                      self._in_flight.tokens[host_to_device(src, torch.int64, dev)])
         timer = _ForwardTimer(self.is_cuda) if self.time_forwards else None
+        forward_start = self._gpu_mark()
         if bucket is not None:
             entry = self.graphs.entry(bucket)
             strategy, fell_back = entry.strategy, entry.fell_back
@@ -234,6 +238,8 @@ class Engine:
             strategy, fell_back = picked or self.fallback, picked is None
             run_program(program, strategy, self.backend, self.stream_configs)
         self.stats.shapes[(prefill_row, n)] += 1  # the bucket's rows, else the batch's
+        if forward_start is not None:
+            self.stats.forward_marks.append(((prefill_row, n), forward_start, self._gpu_mark()))
         self.stats.fallbacks += fell_back
         if not fell_back:
             self.stats.pipelined += strategy.pipelined
@@ -295,6 +301,18 @@ class Engine:
         t0 = marks[0][0]
         busy, idle = busy_and_idle([(t0.elapsed_time(s), t0.elapsed_time(e)) for s, e in marks])
         return {"iterations": len(marks), "busy_s": busy / 1e3, "idle_s": idle / 1e3}
+
+    def forward_ms_by_shape(self) -> dict[tuple[int, int], list[float]]:
+        """With `gpu_timeline`: the GPU time (ms) of each forward recorded since the stats were
+        last reset, by the (D rows, T rows) shape it ran at (its graph bucket's, else its
+        batch's): the metadata writes and the layers, as a schedule set prices a bucket (no LM
+        head or sampling). Empty without a record."""
+        out: dict[tuple[int, int], list[float]] = {}
+        if self.stats.forward_marks:
+            self.stats.forward_marks[-1][2].synchronize()
+        for shape, start, end in self.stats.forward_marks:
+            out.setdefault(shape, []).append(start.elapsed_time(end))
+        return out
 
     # ---- post-process ----------------------------------------------------------------------
     def _post_process(self, launched: _Launched) -> list[Request]:

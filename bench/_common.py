@@ -112,6 +112,19 @@ def key_batch(model: Any, rows: int, decode: int, context: int, prompt: int, *,
     return KeyBatch(runner, runner.entry(runner.bucket(seqs)), seqs, ws, ctx)
 
 
+def row_us(prof: Any, op: str, rows: int, context: float | None) -> float:
+    """`op` over `rows` rows: the profile's rows linear between its 128-row grid points (the
+    smallest point for fewer rows: a GEMM then costs its weights' read)."""
+    from nanosched.constants import TOKEN_QUANTUM
+
+    lo = max(TOKEN_QUANTUM, rows // TOKEN_QUANTUM * TOKEN_QUANTUM)
+    hi = max(TOKEN_QUANTUM, -(-rows // TOKEN_QUANTUM) * TOKEN_QUANTUM)
+    a = prof.kernel_time_us(op, lo, None, context)
+    if hi == lo:
+        return a
+    return a + (prof.kernel_time_us(op, hi, None, context) - a) * (rows - lo) / (hi - lo)
+
+
 def results_dir() -> Path:
     """Where a benchmark writes its JSON: $OUT when set (the GPU machine's), else
     bench/results/."""

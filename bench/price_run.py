@@ -8,8 +8,9 @@ the KV pages it had) through the engine's batcher and paged cache over a fake mo
 the profile's kernel rows: every op of a layer over its rows (decode rows, prompt rows or all),
 linear between the profile's 128-row grid points, decode attention at the batch's mean decode
 context, prefill attention at its prompt's length; times the layers. The sum is the GPU time the
-rows give the run's forwards (the LM head and sampling left out; the engine's own forwards have
-measured 4-8% above their rows, docs/overlap.md). Measured time well above it is time the GPU
+rows give the run's forwards (the LM head and sampling left out; inside the engine's forwards the
+kernels run at their rows, with about 1 ms a forward between and around them:
+bench/engine_ops.py, docs/overlap.md). Measured time well above it is time the GPU
 was not running forwards: the CPU between iterations, captures, eager first runs. Dense models
 at tp = 1. JSON to $OUT or bench/results/; summary last.
 """
@@ -24,28 +25,16 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from _common import results_dir
+from _common import results_dir, row_us
 
 from nanosched.autosearch.request import load_named_profile  # noqa: E402
 from nanosched.autosearch.simulate import sequential_op_times  # noqa: E402
-from nanosched.constants import TOKEN_QUANTUM  # noqa: E402
 from nanosched.models.spec import load_spec  # noqa: E402
-from nanosched.profiler.format import Profile, load_profile  # noqa: E402
+from nanosched.profiler.format import load_profile  # noqa: E402
 from nanosched.runtime.kvsim import KVSim, sim_cost  # noqa: E402
 from nanosched.runtime.preempt import AdmissionConfig  # noqa: E402
 from nanosched.runtime.requests import Request, SamplingParams  # noqa: E402
 from nanosched.schedules.format import BatchInfo  # noqa: E402
-
-
-def row_us(prof: Profile, op: str, rows: int, context: float | None) -> float:
-    """`op` over `rows` rows: the profile's rows linear between its 128-row grid points (the
-    smallest point for fewer rows: a GEMM then costs its weights' read)."""
-    lo = max(TOKEN_QUANTUM, rows // TOKEN_QUANTUM * TOKEN_QUANTUM)
-    hi = max(TOKEN_QUANTUM, -(-rows // TOKEN_QUANTUM) * TOKEN_QUANTUM)
-    a = prof.kernel_time_us(op, lo, None, context)
-    if hi == lo:
-        return a
-    return a + (prof.kernel_time_us(op, hi, None, context) - a) * (rows - lo) / (hi - lo)
 
 
 def batches(cfg: dict, pages: int) -> list[tuple[int, float, int, int]]:

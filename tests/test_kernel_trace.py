@@ -51,3 +51,14 @@ def test_kernel_kinds():
     assert kind_of("_persistent_gemm_kernel") == "gemm"
     assert kind_of("decode_bulk") == "attn_decode"
     assert kind_of("void at::native::elementwise_kernel<128, 4>") == "other"
+
+
+def test_the_gaps_between_the_layers_kernels_leave_out_the_embedding_and_lm_head():
+    """What a forward spends between its kernels (bench/engine_ops.py): from the first layer's
+    first GEMM to the last layer's last kernel, the LM head and embedding outside it."""
+    from nanosched.benchmarks.kernel_trace import layer_gaps
+
+    idle, count = layer_gaps(forward(3, lm_head=True, shuffle=True), 3)
+    assert count == 3 * len(LAYER)
+    assert idle == pytest.approx(count - 1)  # 1 us between consecutive kernels
+    assert layer_gaps([], 3) == (0.0, 0)

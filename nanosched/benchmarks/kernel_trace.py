@@ -98,6 +98,19 @@ def attribute(kernels: list[TracedKernel], num_layers: int) -> Attribution | str
                        lm_head_us)
 
 
+def layer_gaps(kernels: list[TracedKernel], num_layers: int) -> tuple[float, int]:
+    """(idle GPU time between consecutive kernels, in us, and the kernels) from the first
+    layer's first GEMM to the last layer's last kernel before the LM head: what a forward
+    spends between its kernels, which the rows (each kernel timed alone) do not hold."""
+    order = sorted(kernels, key=lambda k: k.start_us)
+    gemm = [i for i, k in enumerate(order) if kind_of(k.name) == "gemm"]
+    end = gemm[4 * num_layers] if len(gemm) > 4 * num_layers else len(order)
+    part = order[gemm[0]:end] if gemm else []
+    idle = sum(max(0.0, b.start_us - (a.start_us + a.duration_us))
+               for a, b in zip(part, part[1:], strict=False))
+    return idle, len(part)
+
+
 def cuda_kernels(prof: Any) -> list[TracedKernel]:
     """The GPU kernels of a finished torch.profiler run (memcpy and memset left out)."""
     import torch

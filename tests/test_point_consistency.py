@@ -190,6 +190,10 @@ def test_a_gemm_nano_op_is_priced_on_its_own_measured_shape():
         assert own[p.compute_sms].point.startswith("memory@d:384:")
     ug = {o.units: o.p for o in alloc_options(prof, "compute", "ug", 1024)
           if o.mechanism == "green_ctx"}
-    assert any(ug[u] < folded[u] for u in ug if u in folded)  # the folded curve overstates
+    own_ug = shape_points(prof, "memory", "ug", 1024)
+    assert own_ug and ug == {p.compute_sms: max(q.p_compute for q in own_ug
+                                                if q.compute_sms == p.compute_sms)
+                             for p in own_ug}
+    assert ug != {u: folded[u] for u in ug if u in folded}  # not the folded curve
     assert {o.units: o.p for o in alloc_options(prof, "compute", "attn_prefill", 256)
             if o.mechanism == "green_ctx"} == folded

@@ -379,6 +379,10 @@ def test_between_keys_whose_contexts_differ_the_weight_is_the_decode_kv_tokens(s
     bad["entries"][3]["decode_context"] = -1
     with pytest.raises(ScheduleError, match="decode_context"):
         ScheduleSet.from_json(bad)
+    bad = sset.to_json()
+    bad["search"]["contexts"]["workload"] = "long"
+    with pytest.raises(ScheduleError, match="search.contexts"):
+        ScheduleSet.from_json(bad)
 
 
 def test_the_steady_state_is_the_searched_steady_key_not_the_best_pipeline(single):

@@ -249,6 +249,14 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
         raise ScheduleError(f"{where}: dense_batch must be a positive multiple of {q}, got {b!r}")
     if not isinstance(s.tp, int) or s.tp < 1:
         raise ScheduleError(f"{where}: tp must be a positive integer, got {s.tp!r}")
+    ctx = (s.search or {}).get("contexts") if isinstance(s.search, dict) else None
+    if ctx is not None:
+        fields = ("workload", "least", "kv_capacity_tokens")
+        if not isinstance(ctx, dict) or any(
+                isinstance(ctx.get(f), bool) or not isinstance(ctx.get(f), (int, float))
+                or not math.isfinite(ctx[f]) or ctx[f] < 0 for f in fields):
+            raise ScheduleError(f"{where}: search.contexts must hold {', '.join(fields)} as "
+                                f"finite numbers >= 0, got {ctx!r}; search the set again")
     seen: set[tuple[int, int]] = set()
     for i, e in enumerate(s.entries):
         at = f"{where}: entries[{i}] (D={e.num_decode}, T={e.num_tokens})"

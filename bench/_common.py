@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -110,6 +111,25 @@ def key_batch(model: Any, rows: int, decode: int, context: int, prompt: int, *,
                           align=EngineConfig.graph_align,
                           max_pages=-(-max(ctx + 1, prompt) // PAGE_SIZE), capture=capture)
     return KeyBatch(runner, runner.entry(runner.bucket(seqs)), seqs, ws, ctx)
+
+
+class BatchMix(NamedTuple):
+    """An engine batch as the rows price it."""
+
+    num_decode: int
+    decode_context: float  # the decode rows' mean context (their cached tokens and the new one)
+    prompt_rows: int
+    prompt_end: int  # the longest prompt chunk's end (what prefill attention is keyed by)
+
+
+def batch_mix(batch: Any) -> BatchMix:
+    """The decode rows, their mean context, the prompt rows and the longest prompt chunk's end
+    of a `runtime.batcher.Batch`."""
+    dec = [e for e in batch.entries if e.is_decode]
+    pre = [e for e in batch.entries if not e.is_decode]
+    return BatchMix(len(dec), statistics.fmean(e.start + 1 for e in dec) if dec else 0.0,
+                    sum(e.num_tokens for e in pre),
+                    max((e.start + e.num_tokens for e in pre), default=0))
 
 
 def row_us(prof: Any, op: str, rows: int, context: float | None) -> float:

@@ -27,11 +27,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any
 
 import torch
-from _common import environment, print_table, row_us, write_result
+from _common import batch_mix, environment, print_table, row_us, write_result
 
 from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.simulate import sequential_op_times
@@ -42,7 +42,6 @@ from nanosched.benchmarks.kernel_trace import (
     layer_gaps,
 )
 from nanosched.models.spec import load_spec
-from nanosched.profiler.format import load_profile
 from nanosched.profiler.telemetry import open_telemetry
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.loader import load_engine
@@ -67,15 +66,10 @@ def split_iterations(kernels: list[TracedKernel]) -> list[list[TracedKernel]]:
 
 
 def batch_shape(batch: Any, bucket: Any) -> dict[str, Any]:
-    """The iteration's batch (decode rows, their mean context, prompt rows, the longest prompt
-    chunk's end) and the graph bucket its kernels run (rows padded)."""
-    dec = [e for e in batch.entries if e.is_decode]
-    pre = [e for e in batch.entries if not e.is_decode]
-    return {"num_decode": len(dec),
-            "decode_context": statistics.fmean(e.start + 1 for e in dec) if dec else 0.0,
-            "prompt_rows": sum(e.num_tokens for e in pre),
-            "prompt_end": max((e.start + e.num_tokens for e in pre), default=0),
-            "bucket_decode": bucket.num_decode, "bucket_tokens": bucket.num_tokens}
+    """The iteration's batch (`_common.batch_mix`) and the graph bucket its kernels run (rows
+    padded)."""
+    return {**batch_mix(batch)._asdict(), "bucket_decode": bucket.num_decode,
+            "bucket_tokens": bucket.num_tokens}
 
 
 def main() -> None:
@@ -90,8 +84,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=400, help="iterations served before tracing")
     ap.add_argument("--trace", type=int, default=24, help="iterations traced")
     args = ap.parse_args()
-    prof = (load_profile(args.profile) if args.profile.endswith(".json")
-            else load_named_profile(args.profile))
+    prof = load_named_profile(args.profile)
     cfg = EngineConfig(model=args.model, weights="random", schedule="sequential",
                        dense_batch=args.dense_batch, kv_dtype=args.kv_cache_dtype, graphs="on")
     spec = load_spec(args.model)
@@ -184,16 +177,16 @@ def main() -> None:
         "lm_head_us": statistics.median(it["lm_head_us"] for it in its),
         "layer_gaps_us": statistics.median(it["layer_gaps_us"] for it in its),
         "layer_kernels": statistics.median(it["layer_kernels"] for it in its)}
+    shape_counts = {f"{d},{t}": len(v) for (d, t), v in per_shape.items()}
     path = write_result("engine_ops", {
         "env": environment(), "args": vars(args), "clock": window.to_json() if window else None,
         "profile": args.profile, "profile_gpu": prof.identity.gpu_name, "iterations": iters,
-        "shape_counts": {f"{d},{t}": len(v) for (d, t), v in per_shape.items()},
+        "shape_counts": shape_counts,
         "summary": summary, "ops": table})
     print(path)
     w = window.to_json() if window else {}
-    buckets = dict(Counter((it["bucket_decode"], it["bucket_tokens"]) for it in iters))
     print(f"traced {len(iters)} iterations at {w.get('clock_mhz', '?')} MHz, "
-          f"{w.get('power_w', '?')} W; (decode, rows) buckets {buckets}")
+          f"{w.get('power_w', '?')} W; iterations per (decode, rows) bucket {shape_counts}")
     s = summary
     print(f"shape {tuple(top)} ({s['iterations']} iterations, decode context "
           f"{s['decode_context']:.0f}): layers {s['engine_layers_ms']:.2f} ms in the engine "

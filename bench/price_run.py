@@ -25,20 +25,20 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from _common import results_dir, row_us
+from _common import BatchMix, batch_mix, results_dir, row_us
 
 from nanosched.autosearch.request import load_named_profile  # noqa: E402
 from nanosched.autosearch.simulate import sequential_op_times  # noqa: E402
 from nanosched.models.spec import load_spec  # noqa: E402
-from nanosched.profiler.format import load_profile  # noqa: E402
 from nanosched.runtime.kvsim import KVSim, sim_cost  # noqa: E402
 from nanosched.runtime.preempt import AdmissionConfig  # noqa: E402
 from nanosched.runtime.requests import Request, SamplingParams  # noqa: E402
 from nanosched.schedules.format import BatchInfo  # noqa: E402
 
 
-def batches(cfg: dict, pages: int) -> list[tuple[int, float, int, int]]:
-    """(decode rows, their mean context, prompt rows, the longest prompt end) per iteration."""
+def batches(cfg: dict, pages: int) -> list[BatchMix]:
+    """Each iteration's batch: decode rows, their mean context, prompt rows, the longest
+    prompt end."""
     n, inp, out = cfg["num_prompts"], cfg["input_len"], cfg["output_len"]
     sim = KVSim(num_pages=pages, page_size=cfg["page_size"], dense_batch=cfg["dense_batch"],
                 admission=AdmissionConfig(policy=cfg.get("admission") or "use",
@@ -51,11 +51,7 @@ def batches(cfg: dict, pages: int) -> list[tuple[int, float, int, int]]:
     run = sim._run
 
     def spy(batch):
-        dec = [e for e in batch.entries if e.is_decode]
-        pre = [e for e in batch.entries if not e.is_decode]
-        shapes.append((len(dec), statistics.fmean(e.start + 1 for e in dec) if dec else 0.0,
-                       sum(e.num_tokens for e in pre),
-                       max((e.start + e.num_tokens for e in pre), default=0)))
+        shapes.append(batch_mix(batch))
         return run(batch)
 
     sim._run = spy
@@ -73,8 +69,7 @@ def main() -> None:
     cfg = data["config"]
     name = args.run or next(iter(data["runs"]))
     run = data["runs"][name]
-    prof = (load_profile(args.profile) if args.profile.endswith(".json")
-            else load_named_profile(args.profile))
+    prof = load_named_profile(args.profile)
     spec = load_spec(cfg["model"])
     shapes = batches(cfg, run["kv_pages"])
     kinds: dict[str, list[float]] = {"full": [], "decode only": [], "other": []}

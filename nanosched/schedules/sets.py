@@ -126,11 +126,14 @@ class ScheduleSet:
             a, b = keys.get((lo, t)), keys.get((hi, t))
             if a is None or b is None:
                 return None
-            w = 0.0 if hi == lo else (d - lo) / (hi - lo)
-            ka, kb = self.decode_kv_tokens(a), self.decode_kv_tokens(b)
-            kd = self.decode_kv_tokens(SetEntry(d, t, "sequential", 1.0, 1.0))
-            if hi != lo and None not in (ka, kb, kd) and kb > ka:
-                w = min(1.0, max(0.0, (kd - ka) / (kb - ka)))
+            w = 0.0
+            if hi != lo:
+                w = (d - lo) / (hi - lo)
+                ka = self.decode_kv_tokens(lo, t, a.decode_context)
+                kb = self.decode_kv_tokens(hi, t, b.decode_context)
+                kd = self.decode_kv_tokens(d, t)
+                if None not in (ka, kb, kd) and kb > ka:
+                    w = min(1.0, max(0.0, (kd - ka) / (kb - ka)))
             return (1 - w) * a.sequential_us + w * b.sequential_us
 
         t = min(max(num_tokens, q), self.dense_batch)
@@ -142,18 +145,18 @@ class ScheduleSet:
         w = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
         return (1 - w) * a + w * b
 
-    def decode_kv_tokens(self, e: SetEntry) -> float | None:
-        """KV tokens the decode rows of `e`'s shape read: rows x their context, the entry's own
-        when recorded, else what fits there by the search's notes (`fitting_context`); None
-        when the set records neither."""
+    def decode_kv_tokens(self, num_decode: int, num_tokens: int,
+                         context: float | None = None) -> float | None:
+        """KV tokens the decode rows of a (D, T) shape read: rows x their context, `context`
+        when given (a key's own), else what fits there by the search's notes
+        (`fitting_context`); None when neither is known."""
+        if context is not None and num_decode:
+            return num_decode * context
         ctx = (self.search or {}).get("contexts")
-        if e.decode_context is not None and e.num_decode:
-            return e.num_decode * e.decode_context
         if not ctx:
             return None
-        return e.num_decode * fitting_context(ctx["workload"], ctx["least"],
-                                              ctx["kv_capacity_tokens"], e.num_decode,
-                                              e.num_tokens)
+        return num_decode * fitting_context(ctx["workload"], ctx["least"],
+                                            ctx["kv_capacity_tokens"], num_decode, num_tokens)
 
     def predict_us(self, num_decode: int, num_tokens: int) -> float | None:
         """Predicted forward (layers) of that batch as the set runs it: `sequential_us` there,

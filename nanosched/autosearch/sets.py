@@ -196,12 +196,14 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     counts: dict[tuple[int, int], dict[str, int]] = {}
     sequential: dict[tuple[int, int], float] = {}
     configs: dict[tuple[int, int], SearchConfig] = {}  # each key's search: its batch's source
+    contexts: dict[tuple[int, int], float] = {}  # each key's decode context, as searched
     to_search = []
     for key in keys:
         d, t = key
         t0 = time.perf_counter()
         configs[key] = key_config(base, d, t)
         batch = search_batch(configs[key])
+        contexts[key] = batch.decode_context
         seq = sequential[key] = sequential_forward_us(base, batch)
         if t < 2 * TOKEN_QUANTUM:
             results[key] = KeyResult(key, SetEntry(d, t, "sequential", seq, seq,
@@ -264,8 +266,8 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     return ScheduleSet(
         model_info(base.spec), base.tp, prof.identity.gpu_name, prof.identity.num_sms,
         prof.digest(), base.dense_batch,
-        tuple(replace(results[k].entry, decode_context=search_batch(configs[k]).decode_context
-                      if k[0] else None) for k in sorted(results)),
+        tuple(replace(results[k].entry, decode_context=contexts[k] if k[0] else None)
+              for k in sorted(results)),
         prof.kv_dtype, base.workload.name, cfg.min_gain,
         {"wall_s": round(time.perf_counter() - start_t, 1), "time_limit_s": base.time_limit_s,
          "workers": base.num_workers, "keys": n, "searched": how.count("searched"),

@@ -584,6 +584,37 @@ def profile_show(
         typer.echo(f"wrote {plot_profile(prof, plot)}")
 
 
+@profile_app.command("forward")
+@reports_errors
+def profile_forward(
+    file: Path = typer.Argument(..., help="Profile JSON to measure the forward table of."),
+    gpu: int = typer.Option(0, "--gpu", help="CUDA device index (the GPU the profile was "
+                            "measured on)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Profile to write (default: "
+                                    "FILE, replaced atomically)."),
+    input_len: float | None = typer.Option(None, "--input-len", help="Mean prompt tokens p "
+                                           "the profile was measured for (default 1024)."),
+    output_len: float | None = typer.Option(None, "--output-len", help="Mean output tokens d "
+                                            "(default 512)."),
+    workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    fake_gpu: bool = typer.Option(False, "--fake-gpu", help="Dry run on a simulated GPU."),
+) -> None:
+    """Measure the forward table of a finished profile (a few seconds) and add it.
+
+    A Sequential layer of the profile's fastest kernels on all SMs, at the workload's mix, is
+    looped at half the dense batch and at the dense batch until the SM clock settles under the
+    power cap, and each op's time inside it is set beside its row. The search multiplies a
+    row by that factor for an op alone on the whole GPU inside a forward. `nanosched profile`
+    measures the table itself; this adds it to a profile taken before it did. Sets searched on
+    the old file name its digest: search them again."""
+    from nanosched.profiler.command import add_forward
+    from nanosched.workloads import resolve_workload
+
+    add_forward(file, gpu, resolve_workload(workload, input_len, output_len), out, fake_gpu,
+                not no_progress, log=typer.echo)
+
+
 @profile_app.command("rederive")
 @reports_errors
 def profile_rederive(

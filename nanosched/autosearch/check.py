@@ -23,7 +23,13 @@ runs over [s_x + l P, s_x + d_x + l P). Checked:
 
 from __future__ import annotations
 
-from nanosched.autosearch.durations import TICKS_PER_US, alloc_options, compatible, describe
+from nanosched.autosearch.durations import (
+    TICKS_PER_US,
+    alloc_options,
+    compatible,
+    describe,
+    op_context,
+)
 from nanosched.autosearch.opgraph import NanoOpDef, TokenMix, layer_graph, nano_deps
 from nanosched.autosearch.simulate import nano_time_us, point_alloc
 from nanosched.errors import ScheduleError
@@ -151,7 +157,9 @@ def _check_durations(s: Schedule, profile: Profile) -> None:
     tick = 1 / TICKS_PER_US
     for n in s.nano_ops:
         key = f"{n.resource}/{n.op}/{n.end - n.start}"
-        opts = options.setdefault(key, alloc_options(profile, n.resource, n.op, n.end - n.start))
+        ctx = op_context(n.op, s.batch.decode_context, s.batch.prompt_len)
+        opts = options.setdefault(key, alloc_options(profile, n.resource, n.op, n.end - n.start,
+                                                     s.batch.dense_batch, ctx))
         a = n.alloc
         if not any(abs(o.share / 1000 - a.share) < 1e-9 and abs(o.p - a.p) < 1e-9
                    and o.mechanism == a.mechanism

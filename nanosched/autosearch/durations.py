@@ -2,12 +2,17 @@
 
 Time is integer ticks of 1 us inside the solvers (`TICKS_PER_US`). A share is the part of
 the GPU, in per-mille, that a nano-op is given (R for a memory or network kernel, 1 - R for the
-compute kernel beside it); its duration is t_alone / P with P from the profile's R->P table.
+compute kernel beside it); its duration is t_alone / P with P from the profile's R->P table,
+and on the whole GPU P = 1 / F, F the profile's settled factor of the op in a forward of the
+batch's rows (its forward table; 1 without one).
 
 Point consistency: an R->P point was measured for one PAIR of kernels under one mechanism, so
 only measured combinations may run at once (`compatible`). Two `green_ctx` options may overlap
-whatever points they come from (disjoint SM partitions: each side's P holds beside any
-neighbour within its partition). An option of a non-partition point q (`cta_bound`,
+whatever points they come from (disjoint SM partitions), but the memory kernel's P on a
+partition depends on the GEMM beside it (on the H200's 48 SMs: 0.59-0.63 beside `ug`, 0.78
+beside `o` or `d` at 640 rows, against the same row), so a memory option on a partition carries
+the P measured beside the fastest GEMM of its split, the GEMM the search runs there
+(`alloc_options`). An option of a non-partition point q (`cta_bound`,
 `stream_priority`: both kernels may use every SM, R is nominal) may overlap only the option of
 the other side of the same point q. A `full` option overlaps nothing.
 """
@@ -15,10 +20,11 @@ the other side of the same point q. A `full` option overlaps nothing.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Protocol
 
+from nanosched.errors import ProfileError
 from nanosched.models.ops import COMPUTE, NETWORK
 from nanosched.profiler.format import Profile, RPPoint
 
@@ -76,9 +82,12 @@ def op_context(op: str, decode_context: float, prompt_len: float) -> float | Non
 
 
 def tick_table(profile: Profile, op: str, max_tokens: int, context: float | None,
-               quantum: int = 128) -> list[int]:
-    """Ticks of `op` alone at 0, 128, ..., max_tokens tokens (index = tokens / 128)."""
-    return [0] + [to_ticks(profile.kernel_time_us(op, q * quantum, None, context))
+               quantum: int = 128, settled: bool = True) -> list[int]:
+    """Ticks of `op` alone on the whole GPU at 0, 128, ..., max_tokens tokens (index = tokens
+    / 128) inside a forward of `max_tokens` rows: its rows times the profile's settled factor
+    there (`Profile.settled_factor`), or its bare rows when not `settled`."""
+    f = profile.settled_factor(op, max_tokens) if settled else 1.0
+    return [0] + [to_ticks(profile.kernel_time_us(op, q * quantum, None, context) * f)
                   for q in range(1, max_tokens // quantum + 1)]
 
 
@@ -157,6 +166,17 @@ def _dominated(pt: RPPoint, i: int, points: tuple[RPPoint, ...]) -> bool:
                for c in green for o in green)
 
 
+def _capped(profile: Profile, opt: AllocOption, op: str, tokens: int,
+            context: float | None) -> AllocOption:
+    """`opt` with its P at most `op`'s speed alone on its partition (`alloc_options`)."""
+    try:
+        alone = (profile.kernel_time_us(op, tokens, None, context)
+                 / profile.kernel_time_us(op, tokens, opt.units, context))
+    except ProfileError:
+        return opt
+    return opt if opt.p <= alone else replace(opt, p=alone)
+
+
 def shape_points(profile: Profile, table: str, op: str, tokens: int) -> list[RPPoint]:
     """The green-context points the profile measured for GEMM `op` at the measured token count
     nearest `tokens` (`Profile.rp_shapes`), or [] when it kept none for `op`."""
@@ -169,19 +189,35 @@ def shape_points(profile: Profile, table: str, op: str, tokens: int) -> list[RPP
 
 
 def alloc_options(profile: Profile, resource: str, op: str | None = None,
-                  tokens: int | None = None) -> list[AllocOption]:
+                  tokens: int | None = None, batch_tokens: int | None = None,
+                  context: float | None = None) -> list[AllocOption]:
     """Full GPU, plus the R->P points of the class's table (both tables for compute).
 
-    `green_ctx` points are kept one per share, the best P (they mix freely). For a compute
+    The full-GPU option's P is 1 / F, F the profile's settled factor of `op` in a forward of
+    `batch_tokens` rows (`Profile.settled_factor`; 1 without them): an op alone on the whole
+    GPU inside a forward runs at F times its row, as the pairs' P already price their kernels
+    at the clock a forward settles at.
+
+    `green_ctx` points are kept one per share: for compute the best P_compute, for memory the
+    P_other of the point with the best P_compute at that split (not the best P_other: that was
+    measured beside a slower GEMM, and mixing the two sides' best predicted pipelines that ran
+    10% slower on the GPU; docs/overlap.md). For a compute
     nano-op of GEMM `op` over `tokens` tokens whose shape the profile measured on its own
     (`shape_points`), its green-context options are that shape's points instead of the folded
     table's: the folded curve mixes every GEMM's pairs and overstates the small GEMMs (`o`,
     `d`) beside the attention (docs/overlap.md). A non-partition point is kept as itself (its
     identity decides what it may overlap) unless another pairing of its table is at least as
     fast on both sides (`_dominated`); both sides drop together.
+
+    A memory or elementwise nano-op of `op` over `tokens` rows (at `context`) on a partition
+    runs no faster beside a GEMM than alone there: its P is at most its row on all SMs over its
+    row on the partition's SMs, where the profile has both (the attention's points would
+    otherwise price `act` on 16 SMs at 0.35 where it reaches 0.19-0.22 alone).
     """
-    full = AllocOption(FULL_SHARE, 1.0, Mechanism.FULL, profile.identity.num_sms)
+    factor = profile.settled_factor(op, batch_tokens) if op and batch_tokens else 1.0
+    full = AllocOption(FULL_SHARE, 1 / factor, Mechanism.FULL, profile.identity.num_sms)
     green: dict[int, AllocOption] = {}
+    rank: dict[int, tuple[float, float]] = {}  # share -> (P_compute, -P) of the kept point
     points: list[AllocOption] = []
     if resource == COMPUTE:
         tables = sorted(profile.rp)
@@ -201,8 +237,12 @@ def alloc_options(profile: Profile, resource: str, op: str | None = None,
             if pt.mechanism != PARTITION:
                 if not _dominated(pt, i, pts):
                     points.append(opt)
-            elif opt.share not in green or green[opt.share].p < opt.p:
-                green[opt.share] = opt
+            else:
+                key = (pt.p_compute, -opt.p) if resource != COMPUTE else (opt.p, 0.0)
+                if opt.share not in green or rank[opt.share] < key:
+                    green[opt.share], rank[opt.share] = opt, key
+    if resource not in (COMPUTE, NETWORK) and op is not None and tokens is not None:
+        green = {share: _capped(profile, o, op, tokens, context) for share, o in green.items()}
     if resource == COMPUTE and op is not None and tokens is not None:
         own: dict[int, AllocOption] = {}
         for table in tables:

@@ -104,9 +104,13 @@ def _check_config(cfg: SearchConfig) -> None:
                           f"search for {cfg.spec.name} tp={cfg.tp}")
 
 
-def _tables(cfg: SearchConfig, graph: OpGraph, batch: BatchInfo) -> dict[str, list[int]]:
+def _tables(cfg: SearchConfig, graph: OpGraph, batch: BatchInfo, settled: bool = True
+            ) -> dict[str, list[int]]:
+    """Each op's ticks alone on the whole GPU per 128 rows, in a forward of the batch's rows
+    (`tick_table`)."""
     return {o.name: tick_table(cfg.profile, o.name, batch.dense_batch,
-                               op_context(o.name, batch.decode_context, batch.prompt_len))
+                               op_context(o.name, batch.decode_context, batch.prompt_len),
+                               settled=settled)
             for o in graph.ops}
 
 
@@ -207,7 +211,8 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
         p2 = Stage2Problem(
             {n.id: cfg.profile.kernel_time_us(n.op, n.work_tokens, None, ctx[n.id])
              for n in nanos},
-            {n.id: alloc_options(cfg.profile, n.resource, n.op, n.work_tokens) for n in nanos},
+            {n.id: alloc_options(cfg.profile, n.resource, n.op, n.work_tokens,
+                                 batch.dense_batch, ctx[n.id]) for n in nanos},
             structure.orders, structure.offsets,
             precedences(nano_deps(graph, nanos, mix, structure.forms)), cap)
         alloc, rep2 = solve_stage2(p2, Limits(seconds, cfg.num_workers, cfg.deterministic),

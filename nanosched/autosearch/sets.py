@@ -7,7 +7,8 @@ Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
 2. **bounded**: no schedule of any structure can reach `min_gain`: `sequential`, without a
    solve. The bound (`overlap_bound`) prices each op at its cheapest split in the search's
    space (its fewest ticks over 2..max_nano_ops nano-ops covering the batch, or 1..max_nano_ops
-   covering an attention op's part, `stage1.op_min_ticks`), so the period is at least the
+   covering an attention op's part, `stage1.op_min_ticks`; each at the lower of its rows and
+   its settled time in the forward, `Profile.settled_factor`), so the period is at least the
    busiest class's load, and at least the whole layer's load over the largest P sum the profile
    measured for a pair (P_compute + P_other of its R->P points, folded or per shape: at tp = 1
    two streams run at once, and nothing runs faster than alone, so per unit of time at most
@@ -132,11 +133,16 @@ def overlap_bound(cfg: SearchConfig, batch: BatchInfo) -> float:
 
     graph = layer_graph(cfg.spec, cfg.tp)
     tables = _tables(cfg, graph, batch)
+    # an op may run faster than on the whole GPU only in a pair, whose P are against the rows
+    fastest = {op: [min(a, b) for a, b in zip(t, bare, strict=True)]
+               for (op, t), bare in zip(tables.items(),
+                                        _tables(cfg, graph, batch, settled=False).values(),
+                                        strict=True)}
     mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
 
     def least(op: str, quanta: int, whole: bool) -> int:
         # split into 2..max_nano_ops pieces over the batch (run_search's counts), 1.. over a part
-        return min(op_min_ticks(tables[op], c, quanta, whole)
+        return min(op_min_ticks(fastest[op], c, quanta, whole)
                    for c in range(2 if whole else 1, max(2, min(cfg.max_nano_ops, quanta)) + 1))
 
     load = class_loads(graph, mix, least)

@@ -6,7 +6,8 @@ free, every dependency (y of layer l − δ) has finished, its share of the GPU 
 the nano-ops running then and its allocation is compatible with each of theirs (point
 consistency, `durations.compatible`: only pairs the profile measured run together) — as soon
 as possible, never at the solver's placement.
-Durations come from the profile: t_alone(op, work tokens, context) / P of its allocation.
+Durations come from the profile: t_alone(op, work tokens, context) / P of its allocation
+(on the whole GPU P = 1 / F, the op's settled factor in a forward of the batch's rows).
 Over L layers:
 
     period      = (finish(L − 1) − finish(⌊L/2⌋ − 1)) / (L − ⌊L/2⌋)     steady state
@@ -14,7 +15,8 @@ Over L layers:
     tokens/s    = B / iteration / tp                                    per GPU
 
 The sequential baseline runs every op of the layer once over the whole batch, one after
-another on the full GPU (all-reduce form), L times, plus the LM head.
+another on the full GPU (all-reduce form), each at its row times the profile's settled factor
+(`Profile.settled_factor`), L times, plus the LM head (at its row).
 """
 
 from __future__ import annotations
@@ -167,14 +169,18 @@ def simulate(s: Schedule, profile: Profile, num_layers: int | None = None) -> Si
 
 
 def sequential_op_times(spec: ModelSpec, tp: int, profile: Profile, batch: BatchInfo,
-                        time_us: Callable[[str, int, float | None], float] | None = None
-                        ) -> dict[str, float]:
+                        time_us: Callable[[str, int, float | None], float] | None = None,
+                        settled: bool = True) -> dict[str, float]:
     """Each op of one layer over its whole token domain, alone on the full GPU, in us.
     `time_us(op, rows, context)` prices an op's rows (default: the profile's row at exactly
-    that count)."""
+    that count, times its settled factor in a forward of the batch's rows unless not
+    `settled`: `Profile.settled_factor`)."""
     mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
     graph = layer_graph(spec, tp)
-    price = time_us or (lambda op, rows, ctx: profile.kernel_time_us(op, rows, None, ctx))
+    t = batch.dense_batch
+    price = time_us or (
+        (lambda op, rows, ctx: profile.settled_time_us(op, rows, t, ctx)) if settled else
+        (lambda op, rows, ctx: profile.kernel_time_us(op, rows, None, ctx)))
     times = {}
     for op in graph.active_ops({g: "ar" for g in graph.groups()}):
         lo, hi = mix.domain(op.domain)

@@ -104,7 +104,6 @@ from nanosched.autosearch.durations import (
     AllocOption,
     Mechanism,
     Side,
-    to_ticks,
 )
 from nanosched.autosearch.periodic import Precedence, min_period
 from nanosched.schedules.format import StageReport
@@ -364,9 +363,15 @@ def _add_order(m: Any, prob: Stage2Problem, v: Stage2Vars, tau: Any) -> None:
         m.add(tau >= sum(v.nanos[x].end - v.nanos[x].start for x in chain))
 
 
+def full_options(prob: Stage2Problem) -> dict[str, AllocOption]:
+    """Each nano-op's whole-GPU option (its P is 1 / the op's settled factor)."""
+    return {x: next(o for o in opts if o.mechanism == Mechanism.FULL)
+            for x, opts in prob.options.items()}
+
+
 def sequential_hint(prob: Stage2Problem) -> tuple[int, dict[str, int]] | None:
     """Everything on the full GPU, one nano-op at a time in phase order: always feasible."""
-    full = {x: to_ticks(t) for x, t in prob.alone.items()}
+    full = {x: o.ticks(prob.alone[x]) for x, o in full_options(prob).items()}
     return min_period(full, {"all": _merge_by_phase(prob)}, prob.deps, prob.offsets)
 
 
@@ -464,9 +469,7 @@ def solve_stage2(prob: Stage2Problem, limits: Limits, progress: Progress | None 
     seq = sequential_hint(prob)
     hint = None
     if seq is not None:
-        full = {x: next(o for o in opts if o.share == FULL_SHARE)
-                for x, opts in prob.options.items()}
-        hint = (seq[0], seq[1], full)
+        hint = (seq[0], seq[1], full_options(prob))
     plain = {x: [o for o in opts if not o.paired]
              for x, opts in prob.options.items()}
     if plain == prob.options:

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nanosched.profiler.format import Ceilings, Identity
-from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
+from nanosched.profiler.plan import (
+    ImplInfo,
+    KernelTask,
+    LayerTask,
+    PairTask,
+    ProfileSettings,
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,16 @@ class PairTiming:
 
     compute_us: float
     other_us: float
+    clock_mhz: float | None = None
+    power_w: float | None = None
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """A layer's ops looped in order until the clock settled: each op's median span inside the
+    window (in the task's order), and the window's mean clock and power."""
+
+    op_us: tuple[float, ...]
     clock_mhz: float | None = None
     power_w: float | None = None
 
@@ -88,6 +104,13 @@ class ProfilerBackend(Protocol):
                   alone_us: tuple[float, float]) -> PairTiming:
         """Both kernels looped side by side for settings.pair_settle_ms, then timed over
         settings.pair_window_ms; `alone_us` sizes the launch queues. Raises Unsupported."""
+
+    def time_layer(self, settings: ProfileSettings, task: LayerTask) -> LayerTiming:
+        """The task's ops launched one after another on one stream (each as a CUDA graph of
+        its own where it can be captured), over and over, for
+        settings.pair_settle_ms, then timed over settings.pair_window_ms, each op's output
+        where it can be the next op's input (a forward's L2 reuse). Raises Unsupported, also
+        when the CPU could not queue the ops as fast as the GPU ran them."""
 
     def visible_gpus(self) -> int:
         """GPUs this process can use for network measurements."""

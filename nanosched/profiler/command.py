@@ -2,6 +2,8 @@
 
 The dense batch defaults to what the cost model says fits this GPU's memory for the workload,
 capped at 2,048 tokens as `nanosched analyze` does; `--dense-batch` overrides it.
+`nanosched profile forward FILE` measures the forward table of a finished profile (one taken
+before profiles had it) on the GPU it was taken on, from its own kernel rows.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
-from nanosched.errors import ConfigError
+from nanosched.errors import ConfigError, ProfileError
 from nanosched.fileio import check_output_file
 from nanosched.hardware import GIB, GPUSpec
 from nanosched.models.spec import load_spec
-from nanosched.profiler.backend import ProfilerBackend
-from nanosched.profiler.format import Profile
+from nanosched.profiler.backend import ProfilerBackend, Unsupported
+from nanosched.profiler.format import Profile, load_profile, save_profile
 from nanosched.profiler.plan import ProfileSettings
-from nanosched.profiler.runner import RunOptions, run_profile
+from nanosched.profiler.runner import FORWARD_NOTE, RunOptions, forward_rows, run_profile
 from nanosched.workloads import Workload
 
 
@@ -92,3 +94,66 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
         f"d={cfg.workload.output_len:g}{', quick grid' if cfg.quick else ''}"
         f"{', FP8 KV cache' if cfg.kv_dtype == 'fp8' else ''} -> {out}")
     return run_profile(settings, backend, opts)
+
+
+def add_forward(path: Path, gpu: int, workload: Workload, out: Path | None = None,
+                fake: bool = False, progress: bool = True,
+                log: Callable[[str], None] = print) -> Profile:
+    """Measure the forward table of the profile at `path` and write it with the table (to
+    `out`, else `path`, atomically). The layers run the profile's fastest rows on all SMs at
+    `workload`'s mix; the GPU must be the one the profile was measured on."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from nanosched.profiler.plan import KernelTask, layer_tasks
+
+    target = out or path
+    check_output_file(target, "--out", make_parent=False)
+    prof = load_profile(path)
+    backend = make_backend(ProfileConfig(gpu, prof.model.name, prof.tp, workload, fake=fake))
+    try:
+        here = backend.identity("").gpu_name
+        if here != prof.identity.gpu_name:
+            raise ProfileError(f"profile {path} was measured on {prof.identity.gpu_name!r}, "
+                               f"this GPU is {here!r}: its forward table must be measured on "
+                               f"the GPU its rows were")
+        settings = ProfileSettings(prof.model, prof.tp, workload, prof.dense_batch,
+                                   kv_dtype=prof.kv_dtype)
+        num_sms = prof.identity.num_sms
+        full = {}
+        for k in prof.kernels:
+            key = (k.op, k.tokens, k.context)
+            if k.sms == num_sms and k.mechanism == "full" and (
+                    key not in full or k.time_us < full[key].time_us):
+                full[key] = k
+        contexts = sorted({c for op, _, c in full if op == "attn_decode"}) or [0]
+        tasks = layer_tasks(settings, num_sms, contexts,
+                            lambda op, t, c: full[(op, t, c)].impl if (op, t, c) in full
+                            else None)
+        if not tasks:
+            raise ProfileError(f"profile {path} has no full-GPU rows for a layer of the "
+                               f"workload's mix (p={workload.input_len:g}, "
+                               f"d={workload.output_len:g}); give the workload it was "
+                               f"measured for (--input-len/--output-len or --workload)")
+        window = (settings.pair_settle_ms + settings.pair_window_ms) / 1e3
+        log(f"timing a Sequential layer of {prof.model.name} at "
+            f"{', '.join(str(t.tokens) for t in tasks)} rows on {here}, each looped "
+            f"{window:.1f} s so that the clock settles under the power cap")
+
+        def row_us(k: KernelTask) -> float:
+            return full[(k.op, k.tokens, k.context)].time_us
+
+        rows = []
+        for task in tqdm(tasks, unit="layer", disable=not progress, desc="forward"):
+            try:
+                rows += forward_rows(backend, settings, task, row_us)
+            except Unsupported as exc:
+                raise ProfileError(f"forward table of {path}: {exc}") from None
+    finally:
+        backend.close()
+    notes = tuple(n for n in prof.notes if n != FORWARD_NOTE) + (FORWARD_NOTE,)
+    fresh = replace(prof, forward=tuple(rows), notes=notes)
+    save_profile(fresh, target)
+    log(f"wrote {target}: forward table of {len(tasks)} layers")
+    return fresh

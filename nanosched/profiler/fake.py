@@ -3,7 +3,8 @@
 Kernel times follow a roofline (`peak_tflops`, `hbm_gbs`) scaled by the SMs or CTAs a row gets;
 pairs follow a fixed interference model (`interference`), collectives NCCL's ring formula.
 Short timings report the maximum clock, sustained ones (alone or paired) a clock held down by
-the power cap (`SUSTAINED_CLOCK`), with kernel times longer by the same ratio. It
+the power cap (`SUSTAINED_CLOCK`), with kernel times longer by the same ratio; inside a looped
+layer GEMMs run slower and the other ops faster, more so the larger the layer. It
 uses the real implementation registry's names, so a fake profile has the rows a real one has.
 `interrupt_after` raises KeyboardInterrupt at that kernel measurement, as Ctrl-C would.
 """
@@ -16,6 +17,7 @@ from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.models.ops import MEMORY
 from nanosched.profiler import impls
 from nanosched.profiler.backend import (
+    LayerTiming,
     NetworkRequest,
     NetworkResult,
     PairTiming,
@@ -24,10 +26,17 @@ from nanosched.profiler.backend import (
 )
 from nanosched.profiler.format import Ceilings, Identity
 from nanosched.profiler.network_model import KINDS, ring_time_us
-from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
+from nanosched.profiler.plan import (
+    ImplInfo,
+    KernelTask,
+    LayerTask,
+    PairTask,
+    ProfileSettings,
+)
 from nanosched.profiler.shapes import GEMM_OPS, gemm_flops, op_bytes
 
 MAX_CLOCK, SUSTAINED_CLOCK, POWER_LIMIT = 1980.0, 1500.0, 700.0
+LAYER_SLOWDOWN, LAYER_L2 = 0.08, 0.15
 IMPL_SPEED = {"cublas": 1.0, "cublaslt": 0.97, "triton_persistent_128x128": 0.93,
               "triton_persistent_128x256": 0.95}  # GEMMs; other ops follow bandwidth
 
@@ -60,6 +69,7 @@ class FakeBackend:
     calls: list[KernelTask] = field(default_factory=list)
     pair_calls: list[PairTask] = field(default_factory=list)
     sustained_calls: list[KernelTask] = field(default_factory=list)
+    layer_calls: list[LayerTask] = field(default_factory=list)
     reference_calls: int = 0
 
     def identity(self, command: str) -> Identity:
@@ -115,6 +125,16 @@ class FakeBackend:
         self.pair_calls.append(task)
         p_c, p_o = interference(task, self.num_sms)
         return PairTiming(alone_us[0] / p_c, alone_us[1] / p_o, SUSTAINED_CLOCK, POWER_LIMIT)
+
+    def time_layer(self, settings: ProfileSettings, task: LayerTask) -> LayerTiming:
+        """Inside a layer of T rows GEMMs and prefill attention run slower by up to
+        LAYER_SLOWDOWN (the clock falls with T), the other ops faster by up to LAYER_L2."""
+        self.layer_calls.append(task)
+        share = task.tokens / settings.dense_batch
+        times = tuple(self._us(settings, t) * (1 + LAYER_SLOWDOWN * share
+                                               if t.op in (*GEMM_OPS, "attn_prefill")
+                                               else 1 - LAYER_L2 * share) for t in task.ops)
+        return LayerTiming(times, MAX_CLOCK - (MAX_CLOCK - SUSTAINED_CLOCK) * share, POWER_LIMIT)
 
     def visible_gpus(self) -> int:
         return self.gpus

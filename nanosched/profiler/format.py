@@ -43,6 +43,15 @@ Contents
   spread of `p_other` across shapes (NanoFlow found one table fits within 5%).
 - `rp_shapes`: per-shape R->P points (`compute_op`, `tokens` and `context` set), kept when one
   table does not fit every shape; `rp_points(cls, compute_op, tokens)` prefers them.
+- `forward` (optional): a Sequential layer of the fastest full-GPU rows at the workload's mix,
+  looped for `settle_ms` until the clock settled under the power cap, then timed over
+  `window_ms`; one row per op and layer size `batch_tokens`: the op's median span inside the
+  layer (`time_us`) beside the kernel row it ran as (`row_us`), with the layer's clock and
+  power. Kernel rows are short flushed bursts at the clock of an idle GPU; inside a serving
+  forward a GEMM runs slower where the board sits at its cap and an elementwise op faster where
+  it reads what the op before it left in L2. `settled_factor(op, T)` = time_us / row_us (F) is
+  what the search multiplies a row by for an op alone on the whole GPU inside a forward of T
+  rows; pairs need no factor (their P are against the rows, measured settled).
 
 Lookups never extrapolate: a token count or context outside the measured range is a
 ProfileError naming the missing row. Contexts between measured ones interpolate linearly.
@@ -172,6 +181,28 @@ class RPPoint:
 
 
 @dataclass(frozen=True)
+class ForwardRow:
+    """One op of a Sequential layer looped until the clock settled (module docstring)."""
+
+    op: str
+    batch_tokens: int  # rows of the layer (T)
+    num_decode: int  # decode rows of the layer (D)
+    tokens: int  # the op's rows: D (attn_decode), T - D (attn_prefill), else T
+    impl: str
+    row_us: float  # the kernel row the op ran as (the profile's fastest on all SMs)
+    time_us: float  # its median span inside the looped layer
+    context: int = 0  # as in its kernel row
+    settle_ms: float = 0.0
+    window_ms: float = 0.0
+    clock_mhz: float | None = None  # mean SM clock / board power over the layer's window
+    power_w: float | None = None
+
+    @property
+    def factor(self) -> float:
+        return self.time_us / self.row_us
+
+
+@dataclass(frozen=True)
 class Profile:
     identity: Identity
     model: ModelSpec
@@ -184,6 +215,7 @@ class Profile:
     notes: tuple[str, ...] = ()
     rp_shapes: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
     kv_dtype: str = "auto"
+    forward: tuple[ForwardRow, ...] = ()
 
     # ---- lookups ---------------------------------------------------------------------------
     def unsettled(self) -> str | None:
@@ -267,6 +299,33 @@ class Profile:
                                f"{sorted(self.rp) or 'none'}")
         return tuple(sorted(self.rp[cls], key=lambda p: p.r))
 
+    def settled_factor(self, op: str, batch_tokens: int) -> float:
+        """F: how much longer than its row `op` runs alone on the whole GPU inside a forward of
+        `batch_tokens` rows (module docstring, `forward`); linear in T between the measured
+        layer sizes, the nearest one's outside them; 1 where the profile has no forward row of
+        `op` (profiles without a forward table, network ops)."""
+        points = sorted((r.batch_tokens, r.factor) for r in self.forward if r.op == op)
+        if not points:
+            return 1.0
+        sizes = [t for t, _ in points]
+        if batch_tokens <= sizes[0]:
+            return points[0][1]
+        if batch_tokens >= sizes[-1]:
+            return points[-1][1]
+        i = bisect.bisect_left(sizes, batch_tokens)
+        (t0, f0), (t1, f1) = points[i - 1], points[i]
+        if t1 == batch_tokens:
+            return f1
+        w = (batch_tokens - t0) / (t1 - t0)
+        return f0 * (1 - w) + f1 * w
+
+    def settled_time_us(self, op: str, tokens: int, batch_tokens: int,
+                        context: float | None = None) -> float:
+        """`op`'s row at `tokens` (all SMs) times its settled factor in a forward of
+        `batch_tokens` rows: its time alone on the whole GPU inside that forward."""
+        return self.kernel_time_us(op, tokens, None, context) * self.settled_factor(
+            op, batch_tokens)
+
     # ---- JSON ------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -285,6 +344,8 @@ class Profile:
             data["rp_shapes"] = {c: [_row(p) for p in pts] for c, pts in self.rp_shapes.items()}
         if self.kv_dtype != "auto":  # likewise
             data["kv_dtype"] = self.kv_dtype
+        if self.forward:  # likewise
+            data["forward"] = [_row(r) for r in self.forward]
         return data
 
     def digest(self) -> str:
@@ -312,6 +373,7 @@ class Profile:
             rp_shapes={c: tuple(_build_list(RPPoint, data["rp_shapes"], c, f"{where}: rp_shapes"))
                        for c in _get(data, "rp_shapes", dict, where, required=False) or {}},
             kv_dtype=_get(data, "kv_dtype", str, where, required=False) or "auto",
+            forward=tuple(_build_list(ForwardRow, data, "forward", where, required=False)),
         )
         validate(prof, where)
         return prof
@@ -400,6 +462,13 @@ def validate(prof: Profile, where: str = "profile") -> None:
                 or pr.window_ms < 0:
             raise ProfileError(f"{where}: pairs[{i}] ({pr.compute_op} x {pr.other_op}): times "
                                f"and tokens must be positive, settle_ms and window_ms >= 0")
+    for i, r in enumerate(prof.forward):
+        if not (r.row_us > 0 and r.time_us > 0 and 0 < r.tokens <= r.batch_tokens <= MAX_TOKENS
+                and 0 <= r.num_decode <= r.batch_tokens and 0 <= r.context <= MAX_TOKENS * 64
+                and r.settle_ms >= 0 and r.window_ms >= 0):
+            raise ProfileError(f"{where}: forward[{i}] ({r.op}, {r.batch_tokens} tokens): times "
+                               f"must be positive, tokens in 1..batch_tokens, num_decode in "
+                               f"0..batch_tokens, settle_ms and window_ms >= 0")
     for key, table in (("rp", prof.rp), ("rp_shapes", prof.rp_shapes)):
         for cls, pts in table.items():
             if cls not in RP_CLASSES:

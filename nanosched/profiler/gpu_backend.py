@@ -5,8 +5,11 @@ or on the whole GPU with a bounded grid (`cta_bound`). Pairs run the compute ker
 memory kernel on two streams: the partitions' (`green_ctx`) or two prioritised streams, the
 non-compute kernel's first (`cta_bound`, `stream_priority`), looped for the settings' settle
 time and then timed over their window (timing.sustained_run), as are the alone times pairs are
-normalised to. NVML (telemetry.py) samples the SM clock and board power throughout; every
-timing reports their mean over its window. Network work is handed to network.py's workers.
+normalised to. A forward table's layer (`time_layer`) runs its ops one after another on one
+stream, each captured in a CUDA graph of its own, looped the same way
+(timing.sustained_sequence). NVML (telemetry.py) samples the SM clock and board power
+throughout; every timing reports their mean over its window. Network work is handed to
+network.py's workers.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from nanosched.greenctx import PartitionPair, split_sms
 from nanosched.profiler import impls, timing
 from nanosched.profiler.backend import (
+    LayerTiming,
     NetworkRequest,
     NetworkResult,
     PairTiming,
@@ -32,11 +36,18 @@ from nanosched.profiler.backend import (
     Unsupported,
 )
 from nanosched.profiler.format import Ceilings, Identity
-from nanosched.profiler.plan import ImplInfo, KernelTask, PairTask, ProfileSettings
+from nanosched.profiler.plan import (
+    ImplInfo,
+    KernelTask,
+    LayerTask,
+    PairTask,
+    ProfileSettings,
+)
 from nanosched.profiler.shapes import GEMM_OPS, gemm_dims
 from nanosched.profiler.telemetry import open_telemetry
 
 BUSY_UTIL_PERCENT = 10
+STARVED_SHARE = 50  # a layer whose queue ran dry in more than 1 pass of 50 is refused
 
 
 def _smi(index: int, query: str) -> list[str]:
@@ -137,11 +148,15 @@ class GPUBackend:
         pair = self.pairs[sms]
         return pair.small.stream if pair.small.sms == sms else pair.rest.stream
 
+    def _call(self, settings: ProfileSettings, op: str, tokens: int, context: int, sms: int,
+              mechanism: str, ws: impls.ScratchSpace | None = None) -> impls.OpCall:
+        self.max_tokens = max(self.max_tokens, settings.dense_batch)
+        return impls.OpCall(settings.model, settings.tp, op, tokens, context, sms, mechanism,
+                            self.num_sms, ws or self.ws, settings.dense_batch, settings.kv_dtype)
+
     def _kernel(self, settings: ProfileSettings, op: str, impl: str, tokens: int, context: int,
                 sms: int, mechanism: str) -> impls.Kernel:
-        self.max_tokens = max(self.max_tokens, settings.dense_batch)
-        call = impls.OpCall(settings.model, settings.tp, op, tokens, context, sms, mechanism,
-                            self.num_sms, self.ws, settings.dense_batch, settings.kv_dtype)
+        call = self._call(settings, op, tokens, context, sms, mechanism)
         try:
             return impls.get(op, impl).kernel(call)
         except torch.cuda.OutOfMemoryError as exc:
@@ -224,6 +239,49 @@ class GPUBackend:
             res = self._sustained([(comp.fn, s_comp, alone_us[0]),
                                    (other.fn, s_other, alone_us[1])], settings)
         return PairTiming(res.median_us[0], res.median_us[1], *self._reading(*res.host_window))
+
+    def _graphed(self, fn: Any) -> Any:
+        """`fn` captured in a CUDA graph of its own, as its replay: a layer's ops are launched
+        a few microseconds apart, as from the engine's graph, not at Python's launch rate,
+        which a layer of 512 rows outruns. `fn` itself where it cannot be captured."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()  # compiles and allocates outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError:
+            torch.cuda.synchronize(self.device)
+            return fn
+        return graph.replay
+
+    def time_layer(self, settings: ProfileSettings, task: LayerTask) -> LayerTiming:
+        self.ws.clear()  # the layer's tensors live together in a workspace of their own
+        torch.cuda.empty_cache()
+        ws = impls.ScratchSpace(self.device, max_bytes=self.ws.max_bytes)
+        try:
+            kernels = impls.layer_kernels([(self._call(settings, t.op, t.tokens, t.context,
+                                                       t.sms, t.mechanism, ws), t.impl)
+                                           for t in task.ops])
+            with contextlib.ExitStack() as stack:
+                for kern in kernels:
+                    stack.enter_context(kern.scope())
+                fns = [self._graphed(k.fn) for k in kernels]
+                res = timing.sustained_sequence(fns, self.device, settings.pair_settle_ms / 1e3,
+                                                settings.pair_window_ms / 1e3)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise Unsupported(f"layer of {task.tokens} rows: out of memory") from exc
+        finally:
+            ws.clear()
+            torch.cuda.empty_cache()
+        if res.starved * STARVED_SHARE > res.passes:
+            raise Unsupported(f"layer of {task.tokens} rows: the CPU launched its "
+                              f"{len(kernels)} ops slower than the GPU ran them (the queue ran "
+                              f"dry {res.starved} times in {res.passes} passes)")
+        return LayerTiming(tuple(res.median_us), *self._reading(*res.host_window))
 
     def visible_gpus(self) -> int:
         return torch.cuda.device_count()

@@ -20,6 +20,7 @@ torch is imported here (it is installed everywhere); triton and torch.cuda only 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,10 +41,16 @@ class ScratchSpace:
     dtype: torch.dtype = torch.bfloat16
     max_bytes: float = float("inf")  # refuse single tensors larger than this
     cache: dict[str, torch.Tensor] = field(default_factory=dict)
+    # name -> the cached tensor it is read from instead, viewed to its shape, where dtype and
+    # size agree (a layer's op reading the op before it's output)
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def tensor(self, name: str, shape: tuple[int, ...], scale: float = 1.0,
                dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
+        source = self.cache.get(self.aliases.get(name, ""))
+        if source is not None and source.dtype == dtype and source.numel() == math.prod(shape):
+            return source.view(shape)
         have = self.cache.get(name)
         if have is not None and tuple(have.shape) == tuple(shape) and have.dtype == dtype:
             return have
@@ -150,6 +157,22 @@ def get(op: str, name: str) -> Impl:
         if impl.name == name:
             return impl
     raise KeyError(f"no implementation {name!r} of op {op!r}")
+
+
+def layer_kernels(calls: list[tuple[OpCall, str]]) -> list[Kernel]:
+    """The kernels of a layer's ops (each call with its implementation's name), in order, on
+    the calls' one ScratchSpace, each op reading the output of the op before it where
+    `impls_kernels.LAYER_FLOW` names one. Set up twice: the first pass creates the outputs
+    that the second pass's inputs read (the first op reads the last op's)."""
+    _ensure_registered()
+    from nanosched.profiler.impls_kernels import LAYER_FLOW
+
+    ws = calls[0][0].ws
+    ws.aliases = {}
+    for call, name in calls:
+        get(call.op, name).kernel(call)
+    ws.aliases = dict(LAYER_FLOW)
+    return [get(call.op, name).kernel(call) for call, name in calls]
 
 
 def triton_missing() -> str | None:

@@ -49,6 +49,10 @@ from nanosched.profiler.impls import (
 from nanosched.profiler.shapes import gemm_dims, gemm_rows, heads
 
 SM_MECHANISMS = ("full", "green_ctx")
+# input -> the output of the op before it in a layer (a forward table's layer reads these, so
+# its ops find in L2 what a forward's find; the two norms share their names and read `o`'s)
+LAYER_FLOW = {"x_kqv": "y_norm", "qkv_rope": "y_kqv", "q_decode": "q_rope", "x_o": "y_decode",
+              "x_norm": "y_o", "x_ug": "y_norm", "gate_up": "y_ug", "x_d": "act_out"}
 OPTS = dispatch.KernelOptions()  # every launch names its impl; this is never consulted
 Launch = dict[str, Any]
 

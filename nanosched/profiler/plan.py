@@ -20,6 +20,9 @@ Grids (full / --quick):
   implementation fastest alone there (kernel table), since each pair is timed for
   `pair_settle_ms` + `pair_window_ms` (the clock settled under the power cap) and so costs
   seconds, not milliseconds.
+- forward: a Sequential layer at half the dense batch and at the dense batch (both grids), at
+  the workload's steady mix, each op the implementation fastest alone on all SMs, looped as
+  the pairs are (`layer_tasks`).
 """
 
 from __future__ import annotations
@@ -266,6 +269,61 @@ def network_pair_tasks(settings: ProfileSettings, num_sms: int,
         for ctas in settings.nccl_ctas():
             tasks += [replace(_sharing(base, i, num_sms, ctas), other_impl=f"nccl_ctas{ctas}")
                       for i in gemms]
+    return tasks
+
+
+@dataclass(frozen=True)
+class LayerTask:
+    """One Sequential layer of `tokens` rows at the workload's steady mix: `num_decode` decode
+    rows at a measured decode context, the rest prompt chunks; `ops` are its kernel rows in
+    program order (all SMs, network ops left out: one GPU), each the fastest implementation."""
+
+    tokens: int
+    num_decode: int
+    ops: tuple[KernelTask, ...]
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return ("layer", self.tokens, self.num_decode)
+
+
+def layer_sizes(settings: ProfileSettings) -> list[int]:
+    """The layer sizes of the forward table: half the dense batch and the dense batch."""
+    grid = settings.token_grid()
+    return sorted({grid[(len(grid) - 1) // 2], grid[-1]})
+
+
+# best(op, tokens, context): the implementation fastest alone on all SMs there, or None
+BestFull = Callable[[str, int, int], "str | None"]
+
+
+def layer_tasks(settings: ProfileSettings, num_sms: int, decode_contexts: list[int],
+                best: BestFull) -> list[LayerTask]:
+    """The layers of the forward table (`layer_sizes`). Decode rows: the workload's share of
+    the batch on the 128-token grid (as the search lays out its batch), at the measured decode
+    context nearest the workload's mean (`decode_contexts`); prompt rows at the prompt length.
+    A layer with an op that has no row is left out."""
+    wl = settings.workload
+    mean_context = wl.input_len + wl.output_len / 2
+    context = min(decode_contexts, key=lambda c: (abs(c - mean_context), c))
+    prompt = min(settings.prefill_contexts(), key=lambda c: (abs(c - wl.input_len), c))
+    tasks = []
+    for t in layer_sizes(settings):
+        d = min(t, round(t * wl.decode_fraction / TOKEN_QUANTUM) * TOKEN_QUANTUM)
+        ops = []
+        for op in layer_ops(settings.model, settings.tp):
+            if op.resource == NETWORK:
+                continue
+            rows, ctx = {"attn_decode": (d, context), "attn_prefill": (t - d, prompt)}.get(
+                op.name, (t, 0))
+            if rows == 0:
+                continue
+            impl = best(op.name, rows, ctx)
+            if impl is None:
+                break
+            ops.append(KernelTask(op.name, rows, ctx, num_sms, "full", impl))
+        else:
+            tasks.append(LayerTask(t, d, tuple(ops)))
     return tasks
 
 

@@ -1,4 +1,5 @@
-"""The profiling loop: ceilings, kernel table, co-run pairs, network rows -> a checked profile.
+"""The profiling loop: ceilings, kernel table, co-run pairs, the forward table, network rows ->
+a checked profile.
 
 `run_profile(settings, backend, options)` drives any `ProfilerBackend`. It saves `FILE.partial.json`
 atomically every `SAVE_EVERY` rows; on Ctrl-C it saves it and raises `ProfileInterrupted`,
@@ -19,12 +20,14 @@ from nanosched.errors import NanoschedError
 from nanosched.models.ops import MEMORY
 from nanosched.profiler.backend import ProfilerBackend, Timing, Unsupported
 from nanosched.profiler.build import build_profile, network_request, record_network
-from nanosched.profiler.format import KernelRow, PairRow, Profile, save_profile
+from nanosched.profiler.format import ForwardRow, KernelRow, PairRow, Profile, save_profile
 from nanosched.profiler.plan import (
     KernelTask,
+    LayerTask,
     PairTask,
     ProfileSettings,
     kernel_tasks,
+    layer_tasks,
     memory_pair_tasks,
 )
 from nanosched.profiler.state import RunState, load_state, partial_path, save_state
@@ -170,8 +173,14 @@ def _measure(loop: _Loop) -> None:
                                  lambda t, c, s, m: best_impl(state, "attn_decode", t, s, m,
                                                               few_sm, context=c))
 
+    def layers() -> list[LayerTask]:  # after the kernel rows: each op's best on all SMs
+        return layer_tasks(settings, num_sms, settings.decode_contexts(),
+                           lambda op, t, c: best_impl(state, op, t, num_sms, "full",
+                                                      context=c))
+
     request = network_request(settings, backend, num_sms, impls, state)
     _run_tasks(loop, ktasks, pairs, request is not None)
+    _run_layers(loop, layers())
     if request is not None and state.network is None:
         result = backend.network(settings, request)
         record_network(state, settings, request, result, num_sms)
@@ -208,6 +217,41 @@ def _run_tasks(loop: _Loop, ktasks: list[KernelTask],
     loop.bar.set_description("pairs")
     for task in todo:
         _pair(loop, task)
+
+
+def _run_layers(loop: _Loop, tasks: list[LayerTask]) -> None:
+    state = loop.state
+    todo = [t for t in tasks if t.key not in state.forward and str(t.key) not in state.skipped]
+    loop.bar.total += len(tasks)
+    loop.bar.n += len(tasks) - len(todo)
+    loop.bar.set_description("forward")
+    if tasks:
+        state.note(FORWARD_NOTE)
+    for task in todo:
+        try:
+            state.forward[task.key] = forward_rows(
+                loop.backend, loop.settings, task, lambda k: state.kernels[k.key].time_us)
+        except Unsupported as exc:
+            state.skipped[str(task.key)] = str(exc)
+        loop.done_one()
+
+
+FORWARD_NOTE = ("forward table: a Sequential layer of the fastest rows on all SMs at half the "
+                "dense batch and at the dense batch, looped until the clock settled under the "
+                "power cap, each op's span beside its row (F = span / row: what the search "
+                "multiplies a row by for an op alone on the whole GPU inside a forward)")
+
+
+def forward_rows(backend: ProfilerBackend, settings: ProfileSettings, task: LayerTask,
+                 row_us: Callable[[KernelTask], float]) -> list[ForwardRow]:
+    """Time `task`'s layer sustained (`time_layer`) and set each op beside its kernel row."""
+    t = backend.time_layer(settings, task)
+    return [ForwardRow(op=k.op, batch_tokens=task.tokens, num_decode=task.num_decode,
+                       tokens=k.tokens, impl=k.impl, row_us=row_us(k), time_us=round(us, 3),
+                       context=k.context, settle_ms=settings.pair_settle_ms,
+                       window_ms=settings.pair_window_ms, clock_mhz=_round(t.clock_mhz),
+                       power_w=_round(t.power_w))
+            for k, us in zip(task.ops, t.op_us, strict=True)]
 
 
 def _kernel(loop: _Loop, task: KernelTask) -> None:

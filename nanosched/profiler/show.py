@@ -4,6 +4,7 @@ Tables: identity and ceilings; the best time per op and token count on all SMs; 
 best time scales with SMs at the middle token count; the mean SM clock and board power of the
 kernel rows per op; the co-run pairs with their clock and power; the R->P tables, each point
 with the clock its pairs ran at and whether that was throttled (under 97% of the GPU's maximum);
+the forward table (each op's settled factor per layer size, the layer's clock and power);
 whether the pairs were timed sustained; the notes. The plot (lazy matplotlib import, Agg
 backend) shows, per class, every co-run pair as a point coloured by its SM-allocation mechanism
 (R against P, and P_other against P_compute with the P_compute + P_other = 1 line that overlap
@@ -76,11 +77,36 @@ def show_profile(prof: Profile, echo: Callable[[str], None] = print) -> None:
             table = rp[cols].to_string(index=False, float_format="{:.3f}".format)  # type: ignore
             echo(f"\nR->P tables (P against the kernel rows above, which the search divides "
                  f"by P: row / P is the time in the pair):\n{table}")
+    for line in forward_lines(prof):
+        echo(line)
     why = prof.unsettled()
     echo(f"\npairs: {why}" if why else "\npairs: timed sustained (clock settled under the "
          "power cap)" if prof.pairs else "\npairs: none")
     for note in prof.notes:
         echo(f"note: {note}")
+
+
+def forward_lines(prof: Profile) -> list[str]:
+    """The forward table: per layer size, each op's F = time inside the looped layer / its row,
+    the whole layer's, and the clock and power it settled at."""
+    import pandas as pd
+
+    if not prof.forward:
+        return ["\nforward: none (`nanosched profile forward FILE` measures it; the search "
+                "prices ops alone on the whole GPU at their rows)"]
+    rows = pd.DataFrame([{**r.__dict__, "F": r.factor} for r in prof.forward])
+    table = rows.pivot_table(index="op", columns="batch_tokens", values="F", sort=False)
+    out = ["\nforward: a Sequential layer looped until the clock settled; F = each op's time "
+           "in it / its row (the search prices an op alone on the whole GPU at F x row):",
+           table.to_string(float_format="{:.3f}".format)]
+    for t, layer in rows.groupby("batch_tokens"):
+        first = layer.iloc[0]
+        clock = "" if pd.isna(first.clock_mhz) else f", {first.clock_mhz:.0f} MHz"
+        power = "" if pd.isna(first.power_w) else f", {first.power_w:.0f} W"
+        out.append(f"  layer of {t} rows ({first.num_decode} decode): {layer.time_us.sum():.1f} "
+                   f"us against {layer.row_us.sum():.1f} us of rows, F "
+                   f"{layer.time_us.sum() / layer.row_us.sum():.3f}{clock}{power}")
+    return out
 
 
 MECH_STYLE = {"green_ctx": ("#1f77b4", "o"), "cta_bound": ("#d62728", "^"),

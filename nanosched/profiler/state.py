@@ -2,7 +2,7 @@
 
 Format `nanosched.profile-partial/1`: settings, identity, ceilings, granted partitions, the
 reference GEMM time, kernel rows, sustained alone times (the references of the pairs), pairs,
-network results, skipped rows and notes. A resumed run
+network results, the forward table's layers, skipped rows and notes. A resumed run
 loads it, refuses one made for another GPU, model, tp or grid (naming which), and measures only
 the rows that are missing.
 """
@@ -17,12 +17,13 @@ from typing import Any
 
 from nanosched.errors import ProfileError
 from nanosched.fileio import write_json_atomic
-from nanosched.profiler.format import Ceilings, Identity, KernelRow, PairRow
+from nanosched.profiler.format import Ceilings, ForwardRow, Identity, KernelRow, PairRow
 from nanosched.profiler.plan import ProfileSettings
 
 PARTIAL_FORMAT = "nanosched.profile-partial/1"
 KERNEL_FIELDS = [f.name for f in fields(KernelRow)]
 PAIR_FIELDS = [f.name for f in fields(PairRow)]
+FORWARD_FIELDS = [f.name for f in fields(ForwardRow)]
 
 
 def partial_path(out: str | os.PathLike[str]) -> Path:
@@ -42,6 +43,7 @@ class RunState:
     # (op, impl, tokens, context) -> [us, clock_mhz, power_w], looped alone on the whole GPU
     alone: dict[tuple[Any, ...], list[Any]] = field(default_factory=dict)
     network: dict[str, Any] | None = None  # {"world", "times": [[kind, tokens, ctas, us]], ...}
+    forward: dict[tuple[Any, ...], list[ForwardRow]] = field(default_factory=dict)  # per layer
     skipped: dict[str, str] = field(default_factory=dict)  # task key (str) -> reason
     notes: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -63,6 +65,9 @@ class RunState:
             "pairs": [[list(k), [getattr(p, f) for f in PAIR_FIELDS]]
                       for k, p in self.pairs.items()],
             "alone": [[list(k), v] for k, v in self.alone.items()],
+            "forward_fields": FORWARD_FIELDS,
+            "forward": [[list(k), [[getattr(r, f) for f in FORWARD_FIELDS] for r in rows]]
+                        for k, rows in self.forward.items()],
             "network": self.network, "skipped": self.skipped, "notes": self.notes,
             "elapsed_s": self.elapsed_s,
         }
@@ -101,6 +106,9 @@ def load_state(path: Path, settings: ProfileSettings, identity: Identity) -> Run
             state.pairs[tuple(key)] = PairRow(**dict(zip(data["pair_fields"], values,
                                                          strict=True)))
         state.alone = {tuple(k): list(v) for k, v in data.get("alone", [])}
+        names = data.get("forward_fields", FORWARD_FIELDS)
+        state.forward = {tuple(k): [ForwardRow(**dict(zip(names, r, strict=True))) for r in rows]
+                         for k, rows in data.get("forward", [])}
         state.network, state.skipped = data["network"], dict(data["skipped"])
         state.notes, state.elapsed_s = list(data["notes"]), float(data["elapsed_s"])
     except (KeyError, TypeError, ValueError) as exc:

@@ -18,6 +18,11 @@ costs tens of us). Each
 stream loops its kernel enough times to cover `window_ms` and records an event after every
 launch. Only launches that start and end while both streams are busy count: their median span is
 each kernel's co-run time. This times each kernel's own span, not the pair's makespan.
+
+`sustained_run(work)` loops kernels on their streams until the clock settles under the power
+cap and times them over a window; `sustained_sequence(fns)` does the same for a sequence of
+kernels on one stream (a layer), an event after each, so every kernel's span inside the
+sequence is timed.
 """
 
 from __future__ import annotations
@@ -226,3 +231,66 @@ def sustained_run(work: list[tuple[Callable[[], Any], Any, float]], device: torc
               for r, t in zip(reps, times, strict=True)]
     medians = [1e3 * _inside(t, lo, hi) / r for r, t in zip(reps, times, strict=True)]
     return Sustained(medians, series, (lo, hi), (host_t0 + lo / 1e3, host_t0 + hi / 1e3))
+
+
+@dataclass
+class SustainedSequence:
+    """A sequence looped on one stream for settle_s + window_s: each function's median span
+    over the passes inside the window, how many passes that was, how many times the GPU had
+    run out of queued work (`starved`: the CPU launched slower than the GPU ran), and the
+    window on the host's clock, for telemetry."""
+
+    median_us: list[float]
+    passes: int
+    starved: int
+    host_window: tuple[float, float]
+
+
+def sustained_sequence(fns: list[Callable[[], Any]], device: torch.device, settle_s: float,
+                       window_s: float, queue_ms: float = 20.0) -> SustainedSequence:
+    """Call `fns` in order on the current stream, pass after pass, for settle_s + window_s,
+    keeping about `queue_ms` of passes queued ahead of the GPU; an event after every call."""
+    stream = torch.cuda.current_stream(device)
+    for fn in fns:
+        fn()  # warm (compiles, allocator)
+    torch.cuda.synchronize(device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(stream)
+    for fn in fns:
+        fn()
+    b.record(stream)
+    b.synchronize()
+    depth = max(2, math.ceil(queue_ms / max(a.elapsed_time(b), 1e-3)))
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    host_t0 = time.perf_counter()
+    events: list[Any] = [start]
+    pending: list[Any] = []  # each queued pass's last event
+    starved_at: list[float] = []  # host seconds when the queue was found empty
+    deadline = host_t0 + settle_s + window_s
+    while time.perf_counter() < deadline:
+        while pending and pending[0].query():
+            pending.pop(0)
+        if not pending and len(events) > 1:
+            starved_at.append(time.perf_counter() - host_t0)
+        if len(pending) < depth:
+            for fn in fns:
+                fn()
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(stream)
+                events.append(ev)
+            pending.append(events[-1])
+        else:
+            time.sleep(5e-5)
+    torch.cuda.synchronize(device)
+    times = [start.elapsed_time(e) for e in events]
+    n = len(fns)
+    lo, hi = 1e3 * settle_s, times[-1]
+    passes = [times[i * n:(i + 1) * n + 1] for i in range((len(times) - 1) // n)]
+    inside = [p for p in passes if p[0] >= lo and p[-1] <= hi]
+    if len(inside) < 3:
+        inside = passes
+    medians = [1e3 * statistics.median(p[i + 1] - p[i] for p in inside) for i in range(n)]
+    starved = sum(1 for t in starved_at if t >= settle_s)
+    return SustainedSequence(medians, len(inside), starved,
+                             (host_t0 + lo / 1e3, host_t0 + hi / 1e3))

@@ -76,3 +76,31 @@ def test_gpu_backend_times_a_row_and_a_pair():
         assert pair.clock_mhz is not None and pair.power_w > 0
     finally:
         backend.close()
+
+
+def test_gpu_backend_times_a_layer_sustained_each_op_near_its_row():
+    """`time_layer`: a Sequential layer of the model's kernels (each in its own CUDA graph),
+    looped until the clock settled: every op's time in it near its row, the clock sampled."""
+    from dataclasses import replace
+
+    from nanosched.models.spec import load_spec
+    from nanosched.profiler.gpu_backend import GPUBackend
+    from nanosched.profiler.plan import ProfileSettings, layer_tasks
+    from nanosched.workloads import fixed
+
+    backend = GPUBackend(0, rep_ms=5)
+    try:
+        s = replace(ProfileSettings(load_spec("llama3-8b"), 1, fixed(1024, 512), 512,
+                                    quick=True), pair_settle_ms=200.0, pair_window_ms=500.0)
+        impl = {"kqv": "cublas", "o": "cublas", "ug": "cublas", "d": "cublas",
+                "attn_decode": "triton_pipelined"}
+        task = layer_tasks(s, backend.num_sms, s.decode_contexts(),
+                           lambda op, t, c: impl.get(op, "triton"))[-1]
+        assert task.tokens == 512 and task.num_decode == 128
+        layer = backend.time_layer(s, task)
+        rows = [backend.time_kernel(s, k).us for k in task.ops]
+        assert layer.clock_mhz is not None and layer.power_w > 0
+        for k, us, row in zip(task.ops, layer.op_us, rows, strict=True):
+            assert 0.5 * row < us < 2.0 * row, (k.op, us, row)
+    finally:
+        backend.close()

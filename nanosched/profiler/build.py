@@ -179,11 +179,15 @@ def with_rp(profile: Profile, note: Callable[[str], None]) -> Profile:
 
 def rederive_rp(profile: Profile) -> Profile:
     """`profile` with its R->P tables derived again from its pairs and kernel rows, and its
-    R->P notes replaced: for a profile taken before the rule changed (no GPU needed)."""
+    R->P notes replaced where the first of them stood (else added at the end): for a profile
+    taken before the rule changed (no GPU needed)."""
     notes: list[str] = []
     fresh = with_rp(replace(profile, notes=()), notes.append)
-    kept = tuple(n for n in profile.notes if not n.startswith(RP_NOTE))
-    return replace(fresh, notes=kept + tuple(notes))
+    at = next((i for i, n in enumerate(profile.notes) if n.startswith(RP_NOTE)),
+              len(profile.notes))
+    before = tuple(n for n in profile.notes[:at] if not n.startswith(RP_NOTE))
+    after = tuple(n for n in profile.notes[at:] if not n.startswith(RP_NOTE))
+    return replace(fresh, notes=before + tuple(notes) + after)
 
 
 def build_profile(settings: ProfileSettings, state: RunState) -> Profile:

@@ -71,10 +71,6 @@
 // [n, Hq, splits] (natural log), which the Triton merge kernel of decode_attn.py combines.
 // An item with no tokens (a padded row) writes zeros and lse = -inf.
 //
-// PREFETCH_PAGES = n > 0: the producer prefetches the K and V boxes (and scales) of the page n
-// pages past the one it issues into L2 (`cp.async.bulk.prefetch.tensor`), so the ring's copies,
-// which shared memory bounds to 160-192 KB in flight per SM, wait on L2 instead of HBM.
-//
 // CONSUME_ONLY = 1 builds a diagnostic, not an attention: its consumers wait for each slot and
 // give it back without reading it, so its time is what the producer and the ring alone allow
 // (bench/kernels_decode_attn.py --kernels cuda_bulk_consume); it writes zeros.
@@ -102,9 +98,6 @@
 #endif
 #ifndef CONSUME_ONLY
 #define CONSUME_ONLY 0  // 1: a diagnostic whose consumers only take and give back slots
-#endif
-#ifndef PREFETCH_PAGES
-#define PREFETCH_PAGES 0  // pages past the one being issued whose K/V are prefetched into L2
 #endif
 
 typedef unsigned short u16;
@@ -135,7 +128,6 @@ static_assert(GROUP >= 1 && GROUP <= 8, "a KV head's query heads fill at most th
 static_assert(HEAD_DIM % BOX_DIMS == 0, "head_dim must fill whole 128-byte box rows");
 static_assert(!KV_FP8 || SLOT_BOXES == BOXES, "an FP8 slot holds a page's K (or V) and scales");
 static_assert(HKV >= 1 && HKV <= 16, "one consumer warp per KV head");
-static_assert(PREFETCH_PAGES >= 0 && PREFETCH_PAGES <= 32, "prefetch within the next chunk");
 static_assert(SLOTS >= 1 && SLOT_BOXES >= 1 && (2 * BOXES) % SLOT_BOXES == 0,
               "a slot holds a whole number of boxes, and a page a whole number of slots");
 
@@ -176,19 +168,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const void* map, int c0, in
       "{%2, %3, %4, %5}], [%6];"
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
-}
-
-// the same box into L2 only (no shared memory, no mbarrier): a later load of it hits L2
-__device__ __forceinline__ void tma_prefetch_4d(const void* map, int c0, int c1, int c2,
-                                                int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];"
-               ::"l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-}
-
-// `bytes` (a multiple of 16) of global `src` into L2 only
-__device__ __forceinline__ void bulk_prefetch(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 // `bytes` (a multiple of 16) from global `src` into shared `dst`, completing on `bar`
@@ -382,23 +361,6 @@ decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
       const int cnt = min(32, p1 - p);
       for (int j = 0; j < cnt; ++j) {
         const int page = __shfl_sync(FULL_MASK, ids, j);
-#if PREFETCH_PAGES
-        {  // the page PREFETCH_PAGES on, of this chunk or the next (page 0 past the last: its
-           // prefetch is harmless), into L2, so that its ring copies find it there
-          const int jj = j + PREFETCH_PAGES;
-          const int ahead = jj < cnt ? __shfl_sync(FULL_MASK, ids, jj)
-                                     : __shfl_sync(FULL_MASK, nids, jj - cnt);
-          if (lane == 0) {
-#pragma unroll
-            for (int x = 0; x < 2 * BOXES; ++x)
-              tma_prefetch_4d(maps + 128 * (x / BOXES), BOX_DIMS * (x % BOXES), 0, 0, ahead);
-#if KV_FP8
-            bulk_prefetch(ks + (long long)ahead * scale_page, SCALE_BYTES);
-            bulk_prefetch(vs + (long long)ahead * scale_page, SCALE_BYTES);
-#endif
-          }
-        }
-#endif
 #pragma unroll
         for (int x0 = 0; x0 < 2 * BOXES; x0 += SLOT_BOXES) {
           mbar_wait(empty0 + 8 * w.slot, w.parity ^ 1);

@@ -55,9 +55,6 @@ HOPPER_SMEM = 227 * 1024  # shared memory a block may opt into on an H100 / H200
 # back each slot without reading it (the .cu's CONSUME_ONLY), so its time is the ring's copy
 # ceiling and its output zeros (bench/kernels_decode_attn.py --kernels cuda_bulk_consume).
 CONSUME_ONLY = False
-# Pages past the one being issued whose K/V the producer prefetches into L2 (0: none; the .cu's
-# PREFETCH_PAGES). bench/kernels_decode_attn.py's cuda_bulk_pf<N> variants measure it.
-PREFETCH_PAGES = 0
 MIN_SPLIT_PAGES = 4
 ITEMS_PER_CTA = 2
 # The merge is a loop of small dependent loads per (request, head): several light programs per
@@ -206,7 +203,6 @@ class _Build(NamedTuple):
     boxes: int
     fp8: bool
     consume_only: bool
-    prefetch: int = 0
 
     @property
     def threads(self) -> int:
@@ -223,7 +219,7 @@ def _build(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> _Build:
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return _Build(num_kv, q.shape[1] // num_kv, d, q.dtype == torch.float16, dev,
                   ring_slots(num_kv, d, _device_limits(dev)[1], fp8), slot_boxes(d, fp8), fp8,
-                  CONSUME_ONLY, PREFETCH_PAGES)
+                  CONSUME_ONLY)
 
 
 @functools.cache
@@ -234,8 +230,7 @@ def _kernel(b: _Build):
         module = cupy.RawModule(code=SOURCE.read_text(), options=(
             "-std=c++17", f"-DHKV={b.num_kv}", f"-DGROUP={b.group}", f"-DHEAD_DIM={b.head_dim}",
             f"-DSLOTS={b.slots}", f"-DSLOT_BOXES={b.boxes}", f"-DF16={int(b.f16)}",
-            f"-DKV_FP8={int(b.fp8)}", f"-DCONSUME_ONLY={int(b.consume_only)}",
-            f"-DPREFETCH_PAGES={b.prefetch}"))
+            f"-DKV_FP8={int(b.fp8)}", f"-DCONSUME_ONLY={int(b.consume_only)}"))
         kernel = module.get_function("decode_bulk")
         kernel.max_dynamic_shared_size_bytes = b.smem
     return kernel

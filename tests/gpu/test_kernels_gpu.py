@@ -87,16 +87,11 @@ def bulk_case(dtype, contexts, seed=0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_ctas, num_splits", [(8, None), (32, None), (None, None),
                                                   (132, 1), (64, 16), (16, 3)])
-@pytest.mark.parametrize("prefetch", [0, 4])
-def test_cuda_bulk_decode_attention(dtype, max_ctas, num_splits, prefetch, monkeypatch):
+def test_cuda_bulk_decode_attention(dtype, max_ctas, num_splits):
     """The bulk-copy kernel against the fp32 reference: partial last pages, a padded row of
-    context 0 (zero output), one split (written in the model dtype) and several (merged);
-    with and without the L2 prefetch of the pages ahead."""
+    context 0 (zero output), one split (written in the model dtype) and several (merged)."""
     pytest.importorskip("cupy")
-    from nanosched.kernels import decode_attn_bulk
     from nanosched.kernels.decode_attn_bulk import decode_attention
-
-    monkeypatch.setattr(decode_attn_bulk, "PREFETCH_PAGES", prefetch)
 
     g = torch.Generator().manual_seed(0)
     contexts = [1, 15, 16, 17, 4096, 0] + torch.randint(1, 4097, (58,), generator=g).tolist()

@@ -119,16 +119,12 @@ def test_decode_attention_on_fp8_cache(max_ctas, num_splits, config):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_ctas, num_splits", [(16, None), (32, None), (None, None),
                                                   (132, 1), (64, 16)])
-@pytest.mark.parametrize("prefetch", [0, 4])
-def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, prefetch,
-                                                 monkeypatch):
+def test_cuda_bulk_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits):
     """`cuda_bulk` on an e4m3 cache (its K/V and scales through the ring, the products in fp16)
     against the reference on the same cache, one split (written in the model dtype) and
-    several (merged); with and without the L2 prefetch of the pages ahead."""
+    several (merged)."""
     pytest.importorskip("cupy")
     from nanosched.kernels import decode_attn_bulk
-
-    monkeypatch.setattr(decode_attn_bulk, "PREFETCH_PAGES", prefetch)
 
     args, scales, want = decode_case(dtype)
     got = torch.full_like(args[0], float("nan"))

@@ -202,19 +202,23 @@ def test_a_gemm_nano_op_is_priced_on_its_own_measured_shape():
 def test_a_memory_nano_op_on_a_partition_gets_the_p_measured_beside_the_fastest_gemm():
     """On a green-context split the attention's P depends on the GEMM beside it: the memory
     option carries the P_other of the point whose P_compute is best at that split (the GEMM
-    the search runs there), not the best P_other (measured beside a slower GEMM), and never
-    more than the op's own speed alone on that partition."""
+    the search runs there), not the best P_other (measured beside a slower GEMM); on a split
+    or a CTA bound never more than the op's own speed alone on that many SMs."""
     from nanosched.profiler.format import RPPoint
 
     prof = dataclasses.replace(small_profile(), rp={"memory": (
         RPPoint(0.242, 0.78, 0.30, "green_ctx", 100, 32, "cublas"),
-        RPPoint(0.242, 0.61, 0.37, "green_ctx", 100, 32, "cublaslt"))})
+        RPPoint(0.242, 0.61, 0.37, "green_ctx", 100, 32, "cublaslt"),
+        RPPoint(0.242, 0.55, 0.45, "cta_bound", 100, 32, "cublaslt"))})
     green = [o for o in alloc_options(prof, "memory") if o.mechanism == "green_ctx"]
     assert [(o.share, o.p) for o in green] == [(242, 0.61)]
     comp = [o for o in alloc_options(prof, "compute") if o.mechanism == "green_ctx"]
     assert [(o.share, o.p) for o in comp] == [(758, 0.37)]
     # `act` alone on 32 of 132 SMs runs at row(132) / row(32) of the profile: the cap
-    act = [o for o in alloc_options(prof, "other", "act", 256) if o.mechanism == "green_ctx"]
+    act = [o for o in alloc_options(prof, "other", "act", 256) if o.mechanism != "full"]
     alone = prof.kernel_time_us("act", 256) / prof.kernel_time_us("act", 256, 32)
-    assert alone < 0.61
-    assert [o.p for o in act] == [pytest.approx(alone)]
+    assert alone < 0.55
+    assert [(o.mechanism, o.p) for o in act] == [("green_ctx", pytest.approx(alone)),
+                                                 ("cta_bound", pytest.approx(alone))]
+    bound = next(o for o in alloc_options(prof, "memory") if o.mechanism == "cta_bound")
+    assert bound.p == 0.55  # without an op, the point's own P

@@ -50,6 +50,9 @@ def test_every_op_token_sm_impl_row_is_present_and_best_is_marked(tmp_path):
     assert {k.impl for k in prof.kernels if k.op == "attn_decode"} == {
         "triton_pipelined", "triton_pipelined_2w", "triton_paged", "torch"}
     assert {k.impl for k in prof.kernels if k.op == "rope_append"} == {"triton", "torch"}
+    # elementwise ops bounded to CTAs, as a schedule bounds them beside a GEMM (Triton only)
+    assert {(k.sms, k.impl) for k in prof.kernels if k.op == "act" and
+            k.mechanism == "cta_bound"} == {(c, "triton") for c in (8, 16, 32, 48, 64, 96, 128)}
     for k in prof.kernels:
         if family_of(k.op):
             assert check_op_impl(k.op, k.impl) == k.impl

@@ -168,7 +168,9 @@ def _dominated(pt: RPPoint, i: int, points: tuple[RPPoint, ...]) -> bool:
 
 def _capped(profile: Profile, opt: AllocOption, op: str, tokens: int,
             context: float | None) -> AllocOption:
-    """`opt` with its P at most `op`'s speed alone on its partition (`alloc_options`)."""
+    """`opt` with its P at most `op`'s speed alone on its SMs or CTAs (`alloc_options`)."""
+    if opt.units >= profile.identity.num_sms:
+        return opt
     try:
         alone = (profile.kernel_time_us(op, tokens, None, context)
                  / profile.kernel_time_us(op, tokens, opt.units, context))
@@ -210,9 +212,9 @@ def alloc_options(profile: Profile, resource: str, op: str | None = None,
     fast on both sides (`_dominated`); both sides drop together.
 
     A memory or elementwise nano-op of `op` over `tokens` rows (at `context`) on a partition
-    runs no faster beside a GEMM than alone there: its P is at most its row on all SMs over its
-    row on the partition's SMs, where the profile has both (the attention's points would
-    otherwise price `act` on 16 SMs at 0.35 where it reaches 0.19-0.22 alone).
+    or a CTA bound runs no faster beside a GEMM than alone there: its P is at most its row on
+    all SMs over its row on that many SMs or CTAs, where the profile has both (the attention's
+    points would otherwise price `act` on 16 SMs at 0.35 where it reaches 0.19-0.22 alone).
     """
     factor = profile.settled_factor(op, batch_tokens) if op and batch_tokens else 1.0
     full = AllocOption(FULL_SHARE, 1 / factor, Mechanism.FULL, profile.identity.num_sms)
@@ -243,6 +245,7 @@ def alloc_options(profile: Profile, resource: str, op: str | None = None,
                     green[opt.share], rank[opt.share] = opt, key
     if resource not in (COMPUTE, NETWORK) and op is not None and tokens is not None:
         green = {share: _capped(profile, o, op, tokens, context) for share, o in green.items()}
+        points = [_capped(profile, o, op, tokens, context) for o in points]
     if resource == COMPUTE and op is not None and tokens is not None:
         own: dict[int, AllocOption] = {}
         for table in tables:

@@ -23,7 +23,8 @@ Names (nanosched/kernels/impls.py):
   than the GPU's outside a partition, impls.grouped_programs) and `torch` (loop over experts),
   over the T·k rows, uniform routing (row i → expert i mod E; routing itself not timed).
 - rope_append, add_norm_ffn, add_norm_attn, act: `triton` (persistent grid bounded by the SMs
-  given: `num_sms` times the kernel's programs per SM, impls.elementwise_ctas) and `torch`.
+  given: `num_sms` times the kernel's programs per SM, impls.elementwise_ctas; or by the row's
+  CTAs for `cta_bound`, as a schedule bounds them beside a GEMM) and `torch`.
 """
 
 from __future__ import annotations
@@ -223,5 +224,6 @@ def register_all() -> None:
     register("attn_prefill", Impl("torch", SM_MECHANISMS, _prefill))
     for op, setup in (("rope_append", _rope_append), ("add_norm_ffn", _add_norm),
                       ("add_norm_attn", _add_norm), ("act", _act)):
-        register(op, Impl("triton", SM_MECHANISMS, setup, requires=triton_missing))
+        register(op, Impl("triton", ("full", "green_ctx", "cta_bound"), setup,
+                          requires=triton_missing))
         register(op, Impl("torch", SM_MECHANISMS, setup))

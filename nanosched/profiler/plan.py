@@ -11,7 +11,8 @@ Grids (full / --quick):
   `attn_prefill`: prompt lengths p/2, p, 2p  /  p (chunks of T tokens cut from such prompts).
 - SM partitions: the GPU split into a small side of 16, 32, 48, 64 SMs and the rest  /  32;
   every op is measured on every granted side and on all SMs.
-- CTA bounds of memory kernels (`cta_bound`): 8, 16, 32, 48, 64, 96, 128  /  16, 64.
+- CTA bounds of memory and elementwise kernels (`cta_bound`): 8, 16, 32, 48, 64, 96, 128  /
+  16, 64.
 - NCCL CTA bounds of network kernels: 2, 4, 8, 16, 32  /  2, 8.
 - compute x memory pairs, at each pair shape (every GEMM at a quarter, half and all of the dense
   batch / two shapes): plain prioritised streams; each granted partition, the GEMM on the rest

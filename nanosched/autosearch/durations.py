@@ -27,6 +27,7 @@ from typing import Protocol
 from nanosched.errors import ProfileError
 from nanosched.models.ops import COMPUTE, NETWORK
 from nanosched.profiler.format import Profile, RPPoint
+from nanosched.profiler.interference import P_MAX
 
 TICKS_PER_US = 1
 FULL_SHARE = 1000
@@ -217,7 +218,8 @@ def alloc_options(profile: Profile, resource: str, op: str | None = None,
     points would otherwise price `act` on 16 SMs at 0.35 where it reaches 0.19-0.22 alone).
     """
     factor = profile.settled_factor(op, batch_tokens) if op and batch_tokens else 1.0
-    full = AllocOption(FULL_SHARE, 1 / factor, Mechanism.FULL, profile.identity.num_sms)
+    full = AllocOption(FULL_SHARE, min(P_MAX, 1 / factor), Mechanism.FULL,
+                       profile.identity.num_sms)
     green: dict[int, AllocOption] = {}
     rank: dict[int, tuple[float, float]] = {}  # share -> (P_compute, -P) of the kept point
     points: list[AllocOption] = []

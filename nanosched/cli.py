@@ -602,9 +602,10 @@ def profile_forward(
 ) -> None:
     """Measure the forward table of a finished profile (a few seconds) and add it.
 
-    A Sequential layer of the profile's fastest kernels on all SMs, at the workload's mix, is
-    looped at half the dense batch and at the dense batch until the SM clock settles under the
-    power cap, and each op's time inside it is set beside its row. The search multiplies a
+    A Sequential layer of the profile's fastest kernels on all SMs is looped at the workload's
+    mix at half the dense batch and at the dense batch, and decode only at a quarter of it (the
+    tail of a run), until the SM clock settles under the power cap, and each op's time inside
+    it is set beside its row. The search multiplies a
     row by that factor for an op alone on the whole GPU inside a forward. `nanosched profile`
     measures the table itself; this adds it to a profile taken before it did. Sets searched on
     the old file name its digest: search them again."""

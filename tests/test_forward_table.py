@@ -63,10 +63,14 @@ def test_settled_factor_interpolates_clamps_and_is_one_without_rows(tmp_path):
 
 def test_layer_tasks_lay_out_the_workloads_steady_mix():
     s = ProfileSettings(SPEC, 1, fixed(1024, 512), 1024)
-    assert layer_sizes(s) == [512, 1024]
-    assert layer_sizes(ProfileSettings(SPEC, 1, fixed(1024, 512), 2048)) == [1024, 2048]
+    assert layer_sizes(s) == [(256, True), (512, False), (1024, False)]
+    assert layer_sizes(ProfileSettings(SPEC, 1, fixed(1024, 512), 2048)) == [
+        (512, True), (1024, False), (2048, False)]
     tasks = layer_tasks(s, 132, s.decode_contexts(), lambda op, t, c: "best")
-    big = tasks[1]
+    tail, big = tasks[0], tasks[2]
+    assert (tail.tokens, tail.num_decode) == (256, 256)  # the tail: decode rows only
+    assert [k.op for k in tail.ops] == [op.name for op in layer_ops(SPEC, 1)
+                                        if op.name != "attn_prefill"]
     assert (big.tokens, big.num_decode) == (1024, 384)  # a third, on the 128 grid
     ops = {k.op: k for k in big.ops}
     assert [k.op for k in big.ops] == [op.name for op in layer_ops(SPEC, 1)]
@@ -77,11 +81,12 @@ def test_layer_tasks_lay_out_the_workloads_steady_mix():
     quick = ProfileSettings(load_spec("llama3-70b"), 8, fixed(1024, 512), 256, quick=True)
     t8 = layer_tasks(quick, 132, quick.decode_contexts(), lambda op, t, c: "best")
     assert all(k.op not in ("ar_attn", "ar_ffn") for task in t8 for k in task.ops)
-    assert t8[0].num_decode == 0 and "attn_decode" not in {k.op for k in t8[0].ops}
-    assert {k.context for k in t8[1].ops if k.op == "attn_decode"} == {1536}
+    assert t8[1].num_decode == 0 and "attn_decode" not in {k.op for k in t8[1].ops}
+    assert {k.context for k in t8[2].ops if k.op == "attn_decode"} == {1536}
     # a layer with an op that has no row is left out
     assert [t.tokens for t in layer_tasks(s, 132, s.decode_contexts(),
-                                          lambda op, t, c: None if t == 512 else "x")] == [1024]
+                                          lambda op, t, c: None if t == 512 else "x")] == [
+        256, 1024]
 
 
 def test_profile_measures_the_forward_table_and_keeps_it_across_a_resume(tmp_path):
@@ -89,8 +94,9 @@ def test_profile_measures_the_forward_table_and_keeps_it_across_a_resume(tmp_pat
     backend = FakeBackend()
     prof = run_profile(s, backend, RunOptions(tmp_path / "p.json", progress=False,
                                               log=lambda _: None))
-    assert {r.batch_tokens for r in prof.forward} == {128, 256}
-    assert len(backend.layer_calls) == 2 and FORWARD_NOTE in prof.notes
+    assert {(r.batch_tokens, r.num_decode) for r in prof.forward} == {
+        (128, 128), (128, 0), (256, 128)}  # the tail, then the steady mix at half and all
+    assert len(backend.layer_calls) == 3 and FORWARD_NOTE in prof.notes
     for r in prof.forward:
         assert r.row_us == prof.kernel_time_us(r.op, r.tokens, None, r.context or None)
         assert (r.settle_ms, r.window_ms) == (300.0, 1000.0)
@@ -110,8 +116,8 @@ def _profile_without_forward(tmp_path: Path, gpu: str = "Fake GPU 132") -> tuple
     s = ProfileSettings(SPEC, 1, fixed(1024, 512), 256, quick=True)
     prof = run_profile(s, FakeBackend(), RunOptions(tmp_path / "full.json", progress=False,
                                                     log=lambda _: None))
-    bare = replace(prof, forward=(), notes=tuple(n for n in prof.notes if n != FORWARD_NOTE),
-                   identity=replace(prof.identity, gpu_name=gpu))
+    notes = tuple(n for n in prof.notes if n != FORWARD_NOTE) + ("forward table: an older one",)
+    bare = replace(prof, forward=(), notes=notes, identity=replace(prof.identity, gpu_name=gpu))
     path = tmp_path / "old.json"
     save_profile(bare, path)
     return prof, path
@@ -122,9 +128,11 @@ def test_profile_forward_adds_the_table_to_a_finished_profile(tmp_path):
     res = run_cli("profile", "forward", str(old), "--fake-gpu", "--no-progress",
                   "--out", str(tmp_path / "new.json"))
     assert res.exit_code == 0, res.output
-    assert "at 128, 256 rows" in res.output and "forward table of 2 layers" in res.output
+    assert "at 128 decode, 128, 256 rows" in res.output
+    assert "forward table of 3 layers" in res.output
     new = load_profile(tmp_path / "new.json")
     assert new.forward == measured.forward and new.notes.count(FORWARD_NOTE) == 1
+    assert "forward table: an older one" not in new.notes  # its note replaces an older one
     assert new.kernels == measured.kernels
     assert not load_profile(old).forward  # --out leaves FILE as it was
     res = run_cli("profile", "forward", str(old), "--fake-gpu", "--no-progress")

@@ -22,7 +22,13 @@ from nanosched.models.spec import load_spec
 from nanosched.profiler.backend import ProfilerBackend, Unsupported
 from nanosched.profiler.format import Profile, load_profile, save_profile
 from nanosched.profiler.plan import ProfileSettings
-from nanosched.profiler.runner import FORWARD_NOTE, RunOptions, forward_rows, run_profile
+from nanosched.profiler.runner import (
+    FORWARD_NOTE,
+    FORWARD_NOTE_PREFIX,
+    RunOptions,
+    forward_rows,
+    run_profile,
+)
 from nanosched.workloads import Workload
 
 
@@ -137,9 +143,10 @@ def add_forward(path: Path, gpu: int, workload: Workload, out: Path | None = Non
                                f"d={workload.output_len:g}); give the workload it was "
                                f"measured for (--input-len/--output-len or --workload)")
         window = (settings.pair_settle_ms + settings.pair_window_ms) / 1e3
-        log(f"timing a Sequential layer of {prof.model.name} at "
-            f"{', '.join(str(t.tokens) for t in tasks)} rows on {here}, each looped "
-            f"{window:.1f} s so that the clock settles under the power cap")
+        sizes = ", ".join(f"{t.tokens}{' decode' if t.num_decode == t.tokens else ''}"
+                          for t in tasks)
+        log(f"timing a Sequential layer of {prof.model.name} at {sizes} rows on {here}, each "
+            f"looped {window:.1f} s so that the clock settles under the power cap")
 
         def row_us(k: KernelTask) -> float:
             return full[(k.op, k.tokens, k.context)].time_us
@@ -152,7 +159,8 @@ def add_forward(path: Path, gpu: int, workload: Workload, out: Path | None = Non
                 raise ProfileError(f"forward table of {path}: {exc}") from None
     finally:
         backend.close()
-    notes = tuple(n for n in prof.notes if n != FORWARD_NOTE) + (FORWARD_NOTE,)
+    notes = tuple(n for n in prof.notes if not n.startswith(FORWARD_NOTE_PREFIX)) + (
+        FORWARD_NOTE,)
     fresh = replace(prof, forward=tuple(rows), notes=notes)
     save_profile(fresh, target)
     log(f"wrote {target}: forward table of {len(tasks)} layers")

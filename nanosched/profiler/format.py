@@ -43,9 +43,10 @@ Contents
   spread of `p_other` across shapes (NanoFlow found one table fits within 5%).
 - `rp_shapes`: per-shape R->P points (`compute_op`, `tokens` and `context` set), kept when one
   table does not fit every shape; `rp_points(cls, compute_op, tokens)` prefers them.
-- `forward` (optional): a Sequential layer of the fastest full-GPU rows at the workload's mix,
-  looped for `settle_ms` until the clock settled under the power cap, then timed over
-  `window_ms`; one row per op and layer size `batch_tokens`: the op's median span inside the
+- `forward` (optional): a Sequential layer of the fastest full-GPU rows (the workload's mix at
+  half and all of the dense batch, decode only at a quarter of it), looped for `settle_ms`
+  until the clock settled under the power cap, then timed over `window_ms`; one row per op
+  and layer (`batch_tokens`, `num_decode`): the op's median span inside the
   layer (`time_us`) beside the kernel row it ran as (`row_us`), with the layer's clock and
   power. Kernel rows are short flushed bursts at the clock of an idle GPU; inside a serving
   forward a GEMM runs slower where the board sits at its cap and an elementwise op faster where
@@ -302,11 +303,16 @@ class Profile:
     def settled_factor(self, op: str, batch_tokens: int) -> float:
         """F: how much longer than its row `op` runs alone on the whole GPU inside a forward of
         `batch_tokens` rows (module docstring, `forward`); linear in T between the measured
-        layer sizes, the nearest one's outside them; 1 where the profile has no forward row of
-        `op` (profiles without a forward table, network ops)."""
-        points = sorted((r.batch_tokens, r.factor) for r in self.forward if r.op == op)
-        if not points:
+        layer sizes (the mean of the layers of one size), the nearest one's outside them; 1
+        where the profile has no forward row of `op` (profiles without a forward table, network
+        ops)."""
+        by_size: dict[int, list[float]] = {}
+        for r in self.forward:
+            if r.op == op:
+                by_size.setdefault(r.batch_tokens, []).append(r.factor)
+        if not by_size:
             return 1.0
+        points = sorted((t, sum(f) / len(f)) for t, f in by_size.items())
         sizes = [t for t, _ in points]
         if batch_tokens <= sizes[0]:
             return points[0][1]

@@ -21,9 +21,9 @@ Grids (full / --quick):
   implementation fastest alone there (kernel table), since each pair is timed for
   `pair_settle_ms` + `pair_window_ms` (the clock settled under the power cap) and so costs
   seconds, not milliseconds.
-- forward: a Sequential layer at half the dense batch and at the dense batch (both grids), at
-  the workload's steady mix, each op the implementation fastest alone on all SMs, looped as
-  the pairs are (`layer_tasks`).
+- forward: a Sequential layer at half the dense batch and at the dense batch at the
+  workload's steady mix, and a decode-only one at a quarter (both grids), each op the
+  implementation fastest alone on all SMs, looped as the pairs are (`layer_tasks`).
 """
 
 from __future__ import annotations
@@ -288,10 +288,13 @@ class LayerTask:
         return ("layer", self.tokens, self.num_decode)
 
 
-def layer_sizes(settings: ProfileSettings) -> list[int]:
-    """The layer sizes of the forward table: half the dense batch and the dense batch."""
+def layer_sizes(settings: ProfileSettings) -> list[tuple[int, bool]]:
+    """The layers of the forward table, (rows, decode only): the two regimes a serving engine
+    runs, a decode-only batch (the tail, as requests finish) at a quarter of the dense batch,
+    and the workload's steady mix at half the dense batch and at the dense batch."""
     grid = settings.token_grid()
-    return sorted({grid[(len(grid) - 1) // 2], grid[-1]})
+    return [(grid[(len(grid) - 1) // 4], True), *((t, False) for t in sorted(
+        {grid[(len(grid) - 1) // 2], grid[-1]}))]
 
 
 # best(op, tokens, context): the implementation fastest alone on all SMs there, or None
@@ -300,17 +303,19 @@ BestFull = Callable[[str, int, int], "str | None"]
 
 def layer_tasks(settings: ProfileSettings, num_sms: int, decode_contexts: list[int],
                 best: BestFull) -> list[LayerTask]:
-    """The layers of the forward table (`layer_sizes`). Decode rows: the workload's share of
-    the batch on the 128-token grid (as the search lays out its batch), at the measured decode
-    context nearest the workload's mean (`decode_contexts`); prompt rows at the prompt length.
-    A layer with an op that has no row is left out."""
+    """The layers of the forward table (`layer_sizes`). Decode rows: every row of a decode-only
+    layer, else the workload's share of the batch on the 128-token grid (as the search lays out
+    its batch), at the measured decode context nearest the workload's mean
+    (`decode_contexts`); prompt rows at the prompt length. A layer with an op that has no row is
+    left out."""
     wl = settings.workload
     mean_context = wl.input_len + wl.output_len / 2
     context = min(decode_contexts, key=lambda c: (abs(c - mean_context), c))
     prompt = min(settings.prefill_contexts(), key=lambda c: (abs(c - wl.input_len), c))
     tasks = []
-    for t in layer_sizes(settings):
-        d = min(t, round(t * wl.decode_fraction / TOKEN_QUANTUM) * TOKEN_QUANTUM)
+    for t, decode_only in layer_sizes(settings):
+        d = t if decode_only else min(
+            t, round(t * wl.decode_fraction / TOKEN_QUANTUM) * TOKEN_QUANTUM)
         ops = []
         for op in layer_ops(settings.model, settings.tp):
             if op.resource == NETWORK:

@@ -236,10 +236,12 @@ def _run_layers(loop: _Loop, tasks: list[LayerTask]) -> None:
         loop.done_one()
 
 
-FORWARD_NOTE = ("forward table: a Sequential layer of the fastest rows on all SMs at half the "
-                "dense batch and at the dense batch, looped until the clock settled under the "
-                "power cap, each op's span beside its row (F = span / row: what the search "
-                "multiplies a row by for an op alone on the whole GPU inside a forward)")
+FORWARD_NOTE_PREFIX = "forward table: "  # the forward table's note (an older one replaced)
+FORWARD_NOTE = (f"{FORWARD_NOTE_PREFIX}a Sequential layer of the fastest rows on all SMs (the "
+                "workload's mix at half and all of the dense batch, decode only at a quarter), "
+                "looped until the clock settled under the power cap, each op's span beside its "
+                "row (F = span / row: what the search multiplies a row by for an op alone on "
+                "the whole GPU inside a forward)")
 
 
 def forward_rows(backend: ProfilerBackend, settings: ProfileSettings, task: LayerTask,

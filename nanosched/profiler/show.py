@@ -98,7 +98,7 @@ def forward_lines(prof: Profile) -> list[str]:
     table = rows.pivot_table(index="op", columns="batch_tokens", values="F", sort=False)
     out = ["\nforward: a Sequential layer looped until the clock settled; F = each op's time "
            "in it / its row (the search prices an op alone on the whole GPU at F x row):",
-           table.to_string(float_format="{:.3f}".format)]
+           table.to_string(float_format="{:.3f}".format, na_rep="-")]
     for t, layer in rows.groupby("batch_tokens"):
         first = layer.iloc[0]
         clock = "" if pd.isna(first.clock_mhz) else f", {first.clock_mhz:.0f} MHz"

@@ -140,6 +140,9 @@ def test_profile_forward_adds_the_table_to_a_finished_profile(tmp_path):
     res = run_cli("profile", "show", str(old))
     assert "forward: a Sequential layer looped" in res.output
     assert "layer of 256 rows (128 decode)" in res.output
+    # the tail and the mix of one size are two layers, each summed on its own
+    assert "layer of 128 rows (128 decode)" in res.output
+    assert "layer of 128 rows (0 decode)" in res.output
 
 
 def test_profile_forward_refuses_another_gpu(tmp_path):

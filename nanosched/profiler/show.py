@@ -87,8 +87,9 @@ def show_profile(prof: Profile, echo: Callable[[str], None] = print) -> None:
 
 
 def forward_lines(prof: Profile) -> list[str]:
-    """The forward table: per layer size, each op's F = time inside the looped layer / its row,
-    the whole layer's, and the clock and power it settled at."""
+    """The forward table: per layer size, each op's F = time inside the looped layer / its row
+    (the mean of the layers of one size, as the search reads it); per layer, the whole layer's
+    F and the clock and power it settled at."""
     import pandas as pd
 
     if not prof.forward:
@@ -99,11 +100,11 @@ def forward_lines(prof: Profile) -> list[str]:
     out = ["\nforward: a Sequential layer looped until the clock settled; F = each op's time "
            "in it / its row (the search prices an op alone on the whole GPU at F x row):",
            table.to_string(float_format="{:.3f}".format, na_rep="-")]
-    for t, layer in rows.groupby("batch_tokens"):
+    for (t, d), layer in rows.groupby(["batch_tokens", "num_decode"], sort=False):
         first = layer.iloc[0]
         clock = "" if pd.isna(first.clock_mhz) else f", {first.clock_mhz:.0f} MHz"
         power = "" if pd.isna(first.power_w) else f", {first.power_w:.0f} W"
-        out.append(f"  layer of {t} rows ({first.num_decode} decode): {layer.time_us.sum():.1f} "
+        out.append(f"  layer of {t} rows ({d} decode): {layer.time_us.sum():.1f} "
                    f"us against {layer.row_us.sum():.1f} us of rows, F "
                    f"{layer.time_us.sum() / layer.row_us.sum():.3f}{clock}{power}")
     return out

@@ -222,3 +222,22 @@ def test_a_memory_nano_op_on_a_partition_gets_the_p_measured_beside_the_fastest_
                                                  ("cta_bound", pytest.approx(alone))]
     bound = next(o for o in alloc_options(prof, "memory") if o.mechanism == "cta_bound")
     assert bound.p == 0.55  # without an op, the point's own P
+
+
+def test_two_hbm_streams_on_partitions_never_run_at_once():
+    """The attention and an elementwise op, each on half the GPU at 0.9 of its speed alone,
+    would read 1.8 of HBM: both are the memory table's other side, never measured together."""
+    attn = AllocOption(500, 0.9, "green_ctx", 66, point="memory:0", side="other")
+    norm = AllocOption(500, 0.9, "green_ctx", 66, point="memory:1", side="other")
+    gemm = AllocOption(500, 0.6, "green_ctx", 66, point="memory@ug:640:0", side="compute")
+    allreduce = AllocOption(500, 0.9, "green_ctx", 66, point="network:0", side="other")
+    assert not compatible(attn, norm) and not compatible(norm, attn)
+    assert compatible(attn, gemm) and compatible(attn, allreduce)
+    legacy = dataclasses.replace(norm, point="")  # written before allocations named a point
+    assert compatible(attn, legacy)
+    prob = Stage2Problem({"x": 10.0, "y": 8.0}, {"x": [FULL, attn], "y": [FULL, norm]},
+                         {"memory": ["x"], "other": ["y"]}, {"x": 0, "y": 0}, [])
+    assert brute_force(prob, consistent=False)[0] == 12  # side by side: 10 / 0.9, 8 / 0.9
+    alloc, rep = solve_stage2(prob, Limits(10, 2))
+    assert rep.status == "OPTIMAL" and alloc is not None
+    assert alloc.period == brute_force(prob, consistent=True)[0] == 18  # one after the other

@@ -16,7 +16,8 @@ runs over [s_x + l P, s_x + d_x + l P). Checked:
   GPU capacity  shares and green-context SMs of nano-ops running at once fit the GPU
   point consistency
                 nano-ops running at once have compatible allocations (`durations.compatible`):
-                both green_ctx, or the two sides of one cta_bound / stream_priority point
+                both green_ctx but not both the memory table's other side, or the two sides
+                of one cta_bound / stream_priority point
   durations     d = t_alone / P_alloc (within one tick), the allocation a point of the profile
                 (and, when the schedule names it, that very point and side)
 """
@@ -148,8 +149,9 @@ def check_points(s: Schedule) -> None:
                 raise _fail("point consistency", y.id, f"layer {ky} overlaps {x.id} of layer "
                             f"{kx} ({b0:.1f} < {a1:.1f} us), but {y.id}'s {describe(ay)} and "
                             f"{x.id}'s {describe(ax)} were never measured together (only "
-                            f"green_ctx options mix; a cta_bound / stream_priority point runs "
-                            f"only beside its own other side)")
+                            f"green_ctx options mix, but not two HBM streams of the memory "
+                            f"table; a cta_bound / stream_priority point runs only beside its "
+                            f"own other side)")
 
 
 def _check_durations(s: Schedule, profile: Profile) -> None:

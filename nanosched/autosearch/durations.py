@@ -8,7 +8,9 @@ batch's rows (its forward table; 1 without one).
 
 Point consistency: an R->P point was measured for one PAIR of kernels under one mechanism, so
 only measured combinations may run at once (`compatible`). Two `green_ctx` options may overlap
-whatever points they come from (disjoint SM partitions), but the memory kernel's P on a
+whatever points they come from (disjoint SM partitions), except two memory-bound kernels, both
+the other side of the memory table (attention, elementwise ops: `shares_hbm`): each was
+measured beside a GEMM, never beside another HBM stream. The memory kernel's P on a
 partition depends on the GEMM beside it (on the H200's 48 SMs: 0.59-0.63 beside `ug`, 0.78
 beside `o` or `d` at 640 rows, against the same row), so a memory option on a partition carries
 the P measured beside the fastest GEMM of its split, the GEMM the search runs there
@@ -137,9 +139,24 @@ def compatible(a: PointAlloc, b: PointAlloc) -> bool:
     if ma == Mechanism.FULL or mb == Mechanism.FULL:
         return False
     if ma == PARTITION or mb == PARTITION:
-        return ma == mb
+        return ma == mb and not shares_hbm(a, b)
     pa, pb = a.point, b.point
     return bool(pa) and pa == pb and a.side != b.side
+
+
+def point_table(point: str) -> str:
+    """The R->P table a point names ("memory:3", "memory@ug:640:1" -> "memory"; "" for none)."""
+    return point.split(":", 1)[0].split("@", 1)[0]
+
+
+def shares_hbm(a: PointAlloc, b: PointAlloc) -> bool:
+    """True when `a` and `b` are both the other side of the memory table on partitions: two
+    memory-bound kernels (attention, elementwise), each priced as it ran beside a GEMM. No such
+    pair was measured, and both draw on HBM: on two halves of the GPU the attention and a norm
+    would each be priced at 0.87 of their speed alone, 1.74 of HBM between them. Allocations
+    without a point (schedules written before allocations carried one) are not judged."""
+    return (a.side == Side.OTHER and b.side == Side.OTHER
+            and point_table(a.point) == point_table(b.point) == "memory")
 
 
 def describe(a: PointAlloc) -> str:

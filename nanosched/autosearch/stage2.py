@@ -15,6 +15,10 @@ Constraints
   capacity:                  cumulative over the union of two unrolled layers of the optional
                              intervals [s_x + lτ, s_x + lτ + ⌈t_x / P_j⌉) with demand r_j and
                              presence o_{x,j}, l ∈ {0, 1}: Σ r ≤ 1000 at every instant
+  HBM:                       the optional intervals of options that are the other side of the
+                             memory table on a partition (attention, elementwise ops) never
+                             overlap, over both unrolled layers (`durations.shares_hbm`: two
+                             HBM streams were never measured beside each other)
   energy (redundant):        Σ_{x,j} o_{x,j} r_j ⌈t_x / P_j⌉ ≤ 1000 τ
   effective energy (redundant, only with non-partition options): a non-partition option of
                              point q runs beside nothing but q's other side (point
@@ -104,6 +108,7 @@ from nanosched.autosearch.durations import (
     AllocOption,
     Mechanism,
     Side,
+    shares_hbm,
 )
 from nanosched.autosearch.periodic import Precedence, min_period
 from nanosched.schedules.format import StageReport
@@ -189,20 +194,24 @@ def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, Stage2V
     horizon = 2 * sum(worst.values()) + 2
     tau = m.new_int_var(1, prob.max_period_ticks or horizon, "tau")
     v = Stage2Vars(tau, horizon)
-    intervals, demands, energy = [], [], []
+    intervals, demands, energy, hbm = [], [], [], []
     for x in prob.alone:
         n = v.nanos[x] = _add_nano(m, x, prob, tau, horizon)
         k = prob.offsets.get(x, 0)
         m.add(n.start >= k * tau)
         m.add(n.start <= k * tau + tau - 1)
         m.add(n.end <= 2 * tau)
-        for lit, t, share in n.options:
+        for (lit, t, share), opt in zip(n.options, prob.options[x], strict=True):
             for copy, start in enumerate((n.start, n.start1)):
                 intervals.append(m.new_optional_interval_var(
                     start, t, start + t, lit, f"iv{copy}_{x}_{len(intervals)}"))
                 demands.append(share)
+                if opt.mechanism == PARTITION and shares_hbm(opt, opt):
+                    hbm.append(intervals[-1])
             energy.append(lit * (share * t))
     m.add_cumulative(intervals, demands, FULL_SHARE)
+    if len(hbm) > 1:
+        m.add_no_overlap(hbm)
     m.add(sum(energy) <= FULL_SHARE * tau)
     for fair in _fair_energies(prob, v):
         m.add(sum(fair) <= FULL_SHARE * tau)

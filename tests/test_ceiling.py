@@ -1,0 +1,62 @@
+"""The pipeline ceiling (autosearch/ceiling.py): an LP over row-group structures that bounds
+what a pipeline of those structures can be predicted, set against the search and the bound."""
+
+from dataclasses import replace
+
+import pytest
+
+from nanosched.autosearch.ceiling import compositions, pipeline_ceiling
+from nanosched.autosearch.search import SearchConfig, batch_info, run_search
+from nanosched.autosearch.sets import key_batch, key_config, overlap_bound
+from nanosched.autosearch.synthetic import context_grid, synthetic_profile
+from nanosched.hardware import get_gpu
+from nanosched.models.spec import load_spec
+from nanosched.schedules.sets import layer_times_us
+from nanosched.workloads import resolve_workload
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    spec = load_spec("llama3-8b")
+    wl = resolve_workload(None, 1024, 512)
+    b = batch_info(wl, 512)
+    prof = synthetic_profile(spec, get_gpu("h100"), 1, 512,
+                             context_grid(b.decode_context, b.prompt_len))
+    return SearchConfig(spec, 1, prof, wl, 512, time_limit_s=6.0, deterministic=True)
+
+
+def test_compositions_cut_the_quanta_into_groups():
+    assert compositions(0, 2, False) == [()]
+    assert compositions(3, 2, False) == [(384,), (128, 256), (256, 128)]
+    assert compositions(3, 3, True) == [(384,), (128, 256), (128, 128, 128)]
+    assert all(sum(c) == 5 * 128 for c in compositions(5, 3, False))
+    assert len(compositions(5, 3, False)) == 1 + 4 + 6
+
+
+def test_no_pair_worth_more_than_alone_means_no_gain(synthetic):
+    """Every R->P point cut to P_compute + P_other <= 1: no mode does more than a unit of work
+    per unit of time, so no structure beats Sequential."""
+    prof = synthetic.profile
+
+    def cut(points):
+        return tuple(replace(p, p_compute=min(p.p_compute, 1 - p.p_other)) for p in points)
+
+    flat = replace(synthetic, profile=replace(
+        prof, rp={k: cut(v) for k, v in prof.rp.items()},
+        rp_shapes={k: cut(v) for k, v in prof.rp_shapes.items()}))
+    for d, t in [(256, 512), (0, 512), (512, 512)]:
+        ceiling = pipeline_ceiling(flat, key_batch(flat, d, t))
+        assert ceiling.gain <= 1 + 1e-6, (d, t, ceiling.best)
+    assert pipeline_ceiling(synthetic, key_batch(synthetic, 256, 512)).gain > 1.05
+
+
+def test_the_ceiling_is_above_what_the_search_finds_and_below_the_bound(synthetic):
+    for d, t in [(256, 512), (0, 512), (512, 512), (128, 384)]:
+        batch = key_batch(synthetic, d, t)
+        ceiling = pipeline_ceiling(synthetic, batch)
+        sched = run_search(replace(key_config(synthetic, d, t), time_limit_s=2.0))
+        forward, sequential = layer_times_us(sched)
+        assert sequential / forward <= ceiling.gain + 1e-6, (d, t, ceiling.best)
+        # the bound prices ops in integer ticks: within a tick per op of it
+        assert ceiling.gain <= overlap_bound(synthetic, batch) * 1.01, (d, t)
+        assert ceiling.structures and ceiling.best in ceiling.structures

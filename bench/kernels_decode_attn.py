@@ -186,8 +186,10 @@ def print_sweep(rows: list[dict]) -> None:
 def table(where: list, configs: dict[str, DecodeConfig | str], requests: list[int],
           contexts: list[int], copy_gbs: float, kv_dtypes: list[str],
           page_orders: tuple[str, ...] = ("shuffled",)) -> list[dict]:
-    """Each kernel on each partition; `rel_err`: its output against triton_pipelined's on the
-    whole GPU (None for the consume-only diagnostic)."""
+    """Each kernel at each place of `where` ((SMs, stream, pair, place): a green-context
+    partition, a CTA bound of that many programs on the whole GPU, or all SMs, last);
+    `rel_err`: its output against triton_pipelined's on the whole GPU (None for the
+    consume-only diagnostic)."""
     rows = []
     for n, ctx, kv_dtype, order in itertools.product(requests, contexts, kv_dtypes, page_orders):
         batch = Batch(n, ctx, kv_dtype=kv_dtype, pages_in_order=order == "in_order")
@@ -197,10 +199,10 @@ def table(where: list, configs: dict[str, DecodeConfig | str], requests: list[in
             if cfg != "cuda_bulk_consume":
                 got = batch.run(cfg, where[-1][0]).float()
                 err = ((got - want).norm() / want.norm()).item()
-            for sms, stream, _ in where:
+            for sms, stream, _, place in where:
                 r = time_on(batch, cfg, sms, stream)
                 rows.append({"kernel": name, "kv_dtype": kv_dtype, "requests": n,
-                             "context": ctx, "pages": order, "sms": sms, **r,
+                             "context": ctx, "pages": order, "sms": sms, "place": place, **r,
                              "pct_of_copy": 100 * r["gbs"] / copy_gbs, "rel_err": err})
         del batch
         torch.cuda.empty_cache()
@@ -222,6 +224,9 @@ def main() -> None:
                     "reading nothing)")
     ap.add_argument("--pages", default="shuffled", help="page order of the block tables: "
                     "shuffled (a long-running cache), in_order (a fresh one), or both")
+    ap.add_argument("--cta-bound", action="store_true", help="also each --sms count as a "
+                    "bound on the programs on the whole GPU (no partition): the hardware then "
+                    "spreads them over the GPCs, where a green context takes its SMs together")
     ap.add_argument("--sweep-grid", default="", help="axes of the sweep to replace, e.g. "
                     "'block_n=16,32;warps=1,2;ctas_per_sm=4,8'")
     args = ap.parse_args()
@@ -240,7 +245,12 @@ def main() -> None:
     known = {"triton_paged": PAGED, "triton_pipelined": pipelined,
              "triton_pipelined_2w": PIPELINED_2W, **{k: k for k in BULK}}
     configs = {k: known[k] for k in args.kernels.split(",")}
-    rows = table(where, configs, [int(x) for x in args.requests.split(",")],
+    spots = [(sms, st, pair, "green" if pair is not None else "all")
+             for sms, st, pair in where]
+    if args.cta_bound:
+        spots[-1:-1] = [(sms, torch.cuda.current_stream(), None, "cta")
+                        for sms, _, pair in where if pair is not None]
+    rows = table(spots, configs, [int(x) for x in args.requests.split(",")],
                  [int(x) for x in args.contexts.split(",")], copy_gbs, args.kv_dtype.split(","),
                  tuple(args.pages.split(",")))
     path = write_result("kernels_decode_attn", {
@@ -253,19 +263,19 @@ def main() -> None:
     print(f"{env['device']}: copy {copy_gbs:.0f} GB/s; pipelined config {pipelined}; {path}")
     summary, errs = {}, {}
     for r in rows:
-        key = (r["kernel"], r["kv_dtype"], r["pages"], r["sms"])
+        key = (r["kernel"], r["kv_dtype"], r["pages"], r["sms"], r["place"])
         summary.setdefault(key, []).append(r["pct_of_copy"])
         errs.setdefault(key, []).append(r["rel_err"] if r["rel_err"] is not None else math.nan)
-    print_table([{"kernel": k, "kv": kv, "pages": pg, "sms": s, "min": min(v), "max": max(v),
-                  "err": max(errs[(k, kv, pg, s)])}
-                 for (k, kv, pg, s), v in sorted(summary.items())],
+    print_table([{"kernel": k, "kv": kv, "pages": pg, "sms": s, "place": pl, "min": min(v),
+                  "max": max(v), "err": max(errs[(k, kv, pg, s, pl)])}
+                 for (k, kv, pg, s, pl), v in sorted(summary.items())],
                 [("kernel", "kernel", ""), ("kv", "KV", ""), ("pages", "pages", ""),
-                 ("sms", "SMs", ""),
+                 ("sms", "SMs", ""), ("place", "place", ""),
                  ("min", "min % copy", ".1f"), ("max", "max % copy", ".1f"),
                  ("err", "max err vs triton", ".1e")])
     if len(set(args.kv_dtype.split(","))) > 1 and "," not in args.pages:  # fp8 against bf16
         times = {(r["kernel"], r["kv_dtype"], r["requests"], r["context"], r["sms"]): r["ms"]
-                 for r in rows}
+                 for r in rows if r["place"] != "cta"}
         print_table([{"kernel": k, "requests": n, "context": c, "sms": s,
                       "bf16": t * 1e3, "fp8": times[(k, "fp8", n, c, s)] * 1e3,
                       "speedup": t / times[(k, "fp8", n, c, s)]}

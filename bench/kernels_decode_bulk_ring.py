@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--requests", default="64,256,640")
     ap.add_argument("--contexts", default="1024,4096,8192")
     ap.add_argument("--sms", default="16,32,48")
+    ap.add_argument("--kernel", default="cuda_bulk", choices=["cuda_bulk", "cuda_bulk_consume"],
+                    help="cuda_bulk_consume: the ring's consumers read nothing (its copy "
+                    "ceiling; outputs are zeros)")
     args = ap.parse_args()
     env = environment()
     copy_gbs = copy_bandwidth_gbs()
@@ -54,15 +57,16 @@ def main() -> None:
         for ring in rings:
             slots, boxes = use_ring(ring)
             torch.cuda.synchronize()
-            got = batch.run(None, where[-1][0]).clone()
+            got = batch.run(args.kernel, where[-1][0]).clone()
             torch.cuda.synchronize()
             first = got if first is None else first
             check = {"equal": torch.equal(got, first), "nan": int(got.isnan().sum()),
                      "max_diff": float((got.float() - first.float()).abs().max())}
             for sms, stream, _ in where:
-                r = time_on(batch, None, sms, stream)
-                rows.append({"ring": ring, "slots": slots, "slot_boxes": boxes,
-                             "requests": n, "context": ctx, "sms": sms, **check, **r,
+                r = time_on(batch, args.kernel, sms, stream)
+                rows.append({"kernel": args.kernel, "ring": ring, "slots": slots,
+                             "slot_boxes": boxes, "requests": n, "context": ctx, "sms": sms,
+                             **check, **r,
                              "pct_of_copy": 100 * r["gbs"] / copy_gbs})
         del batch, first
         torch.cuda.empty_cache()

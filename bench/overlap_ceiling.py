@@ -76,7 +76,8 @@ def bench_shapes(path: str, dense_batch: int) -> list[dict]:
             continue
         key = set_key(sh["num_decode"], sh["num_tokens"], dense_batch)
         out.append({"shape": [sh["num_decode"], sh["num_tokens"]], "key": key,
-                    "iterations": sh["forward_iterations"], "forward_ms": sh["forward_ms"]})
+                    "iterations": sh.get("forward_iterations", sh["iterations"]),
+                    "forward_ms": sh["forward_ms"]})
     return out
 
 

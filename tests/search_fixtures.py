@@ -32,3 +32,16 @@ def small_schedule(tp: int = 1, batch: int = 768) -> Schedule:
     cfg = SearchConfig(load_spec("llama3-8b"), tp, small_profile(tp, batch), fixed(512, 512),
                        batch, time_limit_s=3.5, num_workers=2, deterministic=True)
     return run_search(cfg)
+
+
+def synthetic_set_config(time_limit_s: float = 6.0) -> SearchConfig:
+    """The set searches' configuration: llama3-8b at 1024 / 512, dense batch 512, on a
+    synthetic H100 profile; deterministic."""
+    from nanosched.workloads import resolve_workload
+
+    spec = load_spec("llama3-8b")
+    wl = resolve_workload(None, 1024, 512)
+    b = batch_info(wl, 512)
+    prof = synthetic_profile(spec, get_gpu("h100"), 1, 512,
+                             context_grid(b.decode_context, b.prompt_len))
+    return SearchConfig(spec, 1, prof, wl, 512, time_limit_s=time_limit_s, deterministic=True)

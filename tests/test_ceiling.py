@@ -4,25 +4,17 @@ what a pipeline of those structures can be predicted, set against the search and
 from dataclasses import replace
 
 import pytest
+from search_fixtures import synthetic_set_config
 
 from nanosched.autosearch.ceiling import compositions, pipeline_ceiling
-from nanosched.autosearch.search import SearchConfig, batch_info, run_search
+from nanosched.autosearch.search import run_search
 from nanosched.autosearch.sets import key_batch, key_config, overlap_bound
-from nanosched.autosearch.synthetic import context_grid, synthetic_profile
-from nanosched.hardware import get_gpu
-from nanosched.models.spec import load_spec
 from nanosched.schedules.sets import layer_times_us
-from nanosched.workloads import resolve_workload
 
 
 @pytest.fixture(scope="module")
 def synthetic():
-    spec = load_spec("llama3-8b")
-    wl = resolve_workload(None, 1024, 512)
-    b = batch_info(wl, 512)
-    prof = synthetic_profile(spec, get_gpu("h100"), 1, 512,
-                             context_grid(b.decode_context, b.prompt_len))
-    return SearchConfig(spec, 1, prof, wl, 512, time_limit_s=6.0, deterministic=True)
+    return synthetic_set_config()
 
 
 def test_compositions_cut_the_quanta_into_groups():

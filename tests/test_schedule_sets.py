@@ -198,18 +198,9 @@ def test_a_single_schedule_file_replays_only_its_own_shape(model, single):
 # ---- the search -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def synthetic():
-    from nanosched.autosearch.search import SearchConfig, batch_info
-    from nanosched.autosearch.synthetic import context_grid, synthetic_profile
-    from nanosched.hardware import get_gpu
-    from nanosched.models.spec import load_spec
-    from nanosched.workloads import resolve_workload
+    from search_fixtures import synthetic_set_config
 
-    spec = load_spec("llama3-8b")
-    wl = resolve_workload(None, 1024, 512)
-    b = batch_info(wl, 512)
-    prof = synthetic_profile(spec, get_gpu("h100"), 1, 512,
-                             context_grid(b.decode_context, b.prompt_len))
-    return SearchConfig(spec, 1, prof, wl, 512, time_limit_s=6.0, deterministic=True)
+    return synthetic_set_config()
 
 
 def test_the_bound_is_above_what_the_search_finds(synthetic):

@@ -3,7 +3,7 @@
     python bench/overlap_ceiling.py --profile llama3-8b-tp1-h100 --dense-batch 1024
         [--model llama3-8b] [--input-len 1024 --output-len 512 | --workload sharegpt]
         [--set SET.json] [--bench BENCH.json] [--keys steady|all|D:T,...] [--max-groups 2]
-        [--equal-only] [--what-if KC,KO]
+        [--equal-only] [--what-if KC,KO] [--one-option]
 
 For each key (D decode of T rows, at the context the set search gives it) the ceiling is the
 largest Sequential / period that any pipeline of row groups could be predicted, over the
@@ -16,8 +16,9 @@ pipeline of those structures pays on this GPU, whatever the search does. With `-
 `nanosched bench` record on this GPU), the forward time of its Sequential run is weighed by
 shape: each shape's measured forwards over its key's ceiling bounds how much of that time any
 such set of pipelines could save, the end-to-end ceiling (time outside the forwards is not cut).
-`--what-if KC,KO` multiplies every R->P point's P_compute by KC and P_other by KO (each at most
-1) first: how much better the pairs would have to be for a ceiling.
+`--one-option` holds each piece to one allocation (a MILP; seconds per structure, so with
+`--keys steady` or a few keys). `--what-if KC,KO` multiplies every R->P point's P_compute by KC
+and P_other by KO (each at most 1) first: how much better the pairs would have to be.
 JSON to $OUT or bench/results/ (`overlap_ceiling-<profile>-<date>.json`); table last.
 """
 
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--max-groups", type=int, default=2)
     ap.add_argument("--equal-only", action="store_true", help="equal groups only (faster)")
     ap.add_argument("--what-if", default=None, help="KC,KO: scale every point's P first")
+    ap.add_argument("--one-option", action="store_true",
+                    help="each piece keeps one allocation, as a nano-op does (a MILP)")
     args = ap.parse_args()
     prof = load_profile(profile_path(args.profile))
     digest = prof.digest()
@@ -128,7 +131,7 @@ def main() -> None:
     start = time.perf_counter()
     for i, (d, t) in enumerate(keys):
         batch = key_batch(cfg, d, t)
-        c = pipeline_ceiling(cfg, batch, args.max_groups, args.equal_only)
+        c = pipeline_ceiling(cfg, batch, args.max_groups, args.equal_only, args.one_option)
         rows.append({
             "num_decode": d, "num_tokens": t, "decode_context": round(batch.decode_context, 1),
             "sequential_layer_us": round(c.sequential_us, 1),
@@ -159,12 +162,13 @@ def main() -> None:
             "workload": workload.name, "dense_batch": args.dense_batch,
             "steady_key": [steady.num_decode, steady.dense_batch],
             "max_groups": args.max_groups, "equal_only": args.equal_only,
-            "what_if": what_if,
+            "what_if": what_if, "one_option": args.one_option,
             "set": args.set, "wall_s": round(time.perf_counter() - start, 1),
             "bench_ceiling": weighed, "rows": rows}
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     stem = Path(str(args.profile)).stem
     tag = f"-whatif{what_if[0]:g}x{what_if[1]:g}" if what_if else ""
+    tag += "-oneoption" if args.one_option else ""
     tag += "" if args.keys == "all" else "-steady" if args.keys == "steady" else "-keys"
     path = out / f"overlap_ceiling-{stem}{tag}-{env['date'][:10].replace('-', '')}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")

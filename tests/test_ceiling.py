@@ -52,3 +52,11 @@ def test_the_ceiling_is_above_what_the_search_finds_and_below_the_bound(syntheti
         # the bound prices ops in integer ticks: within a tick per op of it
         assert ceiling.gain <= overlap_bound(synthetic, batch) * 1.01, (d, t)
         assert ceiling.structures and ceiling.best in ceiling.structures
+
+
+def test_one_allocation_per_piece_lowers_the_ceiling(synthetic):
+    batch = key_batch(synthetic, 256, 512)
+    mixed = pipeline_ceiling(synthetic, batch, equal_only=True)
+    one = pipeline_ceiling(synthetic, batch, equal_only=True, one_option=True)
+    assert one.gain <= mixed.gain + 1e-6
+    assert one.gain > 1.0  # the synthetic pairs still pay with one allocation per piece

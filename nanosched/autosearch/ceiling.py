@@ -28,6 +28,12 @@ Minimise tau. Every schedule of that structure that stage II could build is a fe
 (its modes' times, its period), so Sequential's time / tau bounds its predicted gain per layer;
 the ceiling is the largest over the structures tried. It ignores what a real schedule also pays:
 integer ticks, the order of the nano-ops, fill and drain, a prompt chunk split between groups.
+A piece may run under several allocations (a part beside the attention on a partition, a part
+CTA-bound), as a search that cuts it into several nano-ops could; `one_option` holds each piece
+to one allocation in every mode it runs in (binaries and big-M rows: a MILP for SCIP), the
+ceiling of the structures whose nano-ops are exactly the pieces, lower and closer to what a
+search of few nano-ops per op can find. Each MILP gets `MILP_SECONDS`; one stopped there
+reports its proven bound, so the figure stays a ceiling.
 
 What it does not cover: pipelines that cut different ops at different rows (the search may), and
 at tp > 1 the reduce-scatter / all-gather form of a collective (the all-reduce form is priced).
@@ -54,6 +60,7 @@ from nanosched.models.ops import COMPUTE
 from nanosched.schedules.format import BatchInfo
 
 Group = tuple[int, int]  # rows [lo, hi) of the batch
+MILP_SECONDS = 20.0  # per structure with `one_option`; past it the MILP's proven bound is kept
 
 
 @dataclass(frozen=True)
@@ -172,16 +179,26 @@ def _mode_name(pieces: list[Piece], idx: tuple[int, ...], opts: tuple[AllocOptio
 
 
 def structure_ceiling(cfg: SearchConfig, batch: BatchInfo, decode_sizes: tuple[int, ...],
-                      prompt_sizes: tuple[int, ...], sequential_us: float) -> StructureCeiling:
-    """The LP of one structure (module docstring)."""
+                      prompt_sizes: tuple[int, ...], sequential_us: float,
+                      one_option: bool = False) -> StructureCeiling:
+    """The LP of one structure (module docstring); `one_option`: each piece keeps one
+    allocation in every mode it runs in, as a nano-op does (a MILP, solved by SCIP)."""
     from ortools.linear_solver import pywraplp
 
     groups = _groups(batch.num_decode, decode_sizes, prompt_sizes)
     pieces = _pieces(cfg, batch, groups)
     modes = _modes(pieces)
-    lp = pywraplp.Solver.CreateSolver("GLOP")
+    lp = pywraplp.Solver.CreateSolver("SCIP" if one_option else "GLOP")
     tau = lp.NumVar(0, lp.infinity(), "tau")
     t = [lp.NumVar(0, lp.infinity(), f"m{k}") for k in range(len(modes))]
+    if one_option:
+        pick = {(i, o): lp.BoolVar(f"y{i}_{j}") for i, p in enumerate(pieces)
+                for j, o in enumerate(p.options)}
+        for i, p in enumerate(pieces):
+            lp.Add(lp.Sum([pick[(i, o)] for o in p.options]) == 1)
+        for var, (idx, opts) in zip(t, modes, strict=True):
+            for i, o in zip(idx, opts, strict=True):
+                lp.Add(var <= 2 * sequential_us * pick[(i, o)])
     work: list[list] = [[] for _ in pieces]
     busy: list[list] = [[] for _ in pieces]
     for var, (idx, opts) in zip(t, modes, strict=True):
@@ -194,9 +211,15 @@ def structure_ceiling(cfg: SearchConfig, batch: BatchInfo, decode_sizes: tuple[i
     for g in range(len(groups)):
         lp.Add(lp.Sum([v for i, p in enumerate(pieces) if p.group == g for v in busy[i]]) <= tau)
     lp.Minimize(tau)
-    if lp.Solve() != pywraplp.Solver.OPTIMAL:  # always feasible: every piece alone
-        raise RuntimeError(f"the ceiling LP of groups {groups} did not solve")
-    period = tau.solution_value()
+    if one_option:
+        lp.SetTimeLimit(int(MILP_SECONDS * 1000))
+    status = lp.Solve()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise RuntimeError(f"the ceiling LP of groups {groups} did not solve")  # always
+        # feasible (every piece alone), so only a MILP out of time before any answer lands here
+    # a MILP stopped by its time limit: its proven lower bound on tau keeps the ceiling a bound
+    period = tau.solution_value() if status == pywraplp.Solver.OPTIMAL else \
+        lp.Objective().BestBound()
     used = sorted(((_mode_name(pieces, *modes[k]), var.solution_value())
                    for k, var in enumerate(t) if var.solution_value() > 1e-6),
                   key=lambda m: -m[1])
@@ -205,14 +228,14 @@ def structure_ceiling(cfg: SearchConfig, batch: BatchInfo, decode_sizes: tuple[i
 
 
 def pipeline_ceiling(cfg: SearchConfig, batch: BatchInfo, max_groups: int = 2,
-                     equal_only: bool = False) -> Ceiling:
+                     equal_only: bool = False, one_option: bool = False) -> Ceiling:
     """The ceiling of `batch` over the structures of up to `max_groups` decode groups and as
-    many prompt groups (module docstring)."""
+    many prompt groups (module docstring); `one_option`: each piece keeps one allocation."""
     q = TOKEN_QUANTUM
     seq = sum(sequential_op_times(cfg.spec, cfg.tp, cfg.profile, batch).values())
     decode = compositions(batch.num_decode // q, max_groups, equal_only)
     prompt = compositions((batch.dense_batch - batch.num_decode) // q, max_groups, equal_only)
-    found = [structure_ceiling(cfg, batch, d, p, seq)
+    found = [structure_ceiling(cfg, batch, d, p, seq, one_option)
              for d, p in itertools.product(decode, prompt) if len(d) + len(p) >= 2]
     if not found:  # one group of 128 rows: nothing can run beside anything
         found = [StructureCeiling(decode[0], prompt[0], seq, 1.0, ())]

@@ -82,7 +82,7 @@ class StructureCeiling:
     prompt_groups: tuple[int, ...]  # rows of each prompt group
     period_us: float
     gain: float  # Sequential's layer time / period_us
-    modes: tuple[tuple[str, float], ...]  # (mode, us per layer) of the optimum, largest first
+    modes: tuple[tuple[str, float], ...]  # (mode, us per layer) of its answer, largest first
 
 
 @dataclass(frozen=True)
@@ -192,13 +192,16 @@ def structure_ceiling(cfg: SearchConfig, batch: BatchInfo, decode_sizes: tuple[i
     tau = lp.NumVar(0, lp.infinity(), "tau")
     t = [lp.NumVar(0, lp.infinity(), f"m{k}") for k in range(len(modes))]
     if one_option:
+        # every piece alone, one after another, is feasible: no mode of an optimum runs longer
+        longest = sum(p.alone_us / next(o.p for o in p.options if o.mechanism == Mechanism.FULL)
+                      for p in pieces)
         pick = {(i, o): lp.BoolVar(f"y{i}_{j}") for i, p in enumerate(pieces)
                 for j, o in enumerate(p.options)}
         for i, p in enumerate(pieces):
             lp.Add(lp.Sum([pick[(i, o)] for o in p.options]) == 1)
         for var, (idx, opts) in zip(t, modes, strict=True):
             for i, o in zip(idx, opts, strict=True):
-                lp.Add(var <= 2 * sequential_us * pick[(i, o)])
+                lp.Add(var <= longest * pick[(i, o)])
     work: list[list] = [[] for _ in pieces]
     busy: list[list] = [[] for _ in pieces]
     for var, (idx, opts) in zip(t, modes, strict=True):

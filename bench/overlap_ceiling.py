@@ -1,7 +1,7 @@
 """The pipeline ceiling of a profile's batch shapes, beside what the search found there (CPU).
 
     python bench/overlap_ceiling.py --profile llama3-8b-tp1-h100 --dense-batch 1024
-        [--model llama3-8b] [--input-len 1024 --output-len 512 | --workload sharegpt]
+        [--input-len 1024 --output-len 512 | --workload sharegpt]
         [--set SET.json] [--bench BENCH.json] [--keys steady|all|D:T,...] [--max-groups 2]
         [--equal-only] [--what-if KC,KO] [--one-option]
 
@@ -37,22 +37,16 @@ from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 
+from _common import results_dir
+
 from nanosched.autosearch.ceiling import pipeline_ceiling
+from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.search import SearchConfig, search_batch
 from nanosched.autosearch.sets import key_batch
-from nanosched.models.spec import load_spec
-from nanosched.profiler.format import load_profile
 from nanosched.schedules.sets import load_schedule_set, set_key, set_keys
 from nanosched.workloads import resolve_workload
 
-SHIPPED = Path(__file__).resolve().parents[1] / "nanosched" / "profiler" / "profiles"
 FOUND = re.compile(r"best pipeline found predicts ([0-9.]+)x")
-
-
-def profile_path(name: str) -> Path:
-    """A profile FILE, or the NAME of a shipped one."""
-    path = Path(name)
-    return path if path.suffix == ".json" else SHIPPED / f"{name}.json"
 
 
 def found_gains(path: str) -> dict[tuple[int, int], float]:
@@ -94,7 +88,6 @@ def scaled(prof, kc: float, ko: float):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="profile FILE or shipped NAME")
-    ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--dense-batch", type=int, required=True)
     ap.add_argument("--input-len", type=float, default=1024)
     ap.add_argument("--output-len", type=float, default=512)
@@ -108,14 +101,14 @@ def main() -> None:
     ap.add_argument("--one-option", action="store_true",
                     help="each piece keeps one allocation, as a nano-op does (a MILP)")
     args = ap.parse_args()
-    prof = load_profile(profile_path(args.profile))
+    prof = load_named_profile(args.profile)
     digest = prof.digest()
     what_if = [float(x) for x in args.what_if.split(",")] if args.what_if else None
     if what_if:
         prof = scaled(prof, *what_if)
     workload = resolve_workload(args.workload, None if args.workload else args.input_len,
                                 None if args.workload else args.output_len)
-    cfg = SearchConfig(load_spec(args.model), prof.tp, prof, workload, args.dense_batch)
+    cfg = SearchConfig(prof.model, prof.tp, prof, workload, args.dense_batch)
     steady = search_batch(cfg)
     if args.keys == "steady":
         keys = [(steady.num_decode, steady.dense_batch)]
@@ -165,7 +158,7 @@ def main() -> None:
             "what_if": what_if, "one_option": args.one_option,
             "set": args.set, "wall_s": round(time.perf_counter() - start, 1),
             "bench_ceiling": weighed, "rows": rows}
-    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+    out = results_dir()
     stem = Path(str(args.profile)).stem
     tag = f"-whatif{what_if[0]:g}x{what_if[1]:g}" if what_if else ""
     tag += "-oneoption" if args.one_option else ""

@@ -73,6 +73,11 @@ class Piece:
     alone_us: float  # its row at the group's rows: P is against it
     options: tuple[AllocOption, ...]
 
+    @property
+    def full(self) -> AllocOption:
+        """Its option alone on the whole GPU (P = 1 / F)."""
+        return next(o for o in self.options if o.mechanism == Mechanism.FULL)
+
 
 @dataclass(frozen=True)
 class StructureCeiling:
@@ -144,20 +149,17 @@ def _pieces(cfg: SearchConfig, batch: BatchInfo, groups: list[Group]) -> list[Pi
 
 
 def _fits(opts: tuple[AllocOption, ...]) -> bool:
-    """Options that may run at once: pairwise compatible, green shares within the GPU."""
-    if any(o.mechanism == Mechanism.FULL for o in opts):
-        return False
-    if not all(compatible(a, b) for a, b in itertools.combinations(opts, 2)):
-        return False
-    green = [o.share for o in opts if o.mechanism == Mechanism.GREEN_CTX]
-    return len(green) < len(opts) or sum(green) <= FULL_SHARE
+    """Options that may run at once: pairwise compatible (so no full option, and green ones
+    only beside green ones), green shares within the GPU."""
+    return (all(compatible(a, b) for a, b in itertools.combinations(opts, 2))
+            and sum(o.share for o in opts if o.mechanism == Mechanism.GREEN_CTX) <= FULL_SHARE)
 
 
 def _modes(pieces: list[Piece]) -> list[tuple[tuple[int, ...], tuple[AllocOption, ...]]]:
     """Every mode: (piece indices, their options)."""
     modes: list[tuple[tuple[int, ...], tuple[AllocOption, ...]]] = []
     for i, p in enumerate(pieces):
-        modes.append(((i,), tuple(o for o in p.options if o.mechanism == Mechanism.FULL)[:1]))
+        modes.append(((i,), (p.full,)))
     compute = [i for i, p in enumerate(pieces) if p.resource == COMPUTE]
     others = [i for i, p in enumerate(pieces) if p.resource != COMPUTE]
     sets: list[tuple[int, ...]] = [(c, m) for c in compute for m in others]
@@ -193,8 +195,7 @@ def structure_ceiling(cfg: SearchConfig, batch: BatchInfo, decode_sizes: tuple[i
     t = [lp.NumVar(0, lp.infinity(), f"m{k}") for k in range(len(modes))]
     if one_option:
         # every piece alone, one after another, is feasible: no mode of an optimum runs longer
-        longest = sum(p.alone_us / next(o.p for o in p.options if o.mechanism == Mechanism.FULL)
-                      for p in pieces)
+        longest = sum(p.alone_us / p.full.p for p in pieces)
         pick = {(i, o): lp.BoolVar(f"y{i}_{j}") for i, p in enumerate(pieces)
                 for j, o in enumerate(p.options)}
         for i, p in enumerate(pieces):

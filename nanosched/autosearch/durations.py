@@ -149,14 +149,18 @@ def point_table(point: str) -> str:
     return point.split(":", 1)[0].split("@", 1)[0]
 
 
+def hbm_stream(a: PointAlloc) -> bool:
+    """True when `a` is the other side of the memory table: a memory-bound kernel (attention,
+    elementwise) priced as it ran beside a GEMM. An allocation without a point (schedules
+    written before allocations carried one) is not judged."""
+    return a.side == Side.OTHER and point_table(a.point) == "memory"
+
+
 def shares_hbm(a: PointAlloc, b: PointAlloc) -> bool:
-    """True when `a` and `b` are both the other side of the memory table on partitions: two
-    memory-bound kernels (attention, elementwise), each priced as it ran beside a GEMM. No such
-    pair was measured, and both draw on HBM: on two halves of the GPU the attention and a norm
-    would each be priced at 0.87 of their speed alone, 1.74 of HBM between them. Allocations
-    without a point (schedules written before allocations carried one) are not judged."""
-    return (a.side == Side.OTHER and b.side == Side.OTHER
-            and point_table(a.point) == point_table(b.point) == "memory")
+    """True when `a` and `b` are both HBM streams (`hbm_stream`). No such pair was measured,
+    and both draw on HBM: on two halves of the GPU the attention and a norm would each be
+    priced at 0.87 of their speed alone, 1.74 of HBM between them."""
+    return hbm_stream(a) and hbm_stream(b)
 
 
 def describe(a: PointAlloc) -> str:

@@ -17,7 +17,7 @@ Constraints
                              presence o_{x,j}, l ∈ {0, 1}: Σ r ≤ 1000 at every instant
   HBM:                       the optional intervals of options that are the other side of the
                              memory table on a partition (attention, elementwise ops) never
-                             overlap, over both unrolled layers (`durations.shares_hbm`: two
+                             overlap, over both unrolled layers (`durations.hbm_stream`: two
                              HBM streams were never measured beside each other)
   energy (redundant):        Σ_{x,j} o_{x,j} r_j ⌈t_x / P_j⌉ ≤ 1000 τ
   effective energy (redundant, only with non-partition options): a non-partition option of
@@ -108,7 +108,7 @@ from nanosched.autosearch.durations import (
     AllocOption,
     Mechanism,
     Side,
-    shares_hbm,
+    hbm_stream,
 )
 from nanosched.autosearch.periodic import Precedence, min_period
 from nanosched.schedules.format import StageReport
@@ -206,7 +206,7 @@ def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, Stage2V
                 intervals.append(m.new_optional_interval_var(
                     start, t, start + t, lit, f"iv{copy}_{x}_{len(intervals)}"))
                 demands.append(share)
-                if opt.mechanism == PARTITION and shares_hbm(opt, opt):
+                if opt.mechanism == PARTITION and hbm_stream(opt):
                     hbm.append(intervals[-1])
             energy.append(lit * (share * t))
     m.add_cumulative(intervals, demands, FULL_SHARE)

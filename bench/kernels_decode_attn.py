@@ -49,6 +49,10 @@ BULK = {
     "cuda_bulk": {},
     # a diagnostic: the ring with consumers that read nothing (its copy ceiling; zeros out)
     "cuda_bulk_consume": {"CONSUME_ONLY": True},
+    # FP8: one CTA per SM (the whole ring) on any SMs; two on any SMs
+    "cuda_bulk_1cta": {"FP8_CTAS_PER_SM": 1},
+    "cuda_bulk_consume_1cta": {"CONSUME_ONLY": True, "FP8_CTAS_PER_SM": 1},
+    "cuda_bulk_2cta": {"FP8_SHARED_MAX_SMS": 1 << 30},
 }
 
 
@@ -81,9 +85,9 @@ class Batch:
         self.kv_dtype = kv_dtype
         self.kv_bytes = 2 * requests * context * token_bytes
 
-    def run(self, config: DecodeConfig | str, ctas: int) -> torch.Tensor:
+    def run(self, config: DecodeConfig | str, ctas: int, per_sm: int | None = None) -> torch.Tensor:
         """One launch of `config`'s Triton kernel, or of the `cuda_bulk` variant it names
-        (BULK)."""
+        (BULK; `per_sm` its CTAs per SM, default the cache's), on at most `ctas` CTAs."""
         if not isinstance(config, DecodeConfig):
             from nanosched.kernels import decode_attn_bulk
 
@@ -93,7 +97,7 @@ class Batch:
             try:
                 decode_attn_bulk.decode_attention(
                     self.q, self.k, self.v, self.tables, self.lens, self.context, HD ** -0.5,
-                    self.out, max_ctas=ctas, **self.scales)
+                    self.out, max_ctas=ctas, per_sm=per_sm, **self.scales)
             finally:
                 for k, v in saved.items():
                     setattr(decode_attn_bulk, k, v)
@@ -105,10 +109,27 @@ class Batch:
         return self.out
 
 
-def time_on(batch: Batch, config: DecodeConfig | str, sms: int, stream) -> dict:
-    ctas = (config.ctas_per_sm if isinstance(config, DecodeConfig) else 1) * sms
+def bulk_per_sm(name: str, kv_dtype: str, sms: int) -> int:
+    """CTAs per SM of the `cuda_bulk` variant `name` on `sms` SMs (not under a CTA bound), as
+    the dispatcher launches it (decode_attn_bulk.ctas_per_sm under the variant's settings)."""
+    from nanosched.kernels import decode_attn_bulk as bulk
+
+    per_sm = BULK[name].get("FP8_CTAS_PER_SM", bulk.FP8_CTAS_PER_SM)
+    upto = BULK[name].get("FP8_SHARED_MAX_SMS", bulk.FP8_SHARED_MAX_SMS)
+    return per_sm if kv_dtype == "fp8" and sms <= upto else 1
+
+
+def time_on(batch: Batch, config: DecodeConfig | str, sms: int, stream,
+            cta_bound: bool = False) -> dict:
+    """`config` on `sms` SMs (its CTAs per SM each), or under a bound of `sms` CTAs (cuda_bulk:
+    one per SM, the whole ring, as the dispatcher launches it)."""
+    if isinstance(config, DecodeConfig):
+        per_sm = config.ctas_per_sm
+    else:
+        per_sm = 1 if cta_bound else bulk_per_sm(config, batch.kv_dtype, sms)
+    ctas = per_sm * sms
     with torch.cuda.stream(stream):
-        ms = median_ms(lambda: batch.run(config, ctas))
+        ms = median_ms(lambda: batch.run(config, ctas, per_sm))
     return {"ms": ms, "gbs": batch.kv_bytes / ms / 1e6, "ctas": ctas}
 
 
@@ -197,10 +218,11 @@ def table(where: list, configs: dict[str, DecodeConfig | str], requests: list[in
         for name, cfg in configs.items():
             err = None
             if cfg != "cuda_bulk_consume":
-                got = batch.run(cfg, where[-1][0]).float()
+                per_sm = bulk_per_sm(cfg, kv_dtype, where[-1][0])
+                got = batch.run(cfg, per_sm * where[-1][0], per_sm).float()
                 err = ((got - want).norm() / want.norm()).item()
             for sms, stream, _, place in where:
-                r = time_on(batch, cfg, sms, stream)
+                r = time_on(batch, cfg, sms, stream, place == "cta")
                 rows.append({"kernel": name, "kv_dtype": kv_dtype, "requests": n,
                              "context": ctx, "pages": order, "sms": sms, "place": place, **r,
                              "pct_of_copy": 100 * r["gbs"] / copy_gbs, "rel_err": err})

@@ -101,7 +101,6 @@ def test_it_is_a_decode_implementation_the_profiler_knows():
     from nanosched.profiler.runner import PARTITION_MEMORY_IMPLS
 
     assert impls.check_op_impl("attn_decode", "cuda_bulk") == "cuda_bulk"
-    assert impls.grid_bound(None, 32, impls.BULK_CTAS_PER_SM) == 32
     runnable, notes = profiler_impls.available(["attn_decode"])
     reason = profiler_impls.bulk_missing()
     if reason is None:
@@ -110,3 +109,22 @@ def test_it_is_a_decode_implementation_the_profiler_knows():
         assert "not installed" in reason
         assert any("attn_decode/cuda_bulk not measured" in n for n in notes)
     assert "cuda_bulk" in PARTITION_MEMORY_IMPLS
+
+
+@pytest.mark.parametrize("launch, fp8, grid, per_sm", [
+    ({"num_sms": 32}, False, 32, 1), ({"num_sms": 32}, True, 64, 2),  # a partition's SMs
+    ({"num_sms": 48}, True, 96, 2), ({"num_sms": 64}, True, 64, 1),  # two CTAs on <= 48 SMs
+    ({}, True, None, 1),  # the whole GPU (132 SMs): the kernel's own grid, one CTA an SM
+    ({"max_ctas": 16}, True, 16, 1),  # a CTA bound: each CTA its own SM and the whole ring
+    ({"max_ctas": 16}, False, 16, 1)])
+def test_the_dispatcher_launches_fp8_cuda_bulk_with_two_ctas_per_sm_on_few_sms(
+        monkeypatch, launch, fp8, grid, per_sm):
+    seen = {}
+    monkeypatch.setattr(bulk, "decode_attention", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
+    q, k = torch.zeros(2, 4, 8), torch.zeros(1, 16, 1, 8)
+    scales = {"k_scale": torch.ones(1, 16, 1), "v_scale": torch.ones(1, 16, 1)} if fp8 else {}
+    dispatch.decode_attention(q, k, k, torch.zeros(2, 1, dtype=torch.int32),
+                              torch.ones(2, dtype=torch.int32), 1, 0.1, torch.empty_like(q),
+                              dispatch.KernelOptions(), {"impl": "cuda_bulk", **launch}, **scales)
+    assert (seen["max_ctas"], seen["per_sm"]) == (grid, per_sm)

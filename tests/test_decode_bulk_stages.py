@@ -49,10 +49,18 @@ def test_the_reason_names_the_shared_memory_the_ring_needs(monkeypatch):
 
 
 
-def test_an_fp8_ring_takes_eleven_slots_of_a_pages_k_or_v_and_its_scales():
+def test_an_fp8_ring_takes_six_slots_of_a_pages_k_or_v_and_its_scales_in_half_an_sm():
     """FP8, Llama-3 heads: a slot is a page's 16 KB of K (or V) and its 512 B of scales, 1024-byte
-    aligned; eleven fill RING_BYTES within an H100's shared memory."""
+    aligned. On few SMs two CTAs share an SM, each with six slots (three pages) in its half of
+    the SM's 228 KB; one CTA alone (on the whole GPU, under a CTA bound) takes eleven,
+    RING_BYTES' worth."""
     size = bulk.slot_bytes(8, 128, fp8=True)
     assert size == 17 * 1024 and bulk.page_slots(128, fp8=True) == 2
-    slots = bulk.ring_slots(8, 128, H100_OPTIN, fp8=True)
-    assert slots == 11 and bulk.smem_bytes(8, 128, fp8=True) == 11 * size + 1024 + 16 * 11
+    assert bulk.ctas_per_sm(True, 32) == 2 and bulk.ctas_per_sm(False, 32) == 1
+    assert bulk.ctas_per_sm(True, 132) == 1  # the whole GPU: one CTA, the whole ring
+    half = bulk.cta_smem(H100_OPTIN, 2)
+    assert 2 * (half + 1024) <= bulk.SM_SMEM and bulk.cta_smem(H100_OPTIN, 1) == H100_OPTIN
+    slots = bulk.ring_slots(8, 128, half, fp8=True)
+    assert slots == 6 and bulk.smem_bytes(8, 128, 6, fp8=True) == 6 * size + 1024 + 16 * 6 <= half
+    assert bulk.ring_slots(8, 128, H100_OPTIN, fp8=True) == 11
+    assert bulk.smem_bytes(8, 128, fp8=True) == 11 * size + 1024 + 16 * 11

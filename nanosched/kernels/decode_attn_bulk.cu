@@ -6,7 +6,8 @@
 // [P, PAGE, HKV, HEAD_DIM], each page contiguous; block table [n, bt_cols] int32 (row stride
 // bt_stride); context lengths [n] int32. A work item is (request, split): `pages_per_split`
 // consecutive pages of one request, all KV heads. The grid is persistent (`gridDim.x` CTAs, one
-// per SM: the ring takes most of its shared memory), each CTA taking items blockIdx.x,
+// per SM: the ring takes most of its shared memory; or MIN_BLOCKS per SM, each with its share
+// of the SM's, as an FP8 cache on a few SMs runs), each CTA taking items blockIdx.x,
 // blockIdx.x + gridDim.x, ...
 //
 // The ring: SLOTS slots of SLOT_BOXES boxes, a box being one tensor copy of 64 dims x 16 tokens
@@ -95,6 +96,9 @@
 #endif
 #ifndef KV_FP8
 #define KV_FP8 0
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1  // CTAs sharing an SM (the wrapper's ctas_per_sm): registers for each
 #endif
 #ifndef CONSUME_ONLY
 #define CONSUME_ONLY 0  // 1: a diagnostic whose consumers only take and give back slots
@@ -310,7 +314,7 @@ struct Ring {
   }
 };
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 decode_bulk(const u16* __restrict__ q, const unsigned char* __restrict__ maps,
             const int* __restrict__ bt, const int* __restrict__ lens, u16* __restrict__ out,
             float* __restrict__ part, float* __restrict__ lse, int num_items, int splits,

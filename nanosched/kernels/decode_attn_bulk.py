@@ -16,11 +16,14 @@ dims, 193 KB of shared memory with its mbarriers; at least two pages). An FP8 ca
 fp32 scales per token and KV head, models/kvcache.py) is read at half the bytes: boxes of 128
 dims, a slot per page's K (or V) with its 512 B of scales (11 x 17 KB), the products in fp16
 (head_dim a multiple of 128); tests/gpu/test_kv_fp8_gpu.py checks it against the reference.
+Its consumers convert every e4m3 element to f16, and the latency of those chains bounds them on
+few SMs, so on at most 48 SMs two CTAs share each SM, each with half the shared memory (6 x 17
+KB): twice the consumer warps at the same bytes in flight (`ctas_per_sm`).
 
 Launch arguments are those of the Triton kernels: `max_ctas` bounds the persistent grid (default:
-one per SM), `num_splits` fixes split-K over the context (default: about four work items per
-CTA, at least four pages per split); several splits are merged by decode_attn.py's merge
-kernel. `unsupported()` says why a call cannot run here (the dispatcher then refuses it with
+`ctas_per_sm` per SM), `num_splits` fixes split-K over the context (default: about four work
+items per CTA, at least four pages per split); several splits are merged by decode_attn.py's
+merge kernel. `unsupported()` says why a call cannot run here (the dispatcher then refuses it with
 that reason). cupy is imported only when the kernel is built.
 """
 
@@ -55,6 +58,16 @@ HOPPER_SMEM = 227 * 1024  # shared memory a block may opt into on an H100 / H200
 # back each slot without reading it (the .cu's CONSUME_ONLY), so its time is the ring's copy
 # ceiling and its output zeros (bench/kernels_decode_attn.py --kernels cuda_bulk_consume).
 CONSUME_ONLY = False
+# CTAs sharing an SM with an FP8 cache on at most FP8_SHARED_MAX_SMS SMs, each with its share
+# of the SM's shared memory for its ring. The FP8 consumers are bound by the latency of their
+# conversion -> mma chains (Nsight Compute: a scheduler issues every 2.1 cycles, a fixed-latency
+# dependency the first stall), and two CTAs give an SM twice the consumer warps at the same
+# bytes in flight: 1.18-1.31x on partitions of 16-48 H100 SMs; on 64 and on all 132 the two are
+# within 7% either way, and one CTA keeps the whole ring (docs/overlap.md, 'FP8 on few SMs').
+# bench/kernels_decode_attn.py --kernels cuda_bulk_1cta sets one.
+FP8_CTAS_PER_SM = 2
+FP8_SHARED_MAX_SMS = 48
+SM_SMEM = 228 * 1024  # shared memory of an H100 / H200 SM, 1 KB of it reserved per CTA
 MIN_SPLIT_PAGES = 4
 ITEMS_PER_CTA = 2
 # The merge is a loop of small dependent loads per (request, head): several light programs per
@@ -88,10 +101,22 @@ def page_slots(head_dim: int, fp8: bool = False) -> int:
     return 2 * (head_dim // box_dims(fp8)) // slot_boxes(head_dim, fp8)
 
 
+def ctas_per_sm(fp8: bool, sms: int) -> int:
+    """CTAs of the persistent grid per SM when it runs on `sms` SMs: FP8_CTAS_PER_SM with an
+    FP8 cache on at most FP8_SHARED_MAX_SMS of them, else one."""
+    return FP8_CTAS_PER_SM if fp8 and sms <= FP8_SHARED_MAX_SMS else 1
+
+
+def cta_smem(limit: int, per_sm: int = 1) -> int:
+    """Shared memory one CTA may take: `limit` (what a block may opt into), or its share of
+    an SM's when `per_sm` CTAs share one."""
+    return limit if per_sm == 1 else min(limit, SM_SMEM // per_sm - 1024)
+
+
 def smem_bytes(num_kv_heads: int, head_dim: int, slots: int | None = None,
                fp8: bool = False) -> int:
     """Dynamic shared memory of one CTA: a ring of `slots` slots (default: the ring an H100 /
-    H200 gives these heads), 1024-byte aligned for the swizzle, and their 2 x `slots`
+    H200 gives one CTA an SM), 1024-byte aligned for the swizzle, and their 2 x `slots`
     mbarriers."""
     if slots is None:
         slots = (ring_slots(num_kv_heads, head_dim, HOPPER_SMEM, fp8)
@@ -152,7 +177,7 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   else torch.cuda.current_device())
     if major < 9:
         return "it needs an sm_90 (Hopper) GPU or newer: tensor-map copies"
-    if not ring_slots(num_kv, d, limit, fp8):
+    if not ring_slots(num_kv, d, limit, fp8):  # one CTA per SM, the whole ring, at least
         smem = smem_bytes(num_kv, d, MIN_RING_PAGES * page_slots(d, fp8), fp8)
         return f"its ring needs {smem} B of shared memory, the GPU offers {limit}"
     return None
@@ -203,6 +228,7 @@ class _Build(NamedTuple):
     boxes: int
     fp8: bool
     consume_only: bool
+    ctas_per_sm: int
 
     @property
     def threads(self) -> int:
@@ -213,13 +239,17 @@ class _Build(NamedTuple):
         return smem_bytes(self.num_kv, self.head_dim, self.slots, self.fp8)
 
 
-def _build(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> _Build:
-    """The kernel a call on `q` and `k_cache` runs."""
+def _build(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool, per_sm: int) -> _Build:
+    """The kernel a call on `q` and `k_cache` runs, `per_sm` CTAs sharing an SM (a ring each:
+    at least MIN_RING_PAGES pages, else one CTA per SM)."""
     num_kv, d = k_cache.shape[2], q.shape[2]
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _Build(num_kv, q.shape[1] // num_kv, d, q.dtype == torch.float16, dev,
-                  ring_slots(num_kv, d, _device_limits(dev)[1], fp8), slot_boxes(d, fp8), fp8,
-                  CONSUME_ONLY)
+    limit = _device_limits(dev)[1]
+    slots = ring_slots(num_kv, d, cta_smem(limit, per_sm), fp8)
+    if not slots:
+        per_sm, slots = 1, ring_slots(num_kv, d, limit, fp8)
+    return _Build(num_kv, q.shape[1] // num_kv, d, q.dtype == torch.float16, dev, slots,
+                  slot_boxes(d, fp8), fp8, CONSUME_ONLY, per_sm)
 
 
 @functools.cache
@@ -230,7 +260,8 @@ def _kernel(b: _Build):
         module = cupy.RawModule(code=SOURCE.read_text(), options=(
             "-std=c++17", f"-DHKV={b.num_kv}", f"-DGROUP={b.group}", f"-DHEAD_DIM={b.head_dim}",
             f"-DSLOTS={b.slots}", f"-DSLOT_BOXES={b.boxes}", f"-DF16={int(b.f16)}",
-            f"-DKV_FP8={int(b.fp8)}", f"-DCONSUME_ONLY={int(b.consume_only)}"))
+            f"-DKV_FP8={int(b.fp8)}", f"-DCONSUME_ONLY={int(b.consume_only)}",
+            f"-DMIN_BLOCKS={b.ctas_per_sm}"))
         kernel = module.get_function("decode_bulk")
         kernel.max_dynamic_shared_size_bytes = b.smem
     return kernel
@@ -247,8 +278,8 @@ def _build_error(b: _Build) -> str | None:
 
 def build_error(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> str | None:
     """Why the kernel for this call's shapes cannot be compiled (NVRTC) and loaded on q's GPU,
-    or None; each shape is built once. For a call `unsupported` accepts."""
-    return _build_error(_build(q, k_cache, fp8))
+    or None; each shape is built once (here the whole GPU's). For a call `unsupported` accepts."""
+    return _build_error(_build(q, k_cache, fp8, ctas_per_sm(fp8, num_sms(q.device))))
 
 
 _MAPS: dict[tuple, torch.Tensor] = {}
@@ -322,10 +353,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
                      max_ctas: int | None = None, num_splits: int | None = None, *,
+                     per_sm: int | None = None,
                      k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> None:
     """The `cuda_bulk` decode attention; contract of reference.decode_attention (an FP8 cache:
-    e4m3 K/V with `k_scale`, `v_scale`; ConfigError names every reason a call cannot run here)."""
+    e4m3 K/V with `k_scale`, `v_scale`; ConfigError names every reason a call cannot run here).
+    `max_ctas` CTAs (default: `per_sm` per SM of the device), each with a ring sized for
+    `per_sm` of them to share an SM (default: `ctas_per_sm` on the whole GPU; 1 when `max_ctas`
+    is given: a CTA bound, each CTA meant to have an SM of its own)."""
     n, num_q, d = q.shape
     if n == 0:
         return
@@ -337,8 +372,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         why = "it writes out in q's dtype, each head's row contiguous"
     if why:
         raise ConfigError(f"decode attention 'cuda_bulk' cannot run: {why}")
-    build = _build(q, k_cache, fp8)
-    grid = max_ctas or num_sms(q.device)
+    if per_sm is None:
+        per_sm = 1 if max_ctas else ctas_per_sm(fp8, num_sms(q.device))
+    build = _build(q, k_cache, fp8, per_sm)
+    grid = max_ctas or num_sms(q.device) * build.ctas_per_sm
     splits, per = plan(n, max_context_len, grid, num_splits)
     items = n * splits
     if splits == 1:

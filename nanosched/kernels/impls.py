@@ -8,7 +8,8 @@ Families (ops → names):
   target), `triton_persistent_<BM>x<BN>` (kernels/gemm.py on `num_sms` programs).
 - decode (attn_decode): `triton_paged`, `triton_pipelined` and `triton_pipelined_2w`
   (kernels/decode_attn.py, three `DecodeConfig`s of one kernel: `DECODE_CONFIGS`), `cuda_bulk`
-  (kernels/decode_attn_bulk.py: tensor-map copies and mma.sync, one CTA per SM; Hopper, cupy),
+  (kernels/decode_attn_bulk.py: tensor-map copies and mma.sync, one CTA per SM, two with an
+  FP8 cache, one per SM of a CTA bound; Hopper, cupy),
   `torch` (reference).
 - elementwise (rope_append, add_norm_ffn, add_norm_attn, act): `triton`
   (kernels/elementwise.py), `torch` (reference).
@@ -82,7 +83,6 @@ DEFAULT_DECODE = "triton_pipelined"  # what the models launch when no launch dic
 AUTO_DECODE = "auto"
 DECODE_OPTIONS = (AUTO_DECODE, *DECODE_CONFIGS)  # what `KernelOptions.decode_impl` may name
 BULK_DECODE = "cuda_bulk"
-BULK_CTAS_PER_SM = 1  # its ring takes most of an SM's shared memory
 # programs per SM of each elementwise Triton kernel when a launch bounds SMs but not CTAs
 # (rms_norm_add: 8 warps a row; silu_mul: 4 warps a 2048-wide chunk; rope_append: 8 warps a
 # token): the best or near it of 1-16 on partitions of 16-64 SMs, and on all SMs as fast as

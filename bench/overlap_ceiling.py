@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--workload", default=None, help="a dataset name instead of the lengths")
     ap.add_argument("--set", default=None, help="a set searched on this profile, to compare")
     ap.add_argument("--bench", default=None, help="a bench record to weigh by its shapes")
-    ap.add_argument("--keys", default="all", help="steady, all, or D:T,D:T,...")
+    ap.add_argument("--keys", default="all",
+                    help="all, or a list of steady and D:T keys, e.g. steady,896:896")
     ap.add_argument("--max-groups", type=int, default=2)
     ap.add_argument("--equal-only", action="store_true", help="equal groups only (faster)")
     ap.add_argument("--what-if", default=None, help="KC,KO: scale every point's P first")
@@ -110,12 +111,19 @@ def main() -> None:
                                 None if args.workload else args.output_len)
     cfg = SearchConfig(prof.model, prof.tp, prof, workload, args.dense_batch)
     steady = search_batch(cfg)
-    if args.keys == "steady":
-        keys = [(steady.num_decode, steady.dense_batch)]
-    elif args.keys == "all":
+    if args.keys == "all":
         keys = [(d, t) for d, t in set_keys(args.dense_batch) if t >= 256]
-    else:
-        keys = [tuple(int(x) for x in k.split(":")) for k in args.keys.split(",")]
+    else:  # "steady" and D:T keys, any mix
+        keys = []
+        for k in args.keys.split(","):
+            d, _, t = k.partition(":")
+            if k == "steady":
+                keys.append((steady.num_decode, steady.dense_batch))
+            elif d.isdigit() and t.isdigit():
+                keys.append((int(d), int(t)))
+            else:
+                ap.error(f"--keys: {k!r} is neither 'steady' nor D:T (decode rows:rows, "
+                         f"e.g. 384:1024)")
     found = found_gains(args.set) if args.set else {}
     shapes = bench_shapes(args.bench, args.dense_batch) if args.bench else []
     keys += [tuple(sh["key"]) for sh in shapes

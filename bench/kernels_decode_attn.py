@@ -49,7 +49,7 @@ BULK = {
     "cuda_bulk": {},
     # a diagnostic: the ring with consumers that read nothing (its copy ceiling; zeros out)
     "cuda_bulk_consume": {"CONSUME_ONLY": True},
-    # FP8: one CTA per SM (the whole ring) on any SMs; two on any SMs
+    # FP8 on any SM count: one CTA per SM (the whole ring), or two (half of it each)
     "cuda_bulk_1cta": {"FP8_CTAS_PER_SM": 1},
     "cuda_bulk_consume_1cta": {"CONSUME_ONLY": True, "FP8_CTAS_PER_SM": 1},
     "cuda_bulk_2cta": {"FP8_SHARED_MAX_SMS": 1 << 30},
@@ -217,7 +217,7 @@ def table(where: list, configs: dict[str, DecodeConfig | str], requests: list[in
         want = batch.run(PIPELINED, PIPELINED.ctas_per_sm * where[-1][0]).float()
         for name, cfg in configs.items():
             err = None
-            if cfg != "cuda_bulk_consume":
+            if not (isinstance(cfg, str) and BULK[cfg].get("CONSUME_ONLY")):
                 per_sm = bulk_per_sm(cfg, kv_dtype, where[-1][0])
                 got = batch.run(cfg, per_sm * where[-1][0], per_sm).float()
                 err = ((got - want).norm() / want.norm()).item()

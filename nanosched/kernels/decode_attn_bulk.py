@@ -62,8 +62,9 @@ CONSUME_ONLY = False
 # of the SM's shared memory for its ring. The FP8 consumers are bound by the latency of their
 # conversion -> mma chains (Nsight Compute: a scheduler issues every 2.1 cycles, a fixed-latency
 # dependency the first stall), and two CTAs give an SM twice the consumer warps at the same
-# bytes in flight: 1.18-1.31x on partitions of 16-48 H100 SMs; on 64 and on all 132 the two are
-# within 7% either way, and one CTA keeps the whole ring (docs/overlap.md, 'FP8 on few SMs').
+# bytes in flight: 1.27-1.31x on partitions of 16 H100 SMs, 1.07-1.30x on 32, 1.03-1.24x on 48;
+# on 64 and on all 132 the two are within 7% either way, and one CTA keeps the whole ring
+# (docs/overlap.md, 'Two CTAs per SM').
 # bench/kernels_decode_attn.py --kernels cuda_bulk_1cta sets one.
 FP8_CTAS_PER_SM = 2
 FP8_SHARED_MAX_SMS = 48

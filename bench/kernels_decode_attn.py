@@ -85,9 +85,11 @@ class Batch:
         self.kv_dtype = kv_dtype
         self.kv_bytes = 2 * requests * context * token_bytes
 
-    def run(self, config: DecodeConfig | str, ctas: int, per_sm: int | None = None) -> torch.Tensor:
-        """One launch of `config`'s Triton kernel, or of the `cuda_bulk` variant it names
-        (BULK; `per_sm` its CTAs per SM, default the cache's), on at most `ctas` CTAs."""
+    def run(self, config: DecodeConfig | str, ctas: int | None = None,
+            sms: int | None = None) -> torch.Tensor:
+        """One launch of `config`'s Triton kernel on at most `ctas` programs, or of the
+        `cuda_bulk` variant it names (BULK) under a bound of `ctas` CTAs or on `sms` SMs (its
+        CTAs per SM there: decode_attn_bulk.launch); `self.grid` is the bulk grid launched."""
         if not isinstance(config, DecodeConfig):
             from nanosched.kernels import decode_attn_bulk
 
@@ -95,9 +97,11 @@ class Batch:
             for k, v in BULK[config].items():
                 setattr(decode_attn_bulk, k, v)
             try:
+                self.grid = decode_attn_bulk.launch(self.q, self.k, self.kv_dtype == "fp8",
+                                                    ctas, sms)[1]
                 decode_attn_bulk.decode_attention(
                     self.q, self.k, self.v, self.tables, self.lens, self.context, HD ** -0.5,
-                    self.out, max_ctas=ctas, per_sm=per_sm, **self.scales)
+                    self.out, max_ctas=ctas, sms=sms, **self.scales)
             finally:
                 for k, v in saved.items():
                     setattr(decode_attn_bulk, k, v)
@@ -109,27 +113,19 @@ class Batch:
         return self.out
 
 
-def bulk_per_sm(name: str, kv_dtype: str, sms: int) -> int:
-    """CTAs per SM of the `cuda_bulk` variant `name` on `sms` SMs (not under a CTA bound), as
-    the dispatcher launches it (decode_attn_bulk.ctas_per_sm under the variant's settings)."""
-    from nanosched.kernels import decode_attn_bulk as bulk
-
-    per_sm = BULK[name].get("FP8_CTAS_PER_SM", bulk.FP8_CTAS_PER_SM)
-    upto = BULK[name].get("FP8_SHARED_MAX_SMS", bulk.FP8_SHARED_MAX_SMS)
-    return per_sm if kv_dtype == "fp8" and sms <= upto else 1
-
-
 def time_on(batch: Batch, config: DecodeConfig | str, sms: int, stream,
             cta_bound: bool = False) -> dict:
-    """`config` on `sms` SMs (its CTAs per SM each), or under a bound of `sms` CTAs (cuda_bulk:
-    one per SM, the whole ring, as the dispatcher launches it)."""
+    """`config` on `sms` SMs (its CTAs per SM on each), or under a bound of `sms` CTAs, as the
+    dispatcher launches it."""
     if isinstance(config, DecodeConfig):
-        per_sm = config.ctas_per_sm
+        ctas = config.ctas_per_sm * sms
+        launch = {"ctas": ctas}
     else:
-        per_sm = 1 if cta_bound else bulk_per_sm(config, batch.kv_dtype, sms)
-    ctas = per_sm * sms
+        launch = {"ctas": sms} if cta_bound else {"sms": sms}
     with torch.cuda.stream(stream):
-        ms = median_ms(lambda: batch.run(config, ctas, per_sm))
+        ms = median_ms(lambda: batch.run(config, **launch))
+    if not isinstance(config, DecodeConfig):
+        ctas = batch.grid
     return {"ms": ms, "gbs": batch.kv_bytes / ms / 1e6, "ctas": ctas}
 
 
@@ -218,8 +214,8 @@ def table(where: list, configs: dict[str, DecodeConfig | str], requests: list[in
         for name, cfg in configs.items():
             err = None
             if not (isinstance(cfg, str) and BULK[cfg].get("CONSUME_ONLY")):
-                per_sm = bulk_per_sm(cfg, kv_dtype, where[-1][0])
-                got = batch.run(cfg, per_sm * where[-1][0], per_sm).float()
+                got = (batch.run(cfg, where[-1][0]) if isinstance(cfg, DecodeConfig)
+                       else batch.run(cfg, sms=where[-1][0])).float()
                 err = ((got - want).norm() / want.norm()).item()
             for sms, stream, _, place in where:
                 r = time_on(batch, cfg, sms, stream, place == "cta")

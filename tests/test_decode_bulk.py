@@ -111,20 +111,38 @@ def test_it_is_a_decode_implementation_the_profiler_knows():
     assert "cuda_bulk" in PARTITION_MEMORY_IMPLS
 
 
-@pytest.mark.parametrize("launch, fp8, grid, per_sm", [
-    ({"num_sms": 32}, False, 32, 1), ({"num_sms": 32}, True, 64, 2),  # a partition's SMs
-    ({"num_sms": 48}, True, 96, 2), ({"num_sms": 64}, True, 64, 1),  # two CTAs on <= 48 SMs
-    ({}, True, None, 1),  # the whole GPU (132 SMs): the kernel's own grid, one CTA an SM
-    ({"max_ctas": 16}, True, 16, 1),  # a CTA bound: each CTA its own SM and the whole ring
-    ({"max_ctas": 16}, False, 16, 1)])
-def test_the_dispatcher_launches_fp8_cuda_bulk_with_two_ctas_per_sm_on_few_sms(
-        monkeypatch, launch, fp8, grid, per_sm):
+@pytest.mark.parametrize("launch", [{"num_sms": 32}, {}, {"max_ctas": 16}])
+def test_the_dispatcher_passes_cuda_bulk_its_cta_bound_or_its_sms(monkeypatch, launch):
     seen = {}
     monkeypatch.setattr(bulk, "decode_attention", lambda *a, **kw: seen.update(kw))
-    monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
     q, k = torch.zeros(2, 4, 8), torch.zeros(1, 16, 1, 8)
-    scales = {"k_scale": torch.ones(1, 16, 1), "v_scale": torch.ones(1, 16, 1)} if fp8 else {}
     dispatch.decode_attention(q, k, k, torch.zeros(2, 1, dtype=torch.int32),
                               torch.ones(2, dtype=torch.int32), 1, 0.1, torch.empty_like(q),
-                              dispatch.KernelOptions(), {"impl": "cuda_bulk", **launch}, **scales)
-    assert (seen["max_ctas"], seen["per_sm"]) == (grid, per_sm)
+                              dispatch.KernelOptions(), {"impl": "cuda_bulk", **launch})
+    assert (seen["max_ctas"], seen["sms"]) == (launch.get("max_ctas"), launch.get("num_sms"))
+
+
+@pytest.mark.parametrize("fp8, max_ctas, sms, grid, per_sm, slots", [
+    (True, None, 16, 32, 2, 6), (True, None, 48, 96, 2, 6),  # two CTAs an SM, half a ring each
+    (True, None, 64, 64, 1, 11), (True, None, 132, 132, 1, 11),  # one, the whole ring
+    (True, 16, None, 16, 1, 11),  # a CTA bound: each CTA its own SM and the whole ring
+    (False, None, 32, 32, 1, 6), (False, 16, None, 16, 1, 6)])
+def test_an_fp8_cache_on_few_sms_launches_two_ctas_per_sm_each_with_half_the_ring(
+        monkeypatch, fp8, max_ctas, sms, grid, per_sm, slots):
+    monkeypatch.setattr(bulk, "_device_limits", lambda index: (9, 227 * 1024))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(4, 16, 8, 128, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    build, got = bulk.launch(q, k, fp8, max_ctas, sms)
+    assert (got, build.ctas_per_sm, build.slots) == (grid, per_sm, slots)
+    assert build.ctas_per_sm * (build.smem + 1024) <= bulk.SM_SMEM
+
+
+def test_where_two_rings_do_not_fit_an_sm_one_cta_runs_there(monkeypatch):
+    """Heads whose two-page ring needs more than half an SM: one CTA per SM, the grid its SMs."""
+    monkeypatch.setattr(bulk, "_device_limits", lambda index: (9, 227 * 1024))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+    k = torch.zeros(4, 16, 16, 128, dtype=torch.float8_e4m3fn)  # 16 KV heads: 33 KB slots
+    build, grid = bulk.launch(q, k, True, None, 32)
+    assert (build.ctas_per_sm, grid) == (1, 32) and build.slots >= 4

@@ -20,11 +20,13 @@ Its consumers convert every e4m3 element to f16, and the latency of those chains
 few SMs, so on at most 48 SMs two CTAs share each SM, each with half the shared memory (6 x 17
 KB): twice the consumer warps at the same bytes in flight (`ctas_per_sm`).
 
-Launch arguments are those of the Triton kernels: `max_ctas` bounds the persistent grid (default:
-`ctas_per_sm` per SM), `num_splits` fixes split-K over the context (default: about four work
-items per CTA, at least four pages per split); several splits are merged by decode_attn.py's
-merge kernel. `unsupported()` says why a call cannot run here (the dispatcher then refuses it with
-that reason). cupy is imported only when the kernel is built.
+Launch arguments: `max_ctas` is a CTA bound (that many CTAs, each meant to have an SM of its
+own: one CTA per SM's ring), else `sms` the SMs the grid fills (default: the device's;
+`ctas_per_sm` CTAs on each where their rings fit, see `launch`), `num_splits` fixes split-K over
+the context (default: about four work items per CTA, at least four pages per split); several
+splits are merged by decode_attn.py's merge kernel. `unsupported()` says why a call cannot run
+here (the dispatcher then refuses it with that reason). cupy is imported only when the kernel is
+built.
 """
 
 from __future__ import annotations
@@ -277,10 +279,22 @@ def _build_error(b: _Build) -> str | None:
     return None
 
 
+def launch(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool, max_ctas: int | None,
+           sms: int | None) -> tuple[_Build, int]:
+    """The kernel and grid of a call: under a CTA bound (`max_ctas`), `max_ctas` CTAs of one
+    per SM (the whole ring); on `sms` SMs (default: the device's), `ctas_per_sm` CTAs on each
+    where that many rings fit an SM, else one."""
+    if max_ctas:
+        return _build(q, k_cache, fp8, 1), max_ctas
+    sms = sms or num_sms(q.device)
+    build = _build(q, k_cache, fp8, ctas_per_sm(fp8, sms))
+    return build, build.ctas_per_sm * sms
+
+
 def build_error(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> str | None:
     """Why the kernel for this call's shapes cannot be compiled (NVRTC) and loaded on q's GPU,
     or None; each shape is built once (here the whole GPU's). For a call `unsupported` accepts."""
-    return _build_error(_build(q, k_cache, fp8, ctas_per_sm(fp8, num_sms(q.device))))
+    return _build_error(launch(q, k_cache, fp8, None, None)[0])
 
 
 _MAPS: dict[tuple, torch.Tensor] = {}
@@ -354,14 +368,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
                      max_ctas: int | None = None, num_splits: int | None = None, *,
-                     per_sm: int | None = None,
+                     sms: int | None = None,
                      k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> None:
     """The `cuda_bulk` decode attention; contract of reference.decode_attention (an FP8 cache:
     e4m3 K/V with `k_scale`, `v_scale`; ConfigError names every reason a call cannot run here).
-    `max_ctas` CTAs (default: `per_sm` per SM of the device), each with a ring sized for
-    `per_sm` of them to share an SM (default: `ctas_per_sm` on the whole GPU; 1 when `max_ctas`
-    is given: a CTA bound, each CTA meant to have an SM of its own)."""
+    Its grid: a CTA bound of `max_ctas`, else `sms` SMs' worth (`launch`)."""
     n, num_q, d = q.shape
     if n == 0:
         return
@@ -373,10 +385,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         why = "it writes out in q's dtype, each head's row contiguous"
     if why:
         raise ConfigError(f"decode attention 'cuda_bulk' cannot run: {why}")
-    if per_sm is None:
-        per_sm = 1 if max_ctas else ctas_per_sm(fp8, num_sms(q.device))
-    build = _build(q, k_cache, fp8, per_sm)
-    grid = max_ctas or num_sms(q.device) * build.ctas_per_sm
+    build, grid = launch(q, k_cache, fp8, max_ctas, sms)
     splits, per = plan(n, max_context_len, grid, num_splits)
     items = n * splits
     if splits == 1:

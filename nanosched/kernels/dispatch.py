@@ -187,16 +187,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                max_ctas=impls.grid_bound(args["max_ctas"], args["num_sms"], config.ctas_per_sm),
                num_splits=args["num_splits"], config=config, **scales)
     elif name == impls.BULK_DECODE:
-        from nanosched.kernels.decode_attn_bulk import ctas_per_sm
         from nanosched.kernels.decode_attn_bulk import decode_attention as bulk
 
-        # a CTA bound gives each CTA an SM of its own (the whole ring); on SMs (a partition, an
-        # SM target, the GPU) the kernel's CTAs per SM for that many share each
-        sms = args["num_sms"] or num_sms(q.device)
-        per_sm = 1 if args["max_ctas"] is not None else ctas_per_sm(k_scale is not None, sms)
+        # a CTA bound, or the SMs it fills (the kernel's CTAs per SM on each: launch())
         bulk(q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out,
-             max_ctas=impls.grid_bound(args["max_ctas"], args["num_sms"], per_sm),
-             num_splits=args["num_splits"], per_sm=per_sm, **scales)
+             max_ctas=args["max_ctas"], num_splits=args["num_splits"], sms=args["num_sms"],
+             **scales)
     else:
         ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
                              scale, out, **scales)

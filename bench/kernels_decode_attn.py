@@ -23,6 +23,7 @@ bench/results/; tables last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -89,22 +90,12 @@ class Batch:
             sms: int | None = None) -> torch.Tensor:
         """One launch of `config`'s Triton kernel on at most `ctas` programs, or of the
         `cuda_bulk` variant it names (BULK) under a bound of `ctas` CTAs or on `sms` SMs (its
-        CTAs per SM there: decode_attn_bulk.launch); `self.grid` is the bulk grid launched."""
+        CTAs per SM there: decode_attn_bulk.launch)."""
         if not isinstance(config, DecodeConfig):
-            from nanosched.kernels import decode_attn_bulk
-
-            saved = {k: getattr(decode_attn_bulk, k) for k in BULK[config]}
-            for k, v in BULK[config].items():
-                setattr(decode_attn_bulk, k, v)
-            try:
-                self.grid = decode_attn_bulk.launch(self.q, self.k, self.kv_dtype == "fp8",
-                                                    ctas, sms)[1]
-                decode_attn_bulk.decode_attention(
+            with bulk_variant(config) as bulk:
+                bulk.decode_attention(
                     self.q, self.k, self.v, self.tables, self.lens, self.context, HD ** -0.5,
                     self.out, max_ctas=ctas, sms=sms, **self.scales)
-            finally:
-                for k, v in saved.items():
-                    setattr(decode_attn_bulk, k, v)
             return self.out
         from nanosched.kernels.decode_attn import decode_attention
 
@@ -112,20 +103,40 @@ class Batch:
                          HD ** -0.5, self.out, max_ctas=ctas, config=config, **self.scales)
         return self.out
 
+    def bulk_grid(self, name: str, ctas: int | None = None, sms: int | None = None) -> int:
+        """The grid `run(name, ctas, sms)` launches."""
+        with bulk_variant(name) as bulk:
+            return bulk.launch(self.q, self.k, self.kv_dtype == "fp8", ctas, sms)[1]
+
+
+@contextlib.contextmanager
+def bulk_variant(name: str):
+    """decode_attn_bulk with the settings of the `cuda_bulk` variant `name` (BULK), restored
+    after."""
+    from nanosched.kernels import decode_attn_bulk
+
+    saved = {k: getattr(decode_attn_bulk, k) for k in BULK[name]}
+    for k, v in BULK[name].items():
+        setattr(decode_attn_bulk, k, v)
+    try:
+        yield decode_attn_bulk
+    finally:
+        for k, v in saved.items():
+            setattr(decode_attn_bulk, k, v)
+
 
 def time_on(batch: Batch, config: DecodeConfig | str, sms: int, stream,
             cta_bound: bool = False) -> dict:
     """`config` on `sms` SMs (its CTAs per SM on each), or under a bound of `sms` CTAs, as the
     dispatcher launches it."""
     if isinstance(config, DecodeConfig):
-        ctas = config.ctas_per_sm * sms
-        launch = {"ctas": ctas}
+        launch = {"ctas": config.ctas_per_sm * sms}
+        ctas = launch["ctas"]
     else:
         launch = {"ctas": sms} if cta_bound else {"sms": sms}
+        ctas = batch.bulk_grid(config, **launch)
     with torch.cuda.stream(stream):
         ms = median_ms(lambda: batch.run(config, **launch))
-    if not isinstance(config, DecodeConfig):
-        ctas = batch.grid
     return {"ms": ms, "gbs": batch.kv_bytes / ms / 1e6, "ctas": ctas}
 
 

@@ -9,7 +9,7 @@ Families (ops → names):
 - decode (attn_decode): `triton_paged`, `triton_pipelined` and `triton_pipelined_2w`
   (kernels/decode_attn.py, three `DecodeConfig`s of one kernel: `DECODE_CONFIGS`), `cuda_bulk`
   (kernels/decode_attn_bulk.py: tensor-map copies and mma.sync, one CTA per SM, two with an
-  FP8 cache, one per SM of a CTA bound; Hopper, cupy),
+  FP8 cache on at most 48 SMs, one per SM of a CTA bound; Hopper, cupy),
   `torch` (reference).
 - elementwise (rope_append, add_norm_ffn, add_norm_attn, act): `triton`
   (kernels/elementwise.py), `torch` (reference).

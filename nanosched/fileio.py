@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import tempfile
 import types
 import typing
@@ -51,6 +52,9 @@ def check_input_file(path: str | os.PathLike[str], what: str) -> Path:
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{what} {path}: is a folder, expected a file")
+    kind = _special_kind(p)
+    if kind is not None:  # reading a FIFO would wait for a writer forever
+        raise ConfigError(f"{what} {path}: is {kind}, expected a regular file")
     if not p.is_file():
         raise ConfigError(f"{what} {path}: does not exist")
     return p
@@ -60,12 +64,15 @@ def check_output_file(path: str | os.PathLike[str], what: str,
                       suffixes: tuple[str, ...] | None = None, make_parent: bool = True
                       ) -> Path:
     """Refuse, before any work, an output path that cannot be written, naming `what` (the flag)
-    and the path: an existing folder, (with `suffixes`) another suffix, a parent that is a file,
-    a missing parent (made when `make_parent`, else refused), a folder where a probe file cannot
-    be made (read-only, no permission), an existing file that is not writable."""
+    and the path: an existing folder, anything else that is not a regular file (a device such
+    as /dev/null, a FIFO, a socket: outputs are written by renaming a new file over the path,
+    which would replace the device node), (with `suffixes`) another suffix, a parent that is a
+    file, a missing parent (made when `make_parent`, else refused), a folder where a probe file
+    cannot be made (read-only, no permission), an existing file that is not writable."""
     p = Path(path)
     if p.is_dir() or str(path).endswith(os.sep):
         raise ConfigError(f"{what} {path}: is a folder, expected a file name")
+    _check_not_special(p, what)
     if suffixes is not None and p.suffix.lower() not in suffixes:
         raise ConfigError(f"{what} {path}: give a file ending in {', '.join(suffixes)} "
                           f"(the suffix picks the format)")
@@ -91,9 +98,33 @@ def check_output_file(path: str | os.PathLike[str], what: str,
     return p
 
 
+def _special_kind(p: Path) -> str | None:
+    """What `p` is when it exists and is neither a regular file nor a folder (links followed),
+    else None."""
+    try:
+        mode = p.stat().st_mode
+    except OSError:  # missing, or a dangling link: a new file is made there
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _check_not_special(p: Path, what: str) -> None:
+    kind = _special_kind(p)
+    if kind is not None:
+        raise ConfigError(f"{what} {p}: is {kind}, not a regular file; outputs are written to a "
+                          f"new file renamed over the path, which would replace it: give the "
+                          f"path of a regular file")
+
+
 def write_json_atomic(path: str | os.PathLike[str], data: Any, indent: int | None = 1) -> None:
     """Write JSON to a temporary file beside `path`, then rename it over `path`; the file gets
-    the permissions `open()` would give it under the user's umask (mkstemp makes 0600)."""
+    the permissions `open()` would give it under the user's umask (mkstemp makes 0600). A path
+    that became a device, FIFO or socket since the command checked it is refused again right
+    before the rename, so no special file is ever replaced."""
     p = check_output_file(path, "output file")
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
@@ -101,6 +132,7 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any, indent: int | Non
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=indent)
             f.write("\n")
+        _check_not_special(p, "output file")
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

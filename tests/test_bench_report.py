@@ -106,10 +106,10 @@ def test_results_table_has_one_column_per_run_and_shows_optimal_only_when_measur
     assert any(ln.startswith("% of optimal") and ln.endswith("41.3") for ln in gpu)
 
 
-def test_a_gpu_runs_timeline_is_printed_as_busy_and_waiting_time(capsys):
+def test_a_gpu_runs_timeline_is_printed_as_busy_and_waiting_time():
     """A run recorded on a GPU (`gpu_timeline` in its JSON; a CPU run has none) says how long
     the GPU worked and how long it waited for the CPU between iterations."""
-    from nanosched.cli import _print_run
+    from nanosched.benchmarks.report import run_lines
 
     run = {"strategy": "sequential", "iterations": 1951, "pipelined_iterations": 0,
            "sequential_iterations": 1951, "no_entry_iterations": 0, "tokens_per_iteration": 787,
@@ -118,13 +118,11 @@ def test_a_gpu_runs_timeline_is_printed_as_busy_and_waiting_time(capsys):
            "forward_ms_full_batch": 39.06, "layer_us_full_batch": 1220.6, "graphs": True,
            "results": {"elapsed_s": 83.9},
            "gpu_timeline": {"iterations": 1951, "busy_s": 61.2, "idle_s": 21.0}}
-    _print_run("sequential", run)
-    out = capsys.readouterr().out
+    out = "\n".join(run_lines("sequential", run))
     assert "GPU: 61.2 s on 1951 iterations' work, 21.0 s between them waiting for the CPU " \
            "(25% of the 83.9 s run)" in out
     del run["gpu_timeline"]
-    _print_run("sequential", run)
-    assert "waiting for the CPU" not in capsys.readouterr().out
+    assert "waiting for the CPU" not in "\n".join(run_lines("sequential", run))
 
 
 def test_percent_of_optimal_and_its_denominator_are_printed_where_a_gemm_peak_is_measured(

@@ -53,6 +53,14 @@ def test_help_explains_commands():
     assert r.exit_code == 0 and "--dense-batch" in r.output and "Table 2" in r.output
 
 
+@pytest.mark.parametrize("command", [["show"], ["profile", "show"]])
+def test_plot_help_names_the_plot_extra(command):
+    """Rich renders the help; `[plot]` must come out as written, not be read as markup."""
+    r = CliRunner().invoke(app, [*command, "--help"], terminal_width=250)
+    text = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code == 0 and "(needs the [plot] extra: matplotlib)" in text
+
+
 def test_models_lists_the_registry_with_sizes():
     r = CliRunner().invoke(app, ["models", "--json"])
     assert r.exit_code == 0, r.output

@@ -6,9 +6,8 @@ range-checked with a message that names it."""
 import pytest
 from typer.testing import CliRunner
 
-from nanosched import cli
 from nanosched.autosearch import request
-from nanosched.cli import app
+from nanosched.cli import app, common
 from nanosched.models.spec import load_spec
 from nanosched.workloads import fixed
 
@@ -29,7 +28,7 @@ def test_without_a_gpu_analyze_assumes_h100_says_so_and_picks_the_smallest_tp():
 
 
 def test_the_gpu_present_is_the_default(monkeypatch):
-    monkeypatch.setattr(cli, "gpu_here", lambda: "h200")
+    monkeypatch.setattr(common, "gpu_here", lambda: "h200")
     r = run("analyze", "--model", "llama3-8b")
     assert r.exit_code == 0, r.output
     assert "--gpu not given: using h200, the GPU present" in r.output

@@ -96,3 +96,84 @@ def ratio_warnings(run: dict[str, Any], base: dict[str, Any]) -> list[str]:
     if short < MIN_RATIO_SECONDS:
         out.append(f"a run took {short:.2f} s (under {MIN_RATIO_SECONDS:g} s)")
     return out
+
+
+def header_lines(out: dict[str, Any], model: str, tp: int, seed: int) -> list[str]:
+    """The report's first lines: device, model, batch and weights, then the results table and
+    what optimal is where a GEMM peak was measured."""
+    env, conf = out["environment"], out["config"]
+    weights_used = "random weights" if conf["weights"] == "random" else conf["weights"]
+    lines = [f"{env['device']}: {model} tp={tp}, dense batch {conf['dense_batch']}, "
+             f"{weights_used}" + (f" (seed {seed})" if conf["weights"] == "random" else "")]
+    lines += results_table({name: run["results"] for name, run in out["runs"].items()})
+    optimal = next(iter(out["runs"].values()))["results"].get("optimal_tokens_per_s_per_gpu")
+    if optimal:
+        lines.append(f"optimal: {optimal:,.0f} tokens/s per GPU = GEMM peak "
+                     f"{out['gemm_tflops_8192']:.0f} TFLOP/s (8192^3, 50 ms from an idle GPU) / "
+                     f"(2 x active parameters)")
+    return lines
+
+
+def run_lines(name: str, run: dict[str, Any]) -> list[str]:
+    """A run's counters under the results table: iterations (pipelined, sequential by the
+    strategy's decision, no entry), batches, preemptions, graphs, the full-batch forward and
+    the most-run batch shapes (ms throughout)."""
+    p = run["preemptions"]
+    lines = [f"[{name}] strategy {run['strategy']}: {run['iterations']} iterations "
+             f"({run['pipelined_iterations']} pipelined, {run['sequential_iterations']} "
+             f"sequential by the strategy's decision, {run['no_entry_iterations']} with no "
+             f"entry: fallback), {run['tokens_per_iteration']:.1f} tokens per iteration, "
+             f"{100 * run['full_batch_share']:.1f}% at the dense batch; admission "
+             f"{run['admission']}: {p['preemptions']} preemptions ({p['recomputed']} "
+             f"recomputed, {p['swapped']} swapped)"]
+    if "gpu_timeline" in run:
+        t, wall = run["gpu_timeline"], run["results"]["elapsed_s"]
+        lines.append(f"  GPU: {t['busy_s']:.1f} s on {t['iterations']} iterations' work, "
+                     f"{t['idle_s']:.1f} s between them waiting for the CPU "
+                     f"({100 * t['idle_s'] / wall:.0f}% of the {wall:.1f} s run)")
+    if "graph_stats" in run:
+        g = run["graph_stats"]
+        lines.append(f"  CUDA graphs: {g['replays']} replays, {g['captures']} captures "
+                     f"({g['capture_s']:.1f} s) over {g['buckets']} buckets, "
+                     f"{g['eager_bucket'] + g['unbucketed']} eager iterations, "
+                     f"{g['padded_rows']} padded rows")
+        lines += [f"  graph capture failed for {key}: {err}"
+                  for key, err in run.get("graph_errors", {}).items()]
+    line = f"  full-batch forward ({'graph' if run.get('graphs') else 'eager'}) " \
+           f"{run['forward_ms_full_batch']:.2f} ms = " \
+           f"{run['layer_us_full_batch'] / 1e3:.3f} ms per layer"
+    if "predicted_period_us" in run:
+        line += f" (schedule predicted {run['predicted_period_us'] / 1e3:.3f} ms)"
+    lines.append(line)
+    return lines + [_shape_line(row) for row in run.get("shapes", [])
+                    if "forward_ms" in row or "entry" in row]
+
+
+def _shape_line(row: dict[str, Any]) -> str:
+    """One most-run batch shape: its iterations, the set's entry and prediction there, and the
+    median of the run's forwards at that shape."""
+    text = f"  shape D={row['num_decode']} T={row['num_tokens']}: {row['iterations']} iterations"
+    if "entry" in row:
+        text += f", entry {row['entry']}"
+        if row["entry"] != "none":
+            text += f" (key {row['key'][0]},{row['key'][1]})"
+            if row.get("predicted_forward_ms") is not None:
+                text += f", predicted {row['predicted_forward_ms']:.2f} ms"
+    if "forward_ms" in row:
+        text += f", measured {row['forward_ms']:.2f} ms (median of the run's " \
+                f"{row['forward_iterations']} forwards there)"
+    return text
+
+
+def ratio_lines(out: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """Per ratio between runs: its line, and the warning for stderr when it may be noise."""
+    lines = []
+    for ratio in out["ratios"].values():
+        warning = None
+        if ratio["warnings"]:
+            warning = (f"warning: ratio {ratio['of']} may be noise: "
+                       f"{'; '.join(ratio['warnings'])}. Serve more or longer requests "
+                       f"(--num-prompts, --output-len)")
+        lines.append((f"ratio {ratio['of']}: {ratio['tokens_per_s']:.3f}x tokens/s "
+                      f"(same requests, same process)", warning))
+    return lines

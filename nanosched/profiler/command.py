@@ -1,4 +1,4 @@
-"""`nanosched profile`: from flags to a measured profile file (what cli.py calls).
+"""`nanosched profile`: from flags to a measured profile file (what the CLI calls).
 
 The dense batch defaults to what the cost model says fits this GPU's memory for the workload,
 capped at 2,048 tokens as `nanosched analyze` does; `--dense-batch` overrides it.

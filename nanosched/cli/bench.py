@@ -1,0 +1,100 @@
+"""`nanosched bench`: a workload served by the engine (Sequential, a strategy, or both in one
+process with `--compare`), its throughput and latency printed through
+nanosched.benchmarks.report and written as JSON."""
+
+from __future__ import annotations
+
+import typer
+
+from nanosched.cli.options import (
+    Admission,
+    DecodeAttention,
+    EngineDevice,
+    KvCacheDtype,
+    KvHeadroom,
+    Preemption,
+    SwapSpace,
+    admission_config,
+    kernel_options,
+    model_option,
+)
+
+
+def bench(
+    model: str = model_option("Model name or HF checkpoint folder."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree."),
+    weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a local "
+                                       "HF checkpoint folder (default: the --model folder's "
+                                       "weights, else random, as serve)."),
+    input_len: int | None = typer.Option(None, "--input-len", help="Prompt tokens per request "
+                                         "(with --output-len)."),
+    output_len: int | None = typer.Option(None, "--output-len", help="Output tokens per "
+                                          "request."),
+    workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise "
+                                        "(NanoFlow Table 4 statistics) or a JSONL file."),
+    num_prompts: int = typer.Option(100, "--num-prompts", help="Number of requests."),
+    dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
+                                           "(default 2048 on a GPU, 256 on the CPU)."),
+    schedule: str = typer.Option("sequential", "--schedule", help="'sequential', "
+                                 "'two_batch' (TokenWeave-style overlap), 'auto' (a matching "
+                                 "shipped schedule, else Sequential) or a schedule JSON file "
+                                 "from `nanosched search`."),
+    compare: bool = typer.Option(False, "--compare", help="Run Sequential first on the same "
+                                 "requests in this process and report the ratio."),
+    force: bool = typer.Option(False, "--force", help="Replay a schedule made for another "
+                               "model, tp or GPU."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="Poisson arrivals "
+                                       "per second (default: all at once, offline)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of lengths, token ids, arrivals, weights."),
+    device: EngineDevice = "auto",
+    warmup_prompts: int | None = typer.Option(None, "--warmup-prompts", help="Untimed requests "
+                                              "served with every strategy first, so no run "
+                                              "pays compilation a later one reuses (default: "
+                                              "64 on a GPU, 0 on the CPU)."),
+    graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: 'auto' (on with a GPU, "
+                               "else off), 'off' (eager launches), 'on' (one graph per "
+                               "strategy and batch bucket, captured when a bucket first "
+                               "appears), or 'both' (every strategy eager, then with graphs)."),
+    json_out: str | None = typer.Option(None, "--json", help="Write every figure, the "
+                                        "configuration and the environment to this file."),
+    admission: Admission = "use",
+    kv_headroom: KvHeadroom = 0.0,
+    preemption: Preemption = "recompute",
+    swap_space: SwapSpace = 4.0,
+    kv_cache_dtype: KvCacheDtype = "auto",
+    decode_attention: DecodeAttention = "auto",
+) -> None:
+    """Serve a workload with the engine and report throughput and latency (NanoFlow §6).
+
+    Flag names follow `vllm bench throughput`. Benchmark mode ignores EOS and generates each
+    request's given output length.
+    """
+    from nanosched.benchmarks import report
+    from nanosched.benchmarks.throughput import BenchConfig, run_bench
+    from nanosched.fileio import check_output_file, finite_json, write_json_atomic
+    from nanosched.runtime.config import EngineConfig
+
+    if json_out:
+        check_output_file(json_out, "--json")
+    engine = EngineConfig(model=model, tp=tp, weights=weights, device=device, seed=seed,
+                          schedule=schedule, force=force, dense_batch=dense_batch,
+                          graphs=graphs,
+                          admission=admission_config(admission, kv_headroom, preemption,
+                                                     swap_space),
+                          kv_dtype=kv_cache_dtype, kernels=kernel_options(decode_attention))
+    cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
+                      num_prompts=num_prompts, compare=compare, request_rate=request_rate,
+                      warmup_prompts=warmup_prompts)
+    out = run_bench(cfg)
+    lines = report.header_lines(out, model, tp, seed)
+    for name, run in out["runs"].items():
+        lines += report.run_lines(name, run)
+    for line in lines:
+        typer.echo(line)
+    for line, warning in report.ratio_lines(out):
+        typer.echo(line)
+        if warning:
+            typer.echo(warning, err=True)
+    if json_out:
+        write_json_atomic(json_out, finite_json(out))
+        typer.echo(f"wrote {json_out}")

@@ -1,0 +1,119 @@
+"""What every command shares: errors as `error: ...` lines with exit codes, SIGTERM as Ctrl-C,
+the GPU a command defaults to, flag checks, and help text typer prints as written.
+
+Errors that name a bad input (`NanoschedError`) print one line to stderr and exit with code 2,
+as typer's own usage errors do; a file that cannot be read or written exits with code 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import typer
+
+from nanosched.errors import ConfigError, NanoschedError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_GPU = "h100"  # the prior assumed with no --gpu and no GPU present
+TP_FIT_BATCH = 1024  # the batch `analyze` and `models` size the smallest tp for, as the search
+
+
+def reports_errors(fn: F) -> F:
+    """Turn a NanoschedError into `error: ...` on stderr and exit code 2; an OSError (a file
+    that cannot be read or written) into `error: FILE: why`, exit code 1: no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except NanoschedError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(code=2) from None
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            typer.echo(f"error: {where}{exc.strerror or exc}", err=True)
+            raise typer.Exit(code=1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside, SIGTERM raises KeyboardInterrupt as Ctrl-C does, so `search` and `profile` stop
+    the same way for both: a clear message, an earlier output file untouched, exit 130."""
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def require_matplotlib(flag: str = "--plot") -> None:
+    """Refuse `flag` before any work when matplotlib is missing, naming the extra."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{flag} needs matplotlib: pip install -e '.[plot]' (or "
+                          f"pip install matplotlib)") from None
+
+
+def literal(text: str) -> str:
+    """`text` as help that typer prints verbatim: where rich renders the help, square brackets
+    (`[plot]`) would be read as markup and vanish, so they are escaped."""
+    try:
+        from rich.markup import escape
+    except ImportError:  # typer prints plain click help without rich
+        return text
+    return escape(text)
+
+
+def gpu_here() -> str | None:
+    """The prior name (hardware.GPUS) of the CUDA device present, None without one (or when
+    torch knows no prior for it)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name(0)
+    except Exception:  # no torch, no driver: no GPU to default to
+        return None
+    from nanosched.hardware import prior_for
+
+    prior = prior_for(name)
+    if prior is None:
+        typer.echo(f"note: no prior for {name}; pass --gpu", err=True)
+    return prior.name if prior is not None else None
+
+
+def default_gpu(gpu: str | None, assume: bool = True) -> str | None:
+    """`--gpu` as given, else the GPU present, else (with `assume`) DEFAULT_GPU, said on
+    stderr; without `assume` None is returned for the command to decide."""
+    if gpu is not None:
+        return gpu
+    here = gpu_here()
+    if here is not None:
+        typer.echo(f"--gpu not given: using {here}, the GPU present", err=True)
+        return here
+    if assume:
+        typer.echo(f"--gpu not given and no GPU here: assuming {DEFAULT_GPU}", err=True)
+        return DEFAULT_GPU
+    return None
+
+
+def check_flag(flag: str, value: Any, ok: bool, allowed: str) -> None:
+    """Raise ConfigError `FLAG must be ALLOWED, got VALUE` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{flag} must be {allowed}, got {value}")

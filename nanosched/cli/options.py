@@ -1,0 +1,90 @@
+"""Flags that several commands take with the same meaning, declared once.
+
+Each alias is an `Annotated` type: a command writes `kv_cache_dtype: KvCacheDtype = "auto"`
+and gets the flag, its help and its checks exactly as every other command that takes it. Flags
+whose help says something particular to one command stay in that command's signature.
+`model_option` spells `--model/-m` once with each command's own help.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from nanosched.errors import ConfigError
+
+KV_DTYPE_HELP = ("KV cache element type, as vLLM's flag: 'auto' (the model's dtype) or 'fp8' "
+                 "(e4m3 with one scale per token and KV head: about half the bytes, so twice "
+                 "the tokens fit and the decode attention reads half as much).")
+DECODE_ATTENTION_HELP = ("Decode attention kernel where a schedule names none: 'auto' "
+                         "(cuda_bulk on an FP8 cache where it can run: a Hopper GPU with cupy "
+                         "and cuda-bindings; else triton_pipelined), or triton_pipelined, "
+                         "triton_pipelined_2w, triton_paged (on a CPU without Triton: the torch "
+                         "reference).")
+ADMISSION_HELP = (
+    "KV admission: 'use' (default, as vLLM and SGLang: admit while the request's prompt pages "
+    "plus --kv-headroom are free; when a decode lacks a page, preempt the most recently "
+    "admitted requests), 'reserve' (admit only if the peak with every request at max_tokens "
+    "fits; never preempts, holds back when requests stop early), or 'predict' (NanoFlow: that "
+    "peak with outputs predicted from requests that ended; preempts when short).")
+HEADROOM_HELP = ("Share of the KV cache, in [0, 1), left free after admitting a request under "
+                 "'use' or 'predict' (waived when nothing else runs): fewer preemptions, fewer "
+                 "requests at once.")
+PREEMPTION_HELP = (
+    "How a preempted request gives up its KV pages: 'recompute' (default: dropped; it prefills "
+    "prompt + outputs again, no token is sampled twice), 'swap' (copied to host memory and "
+    "back before it runs again; recompute when --swap-space is full), or 'auto' (swap when "
+    "copying out and in over the host link costs less than recomputing at the GEMM peak).")
+SWAP_HELP = "Host memory in GiB, in [0, 1048576], for swapped-out KV (pinned on a GPU)."
+
+
+def model_option(help: str, default: Any = ...) -> Any:
+    """`--model/-m` as a parameter's default, with a command's own help (what it accepts
+    differs by command); required unless a `default` is given."""
+    return typer.Option(default, "--model", "-m", help=help)
+
+
+# the engine's flags (generate, bench, serve)
+KvCacheDtype = Annotated[str, typer.Option("--kv-cache-dtype", help=KV_DTYPE_HELP)]
+DecodeAttention = Annotated[str, typer.Option("--decode-attention", help=DECODE_ATTENTION_HELP)]
+Admission = Annotated[str, typer.Option("--admission", help=ADMISSION_HELP)]
+KvHeadroom = Annotated[float, typer.Option("--kv-headroom", help=HEADROOM_HELP)]
+Preemption = Annotated[str, typer.Option("--preemption", help=PREEMPTION_HELP)]
+SwapSpace = Annotated[float, typer.Option("--swap-space", help=SWAP_HELP)]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of random weights and of sampling.")]
+EngineDevice = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+
+# the workload a search or a profile is sized for (NanoFlow Table 4 names or mean lengths)
+Workload = Annotated[str | None, typer.Option("--workload",
+                                              help="sharegpt, lmsys, splitwise.")]
+MeanInputLen = Annotated[float | None, typer.Option("--input-len",
+                                                    help="Mean prompt tokens p.")]
+MeanOutputLen = Annotated[float | None, typer.Option("--output-len",
+                                                     help="Mean output tokens d.")]
+
+# the profiler's run flags
+NoProgress = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
+ProfileOut = Annotated[Path | None, typer.Option(
+    "--out", "-o", help="Profile to write (default: FILE, replaced atomically).")]
+
+
+def kernel_options(decode_attention: str) -> Any:
+    """The engine's KernelOptions for --decode-attention, refused with the flag's name."""
+    from nanosched.kernels import impls
+    from nanosched.kernels.dispatch import KernelOptions
+
+    if decode_attention not in impls.DECODE_OPTIONS:
+        raise ConfigError(f"--decode-attention must be one of {', '.join(impls.DECODE_OPTIONS)}; "
+                          f"got {decode_attention!r}")
+    return KernelOptions(decode_impl=decode_attention)
+
+
+def admission_config(admission: str, kv_headroom: float, preemption: str,
+                     swap_space: float) -> Any:
+    """The engine's AdmissionConfig from the four admission flags (checked by it)."""
+    from nanosched.runtime.preempt import AdmissionConfig
+
+    return AdmissionConfig(policy=admission, headroom=kv_headroom, preemption=preemption,
+                           swap_space_gib=swap_space)

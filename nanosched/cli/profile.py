@@ -1,0 +1,155 @@
+"""`nanosched profile` and its subcommands: measure a GPU's kernels alone and in pairs (the
+group's own callback), `show` a profile, add its `forward` table, `rederive` its R->P tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from nanosched.cli.common import literal, reports_errors, require_matplotlib, sigterm_as_interrupt
+from nanosched.cli.options import (
+    MeanInputLen,
+    MeanOutputLen,
+    NoProgress,
+    ProfileOut,
+    Workload,
+    model_option,
+)
+from nanosched.errors import ConfigError
+
+profile_app = typer.Typer(
+    help="Measure this GPU's kernels and their interference (`nanosched profile --gpu 0 "
+    "--model llama3-8b`), or show a profile (`nanosched profile show FILE`).",
+    no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
+
+
+@profile_app.callback(invoke_without_command=True)
+@reports_errors
+def profile(
+    ctx: typer.Context,
+    gpu: int = typer.Option(0, "--gpu", help="CUDA device index to measure."),
+    model: str | None = model_option("Model name or HF config.", default=None),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: kernels are measured at "
+                           "tp-sharded shapes; network rows on min(tp, visible GPUs)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Profile file to write "
+                                    "(default profile-MODEL-tpN.json)."),
+    quick: bool = typer.Option(False, "--quick", help="Coarse grid: fewer SM partitions, "
+                               "implementations, contexts and pairs (about 2 minutes)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT.partial.json."),
+    dense_batch: int | None = typer.Option(None, "--dense-batch", help="Largest token count "
+                                           "(default: what fits, capped at 2048)."),
+    input_len: MeanInputLen = None,
+    output_len: MeanOutputLen = None,
+    workload: Workload = None,
+    no_progress: NoProgress = False,
+    fake_gpu: bool = typer.Option(False, "--fake-gpu", help="Dry run on a simulated GPU "
+                                  "(deterministic numbers, no CUDA needed)."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache the attention "
+                                       "and rope_append rows run on: 'auto' (the model's dtype) "
+                                       "or 'fp8'. A schedule searched on the profile runs only "
+                                       "on that cache (serve/bench --kv-cache-dtype)."),
+) -> None:
+    """Profile kernels alone and in pairs on a GPU and write the profile (nanosched.profile/1).
+
+    Measures ceilings, then every op of the model's layer at 128..dense-batch tokens on every
+    SM partition and implementation, then compute x memory (and x network, tp > 1) pairs, and
+    derives the R->P tables. Ctrl-C leaves OUT.partial.json; --resume continues it.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from nanosched.profiler.command import ProfileConfig, profile_gpu
+    from nanosched.profiler.runner import ProfileInterrupted
+    from nanosched.workloads import resolve_workload
+
+    if model is None:
+        raise ConfigError("nanosched profile needs --model (e.g. --model llama3-8b)")
+    cfg = ProfileConfig(gpu, model, tp, resolve_workload(workload, input_len, output_len), out,
+                        quick, resume, dense_batch, not no_progress, fake_gpu,
+                        kv_dtype=kv_cache_dtype)
+    try:
+        with sigterm_as_interrupt():
+            profile_gpu(cfg, log=typer.echo)
+    except ProfileInterrupted as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(code=130) from None
+
+
+@profile_app.command("show")
+@reports_errors
+def profile_show(
+    file: Path = typer.Argument(..., help="Profile JSON to show."),
+    plot: Path | None = typer.Option(None, "--plot", help=literal(
+        "Also write R->P curves and kernel time vs SMs to this .png, .svg or .pdf (needs the "
+        "[plot] extra: matplotlib).")),
+) -> None:
+    """Print a profile's ceilings, kernel tables, R->P tables and notes."""
+    from nanosched.fileio import PLOT_SUFFIXES, check_input_file, check_output_file
+    from nanosched.profiler.format import load_profile
+    from nanosched.profiler.show import plot_profile, show_profile
+
+    check_input_file(file, "profile")
+    if plot is not None:
+        check_output_file(plot, "--plot", PLOT_SUFFIXES)
+        require_matplotlib()
+    prof = load_profile(file)
+    show_profile(prof, echo=typer.echo)
+    if plot is not None:
+        typer.echo(f"wrote {plot_profile(prof, plot)}")
+
+
+@profile_app.command("forward")
+@reports_errors
+def profile_forward(
+    file: Path = typer.Argument(..., help="Profile JSON to measure the forward table of."),
+    gpu: int = typer.Option(0, "--gpu", help="CUDA device index (the GPU the profile was "
+                            "measured on)."),
+    out: ProfileOut = None,
+    input_len: float | None = typer.Option(None, "--input-len", help="Mean prompt tokens p "
+                                           "the profile was measured for (default 1024)."),
+    output_len: float | None = typer.Option(None, "--output-len", help="Mean output tokens d "
+                                            "(default 512)."),
+    workload: Workload = None,
+    no_progress: NoProgress = False,
+    fake_gpu: bool = typer.Option(False, "--fake-gpu", help="Dry run on a simulated GPU."),
+) -> None:
+    """Measure the forward table of a finished profile (a few seconds) and add it.
+
+    A Sequential layer of the profile's fastest kernels on all SMs is looped at the workload's
+    mix at half the dense batch and at the dense batch, and decode only at a quarter of it (the
+    tail of a run), until the SM clock settles under the power cap, and each op's time inside
+    it is set beside its row. The search multiplies a
+    row by that factor for an op alone on the whole GPU inside a forward. `nanosched profile`
+    measures the table itself; this adds it to a profile taken before it did. Sets searched on
+    the old file name its digest: search them again."""
+    from nanosched.profiler.command import add_forward
+    from nanosched.workloads import resolve_workload
+
+    add_forward(file, gpu, resolve_workload(workload, input_len, output_len), out, fake_gpu,
+                not no_progress, log=typer.echo)
+
+
+@profile_app.command("rederive")
+@reports_errors
+def profile_rederive(
+    file: Path = typer.Argument(..., help="Profile JSON to derive again."),
+    out: ProfileOut = None,
+) -> None:
+    """Derive a profile's R->P tables again from its measured pairs and kernel rows (no GPU).
+
+    R->P points give each kernel's P against the profile's own row of that kernel alone, so
+    that the search's row / P is the time the kernel took in the pair. Profiles taken before
+    this rule gave P against the pair's own alone time, which for a GEMM under the power cap is
+    12-15% slower than its row: their pipelines were predicted that much too fast."""
+    from nanosched.fileio import check_input_file, check_output_file
+    from nanosched.profiler.build import rederive_rp
+    from nanosched.profiler.format import load_profile, save_profile
+
+    check_input_file(file, "profile")
+    target = out or file
+    check_output_file(target, "--out")
+    prof = load_profile(file)
+    fresh = rederive_rp(prof)
+    save_profile(fresh, target)
+    typer.echo(f"R->P tables derived again from {len(prof.pairs)} pairs "
+               f"({'changed' if fresh != prof else 'unchanged'}); wrote {target}")

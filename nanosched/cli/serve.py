@@ -1,0 +1,88 @@
+"""`nanosched serve`: the engine behind OpenAI's completions and chat completions HTTP API
+(nanosched.runtime.server; needs the serve extra)."""
+
+from __future__ import annotations
+
+import typer
+
+from nanosched.cli.options import (
+    Admission,
+    DecodeAttention,
+    EngineDevice,
+    KvCacheDtype,
+    KvHeadroom,
+    Preemption,
+    Seed,
+    SwapSpace,
+    admission_config,
+    kernel_options,
+    model_option,
+)
+from nanosched.errors import ConfigError
+
+
+def serve(
+    model: str = model_option("Registered model name or HF checkpoint folder / config.json."),
+    weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a "
+                                       "checkpoint folder (default: the --model folder's "
+                                       "weights, else random)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (1 for now)."),
+    schedule: str = typer.Option("auto", "--schedule", help="'auto' (a matching shipped "
+                                 "schedule, else Sequential), 'sequential', 'two_batch', or a "
+                                 "schedule JSON file (refused if made for another model, tp "
+                                 "or GPU)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    port: int = typer.Option(8000, "--port", help="Port to bind."),
+    dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
+                                           "(default: the schedule's; 2048 GPU, 256 CPU)."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait for "
+                                  "admission; past it requests get 429."),
+    device: EngineDevice = "auto",
+    seed: Seed = 0,
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds (a float >= 0) "
+                                        "that SIGTERM or Ctrl-C gives open requests to finish; "
+                                        "then each open stream ends with an error event and "
+                                        "each other request gets a 503 JSON error."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="NANOSCHED_API_KEY",
+                                       help="Require 'Authorization: Bearer <key>' on the /v1/ "
+                                       "routes (401 without it), as vLLM's --api-key; "
+                                       "/health and /metrics stay open. Without it, binding "
+                                       "beyond loopback logs a warning."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model "
+                                                 "id clients send and /v1/models lists "
+                                                 "(default: the checkpoint folder's name, or "
+                                                 "the registered model name)."),
+    max_request_bytes: int = typer.Option(8 * 2**20, "--max-request-bytes", help="Largest "
+                                          "request body accepted, in bytes (default 8 MiB); "
+                                          "larger ones get 413 before they are read."),
+    stats_interval: float = typer.Option(5.0, "--stats-interval", help="Seconds between the "
+                                         "logged throughput / queue / KV-cache line, as vLLM's "
+                                         "(0: off; an idle server logs none)."),
+    graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs per batch bucket: 'auto' "
+                               "(on with a GPU), 'on' or 'off' (eager launches)."),
+    admission: Admission = "use",
+    kv_headroom: KvHeadroom = 0.0,
+    preemption: Preemption = "recompute",
+    swap_space: SwapSpace = 4.0,
+    kv_cache_dtype: KvCacheDtype = "auto",
+    decode_attention: DecodeAttention = "auto",
+) -> None:
+    """Serve the model over HTTP with OpenAI's completions and chat completions APIs."""
+    try:
+        from nanosched.runtime.server.app import run_server
+        from nanosched.runtime.server.startup import ServeConfig
+    except ImportError as exc:
+        raise ConfigError(f"serve needs the serve extra ({exc.name} is missing): "
+                          f"pip install -e '.[serve]'") from None
+
+    from nanosched.runtime.config import EngineConfig
+
+    engine = EngineConfig(model=model, weights=weights, tp=tp, schedule=schedule,
+                          dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
+                          admission=admission_config(admission, kv_headroom, preemption,
+                                                     swap_space),
+                          kv_dtype=kv_cache_dtype, kernels=kernel_options(decode_attention))
+    run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
+                           drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
+                           api_key=api_key, served_model_name=served_model_name,
+                           stats_interval_s=stats_interval))

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from nanosched.runtime.config import EngineConfig
-from nanosched.runtime.server.app import build_server
+from nanosched.runtime.server.lifecycle import build_server
 from nanosched.runtime.server.startup import ServeConfig
 
 DATA = Path(__file__).with_name("data")
@@ -36,7 +36,8 @@ class ThreadServer:
 
     def __init__(self, **kw) -> None:
         server_keys = {"host", "port", "max_queue", "drain_timeout_s", "max_request_bytes",
-                       "api_key", "served_model_name", "stats_interval_s"}
+                       "api_key", "served_model_name", "stats_interval_s", "header_timeout_s",
+                       "body_timeout_s", "max_connections"}
         engine = EngineConfig(device="cpu", schedule="auto", graphs="auto",
                               **{k: v for k, v in kw.items() if k not in server_keys})
         self.server = build_server(ServeConfig(engine, **{k: v for k, v in kw.items()
@@ -90,3 +91,37 @@ def server_fixtures(name: str, timeout: float):
             yield c
 
     return folder, srv, http
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_process(*flags: str, model: str = str(DATA / "tiny_llama_config.json")):
+    """`nanosched serve --model MODEL FLAGS` as a process on a free loopback port (CPU, dense
+    batch 16), once /health answers: (Popen with stdout+stderr piped as text, base URL)."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"PYTHONPATH": str(DATA.parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "nanosched.cli", "serve", "--model", model,
+                             "--port", str(port), "--device", "cpu", "--dense-batch", "16",
+                             *flags],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not start: {proc.communicate()[0]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)

@@ -523,14 +523,18 @@ def test_the_model_id_is_the_folder_name_or_the_served_model_name(srv, http, fol
     assert [m["id"] for m in http.get(f"{srv.url}/v1/models").json()["data"]] == ["tiny"]
     r = ask(http, srv, prompt=[1], max_tokens=1)
     assert r.json()["model"] == "tiny"
-    r = http.post(f"{srv.url}/v1/completions", json={"model": str(folder), "prompt": [1]})
+    r = http.post(f"{srv.url}/v1/completions", json={"model": "tiny2", "prompt": [1]})
     assert r.status_code == 404 and "'tiny'" in r.json()["error"]["message"]
+    r = http.post(f"{srv.url}/v1/completions", json={"model": str(folder), "prompt": [1],
+                                                   "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "tiny"  # as vLLM: the path given
     s = ThreadServer(model=str(folder), dense_batch=16, served_model_name="my-llama")
     try:
         assert s.model == "my-llama"
-        r = http.post(f"{s.url}/v1/completions", json={"model": "my-llama", "prompt": [1],
-                                                       "max_tokens": 1})
-        assert r.status_code == 200 and r.json()["model"] == "my-llama"
+        for name in ("my-llama", "tiny", str(folder)):
+            r = http.post(f"{s.url}/v1/completions", json={"model": name, "prompt": [1],
+                                                           "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == "my-llama"
     finally:
         s.close()
     with pytest.raises(ConfigError, match="--served-model-name is empty"):

@@ -151,7 +151,10 @@ def test_when_the_drain_time_runs_out_open_requests_end_with_503(tmp_path):
                         async for line in r.aiter_lines():
                             if line:
                                 events.append(line)
-                                if len(events) == 1:  # it runs: now stop the server
+                                if len(events) == 1:  # it runs: now stop the server,
+                                    while (await c.get(f"{url}/metrics")).text.count(
+                                            "nanosched_requests_received_total 2") == 0:
+                                        await asyncio.sleep(0.02)  # once both are in
                                     proc.send_signal(signal.SIGTERM)
                     return events
 

@@ -69,7 +69,7 @@ def serve(
 ) -> None:
     """Serve the model over HTTP with OpenAI's completions and chat completions APIs."""
     try:
-        from nanosched.runtime.server.app import run_server
+        from nanosched.runtime.server.lifecycle import run_server
         from nanosched.runtime.server.startup import ServeConfig
     except ImportError as exc:
         raise ConfigError(f"serve needs the serve extra ({exc.name} is missing): "

@@ -24,7 +24,7 @@ from typing import Any
 
 from nanosched.errors import ConfigError
 from nanosched.runtime.requests import SamplingParams
-from nanosched.runtime.server.text import TextCodec
+from nanosched.runtime.server.text import PromptTooLong, TemplateRefused, TextCodec
 
 # field -> the values accepted (anything else is refused as unsupported)
 UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False),
@@ -85,6 +85,10 @@ class Limits:
     name: str
     vocab_size: int
     context: int
+    aliases: tuple[str, ...] = ()  # other names a request may give the model (`accepts`)
+
+    def accepts(self, model: str) -> bool:
+        return model == self.name or model in self.aliases
 
 
 MAX_NESTING = 32  # OpenAI bodies nest a handful of levels; deeper is refused before any work
@@ -163,9 +167,10 @@ def _check_common(body: Any, limits: Limits) -> None:
     if not isinstance(model, str):
         raise _bad("model", f"must be the model's name as a string ({limits.name!r}), "
                             f"got {show(model)}")
-    if model != limits.name:
+    if not limits.accepts(model):
+        others = "".join(f" (or {a!r})" for a in limits.aliases)
         raise ApiError(404, f"model: {show(model)} is not served here; the served model is "
-                            f"{limits.name!r}", param="model", code="model_not_found")
+                            f"{limits.name!r}{others}", param="model", code="model_not_found")
     for key, allowed in UNSUPPORTED.items():
         if key in body and body[key] not in allowed:
             why = WHY_UNSUPPORTED.get(key, "")
@@ -208,7 +213,10 @@ def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits,
         if not codec.has_tokenizer:
             raise _bad(param, f"model {limits.name!r} has no tokenizer: send the prompt as "
                                  f"a list of token ids")
-        ids = codec.encode(_text(param, prompt))
+        try:
+            ids = codec.encode(_text(param, prompt), limits.context - 1)
+        except PromptTooLong as exc:
+            raise _too_long(param, exc, limits) from None
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in prompt):
         ids = prompt
@@ -224,6 +232,11 @@ def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits,
         raise _bad(param, f"{len(ids)} tokens leave no room in the model's context of "
                              f"{limits.context} tokens")
     return ids
+
+
+def _too_long(param: str, exc: PromptTooLong, limits: Limits) -> ApiError:
+    return _bad(param, f"{exc}: more than fit in the model's context of {limits.context} "
+                       f"tokens")
 
 
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's bound on stop strings; a sane length
@@ -327,6 +340,12 @@ def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:
     if not codec.has_tokenizer:
         raise _bad("messages", f"model {limits.name!r} has no tokenizer, so chat is not "
                                f"available: use /v1/completions with token-id prompts")
-    ids = _prompt_ids(codec.chat_prompt(msgs), codec, limits)
+    try:
+        ids = _prompt_ids(codec.chat_prompt(msgs, limits.context - 1), codec, limits)
+    except PromptTooLong as exc:
+        raise _too_long("messages", exc, limits) from None
+    except TemplateRefused as exc:
+        raise _bad("messages", f"the model's chat template refused this conversation: "
+                               f"{show(str(exc))}") from None
     given = _int(body, "max_completion_tokens", None) or _int(body, "max_tokens", None)
     return _job(body, [ids], given or limits.context - len(ids), limits, True)

@@ -19,6 +19,11 @@ from nanosched.models.spec import ModelSpec
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.loader import LoadedEngine, gpu_name, load_engine
+from nanosched.runtime.server.connections import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    default_max_connections,
+)
 from nanosched.runtime.server.statslog import DEFAULT_STATS_INTERVAL_S
 from nanosched.runtime.server.text import TextCodec
 
@@ -40,6 +45,9 @@ class ServeConfig:
     api_key: str | None = None  # /v1/ routes need "Authorization: Bearer <api_key>"
     served_model_name: str | None = None  # default: default_model_name(--model)
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S  # the throughput/queue line; 0: off
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a request's headers, from connect
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # its body, from the headers
+    max_connections: int = field(default_factory=default_max_connections)  # open at once
 
 
 @dataclass
@@ -52,9 +60,11 @@ class Served:
     codec: TextCodec
     strategy: str
     closer: LoadedEngine | None = None  # releases the replay's partitions at exit
+    aliases: tuple[str, ...] = ()  # other names requests may give the model (`model_names`)
 
 
-def _check_flags(cfg: ServeConfig) -> None:
+def check_flags(cfg: ServeConfig) -> None:
+    """Refuse bad server flags before the port is bound or anything loads."""
     if cfg.engine.model is None:
         raise ConfigError("--model is required")
     if cfg.engine.tp != 1:
@@ -70,6 +80,15 @@ def _check_flags(cfg: ServeConfig) -> None:
     if cfg.api_key is not None and not cfg.api_key.strip():
         raise ConfigError("--api-key is empty: give a key, or leave the flag out to serve "
                           "without one")
+    if cfg.api_key is not None and not (cfg.api_key.isascii() and cfg.api_key.isprintable()):
+        raise ConfigError("--api-key holds a non-ASCII or control character, which no client "
+                          "can send in an HTTP header: use printable ASCII only")
+    for flag, value in (("--header-timeout", cfg.header_timeout_s),
+                        ("--body-timeout", cfg.body_timeout_s)):
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{flag} must be a finite number of seconds > 0, got {value}")
+    if cfg.max_connections < 1:
+        raise ConfigError(f"--max-connections must be at least 1, got {cfg.max_connections}")
     if cfg.served_model_name is not None and not cfg.served_model_name.strip():
         raise ConfigError("--served-model-name is empty: give a name, or leave the flag out to "
                           "use the checkpoint folder's name")
@@ -79,6 +98,15 @@ def _check_flags(cfg: ServeConfig) -> None:
     if cfg.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be at least 1, got "
                           f"{cfg.max_request_bytes}")
+
+
+def model_names(model: str, served_model_name: str | None) -> tuple[str, tuple[str, ...]]:
+    """(the name /v1/models lists and answers carry, the other names a request may give):
+    `--served-model-name` if given, else `default_model_name`; also the `--model` string as
+    given (a vLLM client sends the path it served) and its short name."""
+    name = served_model_name or default_model_name(model)
+    others = dict.fromkeys(n for n in (model, default_model_name(model)) if n != name)
+    return name, tuple(others)
 
 
 def default_model_name(model: str) -> str:
@@ -95,14 +123,15 @@ def default_model_name(model: str) -> str:
 
 def prepare(cfg: ServeConfig) -> Served:
     """Check the flags, then load the engine (schedule first, then model, KV pages, engine)."""
-    _check_flags(cfg)
+    check_flags(cfg)
     codec = TextCodec.for_model(cfg.engine.model)  # a bad tokenizer is named before the model
     loaded = load_engine(cfg.engine)
     c = loaded.config
     log.info("%s on %s: strategy %s, dense batch %d, %d KV pages of %d tokens, CUDA graphs %s",
              loaded.spec.name, gpu_name(loaded.model.device), loaded.choice.name,
              c.dense_batch, c.num_pages, c.page_size, c.graphs)
-    name = cfg.served_model_name or default_model_name(c.model)
-    log.info("serving as model %r", name)
+    name, aliases = model_names(cfg.engine.model, cfg.served_model_name)
+    log.info("serving as model %r%s", name,
+             "".join(f" (or {a!r})" for a in aliases))
     return Served(name, loaded.spec, loaded.engine, codec,
-                  loaded.choice.name, loaded)
+                  loaded.choice.name, loaded, aliases)

@@ -5,6 +5,16 @@ the tokenizer's `apply_chat_template` when it has a template, and outputs are de
 Chat without a template uses the plain fallback: each message as "role: content\\n", joined,
 then "assistant: ". Without a tokenizer only token-id prompts work, and the text of a token is
 " <id>" (so streamed pieces concatenate to the non-streamed text: " 5 9 2").
+
+A long text is never tokenized whole before its length is bounded (`encode(text, limit)`):
+growing prefixes of it are tokenized first (`limit` x PROBE_CHARS_PER_TOKEN characters, then
+PROBE_GROWTH times more each time) and the text is refused as soon as one holds clearly more
+than `limit` tokens, so the work done on a text of too many tokens is bounded by what those
+tokens take, not by the text's size. A template that refuses
+a conversation (Llama-2 and Mistral templates call `raise_exception` on a system turn or two
+user turns in a row) raises `TemplateRefused`; the server answers it with a 400.
+Streams decode incrementally, as vLLM's detokenizer does: each step decodes only the new tokens
+behind a short window of the tokens before them, never the whole output again.
 """
 
 from __future__ import annotations
@@ -14,6 +24,24 @@ from typing import Any
 from nanosched.models.checkpoint import load_tokenizer, model_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+PROBE_CHARS_PER_TOKEN = 8  # the first prefix tokenized: this many characters per allowed token
+PROBE_GROWTH = 8  # each next prefix is this much longer
+PROBE_SLACK = 16  # tokens a prefix may hold beyond the whole text's (its cut end re-tokenized)
+# (a prefix cut inside a word may tokenize that word into more pieces than the whole text does)
+
+
+class PromptTooLong(ValueError):
+    """A text holds more tokens than allowed; `at_least` of them, found without tokenizing
+    it whole."""
+
+    def __init__(self, at_least: int, how: str) -> None:
+        super().__init__(f"at least {at_least} tokens ({how})")
+        self.at_least, self.how = at_least, how
+
+
+class TemplateRefused(ValueError):
+    """The chat template refused the conversation (its `raise_exception`, or another template
+    error), with the template's message."""
 
 
 def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
@@ -43,16 +71,40 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+    def encode(self, text: str, limit: int | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`; with `limit`, PromptTooLong when it holds more than `limit`
+        tokens, found before the whole text is tokenized (see the module docstring)."""
+        if limit is not None:
+            self._bound(text, limit, special)
+        return self._ids(text, special)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation, ending where the assistant's reply begins."""
+    def _ids(self, text: str, special: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def _bound(self, text: str, limit: int, special: bool) -> None:
+        size = limit * PROBE_CHARS_PER_TOKEN
+        while size < len(text):
+            found = len(self._ids(text[:size], special)) - PROBE_SLACK
+            if found > limit:
+                raise PromptTooLong(found, f"in its first {size} of {len(text)} characters")
+            size *= PROBE_GROWTH
+
+    def chat_prompt(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
+        """Token ids of a conversation, ending where the assistant's reply begins; with
+        `limit`, bounded as `encode` bounds a text."""
         if self.has_chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self._render(messages)
+            return self.encode(text, limit, special=False)
+        return self.encode(plain_chat_prompt(messages), limit)
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=True)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return self.encode(plain_chat_prompt(messages))
+        except TemplateError as exc:
+            raise TemplateRefused(str(exc) or type(exc).__name__) from None
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -61,21 +113,28 @@ class TextCodec:
 
 
 class Detokenizer:
-    """Streamed text: each `push` returns the new text since the last one. A piece that ends
-    in an incomplete character (U+FFFD) is held back until the next tokens complete it."""
+    """Streamed text: each `push` returns the new text since the last one, decoding only the
+    tokens not yet emitted behind those of the previous push (the window that tokenizers such
+    as SentencePiece need to place a leading space), so a stream of n tokens costs O(n), not
+    O(n^2). A piece that ends in an incomplete character (U+FFFD) is held back until the next
+    tokens complete it, or the output ends."""
 
     def __init__(self, codec: TextCodec) -> None:
         self.codec = codec
         self.ids: list[int] = []
-        self.text = ""
+        self.prefix = 0  # ids[prefix:read]: the window, already emitted
+        self.read = 0  # ids[read:]: not yet emitted
 
     def push(self, tokens: list[int], final: bool = False) -> str:
+        if not self.codec.has_tokenizer:
+            return self.codec.decode(tokens)
         self.ids += tokens
-        text = self.codec.decode(self.ids)
-        if (text.endswith("\ufffd") and not final) or not text.startswith(self.text):
+        before = self.codec.decode(self.ids[self.prefix:self.read])
+        text = self.codec.decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
             return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 class StopText:
@@ -105,3 +164,4 @@ class StopText:
     def flush(self) -> str:
         held, self.held = self.held, ""
         return held
+

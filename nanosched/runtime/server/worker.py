@@ -226,7 +226,6 @@ class EngineWorker:
         with self._cond:
             self._num_running = len(eng.batcher.running)
             self.counters.generated_tokens += sum(map(len, tokens.values()))
-            self.counters.finished += len(ended)
             now = time.perf_counter()
             self.counters.window.append((now, eng.stats.tokens - self._last_tokens))
             self._last_tokens = eng.stats.tokens
@@ -234,10 +233,11 @@ class EngineWorker:
                 self.counters.window.popleft()
             for rid in tokens.keys() | reasons.keys():
                 client = self._clients.get(rid)
-                if rid in reasons:
-                    self._clients.pop(rid, None)
-                if client is None:
+                if client is None:  # aborted (and counted so) before the engine ended it
                     continue
+                if rid in reasons:
+                    self._clients.pop(rid)
+                    self.counters.finished += 1
                 if reasons.get(rid) == "error":
                     _send(client, Update(tokens.get(rid, []), error=SAMPLING_FAILED))
                 else:

@@ -1,0 +1,140 @@
+"""Bounds on what a connection may hold: the time to send a request, and how many are open.
+
+uvicorn times out only idle keep-alive connections: a client that sends its headers a byte at a
+time, trickles its body, or connects and says nothing holds its socket forever, and enough of
+them exhaust the process's file descriptors (legitimate requests then time out and every
+failed accept() is logged). `guarded(base, limits)` subclasses uvicorn's HTTP protocol class:
+- a request's headers must be complete within `header_timeout_s` of the connection opening or
+  of the previous response ending, and its body within `body_timeout_s` of the headers; a late
+  client gets a 408 (if no response began) and its connection is closed. An app waiting for
+  the body sees the client leave (`http.disconnect`), as for a client that hung up;
+- at most `max_connections` connections are open; one more is answered 503 at once and
+  closed, before it is read. The default is below the descriptor limit (RLIMIT_NOFILE), with
+  room left for the model's files and the process's own.
+What was closed is counted and logged at most once per `LOG_EVERY_S`, never per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("nanosched.serve")
+LOG_EVERY_S = 10.0
+RESERVED_FDS = 64  # descriptors kept for the model's files, logs, pipes and the listener
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0  # an 8 MiB body at 140 KB/s
+
+
+def default_max_connections(cap: int = 1024) -> int:
+    """`cap`, or fewer when the descriptor limit leaves less than that after RESERVED_FDS."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return cap
+    if soft == getattr(resource, "RLIM_INFINITY", -1) or soft <= 0:
+        return cap
+    return max(1, min(cap, soft - RESERVED_FDS))
+
+
+@dataclass
+class ConnectionLimits:
+    """The bounds, and counts of what they closed (logged in summary)."""
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int = field(default_factory=default_max_connections)
+    closed: dict[str, int] = field(default_factory=dict)
+    _logged: float = 0.0
+
+    def count(self, why: str) -> None:
+        self.closed[why] = self.closed.get(why, 0) + 1
+        now = time.monotonic()
+        if now - self._logged >= LOG_EVERY_S:
+            self._logged = now
+            log.warning("closed connections so far: %s (--max-connections %d, header timeout "
+                        "%g s, body timeout %g s)",
+                        ", ".join(f"{n} {w}" for w, n in sorted(self.closed.items())),
+                        self.max_connections, self.header_timeout_s, self.body_timeout_s)
+
+
+def _raw_response(status: str, message: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                 "param": None, "code": code}}).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+BUSY = _raw_response("503 Service Unavailable", "too many open connections; retry later",
+                     "too_many_connections")
+SLOW_HEADERS = _raw_response("408 Request Timeout", "the request headers did not arrive in "
+                             "time", "request_timeout")
+SLOW_BODY = _raw_response("408 Request Timeout", "the request body did not arrive in time",
+                          "request_timeout")
+
+
+def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyncio.Protocol]:
+    """uvicorn's protocol class `base` with the bounds of `limits` (module docstring)."""
+
+    class Guarded(base):  # type: ignore[misc, valid-type]
+        _timer: asyncio.TimerHandle | None = None
+        _seen: Any = None  # the request cycle whose headers have been seen
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                limits.count("over the connection limit")
+                transport.write(BUSY)
+                transport.close()
+                return
+            self._arm(limits.header_timeout_s, "headers")
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            cycle = self.cycle
+            if cycle is None or cycle is self._seen or cycle.response_complete:
+                if cycle is not None and cycle is self._seen and not cycle.more_body:
+                    self._disarm()  # the whole body is in
+                return
+            self._seen = cycle  # a new request's headers are in
+            if cycle.more_body:
+                self._arm(limits.body_timeout_s, "body")
+            else:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm(limits.header_timeout_s, "headers")  # the next request's
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self, seconds: float, what: str) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(seconds, self._expire, what)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _expire(self, what: str) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            limits.count(f"slow {what}")
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or not cycle.response_started:
+                self.transport.write(SLOW_HEADERS if what == "headers" else SLOW_BODY)
+            self.transport.close()
+
+    Guarded.__name__ = f"Guarded{base.__name__}"
+    return Guarded

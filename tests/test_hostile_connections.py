@@ -1,0 +1,136 @@
+"""Connections that hold a socket without finishing a request (issue 36): headers sent a byte
+at a time, a body that stalls, connections that say nothing, more of them than the cap. Each is
+answered 408 (or 503 over the cap) and closed, the closures are logged in summary, and the
+server answers everyone else meanwhile. A response that takes longer than the timeouts (a long
+stream) is not cut: the timeouts bound receiving a request, not answering it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from serve_helpers import ThreadServer, tiny_folder
+
+from nanosched.errors import ConfigError
+from nanosched.runtime.server.connections import RESERVED_FDS, default_max_connections
+
+TIMEOUT_S = 0.5
+CAP = 6
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    s = ThreadServer(model=str(tiny_folder(tmp_path_factory.mktemp("conn"))), dense_batch=16,
+                     header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S, max_connections=CAP)
+    yield s
+    s.close()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    sock.close()
+    return out
+
+
+def _ok(url: str) -> bool:
+    r = httpx.post(f"{url}/v1/completions", timeout=10,
+                   json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+    return r.status_code == 200
+
+
+def _timed(sock: socket.socket) -> tuple[bytes, float]:
+    t0 = time.monotonic()
+    return _answer(sock), time.monotonic() - t0
+
+
+def test_headers_sent_a_byte_at_a_time_are_cut_at_the_header_timeout(srv):
+    sock = _connect(srv.url)
+    t0 = time.monotonic()
+    for b in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n":
+        try:
+            sock.sendall(bytes([b]))
+        except OSError:
+            break
+        time.sleep(0.05)
+        if time.monotonic() - t0 > 4 * TIMEOUT_S:
+            break
+    answer, _ = _timed(sock)
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    assert time.monotonic() - t0 < 4 * TIMEOUT_S
+    assert _ok(srv.url)
+
+
+def test_a_connection_that_says_nothing_is_closed(srv):
+    answer, took = _timed(_connect(srv.url))
+    assert answer.startswith(b"HTTP/1.1 408") and took < 4 * TIMEOUT_S
+
+
+def test_a_stalled_body_is_cut_at_the_body_timeout(srv):
+    body = json.dumps({"model": "tiny", "prompt": [1], "max_tokens": 1}).encode()
+    sock = _connect(srv.url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
+    answer, took = _timed(sock)
+    assert b"408" in answer.split(b"\r\n")[0] and took < 4 * TIMEOUT_S
+    assert _ok(srv.url)
+
+
+def test_over_the_cap_a_connection_gets_503_at_once_and_others_are_served_after(srv):
+    idle = [_connect(srv.url) for _ in range(CAP)]
+    time.sleep(0.1)
+    extra, took = _timed(_connect(srv.url))
+    assert extra.startswith(b"HTTP/1.1 503") and b"too_many_connections" in extra
+    assert took < TIMEOUT_S
+    for s in idle:  # the idle ones time out, which frees their slots
+        assert _answer(s).startswith(b"HTTP/1.1 408")
+    assert _ok(srv.url)
+    limits = srv.server.nanosched_limits
+    assert limits.closed["over the connection limit"] >= 1 and limits.closed["slow headers"] >= CAP
+
+
+def test_a_stream_longer_than_the_timeouts_is_not_cut(srv):
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    t0, ids = time.monotonic(), []
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                time.sleep(0.01)  # a slow reader
+    assert len(ids) == 200 and time.monotonic() - t0 > TIMEOUT_S
+
+
+def test_keep_alive_requests_reuse_the_connection(srv):
+    with httpx.Client(timeout=10) as c:
+        for _ in range(3):
+            r = c.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": [1],
+                                                          "max_tokens": 1})
+            assert r.status_code == 200
+
+
+def test_the_default_cap_stays_below_the_descriptor_limit(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (256, 4096))
+    assert default_max_connections() == 256 - RESERVED_FDS
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1 << 20, 1 << 20))
+    assert default_max_connections() == 1024
+
+
+@pytest.mark.parametrize("kw, flag", [({"header_timeout_s": 0}, "--header-timeout"),
+                                      ({"body_timeout_s": float("inf")}, "--body-timeout"),
+                                      ({"max_connections": 0}, "--max-connections")])
+def test_bad_bounds_are_refused(tmp_path, kw, flag):
+    with pytest.raises(ConfigError, match=flag):
+        ThreadServer(model=str(tiny_folder(tmp_path)), **kw)

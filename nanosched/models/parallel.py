@@ -35,6 +35,22 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> None:
+        """Overwrite `x` on every rank with rank `src`'s `x` (nothing at tp = 1)."""
+        if self.size > 1:
+            dist.broadcast(x, src, group=self.group)
+
+    def agree_min(self, value: int) -> int:
+        """The least of every rank's `value` (a setting all ranks must share, e.g. how many KV
+        pages fit on the fullest GPU); `value` itself at tp = 1."""
+        if self.size == 1:
+            return value
+        on_gpu = dist.get_backend(self.group) == "nccl"
+        t = torch.tensor([value], dtype=torch.int64,
+                         device=torch.cuda.current_device() if on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
         """[n, c] on every rank → [n, size * c], rank r's columns at r*c.. (x itself at tp=1)."""
         if self.size == 1:
@@ -97,7 +113,7 @@ def launch(fn: Callable[..., Any], size: int, backend: str, *args: Any) -> Any:
     """
     queue = mp.get_context("spawn").SimpleQueue()
     procs = torch.multiprocessing.spawn(
-        _entry, args=(size, backend, _free_port(), fn, args, queue), nprocs=size, join=False)
+        _entry, args=(size, backend, free_port(), fn, args, queue), nprocs=size, join=False)
     results = []
     while not procs.join(timeout=0.05):  # raises if a rank fails
         if not results and not queue.empty():  # read while rank 0 may block on a full pipe
@@ -122,7 +138,7 @@ def _entry(rank: int, size: int, backend: str, port: int, fn: Callable[..., Any]
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

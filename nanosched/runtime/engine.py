@@ -23,6 +23,13 @@ CUDA graphs (`graphs="on"`). Each batch is laid out in a bucket (decode rows rou
 eagerly. `graphs="layout"` lays batches out the same way but runs them eagerly (the CPU tests of
 what a graph replays). `stats.graphs` counts captures, replays and padding.
 
+Tensor parallelism (tp > 1). This engine is rank 0's: it schedules and samples alone. Through
+`link` (runtime/ranks/messages.py `EngineLink`) every step's batch goes to the other ranks with
+the journal of the KV pool's page changes; each rank's own `Engine` replays the journal and
+runs `follow`, which plans the same chunks, lays them out in the same bucket and runs the same
+`forward`, which starts with the broadcast of rank 0's token ids; only rank 0 samples
+(design.md, "Serving at tp > 1").
+
 Serving hooks. `on_token(request, token)`, when given, is called once for every token appended
 to a request's output, in order, during post-processing. `abort(request_id)` ends a request
 wherever it is: a waiting one leaves the queue (a swapped-out one's host copy is dropped); a
@@ -36,58 +43,35 @@ running one is retired and its KV pages are freed at once. A token of it still i
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from itertools import pairwise
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import host_to_device
-from nanosched.models.batch import BatchMeta
+from nanosched.models.batch import BatchMeta, SeqChunk
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.batcher import Batch, Batcher
 from nanosched.runtime.config import GRAPH_MODES, EngineConfig
 from nanosched.runtime.device import CudaDevice, SerialDevice
-from nanosched.runtime.graphs import BucketRunner, GraphStats
+from nanosched.runtime.graphs import BucketRunner
+from nanosched.runtime.layout import Layout, lay_out
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.preempt import make_pool
 from nanosched.runtime.program import LaunchConfig
 from nanosched.runtime.requests import Request
 from nanosched.runtime.sampling import sample
 from nanosched.runtime.scheduler import OpScheduler, run_program
+from nanosched.runtime.stats import (  # noqa: F401 (EngineStats, busy_and_idle: re-exported)
+    EngineStats,
+    ForwardTimer,
+    busy_and_idle,
+    forward_ms_by_shape,
+    timeline_report,
+)
 from nanosched.runtime.strategies import Sequential
-
-
-@dataclass
-class EngineStats:
-    iterations: int = 0
-    tokens: int = 0  # prompt + decode tokens processed
-    prefill_tokens: int = 0  # of which prompt (prefill) tokens
-    fallbacks: int = 0  # iterations the strategy had nothing for (its fallback ran them)
-    pipelined: int = 0  # iterations a pipelining strategy ran (a replayed schedule, two_batch)
-    sequential: int = 0  # iterations the strategy ran one op after another (by its decision)
-    shapes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (D rows, T rows) run
-    batch_sizes: list[int] = field(default_factory=list)
-    # with time_forwards: (strategy name, forward time in ms) per iteration
-    forward_ms: list[tuple[str, float]] = field(default_factory=list)
-    graphs: GraphStats | None = None  # with graphs="on" or "layout"
-    # with gpu_timeline on a GPU: CUDA events before and after each iteration's GPU work
-    gpu_marks: list[tuple[Any, Any]] = field(default_factory=list)
-    # and around each forward (its batch's metadata writes and the layers, not the LM head
-    # and sampling), with the (D rows, T rows) shape it ran at
-    forward_marks: list[tuple[tuple[int, int], Any, Any]] = field(default_factory=list)
-
-
-def busy_and_idle(spans: list[tuple[float, float]]) -> tuple[float, float]:
-    """(busy, idle) of a stream over iterations whose work ran from start to end (in order, one
-    clock): busy the sum of the spans, idle the gaps between an end and the next start, when
-    the GPU had finished one iteration and the CPU had not yet queued the next."""
-    busy = sum(end - start for start, end in spans)
-    idle = sum(max(0.0, nxt - end) for (_, end), (nxt, _) in pairwise(spans))
-    return busy, idle
 
 
 @dataclass
@@ -109,7 +93,8 @@ class Engine:
     def __init__(self, model: Any, config: EngineConfig, *,
                  strategy: OpScheduler | None = None, fallback: OpScheduler | None = None,
                  device: Any = None, stream_configs: dict[str, LaunchConfig] | None = None,
-                 on_token: Callable[[Request, int], None] | None = None) -> None:
+                 on_token: Callable[[Request, int], None] | None = None,
+                 link: Any = None) -> None:
         cfg = config
         if cfg.dense_batch is None or cfg.num_pages is None:
             raise ConfigError("EngineConfig.dense_batch and num_pages must be set (the loader "
@@ -125,7 +110,11 @@ class Engine:
                                       cfg.kv_dtype)
         max_context = cfg.max_context or model.spec.max_position_embeddings
         align = cfg.graph_align if cfg.graphs != "off" else 1
-        pool = make_pool(model, self.ws.kv, cfg.admission)
+        # at tp > 1 on rank 0: the other ranks' end of this engine (runtime/ranks/group.py);
+        # every change to the KV pages is journaled for them
+        self.link = link
+        self.journal: list[tuple] | None = link.journal if link is not None else None
+        pool = make_pool(model, self.ws.kv, cfg.admission, self.journal)
         self.batcher = Batcher(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
                                decode_align=align, pool=pool)
         self.strategy = strategy or Sequential()
@@ -180,10 +169,23 @@ class Engine:
         req = self.batcher.remove(request_id)
         if req is None:
             return None
-        self.ws.kv.release(request_id)
+        self._release(request_id)
         self._pending_row.pop(request_id, None)
         req.finished, req.finish_reason, req.finish_s = True, "abort", self.clock() - self.t0
         return req
+
+    def _release(self, request_id: int) -> None:
+        self.ws.kv.release(request_id)
+        if self.journal is not None:
+            self.journal.append(("release", request_id))
+
+    def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(self, *args)` here and, at tp > 1, on every other rank's engine (work whose
+        collectives must pair up, e.g. a benchmark's timed forward; `fn` and `args` must
+        pickle). Returns this rank's result."""
+        if self.link is not None:
+            self.link.call(fn, args)
+        return fn(self, *args)
 
     def run_to_completion(self, max_steps: int = 10**9) -> list[Request]:
         for _ in range(max_steps):
@@ -196,60 +198,78 @@ class Engine:
     def _run(self, batch: Batch) -> _Launched:
         ws, dev = self.ws, self.model.device
         start = self._gpu_mark()
-        seqs = ws.kv.plan_chunks([(e.request.request_id, e.num_tokens, e.is_decode)
-                                  for e in batch.entries])
-        bucket = self.graphs.bucket(seqs) if self.graphs else None
-        # rows: decode entries first; with a bucket, prompt chunks start at its first prefill row
-        row = 0
-        prefill_row = bucket.num_decode if bucket else batch.num_decode
-        n = bucket.num_tokens if bucket else batch.num_tokens
-        ids, from_device, rows, segments = [0] * n, [], [], []
-        for e in batch.entries:
+        num_decode = batch.num_decode
+        chunks = [(e.request.request_id, e.num_tokens, e.is_decode) for e in batch.entries]
+        samples = [e.samples for e in batch.entries]
+        if self.link is not None:  # the other ranks start on this batch while this one lays it
+            self.link.step(chunks, samples, num_decode)
+        seqs = ws.kv.plan_chunks(chunks)
+        lay = self.lay_out(seqs, samples)
+        ids, from_device = [0] * lay.num_rows, []
+        for e, row in zip(batch.entries, lay.starts, strict=True):
             r = e.request
-            if not e.is_decode and row < prefill_row:
-                row = prefill_row
             if e.is_decode and r.pending:
                 from_device.append((row, self._pending_row[r.request_id]))
             elif e.is_decode:
                 ids[row] = r.output_ids[-1]
             else:
                 ids[row:row + e.num_tokens] = r.prefill_ids(e.start, e.num_tokens)
-            segments.append((row, row + e.num_tokens, e.is_decode))
-            row += e.num_tokens
-            if e.samples:
-                rows.append(row - 1)
-        ws.token_ids[:n].copy_(host_to_device(ids, torch.int64, dev))
+        ws.token_ids[:lay.num_rows].copy_(host_to_device(ids, torch.int64, dev))
         if from_device:
             dst, src = zip(*from_device, strict=True)
             ws.token_ids.index_copy_(0, host_to_device(dst, torch.int64, dev),
                                      self._in_flight.tokens[host_to_device(src, torch.int64, dev)])
-        timer = _ForwardTimer(self.is_cuda) if self.time_forwards else None
+        timer = ForwardTimer(self.is_cuda) if self.time_forwards else None
         forward_start = self._gpu_mark()
-        if bucket is not None:
-            entry = self.graphs.entry(bucket)
-            strategy, fell_back = entry.strategy, entry.fell_back
-            self.graphs.run(entry, seqs)
-        else:
-            if self.graphs:
-                self.graphs.stats.unbucketed += 1
-            meta = BatchMeta.build(seqs, ws.kv.page_size, dev)
-            program = model_program(self.model, ws, meta, segments)
-            picked = self.strategy.pick(program, batch.num_decode)
-            strategy, fell_back = picked or self.fallback, picked is None
-            run_program(program, strategy, self.backend, self.stream_configs)
-        self.stats.shapes[(prefill_row, n)] += 1  # the bucket's rows, else the batch's
+        strategy, fell_back = self.forward(seqs, lay, num_decode)
+        shape = (lay.prefill_row, lay.num_rows)  # the bucket's rows, else the batch's
+        self.stats.shapes[shape] += 1
         if forward_start is not None:
-            self.stats.forward_marks.append(((prefill_row, n), forward_start, self._gpu_mark()))
+            self.stats.forward_marks.append((shape, forward_start, self._gpu_mark()))
         self.stats.fallbacks += fell_back
         if not fell_back:
             self.stats.pipelined += strategy.pipelined
             self.stats.sequential += not strategy.pipelined
         if timer:
             self.stats.forward_ms.append((strategy.name, timer.stop()))
-        launched = self._sample(batch, rows)
+        launched = self._sample(batch, lay.rows)
         if start is not None:
             self.stats.gpu_marks.append((start, self._gpu_mark()))
         return launched
+
+    def lay_out(self, seqs: list[SeqChunk], samples: list[bool]) -> Layout:
+        """The rows of a planned batch: in its graph bucket (when one holds it), else packed."""
+        return lay_out(seqs, samples, self.graphs.bucket(seqs) if self.graphs else None)
+
+    def forward(self, seqs: list[SeqChunk], lay: Layout,
+                num_decode: int) -> tuple[OpScheduler, bool]:
+        """The batch's forward over its token ids in `ws.token_ids` (at tp > 1 rank 0's ids
+        go to every rank first): a bucket's graph (or its eager run), else the strategy's
+        pick for the batch. Returns the strategy that ran and whether it was the fallback."""
+        ws = self.ws
+        self.model.tp.broadcast(ws.token_ids[:lay.num_rows])
+        if lay.bucket is not None:
+            entry = self.graphs.entry(lay.bucket)
+            self.graphs.run(entry, seqs)
+            return entry.strategy, entry.fell_back
+        if self.graphs:
+            self.graphs.stats.unbucketed += 1
+        meta = BatchMeta.build(seqs, ws.kv.page_size, self.model.device)
+        program = model_program(self.model, ws, meta, lay.segments)
+        picked = self.strategy.pick(program, num_decode)
+        run_program(program, picked or self.fallback, self.backend, self.stream_configs)
+        return picked or self.fallback, picked is None
+
+    def follow(self, chunks: list[tuple[int, int, bool]], samples: list[bool]) -> None:
+        """A tensor-parallel worker's step: plan the batch rank 0 formed (`chunks` as
+        `KVCache.plan_chunks` takes them, after rank 0's journaled KV changes were replayed),
+        receive its token ids and run the same forward and LM head (whose all-gather every
+        rank joins); only rank 0 samples."""
+        seqs = self.ws.kv.plan_chunks(chunks)
+        lay = self.lay_out(seqs, samples)
+        self.forward(seqs, lay, sum(c.is_decode for c in seqs))
+        if lay.rows:
+            self.model.logits(self.ws, host_to_device(lay.rows, torch.int64, self.model.device))
 
     def _gpu_mark(self) -> Any:
         """With `gpu_timeline`: a timing event recorded on the current stream, else None."""
@@ -291,28 +311,12 @@ class Engine:
         return _Launched(samplers, tokens, host, event)
 
     def gpu_timeline_report(self) -> dict[str, float] | None:
-        """With `gpu_timeline`: the iterations recorded since the stats were last reset, the
-        seconds the GPU spent on their work, and the seconds it sat between them waiting for
-        the CPU (waits for the last iteration's end). None without a record."""
-        marks = self.stats.gpu_marks
-        if not marks:
-            return None
-        marks[-1][1].synchronize()
-        t0 = marks[0][0]
-        busy, idle = busy_and_idle([(t0.elapsed_time(s), t0.elapsed_time(e)) for s, e in marks])
-        return {"iterations": len(marks), "busy_s": busy / 1e3, "idle_s": idle / 1e3}
+        """With `gpu_timeline`: runtime/stats.py `timeline_report` of this engine's stats."""
+        return timeline_report(self.stats)
 
     def forward_ms_by_shape(self) -> dict[tuple[int, int], list[float]]:
-        """With `gpu_timeline`: the GPU time (ms) of each forward recorded since the stats were
-        last reset, by the (D rows, T rows) shape it ran at (its graph bucket's, else its
-        batch's): the metadata writes and the layers, as a schedule set prices a bucket (no LM
-        head or sampling). Empty without a record."""
-        out: dict[tuple[int, int], list[float]] = {}
-        if self.stats.forward_marks:
-            self.stats.forward_marks[-1][2].synchronize()
-        for shape, start, end in self.stats.forward_marks:
-            out.setdefault(shape, []).append(start.elapsed_time(end))
-        return out
+        """With `gpu_timeline`: runtime/stats.py `forward_ms_by_shape` of this engine's stats."""
+        return forward_ms_by_shape(self.stats)
 
     # ---- post-process ----------------------------------------------------------------------
     def _post_process(self, launched: _Launched) -> list[Request]:
@@ -342,29 +346,8 @@ class Engine:
             r.finished, r.finish_s = True, now
             ended.append(r)
         for r in ended:
-            self.ws.kv.release(r.request_id)
+            self._release(r.request_id)
             self._pending_row.pop(r.request_id, None)
         self.batcher.retire(ended)
         self.finished += ended
         return ended
-
-
-class _ForwardTimer:
-    """GPU time of one forward (CUDA events; wall time on the CPU). Reading it synchronises,
-    so timed runs measure the forward, not the pipelined loop."""
-
-    def __init__(self, is_cuda: bool) -> None:
-        self.is_cuda = is_cuda
-        if is_cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if not self.is_cuda:
-            return (time.perf_counter() - self.t0) * 1e3
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        return self.start.elapsed_time(end)

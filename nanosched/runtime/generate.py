@@ -4,9 +4,9 @@
 of an HF checkpoint folder, or random weights for a registered name; Sequential, eager) and
 serves the prompt as one request: the prompt is prefilled in one batch (the dense batch is the
 prompt's length unless set), then one token is decoded per step, greedy (temperature 0) or
-sampled by the engine's sampler, until EOS or `max_tokens`. With tp > 1 every rank runs the
-same engine in its own process (gloo on the CPU, NCCL on CUDA; the same seed, so the same
-tokens) and rank 0's result is returned.
+sampled by the engine's sampler, until EOS or `max_tokens`. With tp > 1 the same engine runs
+on tp ranks, this process scheduling and sampling as rank 0 (runtime/ranks/group.py: NCCL on
+CUDA, gloo on the CPU).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import cuda_available
 from nanosched.models.checkpoint import checkpoint_folder, load_tokenizer
-from nanosched.models.parallel import TensorParallel, launch
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.loader import load_engine, resolve_weights
@@ -47,11 +46,11 @@ class GenerateResult:
     random_weights: bool
 
 
-def _run_rank(tp: TensorParallel, cfg: GenerateConfig, prompt: list[int]) -> list[int]:
+def _serve_one(cfg: GenerateConfig, prompt: list[int]) -> list[int]:
     req = Request(0, list(prompt), SamplingParams(temperature=cfg.temperature,
                                                    max_tokens=cfg.max_tokens))
     engine_cfg = replace(cfg.engine, dense_batch=cfg.engine.dense_batch or len(prompt))
-    with load_engine(engine_cfg, requests=[req], tp=tp) as loaded, torch.inference_mode():
+    with load_engine(engine_cfg, requests=[req]) as loaded, torch.inference_mode():
         loaded.engine.add_request(req)
         loaded.engine.run_to_completion()
     return req.output_ids
@@ -100,12 +99,7 @@ def generate(cfg: GenerateConfig) -> GenerateResult:
                           f"(use --prompt-ids)")
     prompt = list(cfg.prompt_ids) if cfg.prompt is None else tok(cfg.prompt)["input_ids"]
     _check(cfg, spec, prompt)
-    tp = cfg.engine.tp
-    if tp == 1:
-        out = _run_rank(TensorParallel(), cfg, prompt)
-    else:
-        out = launch(_run_rank, tp, "nccl" if cfg.engine.device == "cuda" else "gloo", cfg,
-                     prompt)
+    out = _serve_one(cfg, prompt)
     text = tok.decode(out, skip_special_tokens=True) if tok is not None else None
     return GenerateResult(prompt, out, text,
                           resolve_weights(model, cfg.engine.weights) == "random")

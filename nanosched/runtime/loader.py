@@ -3,32 +3,32 @@
 `load_engine(cfg)` is what `nanosched bench`, `serve`, `generate` and the timeline harness do:
 
 1. the device (`--device auto|cpu|cuda`) and the model spec, its tp checked;
-2. the strategy from `--schedule` (`choose_strategy`): sequential, two_batch (TokenWeave's
-   wave-aware split, at the GPU's SM count), auto (the shipped schedule that matches this
-   model, tp and GPU and predicts a gain, else Sequential, logged with the reason) or a
-   schedule FILE, a set or a single schedule (checked with `check_compatible` before any
-   weight loads; `force` replays it anyway), replayed by `ReplaySet`: per batch shape the
-   set's entry, a pipeline or Sequential, or the fallback where it has none;
-3. the model (`load_model`): bf16 on CUDA, fp32 on the CPU (where the Triton interpreter reads
+2. the strategy from `--schedule` (runtime/choice.py `choose_strategy`, checked before any
+   weight loads), replayed by `ReplaySet` for a schedule: per batch shape the set's entry, a
+   pipeline or Sequential, or the fallback where it has none;
+3. at tp > 1, the group of ranks (runtime/ranks/group.py: this process is rank 0, one worker
+   process per other GPU loads its own shards);
+4. the model (`load_model`): bf16 on CUDA, fp32 on the CPU (where the Triton interpreter reads
    bf16 wrongly); seeded random weights or an HF checkpoint folder's (`resolve_weights`);
-4. `build_engine`: the replay's CUDA streams and green-context partitions (`ReplayStreams`),
+5. `build_engine`: the replay's CUDA streams and green-context partitions (`ReplayStreams`),
    the dense batch (the schedule's; a different `--dense-batch` is refused), the KV pages that
-   fit (`kv_pages`), the context bound, EOS ids, `--graphs auto` → on with a GPU, then `Engine`.
+   fit (`kv_pages`; at tp > 1 the least any rank holds), the context bound, EOS ids, `--graphs
+   auto` → on with a GPU, then `Engine` (at tp > 1 every worker builds the same one).
 
-The result, `LoadedEngine`, owns what must be released (the partitions): close it, or use it
-as a context manager. Commands that build several engines on one model (`bench --compare`)
-call `load_model` once and `build_engine` per strategy.
+The result, `LoadedEngine`, owns what must be released (the partitions, the engine on the
+other ranks and the group it started): close it, or use it as a context manager. Commands
+that build several engines on one model (`bench --compare`) call `load_model` once and
+`build_engine` per strategy (at tp > 1 on one group, `ranks`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.checkpoint import (
@@ -41,10 +41,18 @@ from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.models.weights import init_random
+from nanosched.runtime.choice import (  # noqa: F401 (re-exported: the commands import them here)
+    StrategyChoice,
+    choose_strategy,
+    gpu_name,
+    named_choice,
+    open_streams,
+    replay_choice,
+    set_choice,
+)
 from nanosched.runtime.config import GRAPH_MODES, EngineConfig
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.requests import Request
-from nanosched.runtime.scheduler import OpScheduler
 
 log = logging.getLogger("nanosched.loader")
 DEFAULT_DENSE_BATCH = {"cuda": 2048, "cpu": 256}
@@ -123,98 +131,15 @@ def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
 
 def resolve_graphs(mode: str, device: torch.device, allowed: tuple[str, ...]) -> str:
     """`--graphs auto` → on with a GPU, off on the CPU; other modes checked against `allowed`
-    (a GPU needed for any but off)."""
+    (a GPU needed for any that captures: layout lays batches out in buckets, run eagerly)."""
     if mode not in ("auto", *allowed):
         raise ConfigError(f"--graphs must be one of auto, {', '.join(allowed)}; got {mode!r}")
     if mode == "auto":
         return "on" if device.type == "cuda" else "off"
-    if mode != "off" and device.type != "cuda":
+    if mode not in ("off", "layout") and device.type != "cuda":
         raise ConfigError(f"--graphs {mode} needs a CUDA GPU (graphs replay CUDA launches); "
                           f"use --graphs off or auto on the CPU")
     return mode
-
-
-def gpu_name(device: torch.device) -> str:
-    """The GPU's name, as schedules record it ("cpu" on the CPU)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-@dataclass
-class StrategyChoice:
-    """The strategy `--schedule` named, and the schedule set (or, for the timeline tools, the
-    single schedule) it replays, if any."""
-
-    strategy: OpScheduler
-    name: str  # sequential | two_batch | replay:<file>
-    schedule: Any = None  # schedules.sets.ScheduleSet (engines) or schedules.format.Schedule
-    forced_past: list[str] = field(default_factory=list)  # mismatches `force` let through
-
-    @property
-    def dense_batch(self) -> int | None:
-        s = self.schedule
-        if s is None:
-            return None
-        return s.dense_batch if hasattr(s, "entries") else s.batch.dense_batch
-
-
-def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> StrategyChoice:
-    """The strategy of `cfg.schedule` (sequential | two_batch | auto | FILE): a schedule set
-    (or a single schedule, as a set of one entry) checked against this model, tp, GPU and KV
-    cache dtype (refused unless `cfg.force`), replayed by `ReplaySet`."""
-    from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
-
-    if cfg.schedule == "sequential":
-        return StrategyChoice(Sequential(), "sequential")
-    if cfg.schedule == "two_batch":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else DEFAULT_NUM_SMS
-        return StrategyChoice(TwoBatchOverlap(num_sms=sms), "two_batch")
-    from nanosched.schedules.sets import check_set_compatible, load_schedule_set
-
-    if cfg.schedule == "auto":
-        from nanosched.schedules.shipped import pick_shipped
-
-        pick = pick_shipped(spec, cfg.tp, gpu_name(device), kv_dtype=cfg.kv_dtype)
-        if pick.schedule is None:
-            log.info("--schedule auto: running Sequential: %s", pick.reason)
-            return StrategyChoice(Sequential(), "sequential")
-        log.info("--schedule auto: replaying %s", pick.reason)
-        sset, where, forced = pick.schedule, str(pick.path), []
-    else:
-        sset, where = load_schedule_set(cfg.schedule), cfg.schedule
-        forced = check_set_compatible(sset, spec, cfg.tp, gpu_name(device), force=cfg.force,
-                                      kv_dtype=cfg.kv_dtype)
-        log.info("replaying schedule %s", where)
-    return set_choice(sset, where, spec, forced)
-
-
-def set_choice(sset: Any, where: str, spec: ModelSpec,
-               forced: list[str] | None = None) -> StrategyChoice:
-    """`ReplaySet` of a loaded (and checked) schedule set over `spec`'s layers."""
-    from nanosched.runtime.strategies.replay_set import ReplaySet
-
-    return StrategyChoice(ReplaySet(sset, spec.num_layers), f"replay:{where}", sset,
-                          forced or [])
-
-
-def replay_choice(sched: Any, where: str, spec: ModelSpec,
-                  forced: list[str] | None = None) -> StrategyChoice:
-    """`Replay` of one loaded (and checked) schedule over `spec`'s layers (the timeline
-    tools, which replay one batch shape)."""
-    from nanosched.runtime.strategies.replay import Replay
-
-    return StrategyChoice(Replay(sched, spec.num_layers), f"replay:{where}", sched,
-                          forced or [])
-
-
-def open_streams(choice: StrategyChoice, device: torch.device) -> Any:
-    """The CUDA streams and green-context partitions a replayed schedule names (None for
-    other strategies and on the CPU); close them when done."""
-    if choice.schedule is None or device.type != "cuda":
-        return None
-    from nanosched.runtime.streams import ReplayStreams
-
-    return ReplayStreams(choice.strategy.streams, device.index or 0)
 
 
 def resolve_dense_batch(requested: int | None, choice: StrategyChoice,
@@ -238,16 +163,25 @@ class LoadedEngine:
     spec: ModelSpec
     choice: StrategyChoice
     streams: Any = None  # ReplayStreams to close, or None
+    link: Any = None  # rank 0 at tp > 1: the engine's end on the other ranks (EngineLink)
+    group: Any = None  # the tensor-parallel RankGroup this engine started (tp > 1), or None
 
     @property
     def model(self) -> CausalLM:
         return self.engine.model
 
     def close(self) -> None:
-        """Release the green-context partitions (the engine must not step afterwards)."""
+        """Release the green-context partitions and, at tp > 1, the engine on the other ranks
+        and the group it started (the engine must not step afterwards)."""
         if self.streams is not None:
             self.streams.close()
             self.streams = None
+        link, self.link = self.link, None
+        if link is not None:
+            link.close()
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
 
     def __enter__(self) -> LoadedEngine:
         return self
@@ -256,11 +190,23 @@ class LoadedEngine:
         self.close()
 
 
+def agree_pages(model: CausalLM, cfg: EngineConfig) -> int:
+    """KV pages every rank of a tp group holds: the least over the ranks of `cfg.num_pages`,
+    on a GPU capped by what fits in that rank's free memory."""
+    pages = cfg.num_pages
+    if model.device.type == "cuda":
+        pages = min(pages, kv_pages(model, cfg.dense_batch, cfg.page_size, cfg.mem_util, None,
+                                    cfg.kv_dtype))
+    return model.tp.agree_min(pages)
+
+
 def build_engine(model: CausalLM, cfg: EngineConfig, choice: StrategyChoice, *,
-                 requests: list[Request] | None = None,
-                 on_token: Any = None) -> LoadedEngine:
+                 requests: list[Request] | None = None, on_token: Any = None,
+                 ranks: Any = None) -> LoadedEngine:
     """The engine for `model` and a chosen strategy: streams, dense batch, KV pages sized for
-    `requests` (None: unknown, as a server's), context bound, EOS ids, graphs."""
+    `requests` (None: unknown, as a server's), context bound, EOS ids, graphs. At tp > 1 on
+    rank 0, `ranks` (runtime/ranks/group.py) has every worker build the same engine, with the
+    KV pages every rank can hold; a worker calls this with the config rank 0 resolved."""
     device = model.device
     graphs = resolve_graphs(cfg.graphs, device, GRAPH_MODES)
     dense = resolve_dense_batch(cfg.dense_batch, choice, device)
@@ -271,32 +217,55 @@ def build_engine(model: CausalLM, cfg: EngineConfig, choice: StrategyChoice, *,
         frozenset(eos_ids(cfg.model))
     resolved = replace(cfg, device=device.type, dense_batch=dense, num_pages=pages,
                        graphs=graphs, max_context=cfg.max_context or longest, eos_ids=eos)
+    link = None
+    if model.tp.size > 1:
+        if model.tp.rank == 0:
+            if ranks is None:
+                raise ConfigError("a tp > 1 engine needs the group of ranks it runs on "
+                                  "(runtime/ranks/group.py start_ranks)")
+            link = ranks.open_engine(resolved, choice)
+        resolved = replace(resolved, num_pages=agree_pages(model, resolved))
     streams = open_streams(choice, device)
     try:
         engine = Engine(model, resolved, strategy=choice.strategy,
                         device=streams.device if streams is not None else None,
-                        on_token=on_token)
+                        on_token=on_token, link=link)
     except BaseException:
         if streams is not None:
             streams.close()
         raise
-    return LoadedEngine(engine, resolved, model.spec, choice, streams)
+    return LoadedEngine(engine, resolved, model.spec, choice, streams, link)
 
 
 def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
-                on_token: Any = None, tp: TensorParallel | None = None) -> LoadedEngine:
+                on_token: Any = None) -> LoadedEngine:
     """Everything from the config: device, spec, strategy (checked before the weights load),
-    model, engine. `tp` is this process's rank group when `cfg.tp` > 1."""
+    model, engine. At `cfg.tp` > 1 this process is rank 0 of a group it starts (one worker
+    process per other GPU, runtime/ranks/group.py), which the result closes."""
     if cfg.model is None:
         raise ConfigError("EngineConfig.model is not set: name a model or an HF folder")
     spec = load_spec(cfg.model)
     spec.check_tp(cfg.tp)
-    device = resolve_device(cfg.device, tp.rank if tp is not None and cfg.tp > 1 else None)
+    device = resolve_device(cfg.device, 0 if cfg.tp > 1 else None)
     resolve_graphs(cfg.graphs, device, GRAPH_MODES)  # a bad mode fails before the weights load
     choice = choose_strategy(cfg, spec, device)
     resolve_dense_batch(cfg.dense_batch, choice, device)
     weights = resolve_weights(cfg.model, cfg.weights)
     if weights == "random":
         log.info("%s: random weights (seed %d)", cfg.model, cfg.seed)
-    model = load_model(spec, weights, device, cfg.seed, tp, cfg.kernels)
-    return build_engine(model, cfg, choice, requests=requests, on_token=on_token)
+    group = None
+    if cfg.tp > 1:
+        from nanosched.runtime.ranks.group import start_ranks
+
+        group = start_ranks(cfg, weights, device)
+    try:
+        model = load_model(spec, weights, device, cfg.seed,
+                           group.tp if group is not None else None, cfg.kernels)
+        loaded = build_engine(model, cfg, choice, requests=requests, on_token=on_token,
+                              ranks=group)
+    except BaseException:
+        if group is not None:
+            group.close(failed=True)
+        raise
+    loaded.group = group
+    return loaded

@@ -1,9 +1,9 @@
 """KV offload to host memory: a preempted request's pages copied out, freed, and copied back.
 
 `HostSwap` keeps, per swapped request, one host tensor per cache page tensor
-(`KVCache.page_tensors()`, [L, n, ...] for its n written pages), so any KV dtype and any scales
-move the same way. Host bytes in use never exceed `capacity_bytes`; `fits` says whether a
-request would (the caller recomputes it instead when it does not).
+(`KVCache.page_tensors()`, [L, n, ...] for its n written pages; FP8 ones as their bytes), so any
+KV dtype and any scales move the same way. Host bytes in use never exceed `capacity_bytes`;
+`fits` says whether a request would (the caller recomputes it instead when it does not).
 
 Ordering on CUDA (the compute stream is the engine thread's current stream: every forward forks
 from it and joins it, runtime/device.py):
@@ -73,6 +73,12 @@ def swap_cost(model: Any, kv: KVCache, link_gb_s: float,
                     flops_per_s=tflops * 1e12)
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or its bytes for an FP8 tensor (index_select / index_copy_ have no e4m3
+    kernel on the CPU): a copy moves bytes either way."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def prefer_swap(tokens: int, cost: SwapCost) -> bool:
     """Swap when copying the request's KV out and back costs less time than recomputing it.
 
@@ -125,19 +131,20 @@ class HostSwap:
         kv = self.kv
         length = kv.length(request)
         pages = kv.tables.get(request, [])[: -(-length // kv.page_size)]
+        tensors = [_raw(t) for t in kv.page_tensors()]
         host = [torch.empty((t.shape[0], len(pages), *t.shape[2:]), dtype=t.dtype,
-                            pin_memory=self.is_cuda) for t in kv.page_tensors()]
+                            pin_memory=self.is_cuda) for t in tensors]
         if self.is_cuda:
             compute = torch.cuda.current_stream(kv.device)
             with torch.cuda.stream(self._stream):
                 self._stream.wait_stream(compute)
                 index = host_to_device(pages, torch.int64, kv.device)
-                for h, t in zip(host, kv.page_tensors(), strict=True):
+                for h, t in zip(host, tensors, strict=True):
                     h.copy_(t.index_select(1, index), non_blocking=True)
             compute.wait_stream(self._stream)  # freed pages are rewritten only after the copy
         else:
             index = torch.tensor(pages, dtype=torch.int64)
-            for h, t in zip(host, kv.page_tensors(), strict=True):
+            for h, t in zip(host, tensors, strict=True):
                 h.copy_(t.index_select(1, index))
         kv.release(request)
         nbytes = self._bytes(length)
@@ -158,14 +165,14 @@ class HostSwap:
                 self._stream.wait_stream(compute)
                 index = host_to_device(pages[:n], torch.int64, kv.device)
                 for h, t in zip(s.host, kv.page_tensors(), strict=True):
-                    t.index_copy_(1, index, h.to(kv.device, non_blocking=True))
+                    _raw(t).index_copy_(1, index, h.to(kv.device, non_blocking=True))
                 done = torch.cuda.Event()
                 done.record(self._stream)
             self._arrivals.append(done)
         else:
             index = torch.tensor(pages[:n], dtype=torch.int64)
             for h, t in zip(s.host, kv.page_tensors(), strict=True):
-                t.index_copy_(1, index, h)
+                _raw(t).index_copy_(1, index, h)
 
     def begin_step(self) -> None:
         """Make the compute stream wait for the swap-ins issued since the last call."""

@@ -80,10 +80,15 @@ class PreemptStats:
 
 
 class KVPool:
-    """Pages under "use" and "predict": reserve, preempt (recompute or swap), resume."""
+    """Pages under "use" and "predict": reserve, preempt (recompute or swap), resume.
 
-    def __init__(self, kv: KVCache, cfg: AdmissionConfig, cost: SwapCost) -> None:
+    With a `journal` (tp > 1) every change to the cache's pages or the host copies is also
+    appended to it as an op of `replay_kv_ops`, for the other ranks to make on their shards."""
+
+    def __init__(self, kv: KVCache, cfg: AdmissionConfig, cost: SwapCost,
+                 journal: list[tuple] | None = None) -> None:
         self.kv, self.cfg, self.cost = kv, cfg, cost
+        self.journal = journal
         self.page_size = kv.page_size
         self.headroom_pages = math.ceil(cfg.headroom * kv.allocator.num_pages)
         self.swap = HostSwap(kv, int(cfg.swap_space_gib * 2**30)) \
@@ -112,10 +117,12 @@ class KVPool:
         it decodes this step and lacks it."""
         if self.decode_need(r) > 0:
             self.kv.reserve(r.request_id, r.prompt_len + r.num_output)
+            self._log("reserve", r.request_id, r.prompt_len + r.num_output)
 
     def release(self, r: Request) -> None:
         """Free `r`'s pages (its every token is sampled; nothing will read them again)."""
         self.kv.release(r.request_id)
+        self._log("release", r.request_id)
 
     def preempt(self, r: Request) -> str:
         """Take `r`'s pages: "swap" (to host memory) or "recompute" (dropped; `r` prefills its
@@ -123,10 +130,12 @@ class KVPool:
         tokens = self.kv.length(r.request_id)
         if self._should_swap(tokens):
             self.swap.swap_out(r.request_id)
+            self._log("swap_out", r.request_id)
             self.stats.swapped += 1
             self.stats.swapped_tokens += tokens
             return "swap"
         self.kv.release(r.request_id)
+        self._log("release", r.request_id)
         r.num_prefilled, r.num_recompute = 0, r.num_output
         self.stats.recomputed += 1
         self.stats.recomputed_tokens += tokens
@@ -155,23 +164,47 @@ class KVPool:
         """Give `r` its pages; True when it was swapped in (it runs from the next step)."""
         if self.swap is not None and self.swap.holds(r.request_id):
             self.swap.swap_in(r.request_id, r.prefill_len)
+            self._log("swap_in", r.request_id, r.prefill_len)
             self.stats.swap_ins += 1
             return True
         self.kv.reserve(r.request_id, r.prefill_len)
+        self._log("reserve", r.request_id, r.prefill_len)
         return False
 
     def begin_step(self) -> None:
         if self.swap is not None:
             self.swap.begin_step()
+            self._log("begin_step")
 
     def drop(self, r: Request) -> None:
         """Forget any host copy of `r` (it ended or was aborted)."""
-        if self.swap is not None:
+        if self.swap is not None and self.swap.holds(r.request_id):
             self.swap.drop(r.request_id)
+            self._log("drop", r.request_id)
+
+    def _log(self, op: str, *args: int) -> None:
+        if self.journal is not None:
+            self.journal.append((op, *args))
 
 
-def make_pool(model: Any, kv: KVCache, cfg: AdmissionConfig) -> KVPool | None:
+def make_pool(model: Any, kv: KVCache, cfg: AdmissionConfig,
+              journal: list[tuple] | None = None) -> KVPool | None:
     """The pool of the "use" and "predict" policies for `model`'s cache (None: "reserve")."""
     if cfg.policy == "reserve":
         return None
-    return KVPool(kv, cfg, swap_cost(model, kv, cfg.link_gb_s, cfg.gemm_tflops))
+    return KVPool(kv, cfg, swap_cost(model, kv, cfg.link_gb_s, cfg.gemm_tflops), journal)
+
+
+def replay_kv_ops(ops: list[tuple], kv: KVCache, swap: HostSwap | None) -> None:
+    """Make the changes a rank 0 `KVPool` (and engine) journaled on this rank's cache and host
+    copies, in order: the same calls on the same bookkeeping give the same pages, so block
+    tables need not travel (each rank moves the data of its own KV heads)."""
+    for op, *args in ops:
+        if op == "reserve":
+            kv.reserve(*args)
+        elif op == "release":
+            kv.release(*args)
+        elif swap is None:
+            raise ConfigError(f"KV op {op!r} needs host swap space, which this rank has none of")
+        else:
+            getattr(swap, op)(*args)  # swap_out, swap_in, begin_step, drop

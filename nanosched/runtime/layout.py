@@ -1,0 +1,44 @@
+"""Where a batch's chunks sit in the forward's rows, and which rows sample.
+
+Decode chunks come first, one row each; with a CUDA-graph bucket (models/bucket.py) the prompt
+chunks start at the bucket's first prefill row (the decode rows are padded up to it) and the
+forward runs the bucket's rows, else they follow the decode rows and the forward runs the
+batch's. Every rank of a tensor-parallel engine computes the same layout from the same chunks:
+rank 0 to place the token ids, the others to run the same forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nanosched.models.batch import SeqChunk
+from nanosched.models.bucket import Bucket
+
+
+@dataclass(frozen=True)
+class Layout:
+    bucket: Bucket | None
+    num_rows: int  # rows the forward runs: the bucket's, else the batch's tokens
+    prefill_row: int  # the first prompt row
+    starts: list[int]  # each chunk's first row
+    rows: list[int]  # the rows that sample (a decode, or the last row of a prompt's last chunk)
+    segments: list[tuple[int, int, bool]]  # (first row, end row, is_decode) per chunk
+
+
+def lay_out(seqs: Sequence[SeqChunk], samples: Sequence[bool], bucket: Bucket | None) -> Layout:
+    """The rows of `seqs` (decode first); `samples[i]`: whether chunk i yields a token."""
+    num_decode = sum(c.is_decode for c in seqs)
+    prefill_row = bucket.num_decode if bucket else num_decode
+    num_rows = bucket.num_tokens if bucket else sum(c.num_tokens for c in seqs)
+    starts, rows, segments, row = [], [], [], 0
+    for c, s in zip(seqs, samples, strict=True):
+        if not c.is_decode and row < prefill_row:
+            row = prefill_row
+        end = row + c.num_tokens
+        starts.append(row)
+        segments.append((row, end, c.is_decode))
+        if s:
+            rows.append(end - 1)
+        row = end
+    return Layout(bucket, num_rows, prefill_row, starts, rows, segments)

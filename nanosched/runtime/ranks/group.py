@@ -1,0 +1,179 @@
+"""A tensor-parallel group the tool starts itself: rank 0 in this process, ranks 1..N-1 spawned.
+
+`start_ranks(cfg, weights, device)` forces NVLink multicast off in this process's environment
+(which the workers inherit: NCCL, PyTorch symmetric memory and NVSHMEM read it), spawns one
+worker per other GPU (runtime/ranks/follower.py: it loads its shards of the model, then follows
+rank 0's messages), joins the process group with them (NCCL on CUDA, gloo on the CPU) and
+returns the `RankGroup`. Rank 0 owns the scheduler; each engine it builds at tp > 1 sends its
+steps through the group's channel (runtime/ranks/messages.py `EngineLink`).
+
+Failure. A watchdog thread waits on the workers' process sentinels: when one exits while the
+group is open (killed, out of memory, an exception), it prints which rank died and how, kills
+the other workers and ends this process with exit code 1 at once, since rank 0 may be blocked
+in a collective that the dead rank will never join (no timeout would end it sooner than
+NCCL's minutes). Workers end with rank 0: each asks the kernel for SIGKILL when its parent
+dies (PR_SET_PDEATHSIG) and also checks its parent while it waits for a message, so no worker
+outlives rank 0 holding a GPU. Workers ignore SIGINT and SIGTERM (a Ctrl-C reaches the whole
+process group): rank 0 decides when to stop, and `close()` sends every worker `Stop` after the
+last engine's work, so a server drained by SIGTERM drains every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nanosched.errors import ConfigError
+from nanosched.kernels.common import bind_device
+from nanosched.models.parallel import TensorParallel, free_port
+from nanosched.runtime.config import EngineConfig
+from nanosched.runtime.ranks.channel import ChannelWriter
+from nanosched.runtime.ranks.follower import run_worker
+from nanosched.runtime.ranks.messages import EngineLink, OpenEngine, Stop, WorkerSetup
+
+log = logging.getLogger("nanosched.ranks")
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+RANK_DIED_EXIT = 1
+STOP_WAIT_S = 10.0  # how long close() waits for a worker to end after `Stop`
+
+
+class RankDied(RuntimeError):
+    """A worker of the group is gone."""
+
+
+def describe_exit(code: int | None) -> str:
+    """How a worker ended, from its exit code (negative: the signal that killed it)."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else \
+            f"signal {-code}"
+        hint = " (the kernel's out-of-memory killer sends it too)" if -code == 9 else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code} (its error is printed above)"
+
+
+class RankGroup:
+    """Rank 0's handle on the group (module docstring); `tp` is rank 0's `TensorParallel`."""
+
+    def __init__(self, size: int, procs: list[Any], writer: ChannelWriter) -> None:
+        self.size, self.procs, self.writer = size, procs, writer
+        self.tp = TensorParallel(0, size)
+        self.closing = False
+        self._next_key = 0
+        self._watchdog = threading.Thread(target=self._watch, name="nanosched-rank-watchdog",
+                                          daemon=True)
+        writer.check = self._check
+
+    # ---- engines ---------------------------------------------------------------------------
+    def open_engine(self, config: EngineConfig, choice: Any) -> EngineLink:
+        """Have every worker build the engine `config` (resolved) runs with `choice`'s
+        strategy; returns the link rank 0's engine sends its steps through."""
+        key, self._next_key = self._next_key, self._next_key + 1
+        self.send(OpenEngine(key, config, choice.name, choice.schedule))
+        return EngineLink(self.send, key)
+
+    def send(self, message: Any) -> int:
+        return self.writer.send(message)
+
+    # ---- failure ---------------------------------------------------------------------------
+    def _check(self) -> None:
+        for p in self.procs:
+            if not p.is_alive():
+                raise RankDied(f"tensor-parallel rank {p.rank} (pid {p.pid}) "
+                               f"{describe_exit(p.exitcode)}")
+
+    def _watch(self) -> None:
+        ready = wait([p.sentinel for p in self.procs])
+        if self.closing:
+            return
+        dead = next(p for p in self.procs if p.sentinel in ready)
+        dead.join(1.0)
+        sys.stderr.write(f"error: tensor-parallel rank {dead.rank} (pid {dead.pid}) "
+                         f"{describe_exit(dead.exitcode)}; stopping every rank\n")
+        sys.stderr.flush()
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                p.kill()
+        os._exit(RANK_DIED_EXIT)
+
+    # ---- shutdown --------------------------------------------------------------------------
+    def close(self, failed: bool = False) -> None:
+        """Stop every worker: `Stop` after the work already sent (waiting up to `STOP_WAIT_S`),
+        or with `failed` (rank 0 broke off mid-work, so workers may wait in a collective)
+        killed at once; then leave the process group."""
+        if self.closing:
+            return
+        self.closing = True
+        deadline = time.monotonic() + (0 if failed else STOP_WAIT_S)
+
+        def check() -> None:
+            if time.monotonic() > deadline:
+                raise RankDied("a worker did not take the stop message in time")
+
+        self.writer.check = check
+        if not failed:
+            with contextlib.suppress(RankDied):
+                self.send(Stop())
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized() and not failed:
+            dist.destroy_process_group()
+        self.writer.close()
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, kind: Any, *exc: object) -> None:
+        self.close(failed=kind is not None)
+
+
+def start_ranks(cfg: EngineConfig, weights: str, device: torch.device) -> RankGroup:
+    """Start `cfg.tp` ranks (module docstring); this process is rank 0 on `device`."""
+    size = cfg.tp
+    if cfg.model is None:
+        raise ConfigError("EngineConfig.model is not set: name a model or an HF folder")
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ConfigError(f"--tp {size} needs {size} GPUs (one process each); "
+                          f"{torch.cuda.device_count()} are visible")
+    os.environ.update(MULTICAST_OFF)  # forced, not defaulted; the workers inherit it
+    ctx = mp.get_context("spawn")
+    writer = ChannelWriter(size - 1, ctx)
+    port = free_port()
+    setup = WorkerSetup(cfg.model, weights, cfg.seed, cfg.kernels, device.type, os.getpid())
+    procs = []
+    for rank in range(1, size):
+        p = ctx.Process(target=run_worker, args=(rank, size, port, writer.handle, setup),
+                        name=f"nanosched-tp{rank}", daemon=True)
+        p.rank = rank
+        procs.append(p)
+    group = RankGroup(size, procs, writer)
+    try:
+        for p in procs:
+            p.start()
+        log.info("tensor parallel: rank 0 is pid %d; ranks 1..%d are pids %s", os.getpid(),
+                 size - 1, ", ".join(str(p.pid) for p in procs))
+        group._watchdog.start()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        bind_device(device)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=size, device_id=device if backend == "nccl" else None)
+    except BaseException:
+        group.close(failed=True)
+        raise
+    return group

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from repo import ROOT
 from typer.testing import CliRunner
 
 from nanosched.cli import app
@@ -83,9 +84,8 @@ def test_the_small_model_generates_on_the_cpu():
 def test_the_readme_quick_start_runs_the_tiny_model():
     """The README's CPU commands on stories15m, exactly as written there."""
     import shlex
-    from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     commands = [line.strip() for line in readme.splitlines()
                 if line.startswith(("nanosched generate --model stories15m",
                                     "nanosched bench --model stories15m"))]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from hostile import refused
+from repo import ROOT
 
 from nanosched.errors import ConfigError
 from nanosched.fileio import check_output_file, write_json_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILE = str(ROOT / "nanosched" / "profiler" / "profiles" / "llama3-8b-tp1-h200.json")
 SCHEDULE = str(ROOT / "tests" / "data" / "llama3-8b-tp1-h200-b2048-single.json")
 SET = str(ROOT / "nanosched" / "schedules" / "shipped"

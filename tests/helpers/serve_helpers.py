@@ -8,11 +8,11 @@ import threading
 import time
 from pathlib import Path
 
+from repo import DATA
+
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.server.lifecycle import build_server
 from nanosched.runtime.server.startup import ServeConfig
-
-DATA = Path(__file__).with_name("data")
 
 
 def tiny_folder(root: Path, tokenizer: bool = True) -> Path:

@@ -4,10 +4,10 @@ on a bucket near its key, the engine choosing an entry per batch, and the set se
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from repo import DATA, ROOT
 from runtime_helpers import ShuffledDevice, batch_logits, serve_all, tiny_llama
 
 from nanosched.errors import ScheduleError
@@ -29,8 +29,6 @@ from nanosched.schedules.sets import (
     set_key,
     set_keys,
 )
-
-DATA = Path(__file__).parent / "data"
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +310,7 @@ def test_verify_on_a_set_without_pipelines_writes_it_unchanged(tmp_path):
 
     from nanosched.cli import app
 
-    src = Path(__file__).parents[1] / "bench" / "results" / "llama3-8b-tp1-h200-b2048.set.json"
+    src = ROOT / "bench" / "results" / "llama3-8b-tp1-h200-b2048.set.json"
     out = tmp_path / "v.json"
     r = CliRunner().invoke(app, ["verify", str(src), "--out", str(out), "--device", "cpu"])
     assert r.exit_code == 0, r.output

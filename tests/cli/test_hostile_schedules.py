@@ -5,12 +5,11 @@ in a traceback (issue 18)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hostile import mutated, refused, write
+from repo import DATA
 
-DATA = Path(__file__).parent / "data"
 BASE = json.loads((DATA / "tiny_llama_schedule.json").read_text())
 
 

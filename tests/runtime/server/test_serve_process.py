@@ -11,17 +11,15 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
-from serve_helpers import DATA
+from repo import DATA, ROOT
 from typer.testing import CliRunner
 
 from nanosched.cli import app
 from nanosched.models.spec import load_spec
 from nanosched.schedules.shipped import pick_shipped, shipped_schedules
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(DATA / "tiny_llama_config.json")
 NAME = "tiny_llama_config"  # the served model id: the config file's stem
 

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from search_fixtures import small_profile
+from test_profile_format import tiny_profile
+from test_profiler_impls import TINY, call
 from typer.testing import CliRunner
 
 from nanosched.autosearch.check import check_schedule
@@ -25,9 +28,6 @@ from nanosched.profiler.plan import ProfileSettings, layer_sizes, layer_tasks
 from nanosched.profiler.runner import FORWARD_NOTE, RunOptions, run_profile
 from nanosched.profiler.state import RunState, load_state, save_state
 from nanosched.workloads import fixed
-from tests.search_fixtures import small_profile
-from tests.test_profile_format import tiny_profile
-from tests.test_profiler_impls import TINY, call
 
 SPEC = load_spec("llama3-8b")
 

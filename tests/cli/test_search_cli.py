@@ -1,6 +1,7 @@
 import json
 from dataclasses import replace
 
+from repo import ROOT
 from search_fixtures import small_profile
 from typer.testing import CliRunner
 
@@ -156,9 +157,8 @@ def test_a_signal_stops_the_whole_search_and_writes_nothing(tmp_path):
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     out = tmp_path / "s.json"
     for sig in (signal.SIGINT, signal.SIGTERM):
         out.write_text("earlier")

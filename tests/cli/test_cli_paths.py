@@ -5,17 +5,16 @@ one `error: ...` line (exit 2) or works, never in a traceback."""
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
+from repo import DATA, PROFILES
 from typer.testing import CliRunner
 
 from nanosched.cli import app
 from nanosched.fileio import finite_json, write_json_atomic
 
-PROFILES = Path(__file__).resolve().parents[1] / "nanosched" / "profiler" / "profiles"
 PROFILE = str(PROFILES / "llama3-8b-tp1-h200.json")
-SCHEDULE = str(Path(__file__).resolve().parent / "data" / "llama3-8b-tp1-h200-b2048-single.json")
+SCHEDULE = str(DATA / "llama3-8b-tp1-h200-b2048-single.json")
 
 
 def run(*args):

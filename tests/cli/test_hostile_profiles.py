@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hostile import RUNNER, mutated, refused, write
+from repo import PROFILES
 
 from nanosched.cli import app
 
-SHIPPED = Path(__file__).parents[1] / "nanosched/profiler/profiles"
+SHIPPED = PROFILES
 BASE = json.loads((SHIPPED / "llama3-70b-tp2-h200x2-quick.json").read_text())
 
 

@@ -6,11 +6,10 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("results_table", ROOT / "bench" / "results_table.py")
 rt = importlib.util.module_from_spec(_spec)
 sys.modules["results_table"] = rt  # dataclasses look their module up

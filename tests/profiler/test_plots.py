@@ -1,7 +1,6 @@
 """The plots people read: the R->P figure of a shipped profile and the Gantt chart of a shipped
 schedule, checked through matplotlib's object API on the Agg backend."""
 
-from pathlib import Path
 
 import pytest
 
@@ -9,13 +8,13 @@ matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.collections import PathCollection  # noqa: E402
+from repo import ROOT  # noqa: E402
 
 from nanosched.profiler.format import load_profile  # noqa: E402
 from nanosched.profiler.show import DIAGONAL_LABEL, profile_figure  # noqa: E402
 from nanosched.schedules.format import load_schedule  # noqa: E402
 from nanosched.schedules.show import gantt_figure  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "nanosched" / "profiler" / "profiles"
 SHIPPED_SCHEDULE = ROOT / "tests" / "data" / "llama3-8b-tp1-h200-b2048-single.json"
 

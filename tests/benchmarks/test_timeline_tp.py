@@ -8,17 +8,15 @@ H100 profile (run_search, deterministic, 1 s, workload fixed(64, 64), dense batc
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from repo import DATA, ROOT
 
 from nanosched.benchmarks.timeline import STRATEGIES, TimelineConfig, predict, run, run_rank
 from nanosched.errors import ScheduleError
 from nanosched.models.parallel import TensorParallel
 from nanosched.schedules.format import load_schedule
 
-DATA = Path(__file__).parent / "data"
 SCHEDULE = str(DATA / "tiny_llama_tp2_schedule.json")
 
 
@@ -68,7 +66,7 @@ def test_the_llama3_70b_tp2_bench_schedule_finds_its_profile_and_simulates():
     from nanosched.benchmarks.timeline import find_profile, with_layers
     from nanosched.models.spec import load_spec
 
-    path = Path(__file__).parents[1] / "bench/results/llama3-70b-tp2-h200-b896.schedule.json"
+    path = ROOT / "bench/results/llama3-70b-tp2-h200-b896.schedule.json"
     sched = load_schedule(path)
     assert sched.tp == 2 and sched.model["name"] == "llama3-70b"
     assert set(sched.forms.values()) == {"ar"}  # what Replay runs

@@ -1,9 +1,9 @@
 """Replay of a searched schedule on a tiny Llama: equal to Sequential, on a reordering device."""
 
-from pathlib import Path
 
 import pytest
 import torch
+from repo import DATA
 from runtime_helpers import ShuffledDevice, batch_logits, tiny_llama
 
 from nanosched.errors import ScheduleError
@@ -18,7 +18,6 @@ from nanosched.runtime.strategies import Sequential
 from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import load_schedule
 
-DATA = Path(__file__).parent / "data"
 SHIPPED_H200 = DATA / "llama3-8b-tp1-h200-b2048-single.json"  # a searched /1 schedule
 
 

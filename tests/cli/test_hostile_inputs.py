@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from hostile import RUNNER, refused
+from repo import DATA
 
 from nanosched.cli import app
 
-DATA = Path(__file__).parent / "data"
 CONFIG = json.loads((DATA / "tiny_llama_config.json").read_text())
 VOCAB = CONFIG["vocab_size"]
 

@@ -1,10 +1,10 @@
 """CUDA-graph buckets on the CPU: the padded layout computes what the unpadded batch computes,
 padded rows never touch a request's pages, and static metadata is rewritten in place."""
 
-from pathlib import Path
 
 import pytest
 import torch
+from repo import DATA
 from runtime_helpers import ShuffledDevice, tiny_llama
 
 from nanosched.errors import ConfigError
@@ -21,7 +21,6 @@ from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import load_schedule
 
-DATA = Path(__file__).parent / "data"
 PAGE = 16
 
 

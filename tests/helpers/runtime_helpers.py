@@ -2,9 +2,8 @@
 Llama of tests/data, and an engine run to completion."""
 
 import random
-from pathlib import Path
 
-DATA = Path(__file__).parent / "data"
+from repo import DATA  # noqa: F401  (re-exported: the tests import it from here)
 
 
 def tiny_llama(folder, seed=1):

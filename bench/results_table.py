@@ -1,192 +1,53 @@
 """The results in bench/results/ as one current table (README.md) and an index (INDEX.md).
 
     python bench/results_table.py            rewrite the README's table and bench/results/INDEX.md
-    python bench/results_table.py --check    exit 1 when either is stale or an old file is left
+    python bench/results_table.py --check    exit 1 when either is stale, an old file is left,
+                                             or a README prose figure is not what its record says
     python bench/results_table.py --archive  `git mv` the superseded files into archive/
 
-An experiment is what was asked, not when: for a `nanosched bench` record (`bench-*.json`) the
-model, tp, GPU, workload (input/output lengths or a dataset, arrival rate), number of prompts,
-dense batch, weights, `--graphs`, `--admission`, `--kv-cache-dtype` and the kind of
-`--schedule` (sequential, two_batch, auto or a searched file); for another script's record the
-script, its arguments and the device. Only the latest file of each experiment is current: the
-README's table has one row per run of each current `bench` record, INDEX.md one line per
-experiment, and older files belong in bench/results/archive/ (git keeps their history).
-Schedules and schedule sets (`*.schedule.json`, `*.set.json`) and profiles (`profile-*.json`)
-are inputs that records name, so they stay. Pure Python, no torch.
+Only the latest file of each experiment (bench/results_records.py says what an experiment is)
+is current: INDEX.md has one line per experiment, and older files belong in
+bench/results/archive/ (git keeps their history). The README's table is shorter: the latest
+current `bench` record per GPU, model, tp, workload and KV dtype, its Sequential runs in one
+row with each other strategy of the record beside them, and reference links to the records.
+The README's prose figures are checked against the records they quote
+(bench/readme_figures.py). Pure Python, no torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
-import re
-import shlex
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent  # the bench scripts a record may be named after
+SCRIPTS = Path(__file__).resolve().parent
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 INDEX_NAME = "INDEX.md"
 ARCHIVE = "archive"
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One result file: its experiment `key`, when it was measured, and what the index says."""
-
-    name: str
-    kind: str  # "bench" | "result" | "schedule" | "profile"
-    key: tuple[tuple[str, str], ...]
-    date: str
-    summary: str
-    data: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-
-def gpu_label(device: str | None, tp: int = 1) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'H100'; tp > 1 -> '2×H200'."""
-    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", device or "")
-    short = m.group(1) if m else (device or "?")
-    return f"{tp}×{short}" if tp > 1 else short
+def _sibling(name: str) -> ModuleType:
+    """bench/<name>.py, loaded by path: this script is also loaded from outside bench/."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
-def date_of(data: dict[str, Any], name: str) -> str:
-    """ISO date-time of a record: its own field, else the one in its file name, else ''."""
-    for env in (data.get("environment"), data.get("env"), data):
-        if isinstance(env, dict) and isinstance(env.get("date"), str):
-            return env["date"]
-    m = re.search(r"(20\d\d)-?(\d\d)-?(\d\d)(?:[T-](\d\d)(\d\d)(\d\d)?)?", name)
-    if not m:
-        return ""
-    y, mo, d, h, mi, s = m.groups()
-    return f"{y}-{mo}-{d}" + (f"T{h}:{mi}:{s or '00'}" if h else "")
-
-
-def workload_label(config: dict[str, Any]) -> str:
-    w = config.get("workload") or f"in {config.get('input_len')} / out {config.get('output_len')}"
-    rate = config.get("request_rate")
-    if isinstance(rate, (int, float)) and rate != float("inf"):
-        w += f", Poisson {rate:g}/s"
-    return w
-
-
-def schedule_kind(schedule: str | None) -> str:
-    return schedule if schedule in ("sequential", "two_batch", "auto", None) else "searched"
-
-
-def bench_runs(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The runs of a bench record; an early record held its one run at the top level."""
-    if isinstance(data.get("runs"), dict):
-        return data["runs"]
-    if "results" in data:
-        return {data.get("strategy", "run"): {k: data[k] for k in
-                                              ("strategy", "results", "iterations",
-                                               "fallbacks") if k in data}}
-    return {}
-
-
-def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
-    c, env = data["config"], data.get("environment", {})
-    tp = int(c.get("tp") or 1)
-    key = (("model", str(c.get("model"))), ("gpu", gpu_label(env.get("device"), tp)),
-           ("workload", workload_label(c)), ("prompts", str(c.get("num_prompts"))),
-           ("dense batch", str(c.get("dense_batch"))), ("weights", str(c.get("weights"))),
-           ("graphs", str(c.get("graphs") or "off")), ("admission", str(c.get("admission"))),
-           ("KV", str(c.get("kv_dtype") or "auto")),
-           ("schedule", schedule_kind(c.get("schedule"))))
-    summary = ", ".join(f"{run}: {_num(r.get('results', {}).get('tokens_per_s'))} tokens/s"
-                        for run, r in bench_runs(data).items())
-    return Entry(name, "bench", key, date_of(data, name), summary, data)
-
-
-def _command_key(command: str) -> tuple[str, str]:
-    """(script, arguments) of a recorded command line, without the interpreter and paths."""
-    words = shlex.split(command)
-    for i, w in enumerate(words):
-        if w.endswith(".py"):
-            args = [a for a in words[i + 1:]]
-            if "--json" in args:  # where it was written is not what was asked
-                j = args.index("--json")
-                del args[j:j + 2]
-            return Path(w).name, " ".join(args)
-    return command, ""
-
-
-def _result_entry(name: str, data: dict[str, Any]) -> Entry:
-    env = next((e for e in (data.get("environment"), data.get("env")) if isinstance(e, dict)),
-               data)
-    device = env.get("device") or data.get("device")
-    if isinstance(env.get("command"), str):
-        script, args = _command_key(env["command"])
-    elif isinstance(data.get("command"), str):
-        script, args = _command_key(data["command"])
-    elif "cases" in data and "time_limit_s" in data:
-        machine = data.get("machine") or {}
-        cpus = machine.get("cpus") if isinstance(machine, dict) else machine
-        script, args = "search_quality.py", (f"--time-limit {data['time_limit_s']} --workers "
-                                             f"{data.get('workers')}: {', '.join(data['cases'])}")
-        device = f"CPU, {cpus} cores"
-    else:  # no command recorded: the script the file is named after, and its arguments
-        stem = re.sub(r"[-_]?20\d\d-?\d\d-?\d\d(T?\d{4,6})?(-\d{4})?", "", Path(name).stem)
-        flat = stem.replace("-", "_")
-        scripts = sorted((p.stem for p in SCRIPTS.glob("*.py") if flat.startswith(p.stem)),
-                         key=len)
-        script = f"{scripts[-1]}.py" if scripts else stem
-        args = json.dumps(data["args"], sort_keys=True) if isinstance(data.get("args"), dict) \
-            else (stem if not scripts else "")
-    if not device and isinstance(data.get("machine"), str):
-        device = data["machine"]
-    key = (("script", script), ("arguments", args), ("device", gpu_label(device) if device
-                                                     and "NVIDIA" in device else
-                                                     str(device or "CPU")))
-    return Entry(name, "result", key, date_of(data, name), "", data)
-
-
-def describe(path: Path) -> Entry | None:
-    """The Entry of one file in bench/results/, None for files that are not results."""
-    name = path.name
-    if name.endswith((".schedule.json", ".set.json")):
-        return Entry(name, "schedule", (("file", name),), date_of({}, name), "")
-    if path.suffix != ".json":
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    if data.get("format") == "nanosched.profile/1":
-        return Entry(name, "profile", (("file", name),), date_of({}, name), "")
-    if name.startswith("bench-") and isinstance(data.get("config"), dict):
-        return _bench_entry(name, data)
-    return _result_entry(name, data)
-
-
-def scan(results: Path) -> list[Entry]:
-    """Every result in `results` (not in archive/), sorted by name."""
-    entries = (describe(p) for p in sorted(results.iterdir()) if p.is_file())
-    return [e for e in entries if e is not None]
-
-
-def latest(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
-    """(the latest entry per experiment, the superseded ones); inputs are always current."""
-    best: dict[tuple[str, tuple[tuple[str, str], ...]], Entry] = {}
-    for e in entries:
-        k = (e.kind, e.key)
-        if k not in best or (e.date, e.name) > (best[k].date, best[k].name):
-            best[k] = e
-    current = sorted(best.values(), key=lambda e: e.name)
-    old = sorted((e for e in entries if best[(e.kind, e.key)] is not e), key=lambda e: e.name)
-    return current, old
-
-
-def _num(x: Any) -> str:
-    return f"{x:,.0f}" if isinstance(x, (int, float)) else "—"
+_records = _sibling("results_records")
+Entry, bench_runs, gpu_label = _records.Entry, _records.bench_runs, _records.gpu_label
+latest, scan, workload_label = _records.latest, _records.scan, _records.workload_label
 
 
 def _run_graphs(run_name: str, run: dict[str, Any]) -> str:
@@ -196,46 +57,74 @@ def _run_graphs(run_name: str, run: dict[str, Any]) -> str:
     return "on" if run_name.endswith("+graphs") else "off"
 
 
-def table_rows(entries: list[Entry]) -> list[list[str]]:
-    """One row per run of each current bench record."""
+def readme_key(e: Entry) -> tuple[str, ...]:
+    """What the README keeps one record of: (GPU, model, tp, workload, KV dtype)."""
+    c = e.data["config"]
+    kv = "fp8" if c.get("kv_dtype") == "fp8" else "bf16"
+    workload = workload_label(c).replace("in ", "").replace("out ", "")
+    return (gpu_label(e.data.get("environment", {}).get("device")), str(c.get("model")),
+            str(c.get("tp") or 1), workload, kv)
+
+
+def readme_records(entries: list[Entry]) -> list[Entry]:
+    """The latest current bench record per `readme_key`, in key order."""
+    best: dict[tuple[str, ...], Entry] = {}
+    for e in entries:
+        if e.kind == "bench" and (readme_key(e) not in best or
+                                  (e.date, e.name) > (best[readme_key(e)].date,
+                                                      best[readme_key(e)].name)):
+            best[readme_key(e)] = e
+    return [best[k] for k in sorted(best)]
+
+
+def _span(values: list[Any], fmt: str) -> str:
+    """'21,219' for one run, '20,952-21,106' for several, '—' for none."""
+    nums = sorted(v for v in values if isinstance(v, (int, float)))
+    if not nums:
+        return "—"
+    lo, hi = fmt.format(nums[0]), fmt.format(nums[-1])
+    return lo if lo == hi else f"{lo.rstrip('%')}-{hi}"
+
+
+def _strategy(run_name: str, run: dict[str, Any]) -> str:
+    strategy = str(run.get("strategy", run_name))
+    if strategy == "replay" and isinstance(run.get("predicted_speedup"), (int, float)):
+        return f"searched schedule (predicts {run['predicted_speedup']:.2f}×)"
+    if strategy == "replay_set":
+        return (f"set, {run.get('pipelined_iterations', 0):,} of "
+                f"{run.get('iterations', 0):,} pipelined")
+    return "searched schedule" if strategy == "replay" else strategy
+
+
+def record_rows(e: Entry, ref: str) -> list[list[str]]:
+    """A record's rows: its Sequential runs in one, each other strategy beside them. A record
+    that ran with and without graphs shows its graph runs only."""
+    runs = {n: r for n, r in bench_runs(e.data).items() if isinstance(r.get("results"), dict)}
+    if any(_run_graphs(n, r) == "on" for n, r in runs.items()):
+        runs = {n: r for n, r in runs.items() if _run_graphs(n, r) == "on"}
+    seq = [r["results"] for r in runs.values() if r.get("strategy") == "sequential"]
+    others = {n: r for n, r in runs.items() if r.get("strategy") != "sequential"}
+    ratios = e.data.get("ratios") if isinstance(e.data.get("ratios"), dict) else {}
+    base = seq[0].get("tokens_per_s") if seq else None
+    gpu, model, tp, workload, kv = readme_key(e)
+    c = e.data["config"]
+    head = [gpu, model, tp, workload, kv, f"{c.get('dense_batch'):,}", f"{c.get('num_prompts'):,}",
+            _span([r.get("tokens_per_s") for r in seq], "{:,.0f}"),
+            _span([r.get("percent_of_optimal") for r in seq], "{:.1f}%")]
+    date = f"[{e.date[:10]}][{ref}]"
+    if not others:
+        return [head + ["—", "—", date]]
     rows = []
-    for e in sorted((e for e in entries if e.kind == "bench"),
-                    key=lambda e: (dict(e.key)["gpu"], dict(e.key)["model"],
-                                   dict(e.key)["workload"], int(dict(e.key)["prompts"]),
-                                   e.name)):
-        k, runs = dict(e.key), bench_runs(e.data)
-        seq = {_run_graphs(n, r): r["results"].get("tokens_per_s")
-               for n, r in runs.items() if r.get("strategy") == "sequential" and "results" in r
-               and not n.startswith("sequential-after")}
-        ratios = e.data.get("ratios") if isinstance(e.data.get("ratios"), dict) else {}
-        for run_name, run in runs.items():
-            res = run.get("results", {})
-            strategy = str(run.get("strategy", run_name))
-            if strategy == "replay":
-                strategy = f"searched schedule (predicts {run['predicted_speedup']:.2f}×)" \
-                    if isinstance(run.get("predicted_speedup"), (int, float)) else "searched"
-            elif strategy == "replay_set":
-                strategy = f"schedule set ({run.get('pipelined_iterations', 0)} of " \
-                           f"{run.get('iterations', 0)} iterations pipelined)"
-            elif run_name.startswith("sequential-after"):
-                strategy = "sequential (again, after)"
-            graphs = _run_graphs(run_name, run)
-            tps, base = res.get("tokens_per_s"), seq.get(graphs)
-            # A-B-A records: the ratio to the mean of both Sequential runs, as bench reports it
-            vs = (f"{ratios[run_name]['tokens_per_s']:.2f}×" if run_name in ratios else
-                  f"{tps / base:.2f}×" if run.get("strategy") != "sequential" and
-                  isinstance(tps, (int, float)) and base else "—")
-            pct = res.get("percent_of_optimal")
-            rows.append([k["gpu"], k["model"], k["workload"], k["prompts"], k["dense batch"],
-                         graphs, k["admission"] if k["admission"] != "None" else "—",
-                         "bf16" if k["KV"] == "auto" else k["KV"], strategy,
-                         _num(tps), f"{pct:.1f}%" if isinstance(pct, (int, float)) else "—", vs,
-                         e.date[:10], f"[`{e.name}`](bench/results/{e.name})"])
+    for name, run in others.items():
+        tps = run["results"].get("tokens_per_s")
+        vs = (f"{ratios[name]['tokens_per_s']:.3f}×" if name in ratios else
+              f"{tps / base:.3f}×" if isinstance(tps, (int, float)) and base else "—")
+        rows.append(head + [_strategy(name, run), vs, date])
     return rows
 
 
-HEADER = ["GPU", "model", "workload", "prompts", "batch", "graphs", "admission", "KV", "strategy",
-          "tokens/s", "% of optimal", "vs Sequential", "date", "file"]
+HEADER = ["GPU", "model", "tp", "workload", "KV", "batch", "prompts", "Sequential tokens/s",
+          "% of optimal", "strategy", "vs Sequential", "record"]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -245,11 +134,15 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def results_block(entries: list[Entry]) -> str:
-    """The README's block between the markers (markers included)."""
+    """The README's block between the markers (markers included): the table, then the
+    reference links its record column points at."""
+    records = readme_records(entries)
+    rows = [row for i, e in enumerate(records, 1) for row in record_rows(e, f"r{i}")]
+    links = [f"[r{i}]: bench/results/{e.name}" for i, e in enumerate(records, 1)]
     return "\n".join([
         BEGIN,
         "<!-- generated by `python bench/results_table.py` from bench/results/: do not edit -->",
-        markdown_table(HEADER, table_rows(entries)),
+        markdown_table(HEADER, rows), "", *links,
         END])
 
 
@@ -299,7 +192,9 @@ def with_block(readme: str, block: str) -> str:
     return head + block + rest.split(END, 1)[1]
 
 
-def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
+def main(argv: list[str] | None = None, root: Path = ROOT, figures: Any = None) -> int:
+    """Write (or --check) the README's table and INDEX.md; check the README's prose figures
+    (`figures`: bench/readme_figures.py's FIGURES unless given)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
@@ -321,6 +216,9 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     new_readme = with_block(readme, results_block(current))
     new_index = index_text(current)
     index_path = results / INDEX_NAME
+    rf = _sibling("readme_figures")
+    bad_figures = rf.figure_errors(new_readme, root, BEGIN, END,
+                                   rf.FIGURES if figures is None else figures)
     if args.check:
         stale = [str(p.relative_to(root)) for p, new in ((readme_path, new_readme),
                                                          (index_path, new_index))
@@ -330,14 +228,18 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
         for e in old:
             print(f"bench/results/{e.name} is superseded by a later file of its experiment: "
                   "run python bench/results_table.py --archive", file=sys.stderr)
-        return 1 if stale or old else 0
+        for err in bad_figures:
+            print(err, file=sys.stderr)
+        return 1 if stale or old or bad_figures else 0
     if new_readme != readme:
         write_atomic(readme_path, new_readme)
     if not index_path.exists() or index_path.read_text() != new_index:
         write_atomic(index_path, new_index)
     print(f"{len(current)} current files, {len(old)} superseded"
           + (" (run with --archive to move them)" if old else ""))
-    return 0
+    for err in bad_figures:
+        print(err, file=sys.stderr)
+    return 1 if bad_figures else 0
 
 
 if __name__ == "__main__":

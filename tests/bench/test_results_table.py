@@ -74,50 +74,132 @@ def _table_rows(readme):
             for line in block.splitlines() if line.startswith("| ") and "---" not in line][1:]
 
 
-def test_the_table_has_the_latest_record_of_each_experiment(repo):
-    assert rt.main([], root=repo) == 0
+def _links(readme):
+    block = readme.split(rt.BEGIN)[1].split(rt.END)[0]
+    return dict(line[1:].split("]: ", 1) for line in block.splitlines() if line.startswith("[r"))
+
+
+def test_the_table_has_the_latest_record_per_gpu_model_tp_workload_and_kv(repo):
+    # another experiment (dense batch 2,048) of a-new's GPU, model, tp, workload and KV, later
+    later = {"sequential+graphs": {"strategy": "sequential", "graphs": True,
+                                   "results": _results(9_000.0, 20.0)}}
+    _write(repo, "bench-c.json", _bench("2026-11-24T01:00:00+00:00", later, dense_batch=2048))
+    fp8 = {"sequential+graphs": {"strategy": "sequential", "graphs": True,
+                                 "results": _results(15_000.0, 45.0)}}
+    _write(repo, "bench-d.json", _bench("2026-11-20T01:00:00+00:00", fp8, kv_dtype="fp8"))
+    assert rt.main([], root=repo, figures=()) == 0
     readme = (repo / "README.md").read_text()
     assert readme.startswith("# x\n\nintro\n\n") and readme.endswith("\n\nafter\n")
     assert "old table" not in readme
-    rows = {(r[0], r[8]): r for r in _table_rows(readme)}
-    assert len(rows) == 4  # a-new, b's two runs, the legacy record; a-old is superseded
-    h100 = rows[("H100", "sequential")]
-    assert h100[9] == "12,000" and h100[10] == "36.0%" and h100[11] == "—"
-    assert "bench-a-new.json" in h100[13] and h100[12] == "2026-11-23"
-    replay = rows[("H200", "searched schedule (predicts 1.04×)")]
-    assert replay[2] == "sharegpt" and replay[3] == "600" and replay[9] == "16,200"
-    assert replay[11] == "0.90×"  # 16,200 / 18,000, Sequential of the same file and graphs
-    legacy = rows[("2×H200", "two_batch")]
-    assert legacy[5] == "off" and legacy[9] == "1,234" and legacy[10] == "—"
-    assert "bench-a-old.json" not in readme
+    rows, links = _table_rows(readme), _links(readme)
+    by = {(r[0], r[2], r[4], r[9]): r for r in rows}
+    assert len(rows) == 4  # c, d, b's replay beside its Sequential, the legacy record
+    h100 = by[("H100", "1", "bf16", "—")]
+    assert h100[5] == "2,048" and h100[7] == "9,000" and h100[8] == "20.0%"
+    assert links[h100[11].split("][")[1].rstrip("]")] == "bench/results/bench-c.json"
+    assert h100[11].startswith("[2026-11-24]")
+    assert by[("H100", "1", "fp8", "—")][7] == "15,000"  # another KV dtype: its own row
+    replay = by[("H200", "1", "bf16", "searched schedule (predicts 1.04×)")]
+    assert replay[3] == "sharegpt" and replay[6] == "600" and replay[7] == "18,000"
+    assert replay[10] == "0.900×"  # 16,200 / 18,000, Sequential of the same record
+    legacy = by[("H200", "2", "bf16", "two_batch")]
+    assert legacy[3] == "128 / 16" and legacy[7] == "—" and legacy[10] == "—"
+    assert "bench-a-new.json" not in readme and "bench-a-old.json" not in readme
     index = (repo / "bench" / "results" / "INDEX.md").read_text()
-    assert "bench-a-new.json" in index and "bench-a-old.json" not in index
+    assert "bench-a-new.json" in index and "bench-c.json" in index  # two experiments
+    assert "bench-a-old.json" not in index
     assert "kernels_gemm-NVIDIA_H200-20261123T003702.json" in index
     assert "20261122T003702" not in index  # same script, arguments and device: superseded
     assert not list((repo / "bench" / "results").glob(".*.tmp"))  # atomic writes left nothing
 
 
+def test_a_record_with_several_sequential_runs_and_both_graph_settings(repo):
+    aba = {"sequential": {"strategy": "sequential", "graphs": False, "results": _results(5.0)},
+           "sequential+graphs": {"strategy": "sequential", "graphs": True,
+                                 "results": _results(20_000.0, 40.0)},
+           "schedule+graphs": {"strategy": "replay_set", "graphs": True, "iterations": 1309,
+                               "pipelined_iterations": 143, "results": _results(20_500.0)},
+           "sequential-after+graphs": {"strategy": "sequential", "graphs": True,
+                                       "results": _results(21_000.0, 42.0)}}
+    data = _bench("2026-11-25T01:00:00+00:00", aba, graphs="both")
+    data["ratios"] = {"schedule+graphs": {"tokens_per_s": 0.99512}}
+    _write(repo, "bench-e.json", data)
+    assert rt.main([], root=repo, figures=()) == 0
+    row = next(r for r in _table_rows((repo / "README.md").read_text()) if "set" in r[9])
+    assert row[7] == "20,000-21,000" and row[8] == "40.0-42.0%"  # graph runs only
+    assert row[9] == "set, 143 of 1,309 pipelined" and row[10] == "0.995×"
+
+
 def test_check_fails_until_written_and_archived(repo):
-    assert rt.main(["--check"], root=repo) == 1  # README and INDEX stale
-    assert rt.main([], root=repo) == 0
-    assert rt.main(["--check"], root=repo) == 1  # two superseded files outside archive/
+    assert rt.main(["--check"], root=repo, figures=()) == 1  # README and INDEX stale
+    assert rt.main([], root=repo, figures=()) == 0
+    assert rt.main(["--check"], root=repo, figures=()) == 1  # two superseded files
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
-    assert rt.main(["--archive"], root=repo) == 0
+    assert rt.main(["--archive"], root=repo, figures=()) == 0
     archived = sorted(p.name for p in (repo / "bench" / "results" / "archive").iterdir())
     assert archived == ["bench-a-old.json", "kernels_gemm-NVIDIA_H200-20261122T003702.json"]
-    assert rt.main(["--check"], root=repo) == 0
+    assert rt.main(["--check"], root=repo, figures=()) == 0
     (repo / "README.md").write_text((repo / "README.md").read_text().replace("12,000", "13,000"))
-    assert rt.main(["--check"], root=repo) == 1
+    assert rt.main(["--check"], root=repo, figures=()) == 1
 
 
 def test_readme_without_markers_is_refused(repo):
     (repo / "README.md").write_text("# no markers\n")
     with pytest.raises(ValueError, match="results:begin"):
-        rt.main([], root=repo)
+        rt.main([], root=repo, figures=())
 
 
 def test_readme_and_index_are_up_to_date_with_bench_results():
     assert rt.main(["--check"], root=ROOT) == 0, \
         "README.md's results table or bench/results/INDEX.md is stale, or a superseded " \
         "result is outside bench/results/archive/: run python bench/results_table.py --archive"
+
+
+rf = rt._sibling("readme_figures")
+
+
+def _figure_repo(tmp_path, prose):
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    _write(tmp_path, "ceiling.json", {"rows": [{"num_decode": 384, "num_tokens": 1024,
+                                                "ceiling": 1.0259},
+                                               {"num_decode": 896, "num_tokens": 896,
+                                                "ceiling": 1.1018}],
+                                      "a": {"ms": 12.695}, "b": {"ms": 13.649}})
+    (tmp_path / "README.md").write_text(f"# x\n\n{prose}\n\n{rt.BEGIN}\n| 9.99× |\n{rt.END}\n")
+    return tmp_path
+
+
+FIGS = (rf.Figure("1.026×", "ceiling.json", ("rows[num_decode=384,num_tokens=1024].ceiling",)),
+        rf.Figure("0.93×", "ceiling.json", ("a.ms", "b.ms"), "ratio", "{:.2f}×"))
+
+
+def _errors(root):
+    return rf.figure_errors((root / "README.md").read_text(), root, rt.BEGIN, rt.END, FIGS)
+
+
+def test_prose_figures_are_checked_against_their_records(tmp_path):
+    root = _figure_repo(tmp_path, "Priced at 1.026× at most; replayed, 0.93× of it (700 W cap).\n"
+                                  "```\n$ nanosched search  # prints 0.924x and 12 ms\n```")
+    assert _errors(root) == []  # code blocks, the generated table and constants are not figures
+    (root / "README.md").write_text((root / "README.md").read_text().replace("1.026×", "1.03×"))
+    errs = _errors(root)
+    assert any("1.026× is not in README.md" in e for e in errs)
+    assert any("'1.03×'" in e for e in errs)  # a number no record checks
+
+
+def test_a_figure_its_record_no_longer_gives_is_refused(tmp_path):
+    root = _figure_repo(tmp_path, "1.026× and 0.93×")
+    _write(root, "ceiling.json", {"rows": [{"num_decode": 384, "num_tokens": 1024,
+                                            "ceiling": 1.04}], "a": {"ms": 1}, "b": {}})
+    errs = _errors(root)
+    assert any("figure 1.026×: ceiling.json gives 1.040×" in e for e in errs)
+    assert any("figure 0.93×: ceiling.json: " in e and "ms: not there" in e for e in errs)
+
+
+def test_the_readme_stays_a_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 120, f"README.md has {len(lines)} lines: at most 120"
+    wide = [i + 1 for i, line in enumerate(lines) if len(line) > 160]
+    assert not wide, f"README.md lines {wide} are over 160 characters"
+    assert len(_table_rows("\n".join(lines))) <= 10

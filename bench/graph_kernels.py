@@ -23,8 +23,8 @@ the graph runs: cuBLAS GEMMs, the Triton kernels, the default decode attention),
   capture changes what cuBLAS launches).
 SM clock and board power (NVML) beside each. The table says, per op, the profile's row, each of
 these, the time inside the forward, and whether the forward ran the kernel the row timed: what
-makes Sequential run ~10% under the sum of its rows (docs/overlap.md) shows as the column that
-moves. GPU only; JSON to $OUT or bench/results/; table last.
+makes Sequential run ~10% under the sum of its rows (docs/findings.md, 'What the kernel rows
+price') shows as the column that moves. GPU only; JSON to $OUT or bench/results/; table last.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ linear between the profile's 128-row grid points, decode attention at the batch'
 context, prefill attention at its prompt's length; times the layers. The sum is the GPU time the
 rows give the run's forwards (the LM head and sampling left out; inside the engine's forwards the
 kernels run at their rows, with about 1 ms a forward between and around them:
-bench/engine_ops.py, docs/overlap.md). Measured time well above it is time the GPU
+bench/engine_ops.py, docs/findings.md). Measured time well above it is time the GPU
 was not running forwards: the CPU between iterations, captures, eager first runs. Dense models
 at tp = 1. JSON to $OUT or bench/results/; summary last.
 """

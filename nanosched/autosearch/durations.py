@@ -225,13 +225,14 @@ def alloc_options(profile: Profile, resource: str, op: str | None = None,
     `green_ctx` points are kept one per share: for compute the best P_compute, for memory the
     P_other of the point with the best P_compute at that split (not the best P_other: that was
     measured beside a slower GEMM, and mixing the two sides' best predicted pipelines that ran
-    10% slower on the GPU; docs/overlap.md). For a compute
+    10% slower on the GPU; docs/notebook/2026-11-26-forward-table.md). For a compute
     nano-op of GEMM `op` over `tokens` tokens whose shape the profile measured on its own
     (`shape_points`), its green-context options are that shape's points instead of the folded
     table's: the folded curve mixes every GEMM's pairs and overstates the small GEMMs (`o`,
-    `d`) beside the attention (docs/overlap.md). A non-partition point is kept as itself (its
-    identity decides what it may overlap) unless another pairing of its table is at least as
-    fast on both sides (`_dominated`); both sides drop together.
+    `d`) beside the attention (docs/notebook/2026-11-24-schedule-sets-end-to-end.md). A
+    non-partition point is kept as itself (its identity decides what it may overlap) unless
+    another pairing of its table is at least as fast on both sides (`_dominated`); both sides
+    drop together.
 
     A memory or elementwise nano-op of `op` over `tokens` rows (at `context`) on a partition
     or a CTA bound runs no faster beside a GEMM than alone there: its P is at most its row on

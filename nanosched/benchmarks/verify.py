@@ -2,7 +2,7 @@
 only those that win here.
 
 The search predicts each entry from the profile; the replay can still lose what the prediction
-gave it (launch order, SM partitions, the clock under the power cap: docs/overlap.md). For
+gave it (launch order, SM partitions, the clock under the power cap: docs/findings.md). For
 every pipeline entry, at its key's shape (D decode rows of T, the workload's contexts; the
 decode context shortened where D requests of it do not fit in the GPU's memory), this
 lays out one batch, captures a CUDA graph of it run by Sequential and by the entry, and replays
@@ -111,8 +111,8 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
     the decision)."""
     # the decode rows attend to cached context no prompt wrote: random K/V as a served cache
     # holds, not zeros (after a forward over a zero-filled cache the rows had collapsed, mean
-    # |cos| 0.93, and a GEMM multiplies such rows ~12% faster: docs/overlap.md, 'What the rows
-    # price')
+    # |cos| 0.93, and a GEMM multiplies such rows ~12% faster: docs/findings.md, 'What the kernel
+    # rows price')
     ws.kv.fill_random(torch.Generator(model.device).manual_seed(0))
     telemetry = None
     if model.device.type == "cuda":

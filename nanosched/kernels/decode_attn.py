@@ -15,8 +15,8 @@ shared-memory ring) and `triton_pipelined_2w` (`PIPELINED_2W`: the same on two w
 programs per SM, for partitions of few SMs). HBM
 bandwidth needs bytes in flight (Little's law: about 2.7 MB device-wide on an H100/H200), and a
 program keeps only one step in flight without pipelining, so `triton_paged` needs most SMs to
-reach bandwidth; `triton_pipelined` gets more of it from few SMs (docs/overlap.md has both
-against SMs).
+reach bandwidth; `triton_pipelined` gets more of it from few SMs (docs/measurements.md has
+both against SMs).
 
 An FP8 cache (e4m3 K/V, one fp32 scale per (token, KV head) in `k_scale`, `v_scale`
 [P, S, Hkv]) is read at half the bytes: each step converts its K/V tile to the query's dtype

@@ -3,7 +3,7 @@
 The Triton kernels of decode_attn.py reach about 49 GB/s per H100 SM whatever their pipelining
 depth: the per-step chain of each program (wait, two small dots, cross-warp reductions, the
 probabilities through shared memory) bounds them, so 32 SMs read 57-60% of copy bandwidth
-(docs/overlap.md). This kernel (decode_attn_bulk.cu, its header says how) moves each page with
+(docs/findings.md). This kernel (decode_attn_bulk.cu, its header says how) moves each page with
 four tensor copies of the copy engine (`cp.async.bulk.tensor`, completing on an mbarrier) into a
 shared-memory ring fed by one producer warp, and multiplies on the tensor cores (`mma.sync`
 m16n8k16) in one consumer warp per KV head, so the work per SM no longer grows with the
@@ -66,7 +66,7 @@ CONSUME_ONLY = False
 # dependency the first stall), and two CTAs give an SM twice the consumer warps at the same
 # bytes in flight: 1.27-1.31x on partitions of 16 H100 SMs, 1.07-1.30x on 32, 1.03-1.24x on 48;
 # on 64 and on all 132 the two are within 7% either way, and one CTA keeps the whole ring
-# (docs/overlap.md, 'Two CTAs per SM').
+# (docs/findings.md; every variant tried: docs/notebook/2026-11-26-fp8-on-few-sms.md).
 # bench/kernels_decode_attn.py --kernels cuda_bulk_1cta sets one.
 FP8_CTAS_PER_SM = 2
 FP8_SHARED_MAX_SMS = 48

@@ -95,7 +95,7 @@ def set_summary_lines(s: ScheduleSet) -> list[str]:
         lines.append("NO GAIN: no batch shape is predicted to gain from a pipeline; the set "
                      "runs Sequential everywhere (keep --schedule sequential; a profile taken "
                      "with the GPU's fastest few-SM kernels, e.g. cuda_bulk on Hopper, gives the "
-                     "search the most to work with: docs/overlap.md)")
+                     "search the most to work with: docs/findings.md)")
     else:
         best = max(pipes, key=lambda e: e.speedup)
         lines.append(f"pipelined shapes gain {min(e.speedup for e in pipes):.2f}x.."

@@ -1,0 +1,87 @@
+"""The docs hold together: every relative link in README.md and docs/ resolves (files, folders
+and heading anchors), every record docs/findings.md names is in bench/results/, no doc keeps a
+'Next' list, findings stay one page, and the figure tables give one figure per cell."""
+
+import re
+from pathlib import Path
+
+import pytest
+from repo import ROOT
+
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+_LINK = re.compile(r"\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.M)
+_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = _CODE.sub("", path.read_text()) if path.suffix == ".md" else ""
+    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+
+
+def links(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return [a or b for a, b in _LINK.findall(text)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+    bad = []
+    for target in links(doc):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.is_file() and anchor not in anchors(dest):
+            bad.append(f"{target}: no heading with that anchor")
+    assert not bad, f"{doc.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+def test_the_records_findings_names_are_committed():
+    text = (ROOT / "docs" / "findings.md").read_text()
+    names = set(re.findall(r"`((?:archive/)?[\w.+-]+\.(?:json|txt))`", text))
+    results = ROOT / "bench" / "results"
+    missing = [n for n in sorted(names) if not (results / n).exists()
+               and not (ROOT / "nanosched" / "profiler" / "profiles" / n).exists()
+               and not (ROOT / "nanosched" / "schedules" / "shipped" / n).exists()]
+    assert len(names) > 40 and not missing, f"docs/findings.md names missing records: {missing}"
+
+
+def test_no_next_lists_in_docs():
+    heads = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in DOCS
+             for m in re.finditer(r"^#+ *Next.*$", p.read_text(), re.M)]
+    assert not heads, f"'Next' lists belong in issues, not docs: {heads}"
+
+
+def test_findings_is_one_page():
+    lines = (ROOT / "docs" / "findings.md").read_text().splitlines()
+    assert len(lines) <= 300, f"docs/findings.md has {len(lines)} lines: at most 300"
+
+
+@pytest.mark.parametrize("name", ["measurements.md", "usage.md"])
+def test_table_cells_hold_one_figure(name):
+    text = (ROOT / "docs" / name).read_text()
+    cells = [c.strip() for line in text.splitlines() if line.startswith("|")
+             for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+    long = [c[:60] for c in cells if len(c) > 160]
+    pairs = [c for c in cells if re.search(r"\d[^\s|]* / [^\s|]*\d", c)]
+    assert not long and not pairs, f"docs/{name}: cells over 160 characters {long}, " \
+        f"cells with two figures {pairs}"
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/findings.md", "docs/measurements.md",
+                                  "docs/usage.md"])
+def test_the_code_paths_current_docs_name_exist(name):
+    """Files move (bench/ and tests/ get subfolders): a current doc names them where they are.
+    The notebook's records keep the paths of their day."""
+    text = (ROOT / name).read_text()
+    paths = set(re.findall(r"\b((?:bench|tests|nanosched)/[\w/.-]*\w\.(?:py|cu|sh|md))\b", text))
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert paths and not missing, f"{name} names files that are not there: {missing}"

@@ -1,0 +1,68 @@
+"""The copy-engine all-reduce on two GPUs against NCCL: eager, and replayed from a CUDA graph
+on fresh data (flags, copies and the reduction captured), every rank bitwise equal."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanosched.models.parallel import TensorParallel, launch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+
+for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                   ("NVSHMEM_DISABLE_NVLS", "1")):  # multicast stays off (shared hosts)
+    os.environ[var] = value
+
+RANGES = [(0, 1), (3, 130), (130, 1154), (0, 2048)]
+
+
+def _check(tp: TensorParallel, impl: str) -> list[dict]:
+    device = torch.device("cuda", tp.rank)
+    tp = tp.with_copy_engine(device)
+    buf = tp.symmetric_zeros(2048, 4096, dtype=torch.bfloat16, device=device)
+    out = []
+
+    def compare(s: int, e: int, ref: torch.Tensor, mode: str) -> None:
+        got = buf[s:e].float()
+        every = [torch.empty_like(got) for _ in range(tp.size)]
+        dist.all_gather(every, got)
+        out.append({"mode": mode, "rows": (s, e),
+                    "rel": float((got - ref).norm() / ref.norm()),
+                    "equal": all(torch.equal(every[0], x) for x in every)})
+
+    for s, e in RANGES:
+        torch.manual_seed(10 * tp.rank + s)
+        buf[s:e].normal_()
+        ref = buf[s:e].float()
+        dist.all_reduce(ref)
+        tp.all_reduce(buf[s:e], impl)
+        torch.cuda.synchronize()
+        compare(s, e, ref, "eager")
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=side):
+        for s, e in RANGES[1:3]:
+            tp.all_reduce(buf[s:e], impl)
+    for rep in range(3):
+        buf.normal_(generator=torch.Generator(device).manual_seed(100 * rep + tp.rank))
+        refs = [buf[s:e].float() for s, e in RANGES[1:3]]
+        for ref in refs:
+            dist.all_reduce(ref)
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        for (s, e), ref in zip(RANGES[1:3], refs, strict=True):
+            compare(s, e, ref, f"graph {rep}")
+    return out
+
+
+@pytest.mark.parametrize("impl", ["copy_engine", "copy_engine_ctas8"])
+def test_copy_engine_all_reduce_equals_nccl_eager_and_in_graphs(impl):
+    res = launch(_check, 2, "nccl", impl)
+    assert len(res) == len(RANGES) + 3 * 2
+    for r in res:
+        assert r["rel"] < 1e-2 and r["equal"], r

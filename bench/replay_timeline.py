@@ -67,8 +67,12 @@ def main() -> None:
                     help="cpu: fp32, eager only, gloo (a smoke run)")
     ap.add_argument("--force", action="store_true", help="replay a schedule made for another "
                     "model, tp or GPU")
+    ap.add_argument("--networks", default="nccl", help="comma-separated all-reduce "
+                    "implementations, one Sequential run each at tp > 1 (nccl, copy_engine, "
+                    "copy_engine_ctas16, ...)")
     args = ap.parse_args()
-    cfg = TimelineConfig(args.schedule, args.layers, args.model, args.device, force=args.force)
+    cfg = TimelineConfig(args.schedule, args.layers, args.model, args.device, force=args.force,
+                         networks=tuple(args.networks.split(",")))
     try:  # a wrong model or tp is refused before any rank starts
         sched, full = load_checked(cfg, args.tp, None)
         profile, profile_name = find_profile(sched, args.profile)

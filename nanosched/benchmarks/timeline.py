@@ -13,6 +13,11 @@ the same token ids on every rank), and for Sequential, Replay(schedule) and TwoB
   giving each stream's busy time,
 - check: the final normed hidden states against Sequential's (bf16 on CUDA: rounding only).
 
+At tp > 1 Sequential runs once per network implementation of `cfg.networks` (NCCL, the
+copy-engine all-reduce, ...: `sequential[<impl>]` beyond the first), the model's default for
+the all-reduces each time; the copy engine's buffers are mapped when one of them or the
+schedule uses it.
+
 Ranks meet at a barrier before every timed region. `run(cfg, tp)` runs `run_rank` directly at
 tp = 1 and in `tp` spawned processes otherwise (`nanosched.models.parallel.launch`: NCCL on
 CUDA, one GPU per rank, gloo on the CPU), with NVLink multicast kept off; rank 0's result
@@ -25,7 +30,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from nanosched.benchmarks.common import environment, synthetic_batch
 from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ScheduleError
+from nanosched.kernels.impls import network_impl
 from nanosched.models.parallel import TensorParallel, launch
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.backend import Backend
@@ -69,6 +75,7 @@ class TimelineConfig:
     graph_reps: int = 10
     force: bool = False  # replay a schedule made for another model, tp or GPU
     seed: int = 0
+    networks: tuple[str, ...] = ("nccl",)  # Sequential's all-reduce, one run each (tp > 1)
 
 
 def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
@@ -97,11 +104,12 @@ class _Rank:
     """One rank's model, batch and helpers; every method does the same work on every rank."""
 
     def __init__(self, tp: TensorParallel, cfg: TimelineConfig, sched: Schedule,
-                 spec: ModelSpec) -> None:
+                 spec: ModelSpec, copy_engine: bool = False) -> None:
         self.tp, self.cfg, self.sched, self.spec = tp, cfg, sched, spec
         self.cuda = cfg.device == "cuda"
         self.device = resolve_device(cfg.device, tp.rank)
-        self.model = load_model(spec, "random", self.device, cfg.seed, tp)
+        self.model = load_model(spec, "random", self.device, cfg.seed, tp,
+                                copy_engine=copy_engine)
         b = sched.batch
         self.ws = self.model.new_workspace(
             b.dense_batch, num_pages=b.num_decode * (int(b.decode_context) // PAGE_SIZE + 2) + 512)
@@ -208,21 +216,27 @@ def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
         dist.all_reduce(x)
         if cuda:
             torch.cuda.synchronize(device)
-    r = _Rank(tp, cfg, sched, spec)
     replay = replay_choice(sched, cfg.schedule, spec)
+    networks = cfg.networks if tp.size > 1 else cfg.networks[:1]
+    ce = tp.size > 1 and (replay.uses_copy_engine() or any(
+        network_impl(n)[0] == "copy_engine" for n in networks))
+    r = _Rank(tp, cfg, sched, spec, copy_engine=ce)
     streams = open_streams(replay, device)  # green contexts of a replay on CUDA, else None
     two_batch = choose_strategy(EngineConfig(schedule="two_batch"), spec, device).strategy
     plain = CudaDevice if cuda else SerialDevice
-    runs = [("sequential", Sequential(), plain()),
-            ("replay", replay.strategy, streams.device if streams else plain()),
-            ("two_batch", two_batch, plain())]
+    base = r.model.kernels
+    runs = [("sequential" if i == 0 else f"sequential[{n}]", Sequential(), plain(), n)
+            for i, n in enumerate(networks)]
+    runs += [("replay", replay.strategy, streams.device if streams else plain(), base.network),
+             ("two_batch", two_batch, plain(), base.network)]
     out: dict[str, Any] = {"environment": environment(device), "rank": tp.rank, "tp": tp.size,
                            "layers": spec.num_layers, "dense_batch": sched.batch.dense_batch,
                            "results": {}}
     reference = None
     with torch.inference_mode():
-        for name, strategy, dev in runs:
-            row: dict[str, Any] = {}
+        for name, strategy, dev, network in runs:
+            r.model.kernels = replace(base, network=network)
+            row: dict[str, Any] = {"network": network}
             row["eager_wall_ms"], row["eager_cpu_launch_ms"] = r.eager(strategy, dev)
             got = r.output()
             if reference is None:

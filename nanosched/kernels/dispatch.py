@@ -41,6 +41,8 @@ class KernelOptions:
     # auto: cuda_bulk on an FP8 cache where it can run the call, else DEFAULT_DECODE (impls);
     # or one of impls.DECODE_CONFIGS
     decode_impl: str = impls.AUTO_DECODE
+    # the all-reduce of ar_attn / ar_ffn at tp > 1: nccl | copy_engine (impls: network family)
+    network: str = "nccl"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -48,6 +50,7 @@ class KernelOptions:
         if self.decode_impl not in impls.DECODE_OPTIONS:
             raise ConfigError(f"decode implementation {self.decode_impl!r} is not one of "
                               f"{impls.DECODE_OPTIONS}")
+        impls.network_impl(self.network)
         if self.gemm not in GEMM_ALIASES and not impls.is_known(self.gemm, impls.GEMM):
             raise ConfigError(f"gemm implementation {self.gemm!r} is not one of "
                               f"{tuple(GEMM_ALIASES)} or {impls.known_names(impls.GEMM)}")
@@ -86,6 +89,13 @@ def _chosen(launch: dict[str, Any], family: str, default: Callable[[], str]) -> 
     """The launch's impl (checked against `family`), or `default()` when it names none."""
     name = launch["impl"]
     return default() if name is None else impls.check_impl(name, family)
+
+
+def network_args(opts: KernelOptions, launch: Launch) -> tuple[str, int | None]:
+    """(implementation, CTA bound) of an all-reduce: the launch dict's, else `opts.network`."""
+    args = impls.read_launch(launch)
+    return impls.network_impl(_chosen(args, impls.NETWORK, lambda: opts.network),
+                              args["max_ctas"])
 
 
 def _triton_ok(x: torch.Tensor) -> None:

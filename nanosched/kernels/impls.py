@@ -17,6 +17,10 @@ Families (ops → names):
   experts, reference.grouped_linear).
 - prefill (attn_prefill): `triton` (kernels/prefill_attn.py: paged, all segments in one launch),
   `torch` (reference: gather + SDPA per segment).
+- network (ar_attn, ar_ffn): `nccl` (torch.distributed's all-reduce), `copy_engine`
+  (kernels/ce_allreduce.py: peer copies and stream memory operations, one SM reduction); either
+  with `_ctas<k>` appended: NCCL on a process group whose config bounds its kernels to k CTAs,
+  or the copy engine's reduction on k programs (the names of the profile's `cta_bound` rows).
 
 A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits": int?}`
 (`LAUNCH_KEYS`); every key is optional and each op reads only what concerns it:
@@ -33,6 +37,7 @@ A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits
   `ELEMENTWISE_CTAS_PER_SM` times `num_sms` (a partition's SMs, or the SM target on the whole
   GPU); with neither, one program per work item over the whole GPU. `torch` ignores them.
 - prefill: only `impl`.
+- network: the name's `_ctas<k>`, else `max_ctas`, bounds the CTAs (see `network_impl`).
 An absent `impl` means the `KernelOptions` default (dispatch.py). torch and torch.cuda only:
 no triton import here.
 """
@@ -50,8 +55,8 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import PAGED, PIPELINED, PIPELINED_2W, DecodeConfig
 
-GEMM, DECODE, ELEMENTWISE, GROUPED, PREFILL = ("gemm", "decode", "elementwise", "grouped",
-                                               "prefill")
+GEMM, DECODE, ELEMENTWISE, GROUPED, PREFILL, NETWORK = ("gemm", "decode", "elementwise",
+                                                        "grouped", "prefill", "network")
 OP_FAMILY = {
     "kqv": GEMM, "o": GEMM, "ug": GEMM, "d": GEMM,
     "attn_decode": DECODE,
@@ -59,6 +64,7 @@ OP_FAMILY = {
     "act": ELEMENTWISE,
     "experts_ug": GROUPED, "experts_d": GROUPED,
     "attn_prefill": PREFILL,
+    "ar_attn": NETWORK, "ar_ffn": NETWORK,
 }
 FIXED_NAMES = {
     GEMM: ("cublas", "cublaslt"),
@@ -66,10 +72,12 @@ FIXED_NAMES = {
     ELEMENTWISE: ("triton", "torch"),
     GROUPED: ("triton", "torch"),
     PREFILL: ("triton", "torch"),
+    NETWORK: ("nccl", "copy_engine"),
 }
 PERSISTENT = "triton_persistent"
 PERSISTENT_PATTERN = re.compile(r"triton_persistent_(\d+)x(\d+)")
 TILE_SIZES = (16, 32, 64, 128, 256)
+NETWORK_PATTERN = re.compile(r"(nccl|copy_engine)(?:_ctas([1-9]\d*))?")
 # partition: the launch runs on a green-context partition of `num_sms` SMs, so an SM target
 # (cuBLASLt's carve-out) must not shrink it again
 LAUNCH_KEYS = ("impl", "num_sms", "max_ctas", "num_splits", "partition")
@@ -109,6 +117,8 @@ def known_names(family: str) -> str:
     names = list(FIXED_NAMES[family])
     if family == GEMM:
         names.append(f"{PERSISTENT}_<BM>x<BN> (BM, BN in {TILE_SIZES})")
+    if family == NETWORK:
+        names.append("either with _ctas<k>")
     return ", ".join(names)
 
 
@@ -132,7 +142,19 @@ def is_known(name: str, family: str) -> bool:
         except ConfigError:
             return False
         return True
+    if family == NETWORK:
+        return NETWORK_PATTERN.fullmatch(name) is not None
     return name in FIXED_NAMES[family]
+
+
+def network_impl(name: str | None, max_ctas: int | None = None) -> tuple[str, int | None]:
+    """(`nccl` or `copy_engine`, CTA bound or None) of a network implementation name (None:
+    `nccl`); the name's `_ctas<k>` wins over `max_ctas`."""
+    match = NETWORK_PATTERN.fullmatch(name or "nccl")
+    if match is None:
+        raise ConfigError(f"network implementation {name!r} is unknown; known: "
+                          f"{known_names(NETWORK)}")
+    return match[1], int(match[2]) if match[2] else max_ctas
 
 
 def check_impl(name: str, family: str, what: str = "") -> str:

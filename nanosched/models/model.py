@@ -118,7 +118,8 @@ class CausalLM(nn.Module):
         return allocate_workspace(
             max_tokens=max_tokens, hidden=s.hidden_size, qkv_size=loc.qkv_size,
             num_heads=loc.num_heads, head_dim=s.head_dim, intermediate=loc.intermediate,
-            experts_per_token=k, is_moe=s.is_moe, kv=kv, dtype=self.dtype, device=self.device)
+            experts_per_token=k, is_moe=s.is_moe, kv=kv, dtype=self.dtype, device=self.device,
+            reduced=self.tp.symmetric_zeros)
 
     def norm_before(self, layer: int) -> torch.Tensor:
         """The RMSNorm weight applied before layer `layer` (the final norm after the last)."""

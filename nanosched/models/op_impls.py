@@ -73,8 +73,8 @@ def o(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
 
 def ar_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
             launch: Launch) -> None:
-    """All-reduce o_out[s:e] over the tp group."""
-    m.tp.all_reduce(ws.o_out[s:e])
+    """All-reduce o_out[s:e] over the tp group (launch: impl, max_ctas)."""
+    m.tp.all_reduce(ws.o_out[s:e], *K.network_args(m.kernels, launch))
 
 
 def add_norm_ffn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -105,8 +105,8 @@ def d(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
 
 def ar_ffn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
            launch: Launch) -> None:
-    """All-reduce ffn_out[s:e] over the tp group."""
-    m.tp.all_reduce(ws.ffn_out[s:e])
+    """All-reduce ffn_out[s:e] over the tp group (launch: impl, max_ctas)."""
+    m.tp.all_reduce(ws.ffn_out[s:e], *K.network_args(m.kernels, launch))
 
 
 def add_norm_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,

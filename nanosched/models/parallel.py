@@ -5,6 +5,10 @@ shapes): the QKV and gate/up projections are column-parallel (a rank holds Hq/tp
 Hkv/tp KV heads, I/tp intermediate rows), O and down are row-parallel (partial sums, all-reduced
 by the `ar_attn` / `ar_ffn` ops), the embedding and LM head are vocab-parallel (ceil(V/tp) rows
 per rank, zero-padded at the end). With tp > Hkv each KV head is replicated on tp/Hkv ranks.
+
+All-reduces run on NCCL (the group's backend: gloo on the CPU), optionally on a group whose NCCL
+kernels are bounded to k CTAs, or on the copy engines (kernels/ce_allreduce.py) for tensors in
+the buffers `symmetric_zeros` allocated (`with_copy_engine` sets that up, collectively).
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
+from nanosched.errors import ConfigError
+from nanosched.kernels.impls import network_impl
 from nanosched.models.spec import ModelSpec
 
 
@@ -29,11 +35,53 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup; None = the default group
+    copy_engine: Any = None  # kernels.ce_allreduce.CopyEngineAllReduce, or None
+    _bounded: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    def all_reduce(self, x: torch.Tensor) -> None:
-        """Sum `x` over the group in place (nothing at tp = 1)."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+    def with_copy_engine(self, device: torch.device) -> TensorParallel:
+        """This group with a copy-engine all-reduce (collective: every rank calls it)."""
+        if self.size == 1 or self.copy_engine is not None:
+            return self
+        from nanosched.kernels.ce_allreduce import make_all_reduce
+
+        return replace(self, copy_engine=make_all_reduce(self.rank, self.size, self.group,
+                                                         torch.device(device)))
+
+    def symmetric_zeros(self, *shape: int, dtype: torch.dtype,
+                        device: torch.device | str) -> torch.Tensor:
+        """A zeroed buffer the copy-engine all-reduce can run in (plain memory without one;
+        collective when there is one: every rank allocates the same buffers in order)."""
+        if self.copy_engine is None:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return self.copy_engine.symmetric_zeros(*shape, dtype=dtype)
+
+    def all_reduce(self, x: torch.Tensor, impl: str | None = None,
+                   max_ctas: int | None = None) -> None:
+        """Sum `x` over the group in place (nothing at tp = 1). `impl`: a network
+        implementation of kernels/impls.py (None: nccl); its CTA bound, or `max_ctas`, bounds
+        NCCL's kernels or the copy engine's reduction."""
+        if self.size == 1:
+            return
+        kind, ctas = network_impl(impl, max_ctas)
+        if kind == "copy_engine":
+            if self.copy_engine is None:
+                raise ConfigError("the copy-engine all-reduce was asked for, but this engine "
+                                  "was started without it (--collective copy_engine)")
+            self.copy_engine.all_reduce(x, max_ctas=ctas)
+        else:
+            dist.all_reduce(x, group=self._nccl_group(ctas))
+
+    def _nccl_group(self, ctas: int | None) -> Any:
+        """The group, or (NCCL only) a group over the same ranks whose kernels use at most
+        `ctas` CTAs, made at its first use (every rank reaches it at the same op)."""
+        if ctas is None or dist.get_backend(self.group) != "nccl":
+            return self.group
+        if ctas not in self._bounded:
+            opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+            opts.config.max_ctas = ctas
+            ranks = dist.get_process_group_ranks(self.group) if self.group else None
+            self._bounded[ctas] = dist.new_group(ranks, backend="nccl", pg_options=opts)
+        return self._bounded[ctas]
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> None:
         """Overwrite `x` on every rank with rank `src`'s `x` (nothing at tp = 1)."""

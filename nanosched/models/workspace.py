@@ -11,6 +11,7 @@ k = experts per token (1 for a dense FFN).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,19 +48,26 @@ class Workspace:
 def allocate_workspace(*, max_tokens: int, hidden: int, qkv_size: int, num_heads: int,
                        head_dim: int, intermediate: int, experts_per_token: int,
                        is_moe: bool, kv: KVCache, dtype: torch.dtype,
-                       device: torch.device | str) -> Workspace:
-    """Allocate every buffer for up to `max_tokens` tokens (see `CausalLM.new_workspace`)."""
+                       device: torch.device | str,
+                       reduced: Callable[..., torch.Tensor] | None = None) -> Workspace:
+    """Allocate every buffer for up to `max_tokens` tokens (see `CausalLM.new_workspace`);
+    `reduced(*shape, dtype=, device=)` allocates the two buffers all-reduces run in (o_out,
+    ffn_out), e.g. `TensorParallel.symmetric_zeros` for the copy-engine all-reduce."""
     t, k = max_tokens, experts_per_token
 
     def buf(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dt, device=device)
 
+    def shared(*shape: int) -> torch.Tensor:
+        return buf(*shape) if reduced is None else reduced(*shape, dtype=dtype, device=device)
+
     return Workspace(
         max_tokens=t, token_ids=buf(t, dt=torch.int64), residual=buf(t, hidden),
         normed=buf(t, hidden), qkv=buf(t, qkv_size), q=buf(t, num_heads, head_dim),
-        attn=buf(t, num_heads, head_dim), o_out=buf(t, hidden),
+        attn=buf(t, num_heads, head_dim), o_out=shared(t, hidden),
         gate_up=buf(t * k, 2 * intermediate), act=buf(t * k, intermediate),
-        ffn_out=buf(t, hidden), expert_out=buf(t * k, hidden) if is_moe else None,
+        ffn_out=shared(t, hidden),
+        expert_out=buf(t * k, hidden) if is_moe else None,
         expert_ids=buf(t * k, dt=torch.int64) if is_moe else None,
         expert_weights=buf(t * k, dt=torch.float32) if is_moe else None,
         kv=kv, experts_per_token=k)

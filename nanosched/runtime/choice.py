@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from nanosched.constants import DEFAULT_NUM_SMS
+from nanosched.kernels.impls import network_impl
+from nanosched.models.ops import NETWORK
 from nanosched.models.spec import ModelSpec
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.scheduler import OpScheduler
@@ -39,6 +41,18 @@ class StrategyChoice:
     name: str  # sequential | two_batch | replay:<file>
     schedule: Any = None  # schedules.sets.ScheduleSet (engines) or schedules.format.Schedule
     forced_past: list[str] = field(default_factory=list)  # mismatches `force` let through
+
+    def uses_copy_engine(self) -> bool:
+        """Whether a pipeline of the schedule launches the copy-engine all-reduce (the engine
+        then maps its buffers at start, on every rank)."""
+        s = self.schedule
+        if s is None:
+            return False
+        schedules = [e.schedule for e in s.entries if e.kind == "pipeline"] \
+            if hasattr(s, "entries") else [s]
+        return any(network_impl(n.alloc.impl)[0] == "copy_engine"
+                   for sched in schedules for n in sched.nano_ops
+                   if n.resource == NETWORK and n.alloc.impl != "default")
 
     @property
     def dense_batch(self) -> int | None:

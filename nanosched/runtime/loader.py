@@ -31,6 +31,7 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
+from nanosched.kernels.impls import network_impl
 from nanosched.models.checkpoint import (
     checkpoint_files,
     checkpoint_folder,
@@ -92,12 +93,17 @@ def resolve_weights(model: str, weights: str | None) -> str:
 
 
 def load_model(spec: ModelSpec, weights: str, device: torch.device, seed: int = 0,
-               tp: TensorParallel | None = None,
-               kernels: KernelOptions | None = None) -> CausalLM:
+               tp: TensorParallel | None = None, kernels: KernelOptions | None = None,
+               copy_engine: bool = False) -> CausalLM:
     """`spec`'s model on `device` (this rank's shards at tp > 1) in `model_dtype(device)`,
-    with seeded random weights (`weights == "random"`) or the checkpoint folder's."""
-    model = CausalLM(spec, tp=tp or TensorParallel(), dtype=model_dtype(device), device=device,
-                     kernels=kernels or KernelOptions())
+    with seeded random weights (`weights == "random"`) or the checkpoint folder's. At tp > 1
+    with `copy_engine` (or `kernels.network` naming it) the all-reduces' buffers are mapped for
+    the copy-engine all-reduce (collective: every rank loads the same way)."""
+    kernels = kernels or KernelOptions()
+    tp = tp or TensorParallel()
+    if copy_engine or network_impl(kernels.network)[0] == "copy_engine":
+        tp = tp.with_copy_engine(device)
+    model = CausalLM(spec, tp=tp, dtype=model_dtype(device), device=device, kernels=kernels)
     if weights == "random":
         init_random(model, seed)
     else:
@@ -254,13 +260,15 @@ def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
     if weights == "random":
         log.info("%s: random weights (seed %d)", cfg.model, cfg.seed)
     group = None
+    copy_engine = choice.uses_copy_engine()
     if cfg.tp > 1:
         from nanosched.runtime.ranks.group import start_ranks
 
-        group = start_ranks(cfg, weights, device)
+        group = start_ranks(cfg, weights, device, copy_engine)
     try:
         model = load_model(spec, weights, device, cfg.seed,
-                           group.tp if group is not None else None, cfg.kernels)
+                           group.tp if group is not None else None, cfg.kernels,
+                           copy_engine=copy_engine)
         loaded = build_engine(model, cfg, choice, requests=requests, on_token=on_token,
                               ranks=group)
     except BaseException:

@@ -29,11 +29,15 @@ def folder(tmp_path_factory):
 
 
 def test_tp2_on_two_gloo_ranks_runs_every_strategy_and_agrees(folder):
+    """... Sequential also with the copy-engine all-reduce (host transport) beside gloo's."""
     torch.set_num_threads(1)
-    cfg = TimelineConfig(SCHEDULE, model=folder, device="cpu", eager_reps=1)
+    cfg = TimelineConfig(SCHEDULE, model=folder, device="cpu", eager_reps=1,
+                         networks=("nccl", "copy_engine_ctas8"))
     out = run(cfg, tp=2)
     assert out["rank"] == 0 and out["tp"] == 2 and out["layers"] == 2
-    assert list(out["results"]) == list(STRATEGIES)
+    assert list(out["results"]) == ["sequential", "sequential[copy_engine_ctas8]",
+                                    *STRATEGIES[1:]]
+    assert out["results"]["sequential[copy_engine_ctas8]"]["network"] == "copy_engine_ctas8"
     assert len(out["per_rank"]) == 2
     for name, row in out["results"].items():
         assert row["eager_wall_ms"] > 0 and "graph_ms" not in row

@@ -2,7 +2,8 @@
 
 A Llama checkpoint with GQA (16 query / 8 KV heads, hidden 2048, 4 layers) saved by HF
 transformers is loaded sharded by rank; a prefill batch and a decode step run through the paged
-cache with the Triton kernels; rank 0's logits are compared with one GPU's.
+cache with the Triton kernels; rank 0's logits are compared with one GPU's, with the layers'
+all-reduces on NCCL and on the copy engines (kernels/ce_allreduce.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import pytest
 import torch
 
+from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.checkpoint import load_checkpoint
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel, launch
@@ -25,9 +27,12 @@ for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST
     os.environ[var] = value
 
 
-def logits_of(tp: TensorParallel, folder: str) -> list[list[float]]:
+def logits_of(tp: TensorParallel, folder: str, network: str = "nccl") -> list[list[float]]:
     device = torch.device("cuda", tp.rank)
-    model = CausalLM(load_spec(folder), tp=tp, dtype=torch.float32, device=device)
+    if network != "nccl":
+        tp = tp.with_copy_engine(device)
+    model = CausalLM(load_spec(folder), tp=tp, dtype=torch.float32, device=device,
+                     kernels=KernelOptions(network=network))
     load_checkpoint(model, folder)
     ws = model.new_workspace(512, 64)
     g = torch.Generator().manual_seed(0)
@@ -41,7 +46,8 @@ def logits_of(tp: TensorParallel, folder: str) -> list[list[float]]:
     return torch.cat([first, second]).float().cpu().tolist()
 
 
-def test_tp2_equals_tp1_on_two_gpus(tmp_path):
+@pytest.mark.parametrize("network", ["nccl", "copy_engine", "copy_engine_ctas8"])
+def test_tp2_equals_tp1_on_two_gpus(tmp_path, network):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
@@ -50,7 +56,7 @@ def test_tp2_equals_tp1_on_two_gpus(tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     want = torch.tensor(logits_of(TensorParallel(), str(tmp_path)))
-    got = torch.tensor(launch(logits_of, 2, "nccl", str(tmp_path)))
+    got = torch.tensor(launch(logits_of, 2, "nccl", str(tmp_path), network))
     assert got.shape == want.shape == (502, 32000)
     assert ((got - want).norm() / want.norm()) < 1e-3
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.99

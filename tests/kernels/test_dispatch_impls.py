@@ -43,8 +43,16 @@ def test_names_parse_and_bad_names_are_refused_with_the_known_ones():
     with pytest.raises(ConfigError, match=r"'cublas' is unknown for op 'act'; known: triton, "
                                           r"torch"):
         impls.check_op_impl("act", "cublas")
-    with pytest.raises(ConfigError, match=r"op 'ar_ffn' has no implementations"):
+    with pytest.raises(ConfigError, match=r"op 'rope' has no implementations"):
+        impls.check_op_impl("rope", "torch")
+    with pytest.raises(ConfigError, match=r"'torch' is unknown for op 'ar_ffn'; known: nccl"):
         impls.check_op_impl("ar_ffn", "torch")
+    assert impls.check_op_impl("ar_attn", "nccl_ctas8") == "nccl_ctas8"
+    assert impls.network_impl("copy_engine_ctas16", 4) == ("copy_engine", 16)
+    assert impls.network_impl("copy_engine", 4) == ("copy_engine", 4)
+    assert impls.network_impl(None) == ("nccl", None)
+    with pytest.raises(ConfigError, match=r"network implementation 'nccl_ctas0' is unknown"):
+        impls.network_impl("nccl_ctas0")
     assert impls.grid_bound(None, 5, 3) == 15
     assert impls.grid_bound(7, 5, 3) == 7 and impls.grid_bound(None, None, 3) is None
     with pytest.raises(ConfigError, match=r"decode implementation 'triton_fast' is not one of"):

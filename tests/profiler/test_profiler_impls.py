@@ -30,8 +30,9 @@ def call(spec: ModelSpec, op: str, ws: impls.ScratchSpace, mechanism: str = "ful
 
 
 def test_every_registered_name_is_a_runtime_name():
-    table, _ = impls.available(sorted(kernel_impls.OP_FAMILY))
-    assert set(table) == set(kernel_impls.OP_FAMILY)
+    one_gpu = {op for op, f in kernel_impls.OP_FAMILY.items() if f != kernel_impls.NETWORK}
+    table, _ = impls.available(sorted(one_gpu))  # collectives: profiler/network.py
+    assert set(table) == one_gpu
     for op, infos in table.items():
         for info in infos:
             assert kernel_impls.check_op_impl(op, info.name) == info.name

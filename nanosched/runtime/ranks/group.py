@@ -143,8 +143,10 @@ class RankGroup:
         self.close(failed=kind is not None)
 
 
-def start_ranks(cfg: EngineConfig, weights: str, device: torch.device) -> RankGroup:
-    """Start `cfg.tp` ranks (module docstring); this process is rank 0 on `device`."""
+def start_ranks(cfg: EngineConfig, weights: str, device: torch.device,
+                copy_engine: bool = False) -> RankGroup:
+    """Start `cfg.tp` ranks (module docstring); this process is rank 0 on `device`;
+    `copy_engine`: every rank maps the copy-engine all-reduce's buffers (a schedule uses it)."""
     size = cfg.tp
     if cfg.model is None:
         raise ConfigError("EngineConfig.model is not set: name a model or an HF folder")
@@ -155,7 +157,8 @@ def start_ranks(cfg: EngineConfig, weights: str, device: torch.device) -> RankGr
     ctx = mp.get_context("spawn")
     writer = ChannelWriter(size - 1, ctx)
     port = free_port()
-    setup = WorkerSetup(cfg.model, weights, cfg.seed, cfg.kernels, device.type, os.getpid())
+    setup = WorkerSetup(cfg.model, weights, cfg.seed, cfg.kernels, device.type, os.getpid(),
+                        copy_engine)
     procs = []
     for rank in range(1, size):
         p = ctx.Process(target=run_worker, args=(rank, size, port, writer.handle, setup),

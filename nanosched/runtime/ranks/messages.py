@@ -32,6 +32,7 @@ class WorkerSetup:
     kernels: KernelOptions
     device: str  # cpu | cuda (rank r on cuda:r)
     parent_pid: int  # rank 0's process: the worker ends when it is gone
+    copy_engine: bool = False  # map the copy-engine all-reduce's buffers (as rank 0 does)
 
 
 @dataclass(frozen=True)

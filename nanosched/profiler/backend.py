@@ -56,21 +56,39 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class NetworkRequest:
-    """Collectives to time on `world` GPUs: every kind at every token count, with NCCL's
-    default CTA count (0) and with each CTA bound; then the GEMM x all-reduce pairs."""
+    """Collectives to time on `world` GPUs: every NCCL kind at every token count, with NCCL's
+    default CTA count (0) and with each CTA bound; the copy-engine all-reduce with its reduction
+    unbounded (0) and bounded to each of `copy_engine_ctas` (empty: not measured); then the
+    GEMM x all-reduce pairs, sustained."""
 
     world: int
     tokens: tuple[int, ...]
     ctas: tuple[int, ...]  # 0 = NCCL's default
     pairs: tuple[PairTask, ...] = ()
+    copy_engine_ctas: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class NetworkPair:
+    """A GEMM x all-reduce pair: each side alone (the GEMM looped until the clock settled, the
+    collective as timed for its row), side by side over a window after `settle_ms`, with the
+    window's clock and power."""
+
+    task: PairTask
+    compute_alone_us: float
+    other_alone_us: float
+    timing: PairTiming
+    settle_ms: float = 0.0
+    window_ms: float = 0.0
+    compute_alone_clock_mhz: float | None = None
 
 
 @dataclass
 class NetworkResult:
     world: int
-    times_us: dict[tuple[str, int, int], float] = field(default_factory=dict)  # kind,tokens,ctas
-    # per pair: (compute alone, other alone, compute co-run, other co-run), all in us
-    pairs: list[tuple[PairTask, tuple[float, float, float, float]]] = field(default_factory=list)
+    # (kind, tokens, ctas) -> us; kind one of network_model.OPS_OF_KIND
+    times_us: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    pairs: list[NetworkPair] = field(default_factory=list)
 
 
 class ProfilerBackend(Protocol):
@@ -114,6 +132,9 @@ class ProfilerBackend(Protocol):
 
     def visible_gpus(self) -> int:
         """GPUs this process can use for network measurements."""
+
+    def copy_engine_missing(self) -> str | None:
+        """Why the copy-engine all-reduce cannot run here (no cuda-bindings), or None."""
 
     def network(self, settings: ProfileSettings, request: NetworkRequest) -> NetworkResult:
         """Time collectives and GEMM x collective pairs on `request.world` GPUs."""

@@ -22,6 +22,8 @@ from nanosched.profiler.backend import NetworkRequest, NetworkResult, ProfilerBa
 from nanosched.profiler.format import Ceilings, KernelRow, PairRow, Profile
 from nanosched.profiler.interference import FIT_LIMIT, AloneTime, derive_rp
 from nanosched.profiler.network_model import (
+    CE_ALL_REDUCE,
+    IMPL_OF_KIND,
     KINDS,
     OPS_OF_KIND,
     PRIOR_LATENCY_US,
@@ -43,27 +45,41 @@ def network_request(settings: ProfileSettings, backend: ProfilerBackend, num_sms
                    f"the GPU's prior link bandwidth, not measured; profile on {settings.tp} "
                    f"GPUs to measure them")
         return None
+    ce_ctas = settings.copy_engine_ctas() if world == settings.tp else ()
+    missing = backend.copy_engine_missing() if ce_ctas else None
+    if missing:
+        state.note(f"copy-engine all-reduce not measured: {missing}")
+        ce_ctas = ()
+    elif world < settings.tp:
+        state.note(f"copy-engine all-reduce not measured: it runs on all {settings.tp} GPUs, "
+                   f"{world} are visible")
     return NetworkRequest(world, tuple(settings.token_grid()), (0, *settings.nccl_ctas()),
-                          tuple(network_pair_tasks(settings, num_sms, impls)))
+                          tuple(network_pair_tasks(settings, num_sms, impls, ce_ctas)),
+                          (0, *ce_ctas) if ce_ctas else ())
 
 
 def record_network(state: RunState, settings: ProfileSettings, request: NetworkRequest,
                    result: NetworkResult, num_sms: int) -> None:
     state.network = {"world": result.world,
                      "times": [[k, t, c, us] for (k, t, c), us in sorted(result.times_us.items())]}
-    for task, (alone_c, alone_o, c_us, o_us) in result.pairs:
+    for pair in result.pairs:
+        task, timing = pair.task, pair.timing
         state.pairs[task.key] = PairRow(
             compute_op=task.compute_op, other_op=task.other_op, other_class=NETWORK,
             tokens=task.tokens, mechanism=task.mechanism, compute_impl=task.compute_impl,
-            compute_sms=task.compute_sms, other_sms=task.other_sms, compute_alone_us=alone_c,
-            other_alone_us=alone_o, compute_us=c_us, other_us=o_us, context=task.context)
+            compute_sms=task.compute_sms, other_sms=task.other_sms,
+            compute_alone_us=pair.compute_alone_us, other_alone_us=pair.other_alone_us,
+            compute_us=timing.compute_us, other_us=timing.other_us, context=task.context,
+            settle_ms=pair.settle_ms, window_ms=pair.window_ms, clock_mhz=timing.clock_mhz,
+            power_w=timing.power_w, compute_alone_clock_mhz=pair.compute_alone_clock_mhz,
+            other_impl=task.other_impl)
 
 
 def _net_row(op: str, tokens: int, us: float, ctas: int, num_sms: int,
-             modelled: bool) -> KernelRow:
+             modelled: bool, impl: str = "nccl") -> KernelRow:
     if ctas == 0:
-        return KernelRow(op, tokens, us, num_sms, "full", "nccl", modelled=modelled)
-    return KernelRow(op, tokens, us, ctas, "cta_bound", f"nccl_ctas{ctas}", modelled=modelled)
+        return KernelRow(op, tokens, us, num_sms, "full", impl, modelled=modelled)
+    return KernelRow(op, tokens, us, ctas, "cta_bound", f"{impl}_ctas{ctas}", modelled=modelled)
 
 
 def network_rows(settings: ProfileSettings, state: RunState, num_sms: int
@@ -91,6 +107,10 @@ def network_rows(settings: ProfileSettings, state: RunState, num_sms: int
         ceil = {"allreduce_busbw_gbs": bw, "allreduce_latency_us": lat}
     rows = []
     for (kind, ctas), points in sorted(series.items()):
+        if kind == CE_ALL_REDUCE:  # measured on all tp GPUs only (network_request)
+            rows += [_net_row(op, t, us, ctas, num_sms, False, IMPL_OF_KIND[kind])
+                     for op in OPS_OF_KIND[kind] for t, us in points]
+            continue
         if modelled and state.network is not None:
             bw_k, lat_k = fit_ring(kind, world, *_xy(points, size), cap)
             points = [(t, ring_time_us(kind, t * size, tp, bw_k, lat_k)) for t, _ in points]

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanosched.constants import DEFAULT_NUM_SMS
+from nanosched.kernels.impls import network_impl
 from nanosched.models.ops import MEMORY
 from nanosched.profiler import impls
 from nanosched.profiler.backend import (
     LayerTiming,
+    NetworkPair,
     NetworkRequest,
     NetworkResult,
     PairTiming,
@@ -25,7 +27,7 @@ from nanosched.profiler.backend import (
     Unsupported,
 )
 from nanosched.profiler.format import Ceilings, Identity
-from nanosched.profiler.network_model import KINDS, ring_time_us
+from nanosched.profiler.network_model import CE_ALL_REDUCE, KINDS, ring_time_us
 from nanosched.profiler.plan import (
     ImplInfo,
     KernelTask,
@@ -71,6 +73,7 @@ class FakeBackend:
     sustained_calls: list[KernelTask] = field(default_factory=list)
     layer_calls: list[LayerTask] = field(default_factory=list)
     reference_calls: int = 0
+    copy_engine_reason: str | None = None  # why the copy-engine all-reduce cannot run here
 
     def identity(self, command: str) -> Identity:
         return Identity(self.gpu_name, self.num_sms, 80 << 30, "fake", "fake", "fake", "fake",
@@ -139,7 +142,12 @@ class FakeBackend:
     def visible_gpus(self) -> int:
         return self.gpus
 
+    def copy_engine_missing(self) -> str | None:
+        return self.copy_engine_reason
+
     def network(self, settings: ProfileSettings, request: NetworkRequest) -> NetworkResult:
+        """NCCL by the ring formula; the copy engine at half NCCL's bus bandwidth with a
+        longer latency, and its pairs at P_other 0.9 (the shape the 4xH100 bench measured)."""
         size = settings.model.hidden_size * settings.model.dtype_bytes
         result = NetworkResult(request.world)
         for kind in KINDS:
@@ -148,11 +156,22 @@ class FakeBackend:
                     bw = 230.0 * (min(1.0, c / 16) if c else 1.0)
                     result.times_us[(kind, t, c)] = ring_time_us(kind, t * size, request.world,
                                                                  bw, 8.0)
+        for t in request.tokens:
+            for c in request.copy_engine_ctas:
+                result.times_us[(CE_ALL_REDUCE, t, c)] = ring_time_us(
+                    "all_reduce", t * size, request.world, 115.0 * (0.9 if c else 1.0), 40.0)
         for task in request.pairs:
             p_c, p_o = interference(task, self.num_sms)
             c_alone = 50.0 + task.tokens / 10
-            o_alone = result.times_us[("all_reduce", task.tokens, 0)]
-            result.pairs.append((task, (c_alone, o_alone, c_alone / p_c, o_alone / p_o)))
+            impl, ctas = network_impl(task.other_impl)
+            if impl == "copy_engine":
+                p_o, o_alone = 0.9, result.times_us[(CE_ALL_REDUCE, task.tokens, ctas or 0)]
+            else:
+                o_alone = result.times_us[("all_reduce", task.tokens, 0)]
+            result.pairs.append(NetworkPair(
+                task, c_alone, o_alone, PairTiming(c_alone / p_c, o_alone / p_o, SUSTAINED_CLOCK,
+                                                   POWER_LIMIT),
+                settings.pair_settle_ms, settings.pair_window_ms, SUSTAINED_CLOCK))
         return result
 
     def close(self) -> None:

@@ -286,6 +286,14 @@ class GPUBackend:
     def visible_gpus(self) -> int:
         return torch.cuda.device_count()
 
+    def copy_engine_missing(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+            from cuda.bindings import driver  # noqa: F401
+        except ImportError as err:
+            return f"{err.name} is not installed (pip install cuda-bindings triton)"
+        return None
+
     def network(self, settings: ProfileSettings, request: NetworkRequest) -> NetworkResult:
         from nanosched.profiler.network import measure_network
 

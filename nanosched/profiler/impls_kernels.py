@@ -201,7 +201,10 @@ def register_all() -> None:
     """Register every implementation above under its runtime name."""
     for op in ("kqv", "o", "ug", "d"):
         register(op, Impl("cublas", SM_MECHANISMS, _linear))
-        register(op, Impl("cublaslt", SM_MECHANISMS, _linear, quick=False, targets_sms=True,
+        # in the quick grid too: the GEMM told to leave a bounded collective's SMs (beside the
+        # copy-engine all-reduce on 4xH100 it kept 0.87-0.93 where the persistent Triton GEMM
+        # kept 0.64-0.65: bench/results/ce_allreduce-*-4gpu-*.json, the tp=4 quick profile)
+        register(op, Impl("cublaslt", SM_MECHANISMS, _linear, targets_sms=True,
                           requires=cublaslt_missing))
         register(op, Impl(persistent_name(128, 128), SM_MECHANISMS, _linear, targets_sms=True,
                           requires=triton_missing))

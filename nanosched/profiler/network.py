@@ -1,17 +1,23 @@
-"""Collectives and GEMM x all-reduce pairs on several GPUs (GPU-only; NCCL, one process each).
+"""Collectives and GEMM x all-reduce pairs on several GPUs (GPU-only; one process each).
 
 `measure_network` spawns `request.world` processes (torch.multiprocessing, spawn), each on its
 own GPU, with NVLink multicast kept off in their environment (`NCCL_ENV`). They time all-reduce,
 reduce-scatter and all-gather of [T, D] bf16 at every token count, on NCCL's default process
-group and on groups whose NCCL config bounds the CTAs (`max_ctas`), all with the same fixed
-number of launches so that ranks stay in step, queued behind a GPU sleep so the rows are GPU
-time, not Python launch gaps (`_fixed_bench_us`). Then each rank co-runs a GEMM beside the
-all-reduce (timing.co_run_us); rank 0 writes the results as JSON for the parent.
+group and on groups whose NCCL config bounds the CTAs (`max_ctas`), and the copy-engine
+all-reduce (kernels/ce_allreduce.py, in a buffer of its own) with its reduction unbounded and
+bounded to each of `request.copy_engine_ctas`; all with the same fixed number of launches so
+that ranks stay in step, queued behind a GPU sleep so the rows are GPU time, not Python launch
+gaps (`_fixed_bench_us`). Then each rank runs a GEMM beside the all-reduce, sustained as the
+memory pairs are: the GEMM looped alone until the clock settled, then beside the collective
+(captured in a CUDA graph and launched the same number of times on every rank,
+`timing.sustained_fixed`) for the settle time and the window, with clock and power sampled;
+rank 0 writes the results as JSON for the parent.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -21,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from nanosched.errors import ProfileError
-from nanosched.profiler.backend import NetworkRequest, NetworkResult
-from nanosched.profiler.network_model import KINDS
+from nanosched.kernels.impls import network_impl
+from nanosched.profiler.backend import NetworkPair, NetworkRequest, NetworkResult, PairTiming
+from nanosched.profiler.network_model import CE_ALL_REDUCE, KINDS
 from nanosched.profiler.plan import PairTask, ProfileSettings
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -61,7 +68,12 @@ def measure_network(settings: ProfileSettings, request: NetworkRequest, num_sms:
     result = NetworkResult(request.world)
     result.times_us = {(k, t, c): us for k, t, c, us in data["times"]}
     tasks = {str(t.key): t for t in request.pairs}
-    result.pairs = [(tasks[key], tuple(vals)) for key, vals in data["pairs"]]
+    result.pairs = [NetworkPair(tasks[key], v["compute_alone_us"], v["other_alone_us"],
+                                PairTiming(v["compute_us"], v["other_us"], v["clock_mhz"],
+                                           v["power_w"]),
+                                settings.pair_settle_ms, settings.pair_window_ms,
+                                v["compute_alone_clock_mhz"])
+                    for key, v in data["pairs"]]
     return result
 
 
@@ -72,14 +84,22 @@ def _worker(rank: int, world: int, port: int, settings: ProfileSettings,
         import torch
         import torch.distributed as dist
 
+        from nanosched.models.parallel import TensorParallel
+        from nanosched.profiler.telemetry import open_telemetry
+
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, device_id=torch.device("cuda", rank))
         groups = {c: _group(dist, world, c) for c in request.ctas}
         groups = {c: g for c, g in groups.items() if g is not None or c == 0}
-        times = _collectives(settings, request, groups, world)
-        pairs = [(str(t.key), _pair(settings, t, groups, times, num_sms, world, rep_ms))
-                 for t in request.pairs if _ctas_of(t) in groups]
+        tp = TensorParallel(rank, world)
+        if request.copy_engine_ctas:
+            tp = tp.with_copy_engine(torch.device("cuda", rank))
+        net = _Net(settings, request, groups, tp, world)
+        times = _collectives(net)
+        tele = open_telemetry(rank)
+        pairs = [(str(t.key), _pair(settings, t, net, times, num_sms, tele))
+                 for t in request.pairs if net.runs(t.other_impl)]
         if rank == 0:
             Path(out).write_text(json.dumps({
                 "times": [[k, t, c, us] for (k, t, c), us in times.items()], "pairs": pairs}))
@@ -100,21 +120,55 @@ def _group(dist: Any, world: int, ctas: int) -> Any:
     return dist.new_group(list(range(world)), backend="nccl", pg_options=opts)
 
 
-def _ctas_of(task: PairTask) -> int:
-    return int(task.other_impl.removeprefix("nccl_ctas")) if task.other_impl != "nccl" else 0
+class _Net:
+    """This rank's collectives: NCCL on its groups (CTA bound -> group), and the copy-engine
+    all-reduce on a buffer of its own when the request measures it."""
+
+    def __init__(self, settings: ProfileSettings, request: NetworkRequest,
+                 groups: dict[int, Any], tp: Any, world: int) -> None:
+        import torch
+
+        self.request, self.groups, self.tp, self.world = request, groups, tp, world
+        self.hidden = settings.model.hidden_size
+        self.ce_buf = None
+        if tp.copy_engine is not None:
+            self.ce_buf = tp.symmetric_zeros(max(request.tokens), self.hidden,
+                                             dtype=torch.bfloat16, device="cuda")
+            self.ce_buf.copy_(torch.randn_like(self.ce_buf))
+
+    def runs(self, impl: str) -> bool:
+        kind, ctas = network_impl(impl)
+        if kind == "copy_engine":
+            return self.ce_buf is not None
+        return (ctas or 0) in self.groups
+
+    def all_reduce(self, impl: str, tokens: int) -> Any:
+        """A function launching one all-reduce of [tokens, D] with implementation `impl`."""
+        kind, ctas = network_impl(impl)
+        if kind == "copy_engine":
+            buf = self.ce_buf[:tokens]
+            return lambda: self.tp.all_reduce(buf, impl)
+        return self.collective("all_reduce", tokens, ctas or 0)
+
+    def collective(self, kind: str, tokens: int, ctas: int) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        group = self.groups[ctas]
+        full = torch.randn(tokens, self.hidden, device="cuda", dtype=torch.bfloat16)
+        part = torch.randn(tokens // self.world, self.hidden, device="cuda",
+                           dtype=torch.bfloat16)
+        if kind == "all_reduce":
+            return lambda: dist.all_reduce(full, group=group)
+        if kind == "reduce_scatter":
+            return lambda: dist.reduce_scatter_tensor(part, full, group=group)
+        return lambda: dist.all_gather_into_tensor(full, part, group=group)
 
 
-def _collective(kind: str, tokens: int, world: int, hidden: int, group: Any) -> Any:
-    import torch
-    import torch.distributed as dist
-
-    full = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    part = torch.randn(tokens // world, hidden, device="cuda", dtype=torch.bfloat16)
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, group=group)
-    if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(part, full, group=group)
-    return lambda: dist.all_gather_into_tensor(full, part, group=group)
+def _time_key(impl: str, tokens: int) -> tuple[str, int, int]:
+    """The `times` key of an all-reduce implementation's row."""
+    kind, ctas = network_impl(impl)
+    return (CE_ALL_REDUCE if kind == "copy_engine" else "all_reduce", tokens, ctas or 0)
 
 
 def _fixed_bench_us(fn: Any) -> float:
@@ -145,45 +199,82 @@ def _fixed_bench_us(fn: Any) -> float:
     return 1e3 * statistics.median(a.elapsed_time(b) for a, b in events)
 
 
-def _collectives(settings: ProfileSettings, request: NetworkRequest, groups: dict[int, Any],
-                 world: int) -> dict[tuple[str, int, int], float]:
+def _collectives(net: _Net) -> dict[tuple[str, int, int], float]:
     import torch
     import torch.distributed as dist
 
-    keys = [(k, t, c) for k in KINDS for t in request.tokens for c in groups]
-    times = [_fixed_bench_us(_collective(k, t, world, settings.model.hidden_size, groups[c]))
-             for k, t, c in keys]
+    request = net.request
+    keys = [(k, t, c) for k in KINDS for t in request.tokens for c in net.groups]
+    times = [_fixed_bench_us(net.collective(k, t, c)) for k, t, c in keys]
+    if net.ce_buf is not None:
+        for c in request.copy_engine_ctas:
+            impl = f"copy_engine_ctas{c}" if c else "copy_engine"
+            for t in request.tokens:
+                keys.append(_time_key(impl, t))
+                times.append(_fixed_bench_us(net.all_reduce(impl, t)))
     agreed = torch.tensor(times, device="cuda", dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank uses the same numbers
     return dict(zip(keys, agreed.tolist(), strict=True))
 
 
-def _pair(settings: ProfileSettings, task: PairTask, groups: dict[int, Any],
-          times: dict[tuple[str, int, int], float], num_sms: int, world: int,
-          rep_ms: float) -> list[float]:
+_ALONE: dict[tuple[str, int], tuple[float, float | None]] = {}  # (op, tokens) -> us, clock
+
+
+def _pair(settings: ProfileSettings, task: PairTask, net: _Net,
+          times: dict[tuple[str, int, int], float], num_sms: int,
+          tele: Any) -> dict[str, Any]:
+    """The GEMM of `task` beside its all-reduce, sustained (module docstring). Alone: cuBLAS
+    on all SMs looped until the clock settled (as the memory pairs), and the collective's row;
+    every rank launches the collective the same number of times (its row is agreed)."""
     import torch
 
     from nanosched.profiler import impls, timing
 
     ws = impls.ScratchSpace(torch.device("cuda", torch.cuda.current_device()))
     device = ws.device
+    settle_s, window_s = settings.pair_settle_ms / 1e3, settings.pair_window_ms / 1e3
 
     def kernel(impl: str, sms: int) -> impls.Kernel:
         call = impls.OpCall(settings.model, settings.tp, task.compute_op, task.tokens, 0, sms,
                             "full", num_sms, ws, settings.dense_batch)
         return impls.get(task.compute_op, impl).kernel(call)
 
-    alone_c = timing.bench_us(kernel("cublas", num_sms).fn, device, rep_ms)
-    alone_o = min(us for (k, t, _), us in times.items() if k == "all_reduce" and
-                  t == task.tokens)
-    comp = kernel(task.compute_impl, task.compute_sms)
-    coll = _collective("all_reduce", task.tokens, world, settings.model.hidden_size,
-                       groups[_ctas_of(task)])
     lo, hi = torch.cuda.Stream.priority_range()
     s_comp, s_coll = torch.cuda.Stream(device, priority=lo), torch.cuda.Stream(device,
                                                                                 priority=hi)
+    shape = (task.compute_op, task.tokens)
+    if shape not in _ALONE:
+        run = timing.sustained_run([(kernel("cublas", num_sms).fn, s_comp, 100.0)], device,
+                                   settle_s, window_s)
+        reading = tele.reading(*run.host_window) if tele else None
+        _ALONE[shape] = (run.median_us[0], reading.clock_mhz if reading else None)
+    alone_c, alone_clock = _ALONE[shape]
+    alone_o = min(us for (k, t, _), us in times.items() if k == "all_reduce" and
+                  t == task.tokens)
+    own_o = times[_time_key(task.other_impl, task.tokens)]
+    graph = _graph(net.all_reduce(task.other_impl, task.tokens), s_coll)
+    comp = kernel(task.compute_impl, task.compute_sms)
+    n = max(8, math.ceil(1e6 * (settle_s + window_s) / own_o))
     with comp.scope():
-        c_us, o_us = timing.co_run_us(comp.fn, s_comp, alone_c, coll, s_coll,
-                                      times[("all_reduce", task.tokens, _ctas_of(task))],
-                                      device)
-    return [alone_c, alone_o, c_us, o_us]
+        res = timing.sustained_fixed(comp.fn, s_comp, graph.replay, s_coll, n, settle_s)
+    if res.loop_us is None or res.fixed_us is None:
+        raise ProfileError(f"pair {task.compute_op} x {task.other_impl} at {task.tokens}: too "
+                           f"few launches inside the window")
+    reading = tele.reading(*res.host_window) if tele else None
+    return {"compute_alone_us": alone_c, "other_alone_us": alone_o, "compute_us": res.loop_us,
+            "other_us": res.fixed_us, "clock_mhz": reading.clock_mhz if reading else None,
+            "power_w": reading.power_w if reading else None,
+            "compute_alone_clock_mhz": alone_clock}
+
+
+def _graph(fn: Any, stream: Any) -> Any:
+    """`fn` captured in a CUDA graph on `stream`, after one eager warm-up call."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        fn()
+    return graph

@@ -25,9 +25,12 @@ from collections.abc import Sequence
 
 from nanosched.errors import ProfileError
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # NCCL's, priced by the ring formula
+CE_ALL_REDUCE = "ce_all_reduce"  # the copy-engine all-reduce (kernels/ce_allreduce.py): no ring
 OPS_OF_KIND = {"all_reduce": ("ar_attn", "ar_ffn"), "reduce_scatter": ("rs_attn", "rs_ffn"),
-               "all_gather": ("ag_attn", "ag_ffn")}
+               "all_gather": ("ag_attn", "ag_ffn"), CE_ALL_REDUCE: ("ar_attn", "ar_ffn")}
+IMPL_OF_KIND = {"all_reduce": "nccl", "reduce_scatter": "nccl", "all_gather": "nccl",
+                CE_ALL_REDUCE: "copy_engine"}
 NVLINK_HOP_US = 1.9  # NCCL tuning.cc, hwLat[NVLINK][RING][LL128]
 # Two H200s, NCCL 2.28 (docs/measurements.md): 33 us for a 4 MiB all-reduce at 228 GB/s busbw leaves
 # about 15 us of latency: two ring steps and the fixed rest. Used only when no second GPU could

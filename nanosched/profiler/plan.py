@@ -45,6 +45,10 @@ MEMORY_CTAS = (8, 16, 32, 48, 64, 96, 128)
 MEMORY_CTAS_QUICK = (16, 64)
 NCCL_CTAS = (2, 4, 8, 16, 32)
 NCCL_CTAS_QUICK = (2, 8)
+# the copy-engine all-reduce's reduction bounded to k CTAs beside a GEMM told to leave k SMs:
+# on 4xH100 beside the Llama-3-70B tp=4 `ug` GEMM, 8 kept it at full speed for 512 rows and 16
+# for 2,048 (bench/results/ce_allreduce-*-4gpu-*.json)
+COPY_ENGINE_CTAS = (8, 16)
 PAIR_COMPUTE_OPS = GEMM_OPS  # the compute kernels co-run with memory and network kernels
 
 
@@ -95,6 +99,9 @@ class ProfileSettings:
 
     def nccl_ctas(self) -> tuple[int, ...]:
         return NCCL_CTAS_QUICK if self.quick else NCCL_CTAS
+
+    def copy_engine_ctas(self) -> tuple[int, ...]:
+        return COPY_ENGINE_CTAS
 
     def pair_shapes(self) -> list[tuple[str, int]]:
         """(compute op, tokens) of the co-run pairs: every GEMM at a few sizes / two shapes."""
@@ -256,9 +263,12 @@ def memory_pair_tasks(settings: ProfileSettings, num_sms: int,
 
 
 def network_pair_tasks(settings: ProfileSettings, num_sms: int,
-                       impls: dict[str, list[ImplInfo]]) -> list[PairTask]:
+                       impls: dict[str, list[ImplInfo]],
+                       copy_engine_ctas: tuple[int, ...] = ()) -> list[PairTask]:
     """GEMM x all-reduce pairs: NCCL as is, and bounded to few CTAs with the GEMM told to
-    leave those SMs free."""
+    leave those SMs free; the copy-engine all-reduce with its reduction bounded to each of
+    `copy_engine_ctas` beside a GEMM that can be told to leave those SMs (beside one that
+    cannot, the reduction waits for the GEMM's last wave: 0.3-0.4 of its speed)."""
     if settings.tp == 1:
         return []
     tasks = []
@@ -270,6 +280,10 @@ def network_pair_tasks(settings: ProfileSettings, num_sms: int,
         for ctas in settings.nccl_ctas():
             tasks += [replace(_sharing(base, i, num_sms, ctas), other_impl=f"nccl_ctas{ctas}")
                       for i in gemms]
+        for ctas in copy_engine_ctas:
+            tasks += [replace(_sharing(base, i, num_sms, ctas),
+                              other_impl=f"copy_engine_ctas{ctas}")
+                      for i in gemms if i.targets_sms]
     return tasks
 
 

@@ -22,7 +22,9 @@ each kernel's co-run time. This times each kernel's own span, not the pair's mak
 `sustained_run(work)` loops kernels on their streams until the clock settles under the power
 cap and times them over a window; `sustained_sequence(fns)` does the same for a sequence of
 kernels on one stream (a layer), an event after each, so every kernel's span inside the
-sequence is timed.
+sequence is timed. `sustained_fixed(loop, fixed, n)` is the form for collectives, whose ranks
+must launch the same number: `fixed` is launched exactly `n` times (every rank passes the same
+n) while `loop` runs beside it for as long as `fixed` does.
 """
 
 from __future__ import annotations
@@ -294,3 +296,59 @@ def sustained_sequence(fns: list[Callable[[], Any]], device: torch.device, settl
     starved = sum(1 for t in starved_at if t >= settle_s)
     return SustainedSequence(medians, len(inside), starved,
                              (host_t0 + lo / 1e3, host_t0 + hi / 1e3))
+
+
+@dataclass
+class FixedRun:
+    """`sustained_fixed`'s result: each side's median span inside the window where both ran
+    (after the settle time), in us (None: too few launches there), and that window on the
+    host's clock, for telemetry."""
+
+    loop_us: float | None
+    fixed_us: float | None
+    host_window: tuple[float, float]
+
+
+def sustained_fixed(loop: Callable[[], Any] | None, loop_stream: Any, fixed: Callable[[], Any],
+                    fixed_stream: Any, n: int, settle_s: float, depth: int = 4) -> FixedRun:
+    """Launch `fixed` exactly `n` times on its stream while `loop` (None: nothing) is launched
+    on its own for as long as the `fixed` launches last; each stream keeps at most `depth`
+    launches queued and is topped up by polling, so neither waits on the other's queue (a host
+    loop that launched them in a fixed ratio would time itself). A collective's ranks pass the
+    same `n`, so its launches pair up; `loop` needs no partner."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize(device)
+    start = torch.cuda.Event(enable_timing=True)
+    start.record(torch.cuda.current_stream(device))
+    jobs = [(fixed, fixed_stream)] + ([(loop, loop_stream)] if loop is not None else [])
+    events: list[list[Any]] = [[] for _ in jobs]
+    for _, stream in jobs:
+        stream.wait_event(start)
+    host_t0 = time.perf_counter()
+    while len(events[0]) < n:
+        launched = False
+        for (fn, stream), evs in zip(jobs, events, strict=True):
+            if len(evs) < depth or evs[-depth].query():
+                with torch.cuda.stream(stream):
+                    fn()
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+                evs.append(end)
+                launched = True
+            if len(events[0]) >= n:
+                break
+        if not launched:
+            time.sleep(5e-5)
+    events[0][-1].synchronize()
+    host_t1 = time.perf_counter()
+    torch.cuda.synchronize(device)
+    times = [[start.elapsed_time(e) for e in evs] for evs in events]
+    lo, hi = 1e3 * settle_s, min(t[-1] for t in times)
+    spans = []
+    for t in times:
+        inside = [x for x in t if lo <= x <= hi]
+        spans.append(1e3 * statistics.median(b - a for a, b in zip(inside, inside[1:],
+                                                                   strict=False))
+                     if len(inside) >= 3 else None)
+    return FixedRun(spans[1] if loop is not None else None, spans[0],
+                    (host_t0 + settle_s, host_t1))

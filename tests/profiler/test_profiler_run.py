@@ -121,10 +121,18 @@ def test_network_rows_measured_on_two_gpus_and_modelled_beyond(tmp_path):
     ops = {k.op for k in two.kernels}
     assert {"ar_attn", "ar_ffn", "rs_attn", "rs_ffn", "ag_attn", "ag_ffn"} <= ops
     assert not any(k.modelled for k in two.kernels)
-    assert {k.impl for k in two.kernels if k.op == "ar_ffn"} == {"nccl", "nccl_ctas2",
-                                                                "nccl_ctas8"}
+    assert {k.impl for k in two.kernels if k.op == "ar_ffn"} == {
+        "nccl", "nccl_ctas2", "nccl_ctas8", "copy_engine", "copy_engine_ctas8",
+        "copy_engine_ctas16"}
     assert two.ceilings.allreduce_busbw_gbs == pytest.approx(230, rel=1e-6)
     assert "network" in two.rp
+    net_pairs = [p for p in two.pairs if p.other_class == "network"]
+    assert net_pairs and all(p.sustained and p.clock_mhz for p in net_pairs)
+    ce = [p for p in net_pairs if p.other_impl.startswith("copy_engine")]
+    # beside a GEMM told to leave the reduction's SMs only (cuBLAS cannot be told)
+    assert ce and all(p.mechanism == "cta_bound" and p.compute_impl != "cublas" and
+                      p.compute_sms == 132 - p.other_sms for p in ce)
+    assert {p.other_impl for p in ce} == {"copy_engine_ctas8", "copy_engine_ctas16"}
     s8 = ProfileSettings(load_spec("llama3-70b"), 8, fixed(1024, 512), 256, True)
     eight, _ = run(tmp_path, FakeBackend(gpus=2), s8, name="b.json")
     net = [k for k in eight.kernels if k.op == "ar_attn"]
@@ -134,6 +142,14 @@ def test_network_rows_measured_on_two_gpus_and_modelled_beyond(tmp_path):
     assert any("modelled with NCCL's ring formulas from measurements on 2 GPUs" in n
                for n in eight.notes)
     assert {op.name for op in layer_ops(s8.model, 8)} <= {k.op for k in eight.kernels}
+    assert not any(k.impl.startswith("copy_engine") for k in eight.kernels)
+    assert any("copy-engine all-reduce not measured: it runs on all 8 GPUs" in n
+               for n in eight.notes)
+    none, _ = run(tmp_path, FakeBackend(gpus=2, copy_engine_reason="cuda is not installed"),
+                  settings(tp=2, quick=True), name="c.json")
+    assert not any(k.impl.startswith("copy_engine") for k in none.kernels)
+    assert any("copy-engine all-reduce not measured: cuda is not installed" in n
+               for n in none.notes)
 
 
 def test_pairs_are_timed_sustained_against_sustained_alone_times_with_the_best_gemms(tmp_path):

@@ -8,6 +8,7 @@ import typer
 
 from nanosched.cli.options import (
     Admission,
+    Collective,
     DecodeAttention,
     EngineDevice,
     KvCacheDtype,
@@ -63,6 +64,7 @@ def bench(
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
     decode_attention: DecodeAttention = "auto",
+    collective: Collective = "nccl",
 ) -> None:
     """Serve a workload with the engine and report throughput and latency (NanoFlow §6).
 
@@ -81,7 +83,8 @@ def bench(
                           graphs=graphs,
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
-                          kv_dtype=kv_cache_dtype, kernels=kernel_options(decode_attention))
+                          kv_dtype=kv_cache_dtype,
+                          kernels=kernel_options(decode_attention, collective))
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,
                       warmup_prompts=warmup_prompts)

@@ -8,6 +8,7 @@ import json
 import typer
 
 from nanosched.cli.options import (
+    Collective,
     DecodeAttention,
     KvCacheDtype,
     Seed,
@@ -32,6 +33,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
     kv_cache_dtype: KvCacheDtype = "auto",
     decode_attention: DecodeAttention = "auto",
+    collective: Collective = "nccl",
 ) -> None:
     """Generate a continuation: the prompt served as one request by the engine."""
     from nanosched.runtime.config import EngineConfig
@@ -46,7 +48,7 @@ def generate(
             raise ConfigError(f"--prompt-ids must be comma-separated integers, got "
                               f"{prompt_ids!r}") from None
     engine = EngineConfig(model=model, device=device, tp=tp, seed=seed, kv_dtype=kv_cache_dtype,
-                          kernels=kernel_options(decode_attention))
+                          kernels=kernel_options(decode_attention, collective))
     cfg = GenerateConfig(engine, prompt=prompt, prompt_ids=ids, max_tokens=max_tokens,
                          temperature=temperature)
     result = run_generate(cfg)

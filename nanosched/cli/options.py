@@ -49,6 +49,10 @@ def model_option(help: str, default: Any = ...) -> Any:
 # the engine's flags (generate, bench, serve)
 KvCacheDtype = Annotated[str, typer.Option("--kv-cache-dtype", help=KV_DTYPE_HELP)]
 DecodeAttention = Annotated[str, typer.Option("--decode-attention", help=DECODE_ATTENTION_HELP)]
+Collective = Annotated[str, typer.Option("--collective", help=(
+    "The layers' all-reduce at --tp > 1: nccl, or copy_engine (peer copies on the GPUs' copy "
+    "engines, readiness by stream memory operations, one small SM reduction; needs "
+    "cuda-bindings). A searched schedule names its own per nano-op."))]
 Admission = Annotated[str, typer.Option("--admission", help=ADMISSION_HELP)]
 KvHeadroom = Annotated[float, typer.Option("--kv-headroom", help=HEADROOM_HELP)]
 Preemption = Annotated[str, typer.Option("--preemption", help=PREEMPTION_HELP)]
@@ -70,15 +74,18 @@ ProfileOut = Annotated[Path | None, typer.Option(
     "--out", "-o", help="Profile to write (default: FILE, replaced atomically).")]
 
 
-def kernel_options(decode_attention: str) -> Any:
-    """The engine's KernelOptions for --decode-attention, refused with the flag's name."""
+def kernel_options(decode_attention: str, collective: str = "nccl") -> Any:
+    """The engine's KernelOptions for --decode-attention and --collective, refused with the
+    flag's name."""
     from nanosched.kernels import impls
     from nanosched.kernels.dispatch import KernelOptions
 
     if decode_attention not in impls.DECODE_OPTIONS:
         raise ConfigError(f"--decode-attention must be one of {', '.join(impls.DECODE_OPTIONS)}; "
                           f"got {decode_attention!r}")
-    return KernelOptions(decode_impl=decode_attention)
+    if collective not in ("nccl", "copy_engine"):
+        raise ConfigError(f"--collective must be nccl or copy_engine; got {collective!r}")
+    return KernelOptions(decode_impl=decode_attention, network=collective)
 
 
 def admission_config(admission: str, kv_headroom: float, preemption: str,

@@ -7,6 +7,7 @@ import typer
 
 from nanosched.cli.options import (
     Admission,
+    Collective,
     DecodeAttention,
     EngineDevice,
     KvCacheDtype,
@@ -66,6 +67,7 @@ def serve(
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
     decode_attention: DecodeAttention = "auto",
+    collective: Collective = "nccl",
 ) -> None:
     """Serve the model over HTTP with OpenAI's completions and chat completions APIs."""
     try:
@@ -81,7 +83,8 @@ def serve(
                           dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
-                          kv_dtype=kv_cache_dtype, kernels=kernel_options(decode_attention))
+                          kv_dtype=kv_cache_dtype,
+                          kernels=kernel_options(decode_attention, collective))
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
                            api_key=api_key, served_model_name=served_model_name,

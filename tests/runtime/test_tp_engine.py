@@ -85,6 +85,7 @@ def test_tp2_engine_serves_what_tp1_serves(tmp_path):
 
 
 def test_generate_tp2_prints_the_tokens_of_tp1(tmp_path):
+    """... with the layers' all-reduces on gloo and on the copy engine (host transport)."""
     import json
 
     from typer.testing import CliRunner
@@ -93,10 +94,11 @@ def test_generate_tp2_prints_the_tokens_of_tp1(tmp_path):
 
     make_hf("qwen2", tmp_path / "qwen", seed=9, num_key_value_heads=1, vocab_size=251)
     outs = []
-    for tp in ("1", "2"):
+    for tp, collective in (("1", "nccl"), ("2", "nccl"), ("2", "copy_engine")):
         r = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "qwen"), "--json",
                                      "--prompt-ids", "4,8,15,16,23,42", "--max-tokens", "10",
-                                     "--kv-cache-dtype", "fp8", "--tp", tp])
+                                     "--kv-cache-dtype", "fp8", "--tp", tp,
+                                     "--collective", collective])
         assert r.exit_code == 0, r.output
         outs.append(json.loads(r.stdout.strip().splitlines()[-1])["output_ids"])
-    assert outs[0] == outs[1] and len(outs[0]) == 10
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 10

@@ -18,9 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as `python bench/x.py` from a checkout
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: run scripts with PYTHONPATH=. there
 
 
 def environment() -> dict[str, Any]:

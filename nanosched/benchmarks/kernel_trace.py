@@ -1,4 +1,4 @@
-"""Kernels of a traced forward, attributed to the layer's ops (bench/graph_kernels.py).
+"""Kernels of a traced forward, attributed to the layer's ops (bench/engine/graph_kernels.py).
 
 A CUPTI trace (torch.profiler) of one Sequential forward lists its kernels in launch order,
 named by the library or Triton function that ran, not by op. The layer's program order

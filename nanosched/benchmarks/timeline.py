@@ -1,4 +1,4 @@
-"""One full forward per strategy, timed, on every rank of a tp group: bench/replay_timeline.py.
+"""One forward per strategy, timed on every rank of a tp group (bench/engine/replay_timeline.py).
 
 `run_rank(tp, cfg)` is what each process does (the same work in the same order on every rank,
 so that their collectives pair up): build the tp-sharded `CausalLM` with seeded random weights

@@ -51,14 +51,14 @@ PAGE = 16  # tokens per page the kernel handles (one mma tile of 16 tokens)
 # can be in flight: 160-192 KB of a 192 KB ring of 32 KB slots, against 128 KB for three whole
 # pages. On 32 H100 SMs a 224 KB ring (7 x 32 KB, 14 x 16 KB) read 1.5-2.5 points of copy less,
 # and 16 KB slots (K and V given back per 64 dims) 1-3 points less than 32 KB ones
-# (bench/kernels_decode_bulk_ring.py).
+# (bench/kernels/kernels_decode_bulk_ring.py).
 SLOT_BOXES: int | None = None
 RING_BYTES = 192 * 1024
 MIN_RING_PAGES = 2  # a ring that fits fewer slots than two pages' is refused
 HOPPER_SMEM = 227 * 1024  # shared memory a block may opt into on an H100 / H200
 # A diagnostic for benchmarks only: True builds the kernel with consumers that take and give
 # back each slot without reading it (the .cu's CONSUME_ONLY), so its time is the ring's copy
-# ceiling and its output zeros (bench/kernels_decode_attn.py --kernels cuda_bulk_consume).
+# ceiling and its output zeros (bench/kernels/kernels_decode_attn.py --kernels cuda_bulk_consume).
 CONSUME_ONLY = False
 # CTAs sharing an SM with an FP8 cache on at most FP8_SHARED_MAX_SMS SMs, each with its share
 # of the SM's shared memory for its ring. The FP8 consumers are bound by the latency of their
@@ -67,7 +67,7 @@ CONSUME_ONLY = False
 # bytes in flight: 1.27-1.31x on partitions of 16 H100 SMs, 1.07-1.30x on 32, 1.03-1.24x on 48;
 # on 64 and on all 132 the two are within 7% either way, and one CTA keeps the whole ring
 # (docs/findings.md; every variant tried: docs/notebook/2026-11-26-fp8-on-few-sms.md).
-# bench/kernels_decode_attn.py --kernels cuda_bulk_1cta sets one.
+# bench/kernels/kernels_decode_attn.py --kernels cuda_bulk_1cta sets one.
 FP8_CTAS_PER_SM = 2
 FP8_SHARED_MAX_SMS = 48
 SM_SMEM = 228 * 1024  # shared memory of an H100 / H200 SM, 1 KB of it reserved per CTA

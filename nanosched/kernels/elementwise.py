@@ -16,7 +16,7 @@ depends only on the row count, never on device data: CUDA-graph capturable.
 With few programs each must keep bytes in flight by itself (HBM bandwidth needs about 2.7 MB in
 flight on an H100/H200, Little's law). With `prefetch` a program loads the next item's inputs
 before it computes and stores the current one; `PREFETCH` holds each kernel's default, the
-faster one measured against SMs (docs/measurements.md, bench/kernels_elementwise.py): on for
+faster one measured against SMs (docs/measurements.md, bench/kernels/kernels_elementwise.py): on for
 rms_norm_add and silu_mul, off for rope_append (slower with it on 16-48-SM partitions).
 
 Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.

@@ -42,8 +42,8 @@ from nanosched.kernels.common import dot_precision
 class GroupedGemmConfig:
     """Launch arguments: tiles, and `num_programs` (None: one program per upper-bound tile).
 
-    The default tile is the fastest of bench/kernels_moe.py on an H100 at Mixtral-8x7B shapes
-    (bench/results/kernels_moe-*.json).
+    The default tile is the fastest of bench/kernels/kernels_moe.py on an H100 at Mixtral-8x7B
+    shapes (bench/results/kernels_moe-*.json).
     """
 
     num_programs: int | None = None

@@ -94,7 +94,7 @@ BULK_DECODE = "cuda_bulk"
 # programs per SM of each elementwise Triton kernel when a launch bounds SMs but not CTAs
 # (rms_norm_add: 8 warps a row; silu_mul: 4 warps a 2048-wide chunk; rope_append: 8 warps a
 # token): the best or near it of 1-16 on partitions of 16-64 SMs, and on all SMs as fast as
-# one program per work item (docs/measurements.md, bench/kernels_elementwise.py)
+# one program per work item (docs/measurements.md, bench/kernels/kernels_elementwise.py)
 ELEMENTWISE_CTAS_PER_SM = {"rms_norm_add": 4, "silu_mul": 8, "rope_append": 4}
 
 

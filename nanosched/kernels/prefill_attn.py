@@ -166,8 +166,8 @@ class PrefillConfig:
 
 
 def default_config(dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
-    """Hopper defaults: 64x64 tiles, 4 warps, 3 stages. bench/kernels_prefill_attn.py on an H100
-    (bf16, d = 128, Llama-3-8B and 70B tp=8 heads, 512-2,048 tokens, fresh and continuing
+    """Hopper defaults: 64x64 tiles, 4 warps, 3 stages. bench/kernels/kernels_prefill_attn.py on an
+    H100 (bf16, d = 128, Llama-3-8B and 70B tp=8 heads, 512-2,048 tokens, fresh and continuing
     chunks) found them fastest in 11 of 16 cases and within 30% in the rest; 128x64 with 8 warps
     was 1.1-1.6x slower. fp32 (tests) keeps 2 stages: its tiles are twice the bytes."""
     if dtype == torch.float32:

@@ -26,7 +26,7 @@ Contents
   Under a power cap the SM clock depends on what ran in the last few hundred milliseconds, so
   a pair (and the alone times it is normalised to) is measured as serving meets it: each
   kernel looped for `settle_ms` until the clock has settled, then timed over `window_ms`
-  (about one period of the power controller's ripple; bench/power_settle.py measures both).
+  (about one period of the power controller's ripple; bench/hardware/power_settle.py measures both).
   `clock_mhz`/`power_w` are the mean SM clock and board power over the co-run window,
   `*_alone_clock_mhz` over the alone windows. Kernel rows record the clock and power of their
   own short timing. `unsettled()` says why a profile's pairs cannot be trusted as sustained
@@ -81,7 +81,7 @@ MAX_TOKENS = 1 << 20
 
 
 # A pair measured with a shorter settle or window ran before the clock settled under the power
-# cap (bench/power_settle.py: about 200 ms to settle on an H100, ripple period about 1 s).
+# cap (bench/hardware/power_settle.py: about 200 ms to settle on an H100, ripple period about 1 s).
 MIN_SETTLE_MS = 200.0
 MIN_WINDOW_MS = 500.0
 THROTTLED = 0.97  # a clock under this share of the GPU's maximum ran throttled

@@ -61,7 +61,7 @@ class ProfileSettings:
     workload: Workload
     dense_batch: int
     quick: bool = False
-    pair_settle_ms: float = 300.0  # bench/power_settle.py: the clock settles in about 200 ms
+    pair_settle_ms: float = 300.0  # the clock settles in about 200 ms (hardware/power_settle.py)
     pair_window_ms: float = 1000.0  # about one period of the power controller's ripple
     kv_dtype: str = "auto"  # the KV cache the attention rows read and rope_append writes
 

@@ -205,7 +205,7 @@ def _run_tasks(loop: _Loop, ktasks: list[KernelTask],
         state.note(f"co-run pairs and their own alone times: looped "
                    f"{loop.settings.pair_settle_ms:.0f} ms, then timed over "
                    f"{loop.settings.pair_window_ms:.0f} ms, so the SM clock had settled under "
-                   f"the power cap (bench/power_settle.py)")
+                   f"the power cap (bench/hardware/power_settle.py)")
     todo = [t for t in ptasks if t.key not in state.pairs and str(t.key) not in state.skipped]
     if todo:
         window = loop.settings.pair_settle_ms + loop.settings.pair_window_ms

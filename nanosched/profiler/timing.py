@@ -4,8 +4,8 @@
 two events with the L2 cache flushed before it; the median, in us. The flush reads a buffer
 twice the L2's size, which leaves the L2 cold and clean: a flush by writing left it full of
 dirty lines that the timed kernel then wrote back as it evicted them, which made an RMSNorm at
-1,024 rows 16.4 us against 14.1 (read flush) and 10.5 (none; `bench/row_flush.py`); GEMMs take
-the same time either way. The timed launches are queued
+1,024 rows 16.4 us against 14.1 (read flush) and 10.5 (none; `bench/hardware/row_flush.py`); GEMMs
+take the same time either way. The timed launches are queued
 behind a `torch.cuda._sleep` long enough for the CPU to queue all of them first, so an op that
 launches several kernels from Python (prefill attention: a few per prompt) is timed by its GPU
 work, not by the CPU's launch gaps between its kernels (a CUDA graph or a runtime that runs
@@ -57,7 +57,7 @@ def _flush_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _flush_buffer(device: torch.device) -> torch.Tensor:
-    """The buffer `flush_l2` reads (bench/row_flush.py also writes it)."""
+    """The buffer `flush_l2` reads (bench/hardware/row_flush.py also writes it)."""
     return _flush_buffers(device)[0]
 
 

@@ -4,7 +4,7 @@
 partition's stream given by the caller) and orders them with CUDA events. `SerialDevice` runs
 every launch at once on the CPU: it has one real order, so events are recorded only to be counted.
 `TimedCudaDevice` also records a CUDA event pair around every launch: the per-nano-op timeline
-(which nano-op ran when, on which stream) that bench/nanoop_timeline.py compares with a
+(which nano-op ran when, on which stream) that bench/engine/nanoop_timeline.py compares with a
 schedule's prediction. Tests use a device that delays and reorders launches to catch a missing
 event.
 """

@@ -9,7 +9,8 @@ the next token from what it read. A page lost, overwritten, swapped back wrong o
 that skips or repeats a token then shows as an error or a different output, at thousands of
 requests a second. `stop_at` makes requests end early, as at an EOS (seen one iteration late
 with `async_loop`, as the engine sees it). Without `check` the next token is a function of
-(request, position) only: the fast mode `bench/admission_sim.py` runs a benchmark's workload in.
+(request, position) only: the fast mode `bench/analysis/admission_sim.py` runs a benchmark's
+workload in.
 """
 
 from __future__ import annotations

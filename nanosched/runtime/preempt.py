@@ -12,7 +12,7 @@ Defaults: policy "use" (never worse than "reserve" in iterations, and far better
 stop before max_tokens, where "reserve" holds back), headroom 0 (a share of the cache held free
 only lowers how many requests run) and preemption by recompute (no host memory, one code path
 on every device; swap's CUDA stream ordering is tested by tests/gpu/test_offload_gpu.py). The
-simulation behind them (`bench/admission_sim.py`) and its figures are in docs/admission.md.
+simulation behind them (`bench/analysis/admission_sim.py`) and its figures are in docs/admission.md.
 """
 
 from __future__ import annotations

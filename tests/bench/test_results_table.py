@@ -1,4 +1,4 @@
-"""bench/results_table.py: the README's results table and bench/results/INDEX.md from the
+"""bench/tools/results_table.py: the README's results table and bench/results/INDEX.md from the
 records, the latest file per experiment, --check and --archive; and the README in step with
 bench/results (so the table cannot drift)."""
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 from repo import ROOT
 
-_spec = importlib.util.spec_from_file_location("results_table", ROOT / "bench" / "results_table.py")
+_spec = importlib.util.spec_from_file_location("results_table",
+                                               ROOT / "bench" / "tools" / "results_table.py")
 rt = importlib.util.module_from_spec(_spec)
 sys.modules["results_table"] = rt  # dataclasses look their module up
 _spec.loader.exec_module(rt)
@@ -61,7 +62,7 @@ def repo(tmp_path):
     _write(tmp_path, "bench-legacy.json", legacy)
     _write(tmp_path, "kernels_gemm-NVIDIA_H200-20261122T003702.json",
            {"env": {"date": "2026-11-22T00:37:02+00:00", "device": "NVIDIA H200",
-                    "command": "/venv/bin/python bench/kernels_gemm.py"}, "rows": []})
+                    "command": "/venv/bin/python bench/kernels/kernels_gemm.py"}, "rows": []})
     _write(tmp_path, "kernels_gemm-NVIDIA_H200-20261123T003702.json",
            {"env": {"date": "2026-11-23T00:37:02+00:00", "device": "NVIDIA H200",
                     "command": "/venv/bin/python kernels_gemm.py"}, "rows": []})
@@ -153,7 +154,8 @@ def test_readme_without_markers_is_refused(repo):
 def test_readme_and_index_are_up_to_date_with_bench_results():
     assert rt.main(["--check"], root=ROOT) == 0, \
         "README.md's results table or bench/results/INDEX.md is stale, or a superseded " \
-        "result is outside bench/results/archive/: run python bench/results_table.py --archive"
+        "result is outside bench/results/archive/: run python bench/tools/results_table.py " \
+        "--archive"
 
 
 rf = rt._sibling("readme_figures")

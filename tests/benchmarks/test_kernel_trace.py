@@ -1,4 +1,4 @@
-"""bench/graph_kernels.py's attribution of a forward's kernels to ops (benchmarks.kernel_trace)."""
+"""bench/engine/graph_kernels.py's attribution of a forward's kernels to ops (kernel_trace)."""
 
 import pytest
 
@@ -54,8 +54,8 @@ def test_kernel_kinds():
 
 
 def test_the_gaps_between_the_layers_kernels_leave_out_the_embedding_and_lm_head():
-    """What a forward spends between its kernels (bench/engine_ops.py): from the first layer's
-    first GEMM to the last layer's last kernel, the LM head and embedding outside it."""
+    """What a forward spends between its kernels (bench/engine/engine_ops.py): from the first
+    layer's first GEMM to the last layer's last kernel, the LM head and embedding outside it."""
     from nanosched.benchmarks.kernel_trace import layer_gaps
 
     idle, count = layer_gaps(forward(3, lm_head=True, shuffle=True), 3)

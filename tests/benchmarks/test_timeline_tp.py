@@ -1,4 +1,4 @@
-"""bench/replay_timeline.py's per-rank work (nanosched.benchmarks.timeline) on the CPU.
+"""bench/engine/replay_timeline.py's per-rank work (nanosched.benchmarks.timeline) on the CPU.
 
 tp = 2: two gloo processes run Sequential, Replay(schedule) and TwoBatchOverlap on a tiny Llama
 (eager and timeline only; graphs need CUDA) and agree; the tp = 2 schedule is refused at tp = 1.
@@ -65,7 +65,7 @@ def test_prediction_has_the_replay_and_sequential_layer_times(folder):
 
 
 def test_the_llama3_70b_tp2_bench_schedule_finds_its_profile_and_simulates():
-    """The schedule bench/replay_timeline.py replays on two H200s: its shipped profile is
+    """The schedule bench/engine/replay_timeline.py replays on two H200s: its shipped profile is
     found by digest and the simulator prices it and Sequential at the bench's 8 layers."""
     from nanosched.benchmarks.timeline import find_profile, with_layers
     from nanosched.models.spec import load_spec

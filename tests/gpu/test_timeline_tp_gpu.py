@@ -1,5 +1,5 @@
-"""bench/replay_timeline.py's tp = 2 path on two GPUs (NCCL, bf16): every strategy runs eager,
-as a CUDA graph with the all-reduces captured, and matches Sequential to bf16 rounding."""
+"""bench/engine/replay_timeline.py's tp = 2 path on two GPUs (NCCL, bf16): every strategy runs
+eager, as a CUDA graph with the all-reduces captured, and matches Sequential to bf16 rounding."""
 
 from __future__ import annotations
 

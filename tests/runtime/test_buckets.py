@@ -170,7 +170,7 @@ def test_frozen_metadata_is_rewritten_in_place_and_refuses_new_slices():
 
 def test_attention_ops_declare_only_their_own_kind_of_rows(model):
     """A range's attention of the other kind is a no-op and must touch nothing: else prefill
-    attention waits behind the decode stream's no-op filler (bench/nanoop_timeline.py)."""
+    attention waits behind the decode stream's no-op filler (bench/engine/nanoop_timeline.py)."""
     ws = model.new_workspace(max_tokens=12, num_pages=8)
     meta = ws.kv.plan([(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (9, 6, False),
                        (10, 2, False)])

@@ -73,8 +73,9 @@ def _keep_lane_order(entries: list[_Entry]) -> list[_Entry]:
     streams when its nano-ops use different SM mechanisms (`memory`, `memory@prio`, ...): each
     entry also waits for the one before it in its schedule stream when that one ran on another
     CUDA stream. (Without it a small op queued on the plain stream ran beside a prioritised
-    attention, starved for 600 us, and held back the GEMM behind it: bench/nanoop_timeline.py.)
-    Issue order in a stream is by period (layer + offset), then `order`, as the simulator's."""
+    attention, starved for 600 us, and held back the GEMM behind it:
+    bench/engine/nanoop_timeline.py.) Issue order in a stream is by period (layer + offset), then
+    `order`, as the simulator's."""
     lanes: dict[str, list[int]] = {}
     for k, e in enumerate(entries):
         lanes.setdefault(e.lane, []).append(k)

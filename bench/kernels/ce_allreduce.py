@@ -1,0 +1,376 @@
+"""Does the copy-engine all-reduce keep its speed beside a GEMM, where NCCL's does not?
+
+GPU, one process per GPU (N = all visible, or --world): nanosched.kernels.ce_allreduce against
+NCCL on [T, 8192] bf16 (Llama-3-70B's hidden size).
+1. Correct: eager and inside a CUDA graph (three all-reduces of different row ranges, replayed
+   on fresh data), each against NCCL's sum (relative error) and every rank bitwise equal.
+2. Alone: median time of one all-reduce, each inside a graph of REPS calls, per T and per bound
+   of the reduction's CTAs; NCCL likewise.
+3. Beside the Llama-3-70B tp=N `ug` GEMM [2048, 8192] x [8192, 2*28672/N], sustained: the GEMM
+   looped on its stream, the collective's graph on another, each queue kept short and topped
+   up by polling; the same fixed number of collectives on every rank (flags pair them); rates in
+   the window where both run after SETTLE_S; SM clock and board power sampled. Variants: NCCL
+   (whole GPU, and bounded to 16 CTAs beside a GEMM told to leave 16 SMs); the copy engine with
+   its reduction bounded to k CTAs beside a GEMM told to leave k SMs (cuBLASLt SM target), and
+   inside a green-context partition of k SMs with the GEMM on the rest. P_net: against the
+   faster of its graph-timed and sustained alone figures; P_gemm: against cuBLAS on all SMs.
+Writes bench/results/ce_allreduce-<GPU>-<N>gpu-<stamp>.json (or --out), prints a table last.
+Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+     PYTHONPATH=. python bench/kernels/ce_allreduce.py [--world 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ[_k] = "0" if _k == "NCCL_NVLS_ENABLE" else "1"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+H, INTER = 8192, 28672
+MAX_T = 4096
+REPS = 10
+SETTLE_S, WINDOW_S = 1.0, 2.0
+DEPTH = 4  # launches kept queued per stream
+
+
+def _events_ms(start, evs):
+    return [start.elapsed_time(e) for e in evs]
+
+
+def _rate_us(times, lo, hi):
+    inside = [t for t in times if lo <= t <= hi]
+    if len(inside) < 3:
+        return None
+    return 1e3 * (inside[-1] - inside[0]) / (len(inside) - 1)
+
+
+def _graph(fn, stream):
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # warm
+    stream.synchronize()
+    with torch.cuda.graph(g, stream=stream):
+        fn()
+    return g
+
+
+def _time_graph_us(g, stream, calls):
+    times = []
+    for _ in range(3):
+        g.replay()
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a.record()
+            g.replay()
+            b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b) / calls)
+    return statistics.median(times)
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _correct(ar, buf, rank, n):
+    out = []
+    for s, e in [(0, 1), (3, 10), (0, 512), (100, 2148), (0, MAX_T)]:
+        torch.manual_seed(1000 * rank + s)
+        buf[s:e].copy_(torch.randn(e - s, H, device="cuda"))
+        ref = buf[s:e].float()
+        dist.all_reduce(ref)
+        ar.all_reduce(buf[s:e])
+        torch.cuda.synchronize()
+        got = buf[s:e].float()
+        rel = float((got - ref).norm() / ref.norm())
+        every = [torch.empty_like(got) for _ in range(n)]
+        dist.all_gather(every, got)
+        out.append({"rows": [s, e], "mode": "eager", "rel_err": rel,
+                    "ranks_equal": all(torch.equal(every[0], t) for t in every)})
+    ranges = [(0, 256), (256, 1280), (1280, 3328)]
+    stream = torch.cuda.Stream()
+
+    def three():
+        for s, e in ranges:
+            ar.all_reduce(buf[s:e])
+
+    torch.manual_seed(7 + rank)
+    buf.copy_(torch.randn(MAX_T, H, device="cuda"))
+    g = _graph(three, stream)
+    for rep in range(3):
+        torch.manual_seed(100 * rep + rank)
+        buf.copy_(torch.randn(MAX_T, H, device="cuda"))
+        refs = [buf[s:e].float() for s, e in ranges]
+        for r in refs:
+            dist.all_reduce(r)
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        for (s, e), ref in zip(ranges, refs, strict=True):
+            got = buf[s:e].float()
+            every = [torch.empty_like(got) for _ in range(n)]
+            dist.all_gather(every, got)
+            out.append({"rows": [s, e], "mode": f"graph replay {rep}",
+                        "rel_err": float((got - ref).norm() / ref.norm()),
+                        "ranks_equal": all(torch.equal(every[0], t) for t in every)})
+    return out
+
+
+def _alone(ar, buf, nccl_buf, ts, bounds):
+    stream = torch.cuda.Stream()
+    rows = []
+    for t in ts:
+        for bound in bounds:
+            g = _graph(lambda t=t, b=bound: [ar.all_reduce(buf[:t], max_ctas=b)
+                                             for _ in range(REPS)], stream)
+            dist.barrier()
+            rows.append({"impl": "copy_engine", "T": t, "max_ctas": bound,
+                         "us": _max_over_ranks(_time_graph_us(g, stream, REPS))})
+        g = _graph(lambda t=t: [dist.all_reduce(nccl_buf[:t]) for _ in range(REPS)], stream)
+        dist.barrier()
+        rows.append({"impl": "nccl", "T": t, "max_ctas": None,
+                     "us": _max_over_ranks(_time_graph_us(g, stream, REPS))})
+    return rows
+
+
+def _sustained(jobs, n_net, tele):
+    """jobs: [(fn, stream)] with jobs[0] the GEMM (looped while the network runs) and jobs[1]
+    the network graph (exactly n_net launches, or None for the GEMM alone, time-bounded).
+    Returns (us per launch in the window for each job, clock, power)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    evs = [[] for _ in jobs]
+    for _, s in jobs:
+        s.wait_event(start)
+    t0 = time.perf_counter()
+    total = SETTLE_S + WINDOW_S
+    while True:
+        el = time.perf_counter() - t0
+        net_done = len(jobs) < 2 or len(evs[1]) >= n_net
+        if len(jobs) < 2 and el > total:
+            break
+        if len(jobs) == 2 and net_done and (evs[1][-1].query() or el > 6 * total):
+            break
+        launched = False
+        for i, (fn, s) in enumerate(jobs):
+            if i == 1 and len(evs[1]) >= n_net:
+                continue
+            if i == 0 and len(jobs) == 2 and net_done:
+                continue
+            if len(evs[i]) < DEPTH or evs[i][-DEPTH].query():
+                with torch.cuda.stream(s):
+                    fn()
+                e = torch.cuda.Event(enable_timing=True)
+                e.record(s)
+                evs[i].append(e)
+                launched = True
+        if not launched:
+            time.sleep(2e-5)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    times = [_events_ms(start, ev) for ev in evs if ev]
+    lo = 1e3 * SETTLE_S
+    hi = min(t[-1] for t in times)
+    us = [_rate_us(t, lo, hi) for t in times]
+    reading = tele.reading(t0 + SETTLE_S, t1) if tele else None
+    return us, (reading.to_json() if reading else None)
+
+
+def _beside(tp, buf, ts, ks, tele):
+    """Per T: NCCL (whole GPU; bounded to 16 CTAs beside a GEMM told to leave those SMs), and the
+    copy engine with its reduction bounded to k CTAs beside a GEMM told to leave k SMs (cuBLASLt
+    SM target), or inside a green-context partition of k SMs with the GEMM on the rest."""
+    from nanosched.greenctx import split_sms
+    from nanosched.kernels.impls import cublaslt_sm_target
+
+    n, total = tp.size, torch.cuda.get_device_properties(0).multi_processor_count
+    a = torch.randn(2048, H, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(H, 2 * INTER // n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(2048, 2 * INTER // n, device="cuda", dtype=torch.bfloat16)
+    low, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+
+    def gemm(sms=None):
+        if sms is None:
+            return lambda: torch.mm(a, b, out=c)
+
+        def told():
+            with cublaslt_sm_target(sms, total):
+                torch.mm(a, b, out=c)
+        return told
+
+    for _ in range(200):
+        gemm()()
+    (g_alone,), g_read = _sustained([(gemm(), low)], 0, tele)
+    rows = [{"variant": "gemm alone", "gemm_us": g_alone, "telemetry": g_read}]
+    for t in ts:
+        variants = [("nccl", "nccl", None, None), ("nccl_ctas16 | gemm -16 SMs", "nccl_ctas16",
+                                                    total - 16, None)]
+        for k in ks:
+            variants.append((f"copy_engine_ctas{k} | gemm -{k} SMs", f"copy_engine_ctas{k}",
+                             total - k, None))
+            variants.append((f"copy_engine in {k} green SMs | gemm rest", "copy_engine", None, k))
+        for name, impl, told, green in variants:
+            try:
+                pair = split_sms(torch.cuda.current_device(), green) if green else None
+                net_stream = pair.small.stream if pair else high
+                gemm_stream = pair.rest.stream if pair else low
+                g = _graph(lambda t=t, impl=impl: tp.all_reduce(buf[:t], impl), net_stream)
+                graph_alone = _max_over_ranks(_time_graph_us(g, net_stream, 1))
+                n_net = int(max(40, (SETTLE_S + WINDOW_S) * 1e6 / graph_alone))
+                (_, net_alone), _ = _sustained([(lambda: None, gemm_stream),
+                                                (g.replay, net_stream)], n_net, None)
+                fn = gemm(told)
+                (gemm_own,), _ = _sustained([(fn, gemm_stream)], 0, None)
+                (gemm_us, net_us), read = _sustained([(fn, gemm_stream), (g.replay, net_stream)],
+                                                     n_net, tele)
+                rows.append({"variant": name, "T": t, "impl": impl, "gemm_sms": told,
+                             "net_graph_alone_us": graph_alone, "net_alone_us": net_alone,
+                             "net_beside_us": net_us, "gemm_beside_us": gemm_us,
+                             "gemm_alone_us": g_alone, "gemm_alone_same_sms_us": gemm_own,
+                             "sms": [pair.small.sms, pair.rest.sms] if pair else None,
+                             "telemetry": read})
+                del g
+                if pair:
+                    torch.cuda.synchronize()
+                    pair.close()
+            except Exception as err:  # noqa: BLE001 - one variant's failure is a result
+                rows.append({"variant": name, "T": t, "error": f"{type(err).__name__}: {err}"})
+                torch.cuda.synchronize()
+            dist.barrier()
+    return rows
+
+
+def rank_main(rank: int, n: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=n, device_id=torch.device("cuda", rank))
+        from nanosched.kernels.ce_allreduce import make_all_reduce
+        from nanosched.models.parallel import TensorParallel
+        from nanosched.profiler.telemetry import open_telemetry
+
+        ar = make_all_reduce(rank, n, None, torch.device("cuda", rank))
+        tp = TensorParallel(rank, n, copy_engine=ar)
+        buf = ar.symmetric_zeros(MAX_T, H, dtype=torch.bfloat16)
+        nccl_buf = torch.randn(MAX_T, H, device="cuda", dtype=torch.bfloat16)
+        tele = open_telemetry(rank)
+        res = {"correct": _correct(ar, buf, rank, n)}
+        if rank == 0:
+            print("correctness done", flush=True)
+        ts = [512, 2048] if args.quick else [128, 512, 1024, 2048]
+        res["alone"] = _alone(ar, buf, nccl_buf, ts, [None, 8, 16, 32])
+        if rank == 0:
+            print("alone done", flush=True)
+        res["beside"] = [] if args.no_beside else _beside(tp, buf, [512, 2048],
+                                                          [16] if args.quick else [8, 16], tele)
+        every = [None] * n
+        dist.all_gather_object(every, res)
+        if rank == 0:
+            Path(out_dir, "ranks.json").write_text(json.dumps(every, default=str))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _summary(every: list[dict]) -> dict:
+    r0 = every[0]
+    correct = {"max_rel_err": max(c["rel_err"] for r in every for c in r["correct"]),
+               "ranks_equal": all(c["ranks_equal"] for r in every for c in r["correct"])}
+    beside = []
+    for i, row in enumerate(r0["beside"]):
+        if "error" in row or row["variant"] == "gemm alone":
+            beside.append(row)
+            continue
+        rs = [r["beside"][i] for r in every]
+        # alone: the faster of the graph-timed and the sustained figure (a short collective's
+        # sustained loop can be bound by the host); P_gemm against cuBLAS on the whole GPU
+        p_net = min(min(x["net_alone_us"], x["net_graph_alone_us"]) / x["net_beside_us"]
+                    for x in rs)
+        p_gemm = min(x["gemm_alone_us"] / x["gemm_beside_us"] for x in rs)
+        p_gemm_own = min(x["gemm_alone_same_sms_us"] / x["gemm_beside_us"] for x in rs)
+        beside.append({**row, "P_net": p_net, "P_gemm": p_gemm, "P_sum": p_net + p_gemm,
+                       "P_gemm_vs_same_sms": p_gemm_own,
+                       "telemetry_per_rank": [x["telemetry"] for x in rs]})
+    return {"correct": correct, "alone": r0["alone"], "beside": beside}
+
+
+def main() -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-beside", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, tmp))
+                 for r in range(args.world)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(540)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        errs = sorted(Path(tmp).glob("*.err"))
+        if errs:
+            print(errs[0].read_text(), file=sys.stderr)
+            sys.exit(1)
+        every = json.loads(Path(tmp, "ranks.json").read_text())
+    name = torch.cuda.get_device_name(0).replace(" ", "_")
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    record = {"bench": "ce_allreduce", "device": name, "world": args.world,
+              "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+              "date": stamp, "command": " ".join(sys.argv), **_summary(every), "ranks": every}
+    out = Path(args.out or f"bench/results/ce_allreduce-{name}-{args.world}gpu-{stamp}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1, default=str))
+    s = record
+    print(f"\n{name} x{args.world}; correct: max rel err {s['correct']['max_rel_err']:.2e}, "
+          f"ranks equal {s['correct']['ranks_equal']}")
+    print(f"{'impl':12} {'T':>5} {'max_ctas':>8} {'us':>8}")
+    for r in s["alone"]:
+        print(f"{r['impl']:12} {r['T']:5} {r['max_ctas'] or '-':>8} {r['us']:8.1f}")
+    print(f"{'variant':38} {'T':>5} {'net':>7} {'beside':>7} {'gemm':>6} {'P_net':>6} "
+          f"{'P_gemm':>6} {'P_sum':>6} clock/power")
+    for r in s["beside"]:
+        if "error" in r:
+            print(f"{r['variant']:38} {r.get('T', ''):>5} ERROR {r['error'][:80]}")
+        elif "P_net" in r:
+            tel = r["telemetry"] or {}
+            alone = min(r["net_alone_us"], r["net_graph_alone_us"])
+            print(f"{r['variant']:38} {r['T']:5} {alone:7.1f} {r['net_beside_us']:7.1f} "
+                  f"{r['gemm_beside_us']:6.0f} {r['P_net']:6.2f} {r['P_gemm']:6.2f} "
+                  f"{r['P_sum']:6.2f} {tel.get('clock_mhz')}/{tel.get('power_w')}")
+        else:
+            print(f"gemm alone {r['gemm_us']:.1f} us {r['telemetry']}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """CPU: admission policies on a benchmark's workload, through the real batcher and paged cache.
 
-Runs `nanosched.runtime.kvsim.KVSim` (the engine's bookkeeping over a fake model, no GPU) on
+Runs `bench.analysis.kvsim.KVSim` (the engine's bookkeeping over a fake model, no GPU) on
 requests that all arrive at once, as `nanosched bench` serves them, with the KV cache of that
 benchmark's GPU run, and prints per policy: iterations, mean tokens per iteration (and the
 prompt + output tokens per iteration, which excludes recomputed ones), the share of iterations
@@ -21,7 +21,7 @@ import json
 import sys
 import time
 
-from nanosched.runtime.kvsim import KVSim, sim_cost
+from bench.analysis.kvsim import KVSim, sim_cost
 from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams, make_requests
 
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     chosen = set(args.policies.split(",")) if args.policies else None
-    out = {"what": "CPU simulation of the batcher and paged cache (runtime/kvsim.py): "
+    out = {"what": "CPU simulation of the batcher and paged cache (bench/analysis/kvsim.py): "
                    "iterations, not time", "command": " ".join(sys.argv),
            "date": datetime.date.today().isoformat(), "args": vars(args), "runs": {}}
     print(f"{'policy':22} {'iters':>6} {'tok/it':>7} {'useful':>7} {'full':>5} "

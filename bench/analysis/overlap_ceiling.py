@@ -9,7 +9,7 @@
 For each key (D decode of T rows, at the context the set search gives it) the ceiling is the
 largest Sequential / period that any pipeline of row groups could be predicted, over the
 structures of up to `--max-groups` decode groups and as many prompt groups
-(`nanosched.autosearch.ceiling`: an LP that keeps the profile's pricing and drops the order of
+(`bench.analysis.ceiling`: an LP that keeps the profile's pricing and drops the order of
 the nano-ops). With `--set`, each key's row also holds the gain the set's search found there
 (its pipeline's prediction, or the best pipeline its reason names). A gap between the two is
 what a better search could still find; a ceiling under the set's `min_gain` means that no
@@ -39,7 +39,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from bench._common import results_dir
-from nanosched.autosearch.ceiling import pipeline_ceiling
+from bench.analysis.ceiling import pipeline_ceiling
 from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.search import SearchConfig, search_batch
 from nanosched.autosearch.sets import key_batch

@@ -4,7 +4,7 @@
 
 Replays the run's workload (its input/output lengths, prompts, dense batch, admission policy and
 the KV pages it had) through the engine's batcher and paged cache over a fake model
-(`runtime.kvsim.KVSim`, as bench/analysis/admission_sim.py does), and prices each iteration's batch
+(`kvsim.KVSim`, as bench/analysis/admission_sim.py does), and prices each iteration's batch
 with the profile's kernel rows: every op of a layer over its rows (decode rows, prompt rows or all),
 linear between the profile's 128-row grid points, decode attention at the batch's mean decode
 context, prefill attention at its prompt's length; times the layers. The sum is the GPU time the
@@ -26,10 +26,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench._common import BatchMix, batch_mix, results_dir, row_us
+from bench.analysis.kvsim import KVSim, sim_cost
 from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.models.spec import load_spec
-from nanosched.runtime.kvsim import KVSim, sim_cost
 from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams
 from nanosched.schedules.format import BatchInfo

@@ -10,7 +10,7 @@ Sequential, CUDA graphs on, the async loop); after `--skip` iterations (the stea
 clock long settled under the power cap) the next `--trace` iterations are traced by CUPTI
 (torch.profiler), a marker kernel queued after each so that the trace splits into iterations
 without synchronising the loop. Each iteration's kernels are attributed to the layer's ops
-(`benchmarks.kernel_trace`: embedding and metadata writes before the first GEMM, the LM head, and
+(`kernel_trace`: embedding and metadata writes before the first GEMM, the LM head, and
 sampling after the last layer); per op the median over the 32 layers, beside the profile's row at
 the iteration's own batch: its graph bucket's rows (what the kernels run), its decode rows' mean
 context, its longest prompt chunk's end (`_common.row_us`, as bench/analysis/price_run.py prices a
@@ -34,14 +34,14 @@ from typing import Any
 import torch
 
 from bench._common import batch_mix, environment, print_table, row_us, write_result
-from nanosched.autosearch.request import load_named_profile
-from nanosched.autosearch.simulate import sequential_op_times
-from nanosched.benchmarks.kernel_trace import (
+from bench.engine.kernel_trace import (
     TracedKernel,
     attribute,
     cuda_kernels,
     layer_gaps,
 )
+from nanosched.autosearch.request import load_named_profile
+from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.models.spec import load_spec
 from nanosched.profiler.telemetry import open_telemetry
 from nanosched.runtime.config import EngineConfig

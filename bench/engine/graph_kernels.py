@@ -10,7 +10,7 @@ out a key (`benchmarks.common.bucket_batch`; the cache filled with random K/V, a
 fills it), run by Sequential and captured as a CUDA graph.
 The graph is replayed back to back for `--settle` seconds (the clock settles under the power
 cap), then `--forwards` replays are traced one by one by CUPTI (torch.profiler). Each forward's
-kernels are attributed to the layer's ops (`benchmarks.kernel_trace`: GEMMs by their order,
+kernels are attributed to the layer's ops (`kernel_trace`: GEMMs by their order,
 the rest by name); per op, the median over layers and forwards of its GPU time per layer.
 
 Then every op at the same shape, built as the profiler builds its kernel row (the implementation
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from bench._common import environment, key_batch, print_table, write_result
+from bench.engine.kernel_trace import attribute, cuda_kernels
 from nanosched.autosearch.durations import op_context
 from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.simulate import sequential_op_times
-from nanosched.benchmarks.kernel_trace import attribute, cuda_kernels
 from nanosched.kernels.impls import DEFAULT_DECODE
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import load_spec

@@ -24,7 +24,7 @@ from nanosched.autosearch.opgraph import (
     precedences,
 )
 from nanosched.autosearch.periodic import Precedence, min_period
-from nanosched.autosearch.stage1 import Structure
+from nanosched.autosearch.stage1_model import Structure
 from nanosched.autosearch.stage2 import Allocation
 from nanosched.errors import ScheduleError
 from nanosched.models.spec import ModelSpec

@@ -24,6 +24,8 @@ runs over [s_x + l P, s_x + d_x + l P). Checked:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from nanosched.autosearch.durations import (
     TICKS_PER_US,
     alloc_options,
@@ -33,9 +35,9 @@ from nanosched.autosearch.durations import (
 )
 from nanosched.autosearch.opgraph import NanoOpDef, TokenMix, layer_graph, nano_deps
 from nanosched.autosearch.simulate import nano_time_us, point_alloc
-from nanosched.errors import ScheduleError
-from nanosched.profiler.format import Profile
-from nanosched.schedules.format import Schedule
+from nanosched.errors import ConfigError, ProfileError, ScheduleError
+from nanosched.profiler.format import Profile, check_profile_for
+from nanosched.schedules.format import MODEL_FIELDS, Schedule
 from nanosched.schedules.validate import EPS_US, check_capacity, unrolled, validate_structure
 
 TOL_US = 1e-3
@@ -47,12 +49,7 @@ def _fail(constraint: str, nano_op: str, why: str) -> ScheduleError:
 
 def check_schedule(s: Schedule, profile: Profile) -> None:
     """Raise ScheduleError naming the first violated constraint and nano-op."""
-    if s.profile_digest != profile.digest():
-        raise _fail("profile", "schedule", f"made from profile {s.profile_digest}, checked "
-                    f"against {profile.digest()}")
-    if s.model.get("name") != profile.model.name or s.tp != profile.tp:
-        raise _fail("profile", "schedule", f"schedule for {s.model.get('name')} tp={s.tp}, "
-                    f"profile for {profile.model.name} tp={profile.tp}")
+    _check_profile(s, profile)
     try:
         validate_structure(s)
     except ScheduleError as exc:
@@ -67,6 +64,19 @@ def check_schedule(s: Schedule, profile: Profile) -> None:
         raise _fail("GPU capacity", "schedule", str(exc)) from None
     check_points(s)
     _check_durations(s, profile)
+
+
+def _check_profile(s: Schedule, profile: Profile) -> None:
+    """The profile is the one the schedule was searched on (its digest) and fits the model,
+    tp and KV cache the schedule records (`check_profile_for`)."""
+    if s.profile_digest != profile.digest():
+        raise _fail("profile", "schedule", f"made from profile {s.profile_digest}, checked "
+                    f"against {profile.digest()}")
+    try:
+        spec = replace(profile.model, **{k: s.model.get(k) for k in MODEL_FIELDS})
+        check_profile_for(profile, spec, s.tp, kv_dtype=s.kv_dtype)
+    except (ConfigError, ProfileError) as exc:  # a model no spec can have, or another one
+        raise _fail("profile", "schedule", str(exc)) from None
 
 
 def _check_graph(s: Schedule, profile: Profile) -> None:

@@ -29,7 +29,7 @@ from nanosched.costmodel import (
 from nanosched.errors import ConfigError, NanoschedError
 from nanosched.hardware import get_gpu, measured_gpu, prior_for
 from nanosched.models.spec import ModelSpec
-from nanosched.profiler.format import Profile, load_profile
+from nanosched.profiler.format import Profile, check_profile_for, load_profile
 from nanosched.workloads import Workload
 
 SHIPPED = Path(__file__).resolve().parent.parent / "profiler" / "profiles"
@@ -135,10 +135,8 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
                           f"{2 * TOKEN_QUANTUM} (two nano-batches), got {target}")
     if profile_arg:
         prof: Profile | None = load_named_profile(profile_arg, folder)
-        if prof.kv_dtype != kv_dtype:
-            raise ConfigError(f"--profile {profile_arg} was measured on a {prof.kv_dtype!r} KV "
-                              f"cache, not --kv-cache-dtype {kv_dtype}: pass "
-                              f"--kv-cache-dtype {prof.kv_dtype} or another profile")
+        check_profile_for(prof, spec, tp or prof.tp, where=f"--profile {profile_arg}",
+                          kv_dtype=kv_dtype)
         msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")
     else:
         prof, why = pick_shipped(spec, tp, gpu_name or DEFAULT_GPU, folder, kv_dtype,

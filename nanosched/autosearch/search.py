@@ -29,13 +29,14 @@ from nanosched.autosearch.opgraph import (
     nano_deps,
     precedences,
 )
-from nanosched.autosearch.stage1 import Stage1Problem, Structure, solve_stage1
+from nanosched.autosearch.stage1 import solve_stage1
+from nanosched.autosearch.stage1_model import Stage1Problem, Structure
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
 from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError, ProfileError, ScheduleError
 from nanosched.models.ops import COMPUTE
 from nanosched.models.spec import ModelSpec
-from nanosched.profiler.format import Profile
+from nanosched.profiler.format import Profile, check_profile_for
 from nanosched.schedules.format import BatchInfo, Schedule, StageReport
 from nanosched.workloads import Workload
 
@@ -99,9 +100,7 @@ def _check_config(cfg: SearchConfig) -> None:
     if not cfg.time_limit_s > 0 or cfg.num_workers < 1 or cfg.max_nano_ops < 2:
         raise ConfigError("--time-limit must be > 0, --workers >= 1 and --max-nano-ops >= 2; "
                           f"got {cfg.time_limit_s}, {cfg.num_workers}, {cfg.max_nano_ops}")
-    if cfg.profile.model.name != cfg.spec.name or cfg.profile.tp != cfg.tp:
-        raise ConfigError(f"profile is for {cfg.profile.model.name} tp={cfg.profile.tp}, the "
-                          f"search for {cfg.spec.name} tp={cfg.tp}")
+    check_profile_for(cfg.profile, cfg.spec, cfg.tp)
 
 
 def _tables(cfg: SearchConfig, graph: OpGraph, batch: BatchInfo, settled: bool = True

@@ -7,7 +7,7 @@ Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
 2. **bounded**: no schedule of any structure can reach `min_gain`: `sequential`, without a
    solve. The bound (`overlap_bound`) prices each op at its cheapest split in the search's
    space (its fewest ticks over 2..max_nano_ops nano-ops covering the batch, or 1..max_nano_ops
-   covering an attention op's part, `stage1.op_min_ticks`; each at the lower of its rows and
+   covering an attention op's part, `stage1_bounds.op_min_ticks`; each at the lower of its rows and
    its settled time in the forward, `Profile.settled_factor`), so the period is at least the
    busiest class's load, and at least the whole layer's load over the largest P sum the profile
    measured for a pair (P_compute + P_other of its R->P points, folded or per shape: at tp = 1
@@ -129,7 +129,7 @@ def overlap_bound(cfg: SearchConfig, batch: BatchInfo) -> float:
     predicted (module docstring, 2.)."""
     from nanosched.autosearch.opgraph import TokenMix, layer_graph
     from nanosched.autosearch.search import _tables
-    from nanosched.autosearch.stage1 import class_loads, op_min_ticks
+    from nanosched.autosearch.stage1_bounds import class_loads, op_min_ticks
 
     graph = layer_graph(cfg.spec, cfg.tp)
     tables = _tables(cfg, graph, batch)

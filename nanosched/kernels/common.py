@@ -78,11 +78,6 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def default_num_ctas(device: torch.device) -> int:
-    """Default bound on a persistent kernel's programs: CTAS_PER_SM per SM."""
-    return CTAS_PER_SM * num_sms(device)
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 for fp32 inputs (no TF32), the default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"

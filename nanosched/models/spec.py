@@ -112,11 +112,6 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def gqa_group(self) -> int:
-        """R_GQA: query heads per KV head."""
-        return self.num_heads // self.num_kv_heads
-
     def attn_params_per_layer(self) -> int:
         qkv = self.hidden_size * (self.q_size + 2 * self.kv_size)
         bias = (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0

@@ -491,9 +491,12 @@ def _check_rp_point(p: RPPoint, here: str) -> None:
 
 
 def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | None = None,
-                      where: str = "profile") -> None:
-    """Raise ProfileError unless `prof` was made for `model` at `tp` (on `gpu_name`, if given)
-    and its kernel table has every op of that model's layer."""
+                      where: str = "profile", kv_dtype: str | None = None) -> None:
+    """Raise ProfileError unless `prof` was made for `model` at `tp` (on `gpu_name` and for a
+    `kv_dtype` KV cache, where given) and its kernel table has every op of that model's layer.
+
+    The one compatibility check of a profile: the search's request, its config and the
+    schedule checker all ask it, so a mismatch reads the same wherever it is caught."""
     if prof.model.name != model.name or prof.model != model:
         raise ProfileError(f"{where} was made for model {prof.model.name!r}, not {model.name!r}: "
                            f"profile this model with `nanosched profile --model {model.name}`")
@@ -502,6 +505,10 @@ def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | 
     if gpu_name is not None and prof.identity.gpu_name != gpu_name:
         raise ProfileError(f"{where} was measured on {prof.identity.gpu_name!r}, not on "
                            f"{gpu_name!r}: profile this GPU with `nanosched profile --gpu`")
+    if kv_dtype is not None and prof.kv_dtype != kv_dtype:
+        raise ProfileError(f"{where} was measured on a {prof.kv_dtype!r} KV cache, not "
+                           f"--kv-cache-dtype {kv_dtype}: pass --kv-cache-dtype {prof.kv_dtype} "
+                           f"or another profile")
     have = {k.op for k in prof.kernels}
     missing = [op.name for op in layer_ops(model, tp) if op.name not in have]
     if missing:

@@ -34,7 +34,7 @@ from typing import Any
 
 from nanosched.constants import KV_DTYPES, TOKEN_QUANTUM
 from nanosched.errors import ConfigError
-from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
+from nanosched.models.ops import MEMORY, NETWORK, layer_ops
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.shapes import GEMM_OPS
 from nanosched.workloads import Workload
@@ -345,7 +345,3 @@ def layer_tasks(settings: ProfileSettings, num_sms: int, decode_contexts: list[i
         else:
             tasks.append(LayerTask(t, d, tuple(ops)))
     return tasks
-
-
-def compute_ops(settings: ProfileSettings) -> list[str]:
-    return [op.name for op in layer_ops(settings.model, settings.tp) if op.resource == COMPUTE]

@@ -117,11 +117,6 @@ class Telemetry:
         return Reading(statistics.fmean(s[1] for s in inside),
                        statistics.fmean(s[2] for s in inside), len(inside))
 
-    def trim(self, keep_after: float) -> None:
-        """Drop samples older than `keep_after` (host time): long profiles stay small."""
-        with self._lock:
-            self.samples = [s for s in self.samples if s[0] >= keep_after]
-
 
 def open_telemetry(index: int, interval_s: float = SAMPLE_INTERVAL_S) -> Telemetry | None:
     """A started Telemetry of CUDA device `index`, or None when NVML is not available."""

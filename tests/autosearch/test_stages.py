@@ -9,7 +9,9 @@ from nanosched.autosearch.cpsat import Limits
 from nanosched.autosearch.durations import AllocOption
 from nanosched.autosearch.opgraph import Edge, GraphOp, OpGraph, TokenMix, expand, nano_deps
 from nanosched.autosearch.periodic import min_period
-from nanosched.autosearch.stage1 import Stage1Problem, min_split_ticks, solve_stage1
+from nanosched.autosearch.stage1 import solve_stage1
+from nanosched.autosearch.stage1_bounds import min_split_ticks
+from nanosched.autosearch.stage1_model import Stage1Problem
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
 from nanosched.errors import ConfigError
 
@@ -213,7 +215,8 @@ def test_exclusive_sets_hold_at_the_brute_force_optimum():
 
 
 def test_stage1_relaxation_is_never_above_the_brute_force_optimum():
-    from nanosched.autosearch.stage1 import period_lower_bound, relaxation_bound
+    from nanosched.autosearch.stage1 import relaxation_bound
+    from nanosched.autosearch.stage1_bounds import period_lower_bound
 
     for batch in (256, 384):
         prob = Stage1Problem(GRAPH, TokenMix(batch, 0, batch), TABLES, {"a": 2, "m": 2, "c": 2})
@@ -250,7 +253,7 @@ def test_token_cycles_follow_the_layer_for_every_form():
     """Quantum j's cycle holds decode attention for decode tokens, prefill attention for the
     others, and both collective forms' ops (only the present one is counted)."""
     from nanosched.autosearch.opgraph import layer_graph
-    from nanosched.autosearch.stage1 import token_cycle_ops
+    from nanosched.autosearch.stage1_bounds import token_cycle_ops
     from nanosched.models.spec import load_spec
 
     graph = layer_graph(load_spec("llama3-70b"), 8)
@@ -268,7 +271,7 @@ def test_stage1_below_the_optimum_is_infeasible():
     """The proof solve's claim: the model with τ ≤ U is infeasible exactly when U is below the
     brute-force optimum (then U + 1 is a valid bound)."""
     from nanosched.autosearch.cpsat import solve
-    from nanosched.autosearch.stage1 import build_cp_model
+    from nanosched.autosearch.stage1_model import build_cp_model
 
     for batch in (256, 384):
         prob = Stage1Problem(GRAPH, TokenMix(batch, 0, batch), TABLES, {"a": 2, "m": 2, "c": 2})

@@ -10,8 +10,9 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("small", [32, 40, 48])
 def test_split_gives_disjoint_sm_sets(small):
+    from smid import partition_sm_ids
+
     from nanosched.greenctx import split_sms
-    from nanosched.profiler.triton_kernels import partition_sm_ids
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     pair = split_sms(0, small)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_models import make_hf
 
-from nanosched.errors import ConfigError
+from nanosched.errors import ConfigError, ProfileError
 from nanosched.kernels import reference as ref
 from nanosched.kernels.common import FP8_MAX, PAGED, PIPELINED, PIPELINED_2W, DecodeConfig
 from nanosched.kernels.dispatch import KernelOptions, triton_available
@@ -303,7 +303,7 @@ def test_search_picks_profiles_of_the_requested_kv_dtype(tmp_path):
     assert resolve(spec, 1, None, None, wl, "512", tmp_path).profile.kv_dtype == "auto"
     assert resolve(spec, 1, None, None, wl, "512", tmp_path, kv_dtype="fp8").profile.kv_dtype \
         == "fp8"
-    with pytest.raises(ConfigError, match="measured on a 'auto' KV cache, not "
+    with pytest.raises(ProfileError, match="measured on a 'auto' KV cache, not "
                                           "--kv-cache-dtype fp8"):
         resolve(spec, 1, str(tmp_path / "a-bf16.json"), None, wl, "512", tmp_path,
                 kv_dtype="fp8")

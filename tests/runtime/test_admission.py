@@ -7,10 +7,10 @@ import pytest
 import torch
 from runtime_helpers import apply_batch
 
+from bench.analysis.kvsim import sim_cost
 from nanosched.errors import ConfigError
 from nanosched.models.kvcache import KVCache
 from nanosched.runtime.batcher import Batcher
-from nanosched.runtime.kvsim import sim_cost
 from nanosched.runtime.predict import OutputLengths
 from nanosched.runtime.preempt import AdmissionConfig, KVPool
 from nanosched.runtime.requests import Request, SamplingParams

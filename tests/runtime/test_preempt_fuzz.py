@@ -9,9 +9,9 @@ import pytest
 import torch
 from runtime_helpers import make_engine, tiny_llama
 
+from bench.analysis.kvsim import KVSim, sim_cost
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
-from nanosched.runtime.kvsim import KVSim, sim_cost
 from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams
 

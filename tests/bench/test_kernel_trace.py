@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanosched.benchmarks.kernel_trace import TracedKernel, attribute, kind_of
+from bench.engine.kernel_trace import TracedKernel, attribute, kind_of
 
 GEMM_A = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT"
 GEMM_B = "nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_TNT"
@@ -56,7 +56,7 @@ def test_kernel_kinds():
 def test_the_gaps_between_the_layers_kernels_leave_out_the_embedding_and_lm_head():
     """What a forward spends between its kernels (bench/engine/engine_ops.py): from the first
     layer's first GEMM to the last layer's last kernel, the LM head and embedding outside it."""
-    from nanosched.benchmarks.kernel_trace import layer_gaps
+    from bench.engine.kernel_trace import layer_gaps
 
     idle, count = layer_gaps(forward(3, lm_head=True, shuffle=True), 3)
     assert count == 3 * len(LAYER)

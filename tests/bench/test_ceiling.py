@@ -1,4 +1,4 @@
-"""The pipeline ceiling (autosearch/ceiling.py): an LP over row-group structures that bounds
+"""The pipeline ceiling (bench/analysis/ceiling.py): an LP over row-group structures that bounds
 what a pipeline of those structures can be predicted, set against the search and the bound."""
 
 from dataclasses import replace
@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 from search_fixtures import synthetic_set_config
 
-from nanosched.autosearch import ceiling
-from nanosched.autosearch.ceiling import compositions, pipeline_ceiling
+from bench.analysis import ceiling
+from bench.analysis.ceiling import compositions, pipeline_ceiling
 from nanosched.autosearch.search import run_search
 from nanosched.autosearch.sets import key_batch, key_config, overlap_bound
 from nanosched.autosearch.simulate import sequential_op_times

@@ -1,8 +1,8 @@
-"""The profiler's one Triton kernel (GPU-only module: imports triton).
+"""The GPU tests' `%smid` reader (imports triton; GPU only).
 
-- `sm_ids(num_ctas)`: the `%smid` of each program, to check which SMs a stream may use
-  (partitions.py). The kernels the profiler measures are the model's own (nanosched/kernels/,
-  registered in impls_kernels.py), never copies of them.
+- `sm_ids(num_ctas)`: the `%smid` of each program, to check which SMs a stream may use;
+- `partition_sm_ids`: which SMs a green-context partition's programs ran on
+  (tests/gpu/test_partitions.py checks the partitions are disjoint).
 """
 
 from __future__ import annotations

@@ -6,9 +6,12 @@ lazy imports inside functions included) against the rules below.
 - schedules (the contract) import neither the runtime nor the search;
 - models know nothing of the runtime or of schedules;
 - kernels import only kernels, constants and errors;
-- the profiler imports neither the search nor the runtime.
-Top-level pure modules (constants, errors, hardware, workloads, costmodel, fileio) and the
-benchmark harnesses (`nanosched.benchmarks`, which may import both sides) are not restricted.
+- the profiler imports neither the search nor the runtime;
+- the runtime, the profiler and the models never import the benchmark harnesses (a server or
+  a profile run carries no benchmark code).
+Top-level pure modules (constants, errors, hardware, workloads, costmodel, fileio), the command
+line (`nanosched.cli`) and the benchmark harnesses (`nanosched.benchmarks`, which may import
+both sides) are not restricted. Relative imports are read as the absolute names they stand for.
 """
 
 from __future__ import annotations
@@ -19,25 +22,35 @@ from pathlib import Path
 import pytest
 
 FORBIDDEN = {
-    "runtime": {"autosearch"},
+    "runtime": {"autosearch", "benchmarks"},
     "autosearch": {"runtime", "kernels"},
     "schedules": {"runtime", "autosearch"},
-    "models": {"runtime", "schedules"},
-    "profiler": {"autosearch", "runtime"},
+    "models": {"runtime", "schedules", "benchmarks"},
+    "profiler": {"autosearch", "runtime", "benchmarks"},
 }
 KERNELS_MAY_IMPORT = {"kernels", "constants", "errors"}
 ROOT = Path(__file__).resolve().parents[1] / "nanosched"
 
 
-def imported(path: Path) -> set[str]:
-    """Every absolute module name `path` imports, at any depth of its syntax tree."""
+def imported(path: Path, module: str = "") -> set[str]:
+    """Every module name `path` imports, at any depth of its syntax tree; a relative import
+    (`from .x import y`, `from .. import z`) as the absolute name it stands for in `module`,
+    the dotted name of `path` (a package's `__init__` named after the package)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".")
+                if path.name != "__init__.py":
+                    package = package[:-1]
+                anchor = package[:len(package) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            if base:
+                names.add(base)
+                names |= {f"{base}.{a.name}" for a in node.names}
     return names
 
 
@@ -49,7 +62,9 @@ def violations(root: Path, package: str = "nanosched") -> list[str]:
         if len(parts) < 2:
             continue  # a top-level module: not restricted
         layer = parts[0]
-        for name in sorted(imported(path)):
+        stem = [] if path.name == "__init__.py" else [path.stem]
+        module = ".".join([package, *parts[:-1], *stem])
+        for name in sorted(imported(path, module)):
             bits = name.split(".")
             if bits[0] != package or len(bits) < 2:
                 continue
@@ -72,6 +87,12 @@ def test_the_package_keeps_its_layers():
     ("profiler", "from nanosched.runtime import graphs"),
     ("models", "from nanosched.schedules.format import load_schedule"),
     ("schedules", "from nanosched.autosearch import search"),
+    ("runtime", "from nanosched.benchmarks.common import synthetic_batch"),
+    ("profiler", "import nanosched.benchmarks.throughput"),
+    ("models", "from nanosched.benchmarks import verify"),
+    ("runtime", "from ..autosearch.simulate import simulate"),
+    ("models", "from .. import benchmarks"),
+    ("kernels", "from ..models.spec import ModelSpec"),
 ])
 def test_a_planted_violation_is_found_even_inside_a_function(tmp_path, layer, line):
     pkg = tmp_path / "nanosched"
@@ -82,11 +103,27 @@ def test_a_planted_violation_is_found_even_inside_a_function(tmp_path, layer, li
     assert len(found) >= 1 and all(f.startswith(f"{layer}/bad.py: imports ") for f in found)
 
 
+def test_relative_imports_are_read_as_absolute_names(tmp_path):
+    mod = tmp_path / "nanosched" / "runtime" / "server" / "app.py"
+    mod.parent.mkdir(parents=True)
+    mod.write_text("from . import text\nfrom .protocol import Job\nfrom ..engine import Engine\n"
+                   "from ...kernels import dispatch\n")
+    assert imported(mod, "nanosched.runtime.server.app") == {
+        "nanosched.runtime.server", "nanosched.runtime.server.text",
+        "nanosched.runtime.server.protocol", "nanosched.runtime.server.protocol.Job",
+        "nanosched.runtime.engine", "nanosched.runtime.engine.Engine",
+        "nanosched.kernels", "nanosched.kernels.dispatch"}
+    init = mod.with_name("__init__.py")
+    init.write_text("from .app import run\n")
+    assert imported(init, "nanosched.runtime.server") >= {"nanosched.runtime.server.app"}
+
+
 def test_allowed_imports_pass(tmp_path):
     pkg = tmp_path / "nanosched"
     (pkg / "kernels").mkdir(parents=True)
     (pkg / "kernels" / "k.py").write_text(
-        "from nanosched.constants import PAGE_SIZE\nfrom nanosched.kernels import impls\n")
+        "from nanosched.constants import PAGE_SIZE\nfrom nanosched.kernels import impls\n"
+        "from .common import num_sms\nfrom . import reference\n")
     (pkg / "benchmarks").mkdir()
     (pkg / "benchmarks" / "b.py").write_text(
         "import nanosched.runtime.engine\nimport nanosched.autosearch.simulate\n")

@@ -10,7 +10,6 @@ from repo import ROOT
 
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 _LINK = re.compile(r"\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.M)
-_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 
 
 def slug(heading: str) -> str:
@@ -20,7 +19,7 @@ def slug(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
-    text = _CODE.sub("", path.read_text()) if path.suffix == ".md" else ""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S) if path.suffix == ".md" else ""
     return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
 
 

@@ -27,7 +27,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "transformers>=5.0", "ruff>=0.5", "triton>=3.0",
-                 "fastapi>=0.160", "uvicorn>=0.50", "httpx>=0.27", "matplotlib>=3.7"],
+                 "fastapi>=0.160", "uvicorn>=0.50", "httpx>=0.27", "matplotlib>=3.7",
+                 "openai>=1.0"],
         "serve": ["fastapi>=0.160", "uvicorn>=0.50"],
         "plot": ["matplotlib>=3.7"],
         "gpu": ["triton>=3.0"],

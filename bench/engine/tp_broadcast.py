@@ -59,7 +59,7 @@ def batch_chunks(rows: int, prefill_chunks: int) -> tuple[list, list[bool]]:
 def host_costs(tp: int, rows: int, prefill_chunks: int, iters: int, gap_s: float
                ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    writer = ChannelWriter(tp - 1, ctx)
+    writer = ChannelWriter(tp - 1)
     out = ctx.SimpleQueue()
     procs = [ctx.Process(target=reader, args=(writer.handle, i, out)) for i in range(tp - 1)]
     for p in procs:

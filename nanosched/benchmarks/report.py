@@ -12,7 +12,7 @@ from typing import Any
 
 # (key in a run's "results", label, scale, format); a row "" starts a section named by label.
 # A row whose value is None in every run is left out (% of optimal needs a measured GEMM peak:
-# a GPU).
+# a GPU), and so is throughput per GPU on one GPU.
 METRICS: list[tuple[str, str, float, str]] = [
     ("requests", "Successful requests", 1, "d"),
     ("elapsed_s", "Benchmark duration (s)", 1, ".2f"),
@@ -21,6 +21,7 @@ METRICS: list[tuple[str, str, float, str]] = [
     ("requests_per_s", "Request throughput (req/s)", 1, ".2f"),
     ("output_tokens_per_s", "Output token throughput (tok/s)", 1, ".1f"),
     ("tokens_per_s", "Total token throughput (tok/s)", 1, ".1f"),
+    ("tokens_per_s_per_gpu", "Total token throughput per GPU (tok/s)", 1, ".1f"),
     ("percent_of_optimal", "% of optimal (GEMM peak / 2 x params)", 1, ".1f"),
     ("", "Time to First Token", 1, ""),
     ("ttft_mean_s", "Mean TTFT (ms)", 1e3, ".2f"),
@@ -35,6 +36,9 @@ METRICS: list[tuple[str, str, float, str]] = [
     ("itl_median_s", "Median ITL (ms)", 1e3, ".2f"),
     ("itl_p99_s", "P99 ITL (ms)", 1e3, ".2f"),
 ]
+
+# a row that repeats another on one GPU (left out there)
+SAME_ON_ONE_GPU = {"tokens_per_s_per_gpu": "tokens_per_s"}
 
 # a ratio between two runs is flagged when the run compared replayed its strategy in fewer
 # iterations than these, or when either run was shorter than MIN_RATIO_SECONDS
@@ -60,7 +64,9 @@ def results_table(results: dict[str, dict[str, Any]]) -> list[str]:
             rows.append(label)
             continue
         values = [results[n].get(key) for n in names]
-        if all(v is None for v in values):
+        if all(v is None for v in values) or key in SAME_ON_ONE_GPU and all(
+                v == results[n].get(SAME_ON_ONE_GPU[key]) for n, v in zip(names, values,
+                                                                           strict=True)):
             continue
         rows.append([label, *(_cell(v, scale, fmt) for v in values)])
     body = [r for r in rows if isinstance(r, list)]
@@ -131,6 +137,11 @@ def run_lines(name: str, run: dict[str, Any]) -> list[str]:
         lines.append(f"  GPU: {t['busy_s']:.1f} s on {t['iterations']} iterations' work, "
                      f"{t['idle_s']:.1f} s between them waiting for the CPU "
                      f"({100 * t['idle_s'] / wall:.0f}% of the {wall:.1f} s run)")
+    if "tp_messages" in run:
+        m = run["tp_messages"]
+        lines.append(f"  tensor parallel: rank 0 sent {m['steps']} steps to the other ranks, "
+                     f"{m['host_us_per_step']:.0f} us and {m['bytes_per_step'] / 1e3:.1f} KB "
+                     f"per step")
     if "graph_stats" in run:
         g = run["graph_stats"]
         lines.append(f"  CUDA graphs: {g['replays']} replays, {g['captures']} captures "

@@ -9,6 +9,7 @@ is their mean (§6.3). Benchmark mode ignores EOS and generates each request's g
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -17,14 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanosched.benchmarks.common import (
-    bucket_batch,
-    decode_room,
-    environment,
-    fitting_context,
-    measured_gemm_tflops,
-    synthetic_batch,
-)
+from nanosched.benchmarks.common import environment, measured_gemm_tflops
+from nanosched.benchmarks.full_forward import engine_forward_ms, forward_pages
 from nanosched.benchmarks.report import ratio_warnings
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
@@ -41,7 +36,6 @@ from nanosched.runtime.loader import (
     resolve_weights,
 )
 from nanosched.runtime.requests import Request, make_requests, poisson_arrivals
-from nanosched.runtime.scheduler import OpScheduler
 
 
 @dataclass(frozen=True)
@@ -104,60 +98,6 @@ def summarize(reqs: list[Request], elapsed_s: float, tp: int, params: int,
         "latency_per_output_token_p99_s": float(np.percentile(per_token, 99)),
         **_spread(ttft, "ttft"), **_spread(tpot, "tpot"), **_spread(itl, "itl"),
     }
-
-
-def forward_pages(dense: int, num_decode: int, context: int, prompt: int, page: int) -> int:
-    """KV pages `forward_ms` plans its full batch into: `num_decode` requests of `context`
-    cached tokens plus their next one, prompt chunks of at most `prompt` tokens, 8 spare."""
-    chunks = -(-(dense - num_decode) // max(1, prompt))
-    return num_decode * -(-(context + 1) // page) + -(-(dense - num_decode) // page) + chunks + 8
-
-
-def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: int,
-               num_decode: int, context: int, prompt: int, reps: int = 5, graphs: bool = False
-               ) -> tuple[float, int, int]:
-    """Median wall time of one forward over a full synthetic batch (synchronised each time),
-    in the workspace `ws` of a finished run; decode tokens and their context shrink to what its
-    cache holds. With `graphs`, the batch is laid out in its bucket (decode rows rounded up to
-    32) and the forward is a CUDA graph's replay, metadata writes included. Returns (ms, decode
-    tokens, decode context)."""
-    from nanosched.runtime.backend import Backend
-    from nanosched.runtime.graphs import BucketRunner
-    from nanosched.runtime.modelprogram import model_program
-    from nanosched.runtime.scheduler import run_program
-    from nanosched.runtime.strategies import Sequential
-
-    page = ws.kv.page_size
-    num_decode = max(0, min(num_decode, decode_room(ws, dense, num_decode, prompt)))
-    context = fitting_context(ws, dense, num_decode, context, prompt)
-    runner = BucketRunner(model, ws, Backend(device), strategy, align=EngineConfig.graph_align,
-                          max_pages=-(-max(context + 1, prompt) // page), capture=True) \
-        if graphs else None
-    untimed = 2 if graphs else 1  # the first forward compiles; with graphs the second captures
-    times = []
-    for rep in range(reps + untimed):
-        first_id = rep * 10**7
-        if runner is None:
-            meta, segments, ids = synthetic_batch(ws, dense, num_decode, context, prompt,
-                                                  first_id)
-            program = model_program(model, ws, meta, segments)
-            run = strategy.pick(program, num_decode) or Sequential()
-            t0 = time.perf_counter()
-            run_program(program, run, Backend(device))
-        else:
-            seqs, ids = bucket_batch(ws, dense, num_decode, context, prompt, first_id,
-                                     runner.align)
-            ws.token_ids[:dense].random_(0, 1000)
-            entry = runner.entry(runner.bucket(seqs))
-            t0 = time.perf_counter()
-            runner.run(entry, seqs)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        if rep >= untimed:
-            times.append((time.perf_counter() - t0) * 1e3)
-        for r in ids:
-            ws.kv.release(r)
-    return float(np.median(times)), num_decode, context
 
 
 GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -240,12 +180,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Build the model once; serve every request with each strategy asked for (the same
     requests, one engine after another in this process); return the figures as a dict."""
     eng = cfg.engine
-    if eng.tp != 1:
-        raise ConfigError("--tp > 1 is not benchmarked yet: run with --tp 1")
     if eng.model is None:
         raise ConfigError("--model is required")
     spec = load_spec(eng.model)
-    device = resolve_device(eng.device)
+    spec.check_tp(eng.tp)
+    device = resolve_device(eng.device, 0 if eng.tp > 1 else None)
     graphs = resolve_graphs(eng.graphs, device, tuple(GRAPH_MODES))
     runs = _runs(cfg, spec, device, graphs)
     dense = resolve_dense_batch(eng.dense_batch, runs[-1].choice, device)
@@ -254,7 +193,26 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     if warm < 0:
         raise ConfigError(f"--warmup-prompts must be >= 0, got {warm}")
     weights = resolve_weights(eng.model, eng.weights)
-    model = load_model(spec, weights, device, eng.seed, kernels=eng.kernels)
+    with _ranks(eng, weights, device) as group:
+        return _bench(cfg, spec, device, graphs, runs, dense, warm, weights, group, progress)
+
+
+def _ranks(eng: EngineConfig, weights: str, device: torch.device) -> Any:
+    """At tp > 1 the group of ranks (this process is rank 0), else nothing to hold."""
+    if eng.tp == 1:
+        return contextlib.nullcontext()
+    from nanosched.runtime.ranks.group import start_ranks
+
+    return start_ranks(eng, weights, device)
+
+
+def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
+           runs: list[_Run], dense: int, warm: int, weights: str, group: Any,
+           progress: bool) -> dict[str, Any]:
+    """`run_bench` once the group of ranks (None at tp = 1) is up."""
+    eng = cfg.engine
+    model = load_model(spec, weights, device, eng.seed, group.tp if group else None,
+                       eng.kernels)
     gemm = measured_gemm_tflops(device)
     record = {k: v for k, v in asdict(cfg).items() if k != "engine"} | \
         {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids", "admission")}
@@ -263,14 +221,16 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
                "preemption": adm.preemption, "swap_space_gib": adm.swap_space_gib,
                "decode_attention": eng.kernels.decode_impl}
     out: dict[str, Any] = {"config": record | {"dense_batch": dense, "graphs": graphs},
-                           "environment": environment(device), "model_params": spec.num_params(),
+                           "environment": environment(device) | {"num_gpus": eng.tp},
+                           "model_params": spec.num_params(),
                            "gemm_tflops_8192": gemm, "runs": {}, "warmup_prompts": warm}
     # every run times its full-batch forward on the same batch: the schedule's mix if any
     num_decode = next((r.info["num_decode"] for r in runs if r.info), None)
     for r in runs:
         run_cfg = replace(eng, dense_batch=dense, graphs="on" if r.graphs else "off",
                           admission=replace(eng.admission, gemm_tflops=gemm))
-        out["runs"][r.name] = _serve(cfg, run_cfg, model, gemm, r, warm, progress, num_decode)
+        out["runs"][r.name] = _serve(cfg, run_cfg, model, gemm, r, warm, progress, num_decode,
+                                     group)
     tps = {name: run["results"]["tokens_per_s"] for name, run in out["runs"].items()}
 
     def ratio(a: str, b: str) -> dict[str, Any]:
@@ -300,7 +260,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
 
 
 def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | None, run: _Run,
-           warm: int, progress: bool, num_decode: int | None) -> dict[str, Any]:
+           warm: int, progress: bool, num_decode: int | None, group: Any = None
+           ) -> dict[str, Any]:
     """Serve `warm` untimed requests, then the timed ones, on one engine (so graphs captured in
     the warm-up are replayed in the run, as a server captures before it serves); then time a
     full-batch forward with `num_decode` decode tokens (a third of the batch when None)."""
@@ -330,7 +291,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
 
     run_cfg = replace(run_cfg, gpu_timeline=True)  # how long the GPU waited for the CPU
     with build_engine(model, run_cfg, run.choice, requests=reqs + warm_reqs,
-                      on_token=on_token) as loaded:
+                      on_token=on_token, ranks=group) as loaded:
         engine, dense = loaded.engine, loaded.config.dense_batch
         warm_graphs = None
         with torch.inference_mode():
@@ -342,12 +303,14 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                 engine.batcher.reset_stats()
             token_times.clear()  # the warm-up's
             bar = _progress(len(reqs), progress)
+            sent = engine.link.counters() if engine.link is not None else None
             elapsed = _drain(engine, reqs, bar)
             bar.close()
+            if sent is not None:
+                sent = _sent_per_step(sent, engine.link.counters())
             timeline = engine.gpu_timeline_report()
-            fwd, n_dec, ctx = forward_ms(model, engine.ws, engine.strategy,
-                                         engine.backend.device, dense, n_dec, context, prompt,
-                                         graphs=run.graphs)
+            fwd, n_dec, ctx = engine.run_on_ranks(engine_forward_ms, dense, n_dec, context,
+                                                  prompt, run.graphs)
             shapes = shape_report(engine.stats, run.choice.schedule,
                                   engine.forward_ms_by_shape())
         stats, batches = engine.stats, engine.batcher.report()
@@ -369,11 +332,21 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                                token_times)}
     if timeline is not None:  # the compute stream over the timed run's iterations
         out["gpu_timeline"] = timeline
+    if sent is not None:
+        out["tp_messages"] = sent
     if stats.graphs is not None:
         out["graph_stats"] = stats.graphs.as_dict()
         out["graph_stats_warmup"] = warm_graphs
         out["graph_errors"] = {f"{k[0]} {k[1]}": v for k, v in graph_errors.items()}
     return out
+
+
+def _sent_per_step(before: tuple[int, float, int],
+                   after: tuple[int, float, int]) -> dict[str, float]:
+    """What rank 0 spent sending the timed run's steps to the other ranks, per step."""
+    steps = max(1, after[0] - before[0])
+    return {"steps": after[0] - before[0], "host_us_per_step": 1e6 * (after[1] - before[1]) / steps,
+            "bytes_per_step": (after[2] - before[2]) / steps}
 
 
 def _drain(engine: Any, reqs: list[Request], bar: Any) -> float:

@@ -23,7 +23,8 @@ from nanosched.cli.options import (
 
 def bench(
     model: str = model_option("Model name or HF checkpoint folder."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: one process per GPU, "
+                           "started by this command (this one schedules)."),
     weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a local "
                                        "HF checkpoint folder (default: the --model folder's "
                                        "weights, else random, as serve)."),

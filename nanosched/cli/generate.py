@@ -28,7 +28,8 @@ def generate(
     max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (processes)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: one process per GPU, "
+                           "started by this command (this one schedules)."),
     seed: Seed = 0,
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
     kv_cache_dtype: KvCacheDtype = "auto",

@@ -27,7 +27,8 @@ def serve(
     weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a "
                                        "checkpoint folder (default: the --model folder's "
                                        "weights, else random)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (1 for now)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: one process per GPU, "
+                           "started by this command (this one schedules)."),
     schedule: str = typer.Option("auto", "--schedule", help="'auto' (a matching shipped "
                                  "schedule, else Sequential), 'sequential', 'two_batch', or a "
                                  "schedule JSON file (refused if made for another model, tp "

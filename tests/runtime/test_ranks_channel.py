@@ -33,7 +33,7 @@ def payloads() -> list[bytes]:
 
 def test_every_reader_gets_every_message_in_order():
     ctx = mp.get_context("spawn")
-    writer = ChannelWriter(2, ctx, num_slots=3, slot_bytes=64)
+    writer = ChannelWriter(2, num_slots=3, slot_bytes=64)
     out = ctx.SimpleQueue()
     procs = [ctx.Process(target=echo, args=(writer.handle, i, out)) for i in range(2)]
     for p in procs:
@@ -60,7 +60,7 @@ def test_every_reader_gets_every_message_in_order():
 
 
 def test_a_writer_blocked_on_a_gone_reader_is_told_by_its_check():
-    writer = ChannelWriter(1, mp.get_context("spawn"), num_slots=2, slot_bytes=16)
+    writer = ChannelWriter(1, num_slots=2, slot_bytes=16)
     calls = []
 
     def check() -> None:

@@ -4,11 +4,14 @@ what each iteration runs.
 As vLLM's `MessageQueue` (distributed/device_communicators/shm_broadcast.py): a ring of fixed
 slots in one shared-memory block, filled by the writer and read by every reader in the same
 order; a slot is written again only once every reader has read it. Unlike vLLM's readers, which
-spin on flags in the block, waiting here is on POSIX semaphores: per reader one that counts the
-slots written for it and one that counts the slots it has handed back. So an idle rank sleeps
-in the kernel and wakes when rank 0 posts (no CPU burnt between iterations, which matters where
-several ranks share few cores), a full ring blocks the writer the same way, and the semaphore
-operations order the slot's bytes between processes (sem_post / sem_wait are barriers).
+spin on flags in the block, waiting here is on process-shared POSIX semaphores kept in the same
+block (`sem_init(pshared=1)` through ctypes, Linux): per reader one that counts the slots written
+for it and one that counts the slots it has handed back. So an idle rank sleeps in the kernel
+and wakes when rank 0 posts (no CPU burnt between iterations, which matters where several ranks
+share few cores), a full ring blocks the writer the same way, and the semaphore operations
+order the slot's bytes between processes (sem_post / sem_wait are barriers). Nothing is named
+but the block, which rank 0 unlinks once every reader has attached (`unlink`): a rank that dies
+leaves nothing behind.
 
 A message is pickled (protocol 5) and spread over as many consecutive slots as it needs: each
 slot's header holds its payload's length and whether the next slot continues it.
@@ -16,34 +19,98 @@ slot's header holds its payload's length and whether the next slot continues it.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import pickle
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
 HEADER = struct.Struct("<qq")  # payload bytes, 1 when the next slot continues the message
+SEM_BYTES = 32  # sizeof(sem_t) on 64-bit Linux (glibc and musl)
 WAIT_S = 0.5  # a blocked side wakes this often to check that its peers are alive
 DEFAULT_SLOTS = 8
-DEFAULT_SLOT_BYTES = 1 << 20  # an iteration at 2,048 decode rows takes ~17 KB
+DEFAULT_SLOT_BYTES = 1 << 20  # an iteration at 2,048 decode rows takes ~18 KB
 
 
-@dataclass
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "sem_timedwait"):
+        raise OSError("the tensor-parallel channel needs POSIX semaphores (sem_timedwait): "
+                      "run on Linux")
+    return libc
+
+
+class ShmSemaphore:
+    """A process-shared semaphore at `offset` of a shared buffer (`value`: create it)."""
+
+    def __init__(self, libc: Any, buf: memoryview, offset: int, value: int | None) -> None:
+        self._libc = libc
+        self._cell: Any = ctypes.c_char.from_buffer(buf, offset)  # pins the buffer
+        self._ptr = ctypes.byref(self._cell)
+        if value is not None and libc.sem_init(self._ptr, 1, value) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+
+    def release(self) -> None:
+        self._libc.sem_post(self._ptr)
+
+    def acquire(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds; False when it ran out."""
+        deadline = time.time() + timeout
+        ts = _Timespec(int(deadline), int(deadline % 1 * 1e9))
+        while self._libc.sem_timedwait(self._ptr, ctypes.byref(ts)) != 0:
+            err = ctypes.get_errno()
+            if err == errno.ETIMEDOUT:
+                return False
+            if err != errno.EINTR:
+                raise OSError(err, "sem_timedwait failed")
+        return True
+
+    def forget(self) -> None:
+        """Drop the view of the buffer (before the block is closed)."""
+        self._cell = self._ptr = None
+
+
+@dataclass(frozen=True)
 class ChannelHandle:
-    """What a reader needs to attach (picklable when a process is spawned with it)."""
+    """What a reader needs to attach (picklable)."""
 
     name: str
+    num_readers: int
     num_slots: int
     slot_bytes: int
-    written: list[Any]  # per reader: a semaphore counting slots written for it
-    freed: list[Any]  # per reader: a semaphore counting slots it may be written again
+
+    @property
+    def ring_offset(self) -> int:
+        return 2 * self.num_readers * SEM_BYTES
+
+    @property
+    def size(self) -> int:
+        return self.ring_offset + self.num_slots * (HEADER.size + self.slot_bytes)
+
+    def slot(self, index: int) -> int:
+        """The offset of the slot that message slot number `index` uses."""
+        return self.ring_offset + (index % self.num_slots) * (HEADER.size + self.slot_bytes)
+
+    def semaphores(self, buf: memoryview, reader: int, create: bool) -> tuple[ShmSemaphore, ...]:
+        """Reader `reader`'s (written, freed) pair, created with (0, num_slots) if `create`."""
+        libc = _libc()
+        base = 2 * reader * SEM_BYTES
+        return (ShmSemaphore(libc, buf, base, 0 if create else None),
+                ShmSemaphore(libc, buf, base + SEM_BYTES, self.num_slots if create else None))
 
 
-def _wait(sem: Any, check: Callable[[], None] | None) -> None:
+def _wait(sem: ShmSemaphore, check: Callable[[], None] | None) -> None:
     """Acquire `sem`, calling `check` (which raises or exits when a peer is gone) between
     waits of `WAIT_S`."""
-    while not sem.acquire(timeout=WAIT_S):
+    while not sem.acquire(WAIT_S):
         if check is not None:
             check()
 
@@ -51,40 +118,50 @@ def _wait(sem: Any, check: Callable[[], None] | None) -> None:
 class ChannelWriter:
     """Rank 0's end: `send(obj)` to every reader, in order."""
 
-    def __init__(self, num_readers: int, ctx: Any, num_slots: int = DEFAULT_SLOTS,
+    def __init__(self, num_readers: int, num_slots: int = DEFAULT_SLOTS,
                  slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
-        self.shm = shared_memory.SharedMemory(create=True,
-                                              size=num_slots * (HEADER.size + slot_bytes))
-        self.handle = ChannelHandle(self.shm.name, num_slots, slot_bytes,
-                                    [ctx.Semaphore(0) for _ in range(num_readers)],
-                                    [ctx.Semaphore(num_slots) for _ in range(num_readers)])
+        probe = ChannelHandle("", num_readers, num_slots, slot_bytes)
+        self.shm = shared_memory.SharedMemory(create=True, size=probe.size)
+        self.handle = ChannelHandle(self.shm.name, num_readers, num_slots, slot_bytes)
+        pairs = [self.handle.semaphores(self.shm.buf, r, create=True)
+                 for r in range(num_readers)]
+        self.written = [w for w, _ in pairs]
+        self.freed = [f for _, f in pairs]
         self.index = 0  # slots written so far
         self.check: Callable[[], None] | None = None  # raises when a reader is gone
         self.bytes_sent = 0
+        self._linked = True
 
     def send(self, obj: Any) -> int:
         """Pickle `obj` into the ring (waiting while a reader is a whole ring behind); returns
         the message's size in bytes."""
         data = pickle.dumps(obj, protocol=5)
-        h = self.handle
-        view, buf = memoryview(data), self.shm.buf
+        h, view, buf = self.handle, memoryview(data), self.shm.buf
         for start in range(0, max(1, len(data)), h.slot_bytes):
             part = view[start:start + h.slot_bytes]
-            for sem in h.freed:
+            for sem in self.freed:
                 _wait(sem, self.check)
-            offset = (self.index % h.num_slots) * (HEADER.size + h.slot_bytes)
+            offset = h.slot(self.index)
             HEADER.pack_into(buf, offset, len(part), start + h.slot_bytes < len(data))
             buf[offset + HEADER.size:offset + HEADER.size + len(part)] = part
-            for sem in h.written:
+            for sem in self.written:
                 sem.release()
             self.index += 1
         self.bytes_sent += len(data)
         return len(data)
 
+    def unlink(self) -> None:
+        """Remove the block's name (every reader has attached; the mappings stay)."""
+        if self._linked:
+            self._linked = False
+            self.shm.unlink()
+
     def close(self) -> None:
-        """Release and remove the shared memory (readers may still hold their mapping)."""
+        """Unmap and remove the block (readers may still hold their mapping)."""
+        for sem in self.written + self.freed:
+            sem.forget()
         self.shm.close()
-        self.shm.unlink()
+        self.unlink()
 
 
 class ChannelReader:
@@ -93,7 +170,7 @@ class ChannelReader:
     def __init__(self, handle: ChannelHandle, reader: int) -> None:
         self.handle = handle
         self.shm = shared_memory.SharedMemory(name=handle.name)
-        self.written, self.freed = handle.written[reader], handle.freed[reader]
+        self.written, self.freed = handle.semaphores(self.shm.buf, reader, create=False)
         self.index = 0
 
     def recv(self, check: Callable[[], None] | None = None) -> Any:
@@ -101,7 +178,7 @@ class ChannelReader:
         h, buf, parts = self.handle, self.shm.buf, []
         while True:
             _wait(self.written, check)
-            offset = (self.index % h.num_slots) * (HEADER.size + h.slot_bytes)
+            offset = h.slot(self.index)
             size, more = HEADER.unpack_from(buf, offset)
             parts.append(bytes(buf[offset + HEADER.size:offset + HEADER.size + size]))
             self.freed.release()
@@ -110,4 +187,6 @@ class ChannelReader:
                 return pickle.loads(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def close(self) -> None:
+        self.written.forget()
+        self.freed.forget()
         self.shm.close()

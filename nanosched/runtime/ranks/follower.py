@@ -65,11 +65,11 @@ def run_worker(rank: int, size: int, port: int, handle: ChannelHandle,
     if not cuda:  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     bind_device(device)
+    reader = ChannelReader(handle, rank - 1)  # before joining: rank 0 then unlinks the channel
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, device_id=device if cuda else None)
     model = load_model(load_spec(setup.model), setup.weights, device, setup.seed,
                        TensorParallel(rank, size), setup.kernels, copy_engine=setup.copy_engine)
-    reader = ChannelReader(handle, rank - 1)
     with torch.inference_mode():
         Follower(model, reader, setup.parent_pid).run()
     reader.close()

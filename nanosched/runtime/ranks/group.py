@@ -107,6 +107,8 @@ class RankGroup:
         for p in self.procs:
             with contextlib.suppress(Exception):
                 p.kill()
+        with contextlib.suppress(Exception):
+            self.writer.unlink()
         os._exit(RANK_DIED_EXIT)
 
     # ---- shutdown --------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def start_ranks(cfg: EngineConfig, weights: str, device: torch.device,
                           f"{torch.cuda.device_count()} are visible")
     os.environ.update(MULTICAST_OFF)  # forced, not defaulted; the workers inherit it
     ctx = mp.get_context("spawn")
-    writer = ChannelWriter(size - 1, ctx)
+    writer = ChannelWriter(size - 1)
     port = free_port()
     setup = WorkerSetup(cfg.model, weights, cfg.seed, cfg.kernels, device.type, os.getpid(),
                         copy_engine)
@@ -176,6 +178,7 @@ def start_ranks(cfg: EngineConfig, weights: str, device: torch.device,
         bind_device(device)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=size, device_id=device if backend == "nccl" else None)
+        writer.unlink()  # every worker attached to the channel before it joined the group
     except BaseException:
         group.close(failed=True)
         raise

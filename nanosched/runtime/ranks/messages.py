@@ -12,6 +12,7 @@ each sampling) as an int64 array, then (request id, tokens, samples) per prompt 
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ class EngineLink:
         self.send, self.key = send, key
         self.journal: list[tuple] = []
         self.bytes_sent = 0
+        self.steps = 0
+        self.step_s = 0.0  # host time spent in `step` (building and posting the messages)
 
     def _take(self) -> list[tuple]:
         ops = list(self.journal)
@@ -94,10 +97,17 @@ class EngineLink:
              num_decode: int) -> None:
         """Send a batch (`chunks` as `KVCache.plan_chunks` takes them, decode chunks first;
         whether each samples) with the journal."""
+        t0 = time.perf_counter()
         ids = array("q", [c[0] for c in chunks[:num_decode]])
         prefill = [(r, n, s) for (r, n, _), s in zip(chunks[num_decode:],
                                                     samples[num_decode:], strict=True)]
         self.bytes_sent += self.send(Step(self.key, self._take(), ids, prefill))
+        self.steps += 1
+        self.step_s += time.perf_counter() - t0
+
+    def counters(self) -> tuple[int, float, int]:
+        """(steps sent, host seconds spent sending them, bytes sent) so far."""
+        return self.steps, self.step_s, self.bytes_sent
 
     def call(self, fn: Callable[..., Any], args: tuple) -> None:
         self.bytes_sent += self.send(Call(self.key, self._take(), fn, args))

@@ -67,9 +67,6 @@ def check_flags(cfg: ServeConfig) -> None:
     """Refuse bad server flags before the port is bound or anything loads."""
     if cfg.engine.model is None:
         raise ConfigError("--model is required")
-    if cfg.engine.tp != 1:
-        raise ConfigError(f"--tp {cfg.engine.tp}: serving runs one process on one GPU for now; "
-                          f"use --tp 1")
     if not 0 <= cfg.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {cfg.port}")
     if cfg.max_queue < 1:
@@ -127,9 +124,10 @@ def prepare(cfg: ServeConfig) -> Served:
     codec = TextCodec.for_model(cfg.engine.model)  # a bad tokenizer is named before the model
     loaded = load_engine(cfg.engine)
     c = loaded.config
-    log.info("%s on %s: strategy %s, dense batch %d, %d KV pages of %d tokens, CUDA graphs %s",
-             loaded.spec.name, gpu_name(loaded.model.device), loaded.choice.name,
-             c.dense_batch, c.num_pages, c.page_size, c.graphs)
+    log.info("%s on %s%s: strategy %s, dense batch %d, %d KV pages of %d tokens, CUDA graphs "
+             "%s", loaded.spec.name, f"{c.tp} x " if c.tp > 1 else "",
+             gpu_name(loaded.model.device), loaded.choice.name, c.dense_batch, c.num_pages,
+             c.page_size, c.graphs)
     name, aliases = model_names(cfg.engine.model, cfg.served_model_name)
     log.info("serving as model %r%s", name,
              "".join(f" (or {a!r})" for a in aliases))

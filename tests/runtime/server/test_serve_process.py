@@ -30,8 +30,8 @@ def test_a_schedule_for_another_model_stops_the_server_with_exit_2():
                                  "--device", "cpu", "--port", "1"])
     assert r.exit_code == 2, r.output
     assert "schedule does not match this setup: model:" in r.output
-    r = CliRunner().invoke(app, ["serve", "--model", CONFIG, "--tp", "2"])
-    assert r.exit_code == 2 and "--tp 2" in r.output
+    r = CliRunner().invoke(app, ["serve", "--model", CONFIG, "--tp", "3", "--port", "0"])
+    assert r.exit_code == 2 and "--tp 3 does not divide" in r.output
 
 
 def test_auto_picks_a_matching_schedule_only_when_it_predicts_a_gain(tmp_path):

@@ -1,7 +1,6 @@
 """One engine on two GPUs (NCCL): CUDA graphs per bucket on both ranks give the tokens of the
 same buckets run eagerly, with preemption by swap and an FP8 KV cache; `bench --tp 2` replays
-graphs on both ranks; `serve --tp 2` answers, drains on SIGTERM and ends non-zero within 10 s
-when a worker is killed while rank 0 waits in NCCL.
+graphs on both ranks (tests/gpu/test_tp_serve_gpu.py: the server).
 
 Run on a machine with two or more GPUs: `PYTHONPATH=. python -m pytest -m gpu
 tests/gpu/test_tp_engine_gpu.py` (a 2-layer model of Llama-3-8B's shapes, random weights).
@@ -9,24 +8,18 @@ tests/gpu/test_tp_engine_gpu.py` (a 2-layer model of Llama-3-8B's shapes, random
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import replace
-from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from repo import ROOT
+from runtime_helpers import llama3_8b_layers
 
-from nanosched.models.spec import REGISTRY, load_spec
+from nanosched.models.spec import load_spec
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.loader import build_engine, load_model, named_choice
 from nanosched.runtime.preempt import AdmissionConfig
@@ -39,17 +32,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    """config.json of Llama-3-8B with 2 layers (random weights)."""
-    path = tmp_path_factory.mktemp("m") / "llama3-8b-2l"
-    path.mkdir()
-    spec = REGISTRY["llama3-8b"]
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": spec.hidden_size,
-        "num_hidden_layers": 2, "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads, "intermediate_size": spec.intermediate_size,
-        "vocab_size": spec.vocab_size, "max_position_embeddings": 4096,
-        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu"}))
-    return str(path)
+    return llama3_8b_layers(tmp_path_factory.mktemp("m") / "llama3-8b-2l")
 
 
 def requests() -> list[Request]:
@@ -100,70 +83,3 @@ def test_bench_tp2_replays_graphs_on_both_ranks(folder, tmp_path):
     assert run["graph_stats"]["replays"] > 0 and not run["graph_errors"]
     assert run["results"]["percent_of_optimal"] > 0
     assert run["tp_messages"]["steps"] == run["iterations"]
-
-
-def start(folder: str, log: Path) -> tuple[subprocess.Popen, str, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "nanosched.cli", "serve", "--model", folder,
-                             "--tp", "2", "--port", str(port), "--dense-batch", "512"],
-                            env=os.environ | {"PYTHONPATH": str(ROOT)}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.5)
-    pid = int(re.search(r"ranks 1\.\.\d+ are pids (\d+)", log.read_text()).group(1))
-    return proc, url, pid
-
-
-def stream(url: str, n: int, on_first=None) -> list[int]:
-    body = {"model": "llama3-8b-2l", "prompt": [1, 2, 3], "max_tokens": n, "stream": True,
-            "ignore_eos": True}
-    ids: list[int] = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                if not ids and on_first is not None:
-                    on_first()
-                ids += json.loads(line[6:])["choices"][0]["token_ids"]
-    return ids
-
-
-def test_serve_tp2_drains_on_sigterm(folder, tmp_path):
-    log = tmp_path / "serve.log"
-    proc, url, worker = start(folder, log)
-    try:
-        assert len(stream(url, 300, lambda: proc.send_signal(signal.SIGTERM))) == 300
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert not Path(f"/proc/{worker}").exists() or \
-        "State:\tZ" in Path(f"/proc/{worker}/status").read_text()
-
-
-def test_serve_tp2_ends_within_10_s_when_a_worker_is_killed(folder, tmp_path):
-    log = tmp_path / "serve.log"
-    proc, url, worker = start(folder, log)
-    killed: list[float] = []
-
-    def kill() -> None:
-        os.kill(worker, signal.SIGKILL)
-        killed.append(time.monotonic())
-
-    try:
-        with contextlib.suppress(httpx.HTTPError):  # the server goes away mid-stream
-            stream(url, 2000, kill)
-        code = proc.wait(timeout=60)
-        took = time.monotonic() - killed[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code != 0 and took <= 10, (code, took, log.read_text())
-    assert f"tensor-parallel rank 1 (pid {worker}) was killed by SIGKILL" in log.read_text()

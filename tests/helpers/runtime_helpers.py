@@ -19,6 +19,24 @@ def tiny_llama(folder, seed=1):
     return m
 
 
+def llama3_8b_layers(folder, num_layers=2):
+    """A config.json of Llama-3-8B's shapes with `num_layers` layers in `folder` (random
+    weights: the GPU tests' model); returns the folder as a string."""
+    import json
+
+    from nanosched.models.spec import REGISTRY
+
+    spec = REGISTRY["llama3-8b"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": spec.hidden_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size, "max_position_embeddings": 4096,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu"}))
+    return str(folder)
+
+
 ENGINE_OBJECTS = ("strategy", "fallback", "device", "stream_configs", "on_token")
 
 

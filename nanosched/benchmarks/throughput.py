@@ -193,26 +193,29 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     if warm < 0:
         raise ConfigError(f"--warmup-prompts must be >= 0, got {warm}")
     weights = resolve_weights(eng.model, eng.weights)
-    with _ranks(eng, weights, device) as group:
-        return _bench(cfg, spec, device, graphs, runs, dense, warm, weights, group, progress)
+    copy_engine = any(r.choice.uses_copy_engine() for r in runs)
+    with _ranks(eng, weights, device, copy_engine) as group:
+        return _bench(cfg, spec, device, graphs, runs, dense, warm, weights, group, progress,
+                      copy_engine)
 
 
-def _ranks(eng: EngineConfig, weights: str, device: torch.device) -> Any:
+def _ranks(eng: EngineConfig, weights: str, device: torch.device, copy_engine: bool) -> Any:
     """At tp > 1 the group of ranks (this process is rank 0), else nothing to hold."""
     if eng.tp == 1:
         return contextlib.nullcontext()
     from nanosched.runtime.ranks.group import start_ranks
 
-    return start_ranks(eng, weights, device)
+    return start_ranks(eng, weights, device, copy_engine)
 
 
 def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
            runs: list[_Run], dense: int, warm: int, weights: str, group: Any,
-           progress: bool) -> dict[str, Any]:
-    """`run_bench` once the group of ranks (None at tp = 1) is up."""
+           progress: bool, copy_engine: bool = False) -> dict[str, Any]:
+    """`run_bench` once the group of ranks (None at tp = 1) is up; `copy_engine`: a run's
+    schedule uses the copy-engine all-reduce (every rank maps its buffers)."""
     eng = cfg.engine
     model = load_model(spec, weights, device, eng.seed, group.tp if group else None,
-                       eng.kernels)
+                       eng.kernels, copy_engine=copy_engine)
     gemm = measured_gemm_tflops(device)
     record = {k: v for k, v in asdict(cfg).items() if k != "engine"} | \
         {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids", "admission")}

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from bench._common import ROOT, environment, write_result
 
@@ -73,7 +74,7 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, on_first=None
 
 
 async def exercise(args: argparse.Namespace, url: str, proc: subprocess.Popen) -> dict[str, Any]:
-    prompt = [(7 * i) % 32000 + 100 for i in range(args.prompt_len)]
+    prompt = [(7 * i) % 97 + 3 for i in range(args.prompt_len)]
     body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens,
             "temperature": 0, "ignore_eos": True}
     out: dict[str, Any] = {}
@@ -117,11 +118,13 @@ def main() -> None:
             proc.kill()
     time.sleep(1)
     left = [p for p in pids if Path(f"/proc/{p}").exists()]
-    record = {"env": environment() | {"num_gpus": args.tp}, "model": args.model, "tp": args.tp,
+    env = environment() if torch.cuda.is_available() else {
+        "device": "cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())}
+    record = {"env": env | {"num_gpus": args.tp}, "model": args.model, "tp": args.tp,
               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "start_s": start_s, **out, "exit_code": code, "workers": pids,
               "workers_left": left}
-    path = write_result(f"tp-serve-smoke-{args.model}-tp{args.tp}", record)
+    path = write_result(f"tp-serve-smoke-{Path(args.model).name}-tp{args.tp}", record)
     for k, v in record.items():
         if k != "env":
             print(f"{k}: {v}")

@@ -116,8 +116,9 @@ def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
     """Pages that fit in the GPU memory left after weights and buffers (CPU: what the
     requests could ever need, at most 1 GiB). Unknown requests (None, a server): all the GPU
     memory left, or on the CPU room for 64 requests of the model's full context."""
-    spec = model.spec
-    page_bytes = page_size * spec.kv_bytes_per_token(kv_dtype=kv_dtype,
+    spec, tp = model.spec, model.tp.size
+    # this rank's shard of the cache: its KV heads only (a tp-sharded page is smaller)
+    page_bytes = page_size * spec.kv_bytes_per_token(tp=tp, kv_dtype=kv_dtype,
                                                      dtype_bytes=model.dtype.itemsize)
     peaks = [r.peak_tokens for r in requests] if requests is not None else \
         [spec.max_position_embeddings] * 64
@@ -127,7 +128,7 @@ def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
     if requests is None:
         need = 1 << 62
     free, total = torch.cuda.mem_get_info(model.device)
-    workspace = 64 * dense_batch * (spec.hidden_size + spec.intermediate_size) * 2
+    workspace = 64 * dense_batch * (spec.hidden_size + spec.intermediate_size // tp) * 2
     budget = free - (1 - mem_util) * total - workspace
     if budget < page_bytes * 2:
         raise ConfigError(f"no GPU memory left for the KV cache of {spec.name!r} "

@@ -171,3 +171,17 @@ def test_generate_through_the_engine_matches_hf_greedy(hf_folder, tmp_path):
         for _ in range(5):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
     assert res.output_ids == seq[4:] and not res.random_weights
+
+
+def test_kv_pages_size_this_ranks_shard_of_the_cache():
+    """At tp = 2 a rank's page holds its half of the KV heads: twice the pages fit the same
+    memory (the CPU path: 1 GiB of cache at most, all of it used by long requests)."""
+    from nanosched.models.model import CausalLM
+    from nanosched.models.parallel import TensorParallel
+
+    spec = load_spec("stories15m")
+    reqs = [Request(i, [1] * 200, SamplingParams(max_tokens=spec.max_position_embeddings - 200))
+            for i in range(4000)]
+    pages = [loader.kv_pages(CausalLM(spec, tp=TensorParallel(0, tp)), 256, PAGE_SIZE, 0.9,
+                             reqs) for tp in (1, 2)]
+    assert 2 * pages[0] <= pages[1] <= 2 * pages[0] + 1  # 1 GiB // page bytes, floored

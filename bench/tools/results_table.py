@@ -134,10 +134,25 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+MAX_ROWS = 10  # the README's table stays a glance; INDEX.md lists every experiment
+
+
+def newest_that_fit(records: list[Entry], max_rows: int = MAX_ROWS) -> list[Entry]:
+    """The most recent records whose rows fit in `max_rows`, kept in key order (a record with
+    a strategy beside Sequential takes a row per strategy)."""
+    kept, rows = set(), 0
+    for e in sorted(records, key=lambda e: (e.date, e.name), reverse=True):
+        n = len(record_rows(e, ""))
+        if rows + n <= max_rows:
+            kept.add(e.name)
+            rows += n
+    return [e for e in records if e.name in kept]
+
+
 def results_block(entries: list[Entry]) -> str:
-    """The README's block between the markers (markers included): the table, then the
-    reference links its record column points at."""
-    records = readme_records(entries)
+    """The README's block between the markers (markers included): the table (at most
+    MAX_ROWS rows: the newest records), then the reference links its record column points at."""
+    records = newest_that_fit(readme_records(entries))
     rows = [row for i, e in enumerate(records, 1) for row in record_rows(e, f"r{i}")]
     links = [f"[r{i}]: bench/results/{e.name}" for i, e in enumerate(records, 1)]
     return "\n".join([

@@ -205,3 +205,17 @@ def test_the_readme_stays_a_page():
     wide = [i + 1 for i, line in enumerate(lines) if len(line) > 160]
     assert not wide, f"README.md lines {wide} are over 160 characters"
     assert len(_table_rows("\n".join(lines))) <= 10
+
+
+def test_the_table_keeps_the_newest_records_that_fit_in_ten_rows(repo):
+    for i in range(12):  # twelve workloads of one GPU, model, tp and KV: twelve README keys
+        runs = {"sequential+graphs": {"strategy": "sequential", "graphs": True,
+                                      "results": _results(1_000.0 + i)}}
+        _write(repo, f"bench-w{i:02d}.json", _bench(f"2026-12-{i + 1:02d}T00:00:00+00:00", runs,
+                                                    input_len=100 + i))
+    assert rt.main([], root=repo, figures=()) == 0
+    rows = _table_rows((repo / "README.md").read_text())
+    assert len(rows) == 10
+    assert {r[7] for r in rows} == {f"1,{i:03d}" for i in range(2, 12)}  # the ten newest
+    assert "bench-w00.json" not in (repo / "README.md").read_text()
+    assert "bench-w00.json" in (repo / "bench" / "results" / "INDEX.md").read_text()

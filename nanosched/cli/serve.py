@@ -60,6 +60,17 @@ def serve(
     stats_interval: float = typer.Option(5.0, "--stats-interval", help="Seconds between the "
                                          "logged throughput / queue / KV-cache line, as vLLM's "
                                          "(0: off; an idle server logs none)."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a "
+                                         "connection has to send a request's headers (from "
+                                         "connecting, or the previous response); later: 408, "
+                                         "closed."),
+    body_timeout: float = typer.Option(60.0, "--body-timeout", help="Seconds a request has "
+                                       "to send its body once its headers are in; later: 408, "
+                                       "closed."),
+    max_connections: int | None = typer.Option(None, "--max-connections", help="Connections "
+                                               "open at once; one more gets 503 and is closed "
+                                               "(default: 1024, or fewer under a lower "
+                                               "descriptor limit, ulimit -n)."),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs per batch bucket: 'auto' "
                                "(on with a GPU), 'on' or 'off' (eager launches)."),
     admission: Admission = "use",
@@ -89,4 +100,5 @@ def serve(
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,
                            api_key=api_key, served_model_name=served_model_name,
-                           stats_interval_s=stats_interval))
+                           stats_interval_s=stats_interval, header_timeout_s=header_timeout,
+                           body_timeout_s=body_timeout, max_connections=max_connections))

@@ -30,7 +30,11 @@ from typing import Any
 
 from nanosched.errors import ConfigError
 from nanosched.runtime.server.app import create_app
-from nanosched.runtime.server.connections import ConnectionLimits, guarded
+from nanosched.runtime.server.connections import (
+    ConnectionLimits,
+    default_max_connections,
+    guarded,
+)
 from nanosched.runtime.server.startup import ServeConfig, check_flags, prepare
 from nanosched.runtime.server.worker import EngineWorker
 
@@ -143,7 +147,8 @@ def build_server(cfg: ServeConfig) -> Any:
         log.warning("--host %s accepts requests from other machines and no --api-key is set: "
                     "anyone who reaches this port can use the model; set --api-key (or "
                     "NANOSCHED_API_KEY) or bind 127.0.0.1", cfg.host)
-    limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections)
+    limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s,
+                              cfg.max_connections or default_max_connections())
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             http=guarded(AutoHTTPProtocol, limits),
                             timeout_graceful_shutdown=cfg.drain_timeout_s + UVICORN_SLACK_S)

@@ -19,11 +19,7 @@ from nanosched.models.spec import ModelSpec
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.loader import LoadedEngine, gpu_name, load_engine
-from nanosched.runtime.server.connections import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    default_max_connections,
-)
+from nanosched.runtime.server.connections import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from nanosched.runtime.server.statslog import DEFAULT_STATS_INTERVAL_S
 from nanosched.runtime.server.text import TextCodec
 
@@ -47,7 +43,7 @@ class ServeConfig:
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S  # the throughput/queue line; 0: off
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a request's headers, from connect
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # its body, from the headers
-    max_connections: int = field(default_factory=default_max_connections)  # open at once
+    max_connections: int | None = None  # open at once; None: default_max_connections()
 
 
 @dataclass
@@ -84,7 +80,7 @@ def check_flags(cfg: ServeConfig) -> None:
                         ("--body-timeout", cfg.body_timeout_s)):
         if not 0 < value < float("inf"):
             raise ConfigError(f"{flag} must be a finite number of seconds > 0, got {value}")
-    if cfg.max_connections < 1:
+    if cfg.max_connections is not None and cfg.max_connections < 1:
         raise ConfigError(f"--max-connections must be at least 1, got {cfg.max_connections}")
     if cfg.served_model_name is not None and not cfg.served_model_name.strip():
         raise ConfigError("--served-model-name is empty: give a name, or leave the flag out to "

@@ -33,6 +33,14 @@ def test_a_busy_port_is_refused_before_the_model_loads():
              "no-such-host.invalid"], "--host", "cannot be resolved")
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--header-timeout", "0"], "--header-timeout"), (["--body-timeout", "inf"], "--body-timeout"),
+    (["--max-connections", "0"], "--max-connections"), (["--api-key", "cl\u00e9"], "--api-key"),
+    (["--api-key", "a\x07b"], "--api-key"), (["--port", "70000"], "--port")])
+def test_bad_server_flags_are_refused_before_anything_loads(flags, needle):
+    refused(["serve", "--model", "llama3-70b", "--device", "cpu", *flags], needle)
+
+
 @pytest.mark.slow
 def test_sighup_drains_the_open_stream_then_exits():
     proc, url = serve_process()

@@ -16,7 +16,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["nanosched", "nanosched.*"]),
     package_data={"nanosched": ["profiler/profiles/*.json", "schedules/shipped/*.json",
-                               "kernels/*.cu"]},
+                               "kernels/*.cu", "models/tokenizers/*.json.gz"]},
     install_requires=[
         "torch>=2.4",
         "ortools>=9.10",
@@ -28,8 +28,9 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "transformers>=5.0", "ruff>=0.5", "triton>=3.0",
                  "fastapi>=0.160", "uvicorn>=0.50", "httpx>=0.27", "matplotlib>=3.7",
-                 "openai>=1.0"],
-        "serve": ["fastapi>=0.160", "uvicorn>=0.50"],
+                 "jinja2>=3.1", "openai>=1.0"],
+        # transformers and jinja2: tokenizers and chat templates (stories15m ships one)
+        "serve": ["fastapi>=0.160", "uvicorn>=0.50", "transformers>=5.0", "jinja2>=3.1"],
         "plot": ["matplotlib>=3.7"],
         "gpu": ["triton>=3.0"],
         "cuda12": ["triton>=3.0", "cupy-cuda12x>=13", "cuda-bindings>=12.3,<13"],

@@ -12,6 +12,7 @@ the field and what was expected, before anything computes with it. Bounds beyond
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -52,7 +53,7 @@ def check_input_file(path: str | os.PathLike[str], what: str) -> Path:
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{what} {path}: is a folder, expected a file")
-    kind = _special_kind(p)
+    kind = special_kind(p)
     if kind is not None:  # reading a FIFO would wait for a writer forever
         raise ConfigError(f"{what} {path}: is {kind}, expected a regular file")
     if not p.is_file():
@@ -98,7 +99,16 @@ def check_output_file(path: str | os.PathLike[str], what: str,
     return p
 
 
-def _special_kind(p: Path) -> str | None:
+PACKAGE = Path(__file__).resolve().parent
+
+
+def in_package(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is inside the installed nanosched package (its shipped profiles,
+    schedules and tokenizers: data a command must not replace unless told to)."""
+    return Path(path).resolve().is_relative_to(PACKAGE)
+
+
+def special_kind(p: Path) -> str | None:
     """What `p` is when it exists and is neither a regular file nor a folder (links followed),
     else None."""
     try:
@@ -113,7 +123,7 @@ def _special_kind(p: Path) -> str | None:
 
 
 def _check_not_special(p: Path, what: str) -> None:
-    kind = _special_kind(p)
+    kind = special_kind(p)
     if kind is not None:
         raise ConfigError(f"{what} {p}: is {kind}, not a regular file; outputs are written to a "
                           f"new file renamed over the path, which would replace it: give the "
@@ -145,11 +155,11 @@ def check_fields(cls: type, data: Any, where: str, error: type[Exception]) -> No
     (`type_problem`; nested dataclasses are left to the caller, which builds them)."""
     if not isinstance(data, dict):
         raise error(f"{where}: expected an object, got {_short(data)}")
-    unknown = set(data) - {f.name for f in fields(cls)}
+    names, required = _field_names(cls)
+    unknown = data.keys() - names
     if unknown:
         raise error(f"{where}: unknown field(s) {sorted(unknown)}")
-    missing = {f.name for f in fields(cls)
-               if f.default is MISSING and f.default_factory is MISSING} - set(data)
+    missing = required - data.keys()
     if missing:
         raise error(f"{where}: missing field(s) {sorted(missing)}")
     hints = _hints(cls)
@@ -166,8 +176,7 @@ def type_problem(hint: Any, value: Any) -> str | None:
     fields are checked when it is built). Unknown annotations accept anything."""
     if hint is Any or hint is object:
         return None
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
+    origin, args = _shape(hint)
     if origin in (typing.Union, types.UnionType):
         if any(type_problem(a, value) is None for a in args):
             return None
@@ -218,8 +227,23 @@ def type_problem(hint: Any, value: Any) -> str | None:
     return None
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[frozenset[str], frozenset[str]]:
+    """(every field of the dataclass `cls`, those without a default)."""
+    fs = fields(cls)
+    return (frozenset(f.name for f in fs),
+            frozenset(f.name for f in fs
+                      if f.default is MISSING and f.default_factory is MISSING))
+
+
+@functools.cache
+def _shape(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls)  # slow (it evaluates the annotations): once per class
 
 
 def _name(hint: Any) -> str:
@@ -257,3 +281,5 @@ def read_json(path: str | os.PathLike[str], what: str, error: type[Exception],
         raise error(f"{name}: not valid JSON ({exc}){hint}") from None
     except RecursionError:
         raise error(f"{name}: JSON nested too deep") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise error(f"{name}: a number too long to read ({exc})") from None

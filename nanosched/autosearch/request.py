@@ -26,10 +26,10 @@ from nanosched.costmodel import (
     choose_tp,
     max_dense_batch,
 )
-from nanosched.errors import ConfigError, NanoschedError
+from nanosched.errors import ConfigError, NanoschedError, ProfileError
 from nanosched.hardware import get_gpu, measured_gpu, prior_for
 from nanosched.models.spec import ModelSpec
-from nanosched.profiler.format import Profile, check_profile_for, load_profile
+from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for, load_profile
 from nanosched.workloads import Workload
 
 SHIPPED = Path(__file__).resolve().parent.parent / "profiler" / "profiles"
@@ -61,6 +61,26 @@ def _read(path: Path) -> Profile | None:
         return None
 
 
+@dataclass(frozen=True)
+class _Head:
+    """What `pick_shipped` ranks a profile by, read without building its rows."""
+
+    model: str
+    tp: int
+    gpu_name: str
+    kv_dtype: str
+    dense_batch: int
+
+
+def _head(path: Path) -> _Head | None:
+    try:
+        d = json.loads(path.read_bytes())
+        return _Head(d["model"]["name"], d["tp"], d["identity"]["gpu_name"],
+                     d.get("kv_dtype") or "auto", d["dense_batch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def gpu_key(name: str) -> str:
     """The prior a GPU or device name stands for ("NVIDIA H100 80GB HBM3" -> "h100")."""
     prior = prior_for(name)
@@ -74,26 +94,30 @@ def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
 
     A profile measured on another GPU than `gpu` is returned only when `gpu` was `assumed`
     (not asked for), and the reason says so; else (None, the GPUs that have one)."""
-    found = [(name, prof) for name, path in shipped_profiles(folder).items()
-             if (prof := _read(path)) is not None and prof.model.name == spec.name
-             and prof.kv_dtype == kv_dtype]
+    paths = shipped_profiles(folder)
+    found = [(name, head) for name, path in paths.items()
+             if (head := _head(path)) is not None and head.model == spec.name
+             and head.kv_dtype == kv_dtype]
     if not found:
         kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
         return None, f"no shipped profile for {spec.name}{kv}"
 
-    def same_gpu(prof: Profile) -> bool:
-        return gpu is None or gpu_key(prof.identity.gpu_name) == gpu_key(gpu)
+    def same_gpu(head: _Head) -> bool:
+        return gpu is None or gpu_key(head.gpu_name) == gpu_key(gpu)
 
-    def rank(item: tuple[str, Profile]) -> tuple[bool, bool, int]:
-        prof = item[1]
-        return (tp is None or prof.tp == tp, same_gpu(prof), prof.dense_batch)
+    def rank(item: tuple[str, _Head]) -> tuple[bool, bool, int]:
+        head = item[1]
+        return (tp is None or head.tp == tp, same_gpu(head), head.dense_batch)
 
-    name, prof = max(found, key=rank)
-    if tp is not None and prof.tp != tp:
-        tps = sorted({p.tp for _, p in found})
+    name, head = max(found, key=rank)
+    if tp is not None and head.tp != tp:
+        tps = sorted({h.tp for _, h in found})
         return None, f"shipped profiles for {spec.name} are for tp {tps}, not {tp}"
-    if not same_gpu(prof):
-        gpus = ", ".join(sorted({p.identity.gpu_name for _, p in found}))
+    prof = _read(paths[name])  # only the one picked is read whole
+    if prof is None:
+        return None, f"shipped profile {name!r} does not load (a damaged install?)"
+    if not same_gpu(head):
+        gpus = ", ".join(sorted({h.gpu_name for _, h in found}))
         if not assumed:
             return None, (f"no shipped profile for {spec.name} on {gpu} (shipped ones are "
                           f"measured on {gpus}: pass --gpu {gpu_key(prof.identity.gpu_name)} "
@@ -106,6 +130,16 @@ def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
            f"{', same GPU' if gpu else ''} ({prof.identity.gpu_name}, "
            f"tp {prof.tp}, batches up to {prof.dense_batch})")
     return prof, why
+
+
+def check_rp_tables(prof: Profile, where: str) -> None:
+    """Refuse a profile without R->P points for a class its layer overlaps (memory; network
+    at tp > 1): the search would have nothing to price overlap with and say NO GAIN for it."""
+    for cls in RP_CLASSES[:1] if prof.tp == 1 else RP_CLASSES:
+        if not prof.rp.get(cls):
+            raise ProfileError(f"{where} has an empty R->P table for class {cls!r}: nothing "
+                               f"to price overlap with; derive it from the profile's pairs "
+                               f"(`nanosched profile rederive`) or measure them again")
 
 
 def load_named_profile(arg: str, folder: Path | None = None) -> Profile:
@@ -137,6 +171,7 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
         prof: Profile | None = load_named_profile(profile_arg, folder)
         check_profile_for(prof, spec, tp or prof.tp, where=f"--profile {profile_arg}",
                           kv_dtype=kv_dtype)
+        check_rp_tables(prof, f"--profile {profile_arg}")
         msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")
     else:
         prof, why = pick_shipped(spec, tp, gpu_name or DEFAULT_GPU, folder, kv_dtype,

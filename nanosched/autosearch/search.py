@@ -313,9 +313,14 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
     gain = MIN_GAIN if min_gain is None else min_gain
     if not gain >= 1.0:
         raise ConfigError(f"--min-gain must be at least 1.0, got {gain}")
-    if not limit > 0 or workers < 1 or max_nano_ops < 2:
-        raise ConfigError("--time-limit must be > 0, --workers >= 1 and --max-nano-ops >= 2; "
-                          f"got {limit}, {workers}, {max_nano_ops}")
+    if not 0 < limit < math.inf:
+        raise ConfigError(f"--time-limit must be a finite number of seconds > 0, got {limit}")
+    if workers < 1 or max_nano_ops < 2:
+        raise ConfigError("--workers must be >= 1 and --max-nano-ops >= 2; "
+                          f"got {workers}, {max_nano_ops}")
+    if max_period_us is not None and not 0 < max_period_us < math.inf:
+        raise ConfigError(f"--max-period-us must be a finite number of microseconds > 0, got "
+                          f"{max_period_us}")
     if out is not None:
         check_output_file(out, "--out", make_parent=False)
     spec = load_spec(model)
@@ -344,10 +349,19 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
         check_output_file(path, "--out", make_parent=False)
     steady = search_batch(cfg)
     keys = ((steady.num_decode, steady.dense_batch),) if buckets == "dense" else None
-    what = "the steady-state batch" if keys else "every batch shape"
+    what = "the steady-state batch" if keys else "every batch shape (bounds first)"
     echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, {what}, "
          f"{limit:g} s, {workers} workers")
     started = time.perf_counter()
+
+    def on_decided(decided: list, to_search: int, n: int) -> None:
+        if keys is not None:
+            return
+        how = [r.how for r in decided]
+        echo(f"[{len(decided)}/{n}] decided without a search: {how.count('small')} too small "
+             f"for two nano-batches, {how.count('bounded')} bounded below {gain:.2f}x; "
+             f"searching {to_search}, the steady state's D={steady.num_decode} "
+             f"T={steady.dense_batch} first ({time.perf_counter() - started:.0f} s)")
 
     def on_key(r: object, i: int, n: int) -> None:
         e = r.entry  # type: ignore[attr-defined]
@@ -358,7 +372,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
              f"({r.wall_s:.1f} s; {elapsed:.0f} of {limit:g} s)")  # type: ignore[attr-defined]
 
     sset = search_set(SetSearchConfig(cfg, gain, keys, bound=keys is None),
-                      echo if keys else None, on_key)
+                      echo if keys else None, on_key, on_decided)
     full = sset.full
     if full is not None and full.schedule is not None:
         print_table(pipeline_rows(full.schedule), PIPELINE_COLUMNS)  # type: ignore[operator]

@@ -189,9 +189,12 @@ def _counts(entry_schedule: object) -> dict[str, int]:
 
 
 def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
-               on_key: Callable[[KeyResult, int, int], None] | None = None) -> ScheduleSet:
+               on_key: Callable[[KeyResult, int, int], None] | None = None,
+               on_decided: Callable[[list[KeyResult], int, int], None] | None = None
+               ) -> ScheduleSet:
     """Decide every key; returns the set (entries in key order). `on_key(result, i, n)` is
-    called after each key."""
+    called after each key; `on_decided(results, to_search, n)` once the keys that need no
+    search (too small, bounded) are decided, before the first search."""
     base = cfg.base
     start_t = time.perf_counter()
     deadline = start_t + base.time_limit_s
@@ -229,6 +232,8 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
         for i, r in enumerate(results.values()):
             on_key(r, i + 1, n)
     order = search_order(to_search, start)
+    if on_decided:
+        on_decided(list(results.values()), len(order), n)
     over, extra = 0.0, 0.0  # mean and sum of what keys took beyond their solver budget
     for i, key in enumerate(order):
         d, t = key

@@ -35,7 +35,7 @@ from nanosched.runtime.loader import (
     resolve_graphs,
     resolve_weights,
 )
-from nanosched.runtime.requests import Request, make_requests, poisson_arrivals
+from nanosched.runtime.requests import Request, check_request_rate, make_requests, poisson_arrivals
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     eng = cfg.engine
     if eng.model is None:
         raise ConfigError("--model is required")
+    check_request_rate(cfg.request_rate, cfg.num_prompts)
     spec = load_spec(eng.model)
     spec.check_tp(eng.tp)
     device = resolve_device(eng.device, 0 if eng.tp > 1 else None)

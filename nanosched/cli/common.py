@@ -79,17 +79,84 @@ def literal(text: str) -> str:
     return escape(text)
 
 
-def gpu_here() -> str | None:
-    """The prior name (hardware.GPUS) of the CUDA device present, None without one (or when
-    torch knows no prior for it)."""
+GPU_DEVICE_FILES = ("/dev/nvidia*", "/proc/driver/nvidia/gpus", "/dev/kfd")  # CUDA, ROCm
+
+
+def _gpu_devices_present() -> bool:
+    """Whether this machine has GPU device files at all: without them torch (seconds to
+    import) need not be asked, and commands that only name a GPU start at once."""
+    import glob
+
+    return any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+
+
+def visible_gpus() -> list[str]:
+    """The names of the CUDA devices torch sees, by index ([] without CUDA)."""
+    if not _gpu_devices_present():
+        return []
     try:
         import torch
 
         if not torch.cuda.is_available():
-            return None
-        name = torch.cuda.get_device_name(0)
-    except Exception:  # no torch, no driver: no GPU to default to
+            return []
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # no torch, no driver
+        return []
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(f"{i}: {n}" for i, n in enumerate(names)) or "none"
+
+
+def gpu_name(gpu: str) -> str:
+    """`--gpu` of models, analyze and search as a GPU name: a name as given, or a device index
+    as the name of the GPU at that index here. (`profile` takes both too: `gpu_index`.)"""
+    if not gpu.strip().isdigit():
+        return gpu
+    from nanosched.hardware import prior_for
+
+    names = visible_gpus()
+    index = int(gpu)
+    if index >= len(names):
+        raise ConfigError(f"--gpu {gpu}: no GPU at that index here (GPUs here: "
+                          f"{_listed(names)}); give a GPU name such as h100")
+    prior = prior_for(names[index])
+    if prior is None:
+        raise ConfigError(f"--gpu {gpu} is a {names[index]}, which has no prior; give a GPU "
+                          f"name such as h100")
+    return prior.name
+
+
+def gpu_index(gpu: str, fake: bool = False) -> int:
+    """`--gpu` of profile as a CUDA device index: an index as given, or a GPU name (h100,
+    h200, ...) as the first device of that kind here (any, for a dry run on a fake GPU)."""
+    from nanosched.hardware import get_gpu, prior_for
+
+    text = gpu.strip()
+    if text.isdigit():
+        return int(text)
+    if text.startswith("-") and text[1:].isdigit():
+        raise ConfigError(f"--gpu must be a CUDA device index (0, 1, ...) or a GPU name, got "
+                          f"{gpu}")
+    want = get_gpu(text).name  # a known name, else the error lists them
+    if fake:
+        return 0
+    names = visible_gpus()
+    for i, name in enumerate(names):
+        prior = prior_for(name)
+        if prior is not None and prior.name == want:
+            return i
+    raise ConfigError(f"--gpu {gpu}: no {want} here (GPUs here: {_listed(names)}); give the "
+                      f"index of the GPU to measure")
+
+
+def gpu_here() -> str | None:
+    """The prior name (hardware.GPUS) of the CUDA device present, None without one (or when
+    torch knows no prior for it)."""
+    names = visible_gpus()
+    if not names:
         return None
+    name = names[0]
     from nanosched.hardware import prior_for
 
     prior = prior_for(name)
@@ -102,7 +169,7 @@ def default_gpu(gpu: str | None, assume: bool = True) -> str | None:
     """`--gpu` as given, else the GPU present, else (with `assume`) DEFAULT_GPU, said on
     stderr; without `assume` None is returned for the command to decide."""
     if gpu is not None:
-        return gpu
+        return gpu_name(gpu)
     here = gpu_here()
     if here is not None:
         typer.echo(f"--gpu not given: using {here}, the GPU present", err=True)

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import typer
 
-from nanosched.cli.common import literal, reports_errors, require_matplotlib, sigterm_as_interrupt
+from nanosched.cli.common import (
+    gpu_index,
+    literal,
+    reports_errors,
+    require_matplotlib,
+    sigterm_as_interrupt,
+)
 from nanosched.cli.options import (
     MeanInputLen,
     MeanOutputLen,
@@ -28,7 +34,8 @@ profile_app = typer.Typer(
 @reports_errors
 def profile(
     ctx: typer.Context,
-    gpu: int = typer.Option(0, "--gpu", help="CUDA device index to measure."),
+    gpu: str = typer.Option("0", "--gpu", help="GPU to measure: a CUDA device index, or a "
+                            "GPU name (h100, h200, ...: the first such GPU here)."),
     model: str | None = model_option("Model name or HF config.", default=None),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: kernels are measured at "
                            "tp-sharded shapes; network rows on min(tp, visible GPUs)."),
@@ -64,9 +71,9 @@ def profile(
 
     if model is None:
         raise ConfigError("nanosched profile needs --model (e.g. --model llama3-8b)")
-    cfg = ProfileConfig(gpu, model, tp, resolve_workload(workload, input_len, output_len), out,
-                        quick, resume, dense_batch, not no_progress, fake_gpu,
-                        kv_dtype=kv_cache_dtype)
+    cfg = ProfileConfig(gpu_index(gpu, fake_gpu), model, tp,
+                        resolve_workload(workload, input_len, output_len), out, quick, resume,
+                        dense_batch, not no_progress, fake_gpu, kv_dtype=kv_cache_dtype)
     try:
         with sigterm_as_interrupt():
             profile_gpu(cfg, log=typer.echo)
@@ -102,8 +109,8 @@ def profile_show(
 @reports_errors
 def profile_forward(
     file: Path = typer.Argument(..., help="Profile JSON to measure the forward table of."),
-    gpu: int = typer.Option(0, "--gpu", help="CUDA device index (the GPU the profile was "
-                            "measured on)."),
+    gpu: str = typer.Option("0", "--gpu", help="The GPU the profile was measured on: a CUDA "
+                            "device index, or a GPU name (the first such GPU here)."),
     out: ProfileOut = None,
     input_len: float | None = typer.Option(None, "--input-len", help="Mean prompt tokens p "
                                            "the profile was measured for (default 1024)."),
@@ -122,18 +129,27 @@ def profile_forward(
     row by that factor for an op alone on the whole GPU inside a forward. `nanosched profile`
     measures the table itself; this adds it to a profile taken before it did. Sets searched on
     the old file name its digest: search them again."""
+    from nanosched.fileio import in_package
     from nanosched.profiler.command import add_forward
     from nanosched.workloads import resolve_workload
 
-    add_forward(file, gpu, resolve_workload(workload, input_len, output_len), out, fake_gpu,
-                not no_progress, log=typer.echo)
+    if out is None and in_package(file):
+        raise ConfigError(f"profile {file} is shipped in the installed nanosched package; "
+                          f"pass --out to write it with its forward table (--out {file} to "
+                          f"replace the shipped file)")
+
+    add_forward(file, gpu_index(gpu, fake_gpu), resolve_workload(workload, input_len, output_len),
+                out, fake_gpu, not no_progress, log=typer.echo)
 
 
 @profile_app.command("rederive")
 @reports_errors
 def profile_rederive(
     file: Path = typer.Argument(..., help="Profile JSON to derive again."),
-    out: ProfileOut = None,
+    out: Path | None = typer.Option(None, "--out", "-o", help="Profile to write (default: "
+                                    "FILE's name with .rederived.json, beside FILE, or in the "
+                                    "current folder for a profile shipped in the package; "
+                                    "FILE itself only when named here)."),
 ) -> None:
     """Derive a profile's R->P tables again from its measured pairs and kernel rows (no GPU).
 
@@ -141,12 +157,16 @@ def profile_rederive(
     that the search's row / P is the time the kernel took in the pair. Profiles taken before
     this rule gave P against the pair's own alone time, which for a GEMM under the power cap is
     12-15% slower than its row: their pipelines were predicted that much too fast."""
-    from nanosched.fileio import check_input_file, check_output_file
+    from nanosched.fileio import check_input_file, check_output_file, in_package
     from nanosched.profiler.build import rederive_rp
     from nanosched.profiler.format import load_profile, save_profile
 
     check_input_file(file, "profile")
-    target = out or file
+    name = f"{file.name.removesuffix('.json')}.rederived.json"
+    target = out or (Path(name) if in_package(file) else file.with_name(name))
+    if out is None and in_package(target):
+        raise ConfigError(f"{target} would be inside the installed nanosched package: run "
+                          f"from another folder or pass --out")
     check_output_file(target, "--out")
     prof = load_profile(file)
     fresh = rederive_rp(prof)

@@ -116,7 +116,12 @@ def show(
     """Print a schedule set's entries (batch shape, decision, predicted gain), or one entry's
     pipeline and prediction; optionally draw a pipeline per stream."""
     from nanosched.fileio import PLOT_SUFFIXES, check_input_file, check_output_file
-    from nanosched.schedules.sets import SINGLE_FORMAT, entry_schedule, load_schedule_set
+    from nanosched.schedules.sets import (
+        SINGLE_FORMAT,
+        entry_schedule,
+        load_schedule_set,
+        not_run_note,
+    )
     from nanosched.schedules.show import (
         PIPELINE_COLUMNS,
         SET_COLUMNS,
@@ -137,11 +142,15 @@ def show(
         print_table(pipeline_rows(sched), PIPELINE_COLUMNS)
         for line in summary_lines(sched):
             typer.echo(line)
+        if note := not_run_note(sset, key):
+            typer.echo(note)
     else:
         print_table(set_rows(sset), SET_COLUMNS)
         for line in set_summary_lines(sset):
             typer.echo(line)
     if plot:
         sched = entry_schedule(sset, key)
-        plot_gantt(sched, plot)
-        typer.echo(f"chart written to {plot}")
+        note = not_run_note(sset, key)
+        plot_gantt(sched, plot, note)
+        typer.echo(f"chart written to {plot}" + (" (a pipeline the set does not run: its "
+                                                 "title says so)" if note else ""))

@@ -1,6 +1,9 @@
 """Load an HF checkpoint (config.json + *.safetensors, optionally sharded with
 model.safetensors.index.json) into a `CausalLM`, reading only this tp rank's slices.
 
+Weights must be floating-point (an integer tensor where a weight belongs is refused by name)
+and finite (a tensor holding NaN or infinities is named after it is read: served, it would
+only ever sample errors). A device, FIFO or socket where a file is read is refused, not read.
 Never goes through pickle: tensors are read with `safetensors.safe_open(...).get_slice`, so a
 rank reads its rows/columns only. Every tensor the model needs must be present with its HF
 shape, and every tensor in the checkpoint must be used (rotary `inv_freq` buffers and a tied
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.fileio import read_json
+from nanosched.fileio import read_json, special_kind
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import REGISTRY
 
@@ -67,6 +70,10 @@ class SafetensorsFolder:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name].get_slice(name).get_shape())
 
+    def is_float(self, name: str) -> tuple[bool, str]:
+        dtype = self._where[name].get_slice(name).get_dtype()
+        return dtype in FLOAT_DTYPES, dtype
+
     def read(self, name: str, rows: Range, cols: Range) -> torch.Tensor:
         sl = self._where[name].get_slice(name)
         if cols is not None:
@@ -86,6 +93,10 @@ class StateDictSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
+
+    def is_float(self, name: str) -> tuple[bool, str]:
+        dtype = self.tensors[name].dtype
+        return dtype.is_floating_point, str(dtype).removeprefix("torch.")
 
     def read(self, name: str, rows: Range, cols: Range) -> torch.Tensor:
         t = self.tensors[name]
@@ -166,7 +177,15 @@ def load_weights(model: CausalLM, source: SafetensorsFolder | StateDictSource,
         if found != t.shape:
             raise ConfigError(f"{where}: tensor {t.name!r} has shape {list(found)}, expected "
                               f"{list(t.shape)} from config.json")
+        is_float, dtype = source.is_float(t.name)
+        if not is_float:
+            raise ConfigError(f"{where}: tensor {t.name!r} holds {dtype}, not floating-point "
+                              f"weights: the checkpoint is damaged or not this model's")
+    for t in targets:
         t.dest.copy_(source.read(t.name, t.rows, t.cols).to(t.dest.dtype))
+        if not bool(torch.isfinite(t.dest).all()):
+            raise ConfigError(f"{where}: tensor {t.name!r} holds NaN or infinite values: the "
+                              f"checkpoint is damaged (or was saved from a diverged run)")
 
 
 def load_checkpoint(model: CausalLM, folder: str | Path) -> None:
@@ -177,6 +196,7 @@ def load_checkpoint(model: CausalLM, folder: str | Path) -> None:
 INDEX = "model.safetensors.index.json"
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
@@ -213,8 +233,17 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
     if not files:
         raise ConfigError(f"checkpoint {folder}: no *.safetensors files")
     for f in files:
+        check_regular(f, "checkpoint")
         check_safetensors_header(f)
     return files
+
+
+def check_regular(path: Path, what: str) -> None:
+    """Refuse a device, FIFO or socket where a file is read: reading a FIFO waits for a
+    writer forever."""
+    kind = special_kind(path)
+    if kind is not None:
+        raise ConfigError(f"{what} {path}: is {kind}, not a regular file")
 
 
 def _weight_map_files(index: Path) -> list[str]:
@@ -236,6 +265,7 @@ def _shard(folder: Path, name: str, index: Path) -> Path:
     if Path(name).is_absolute() or not path.resolve().is_relative_to(root):
         raise ConfigError(f"checkpoint index {index}: field 'weight_map' names {name!r}, "
                           f"outside the checkpoint folder; refused")
+    check_regular(path, "checkpoint")
     if not path.is_file():
         raise ConfigError(f"checkpoint index {index}: field 'weight_map' names missing file "
                           f"{name!r}")
@@ -258,7 +288,7 @@ def check_safetensors_header(path: Path) -> None:
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, a 4,300-digit integer
         raise ConfigError(f"checkpoint {path}: safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise ConfigError(f"checkpoint {path}: safetensors header is not a JSON object")
@@ -297,11 +327,33 @@ def load_tokenizer(folder: Path) -> object:
     (garbage tokenizer.json, a bad tokenizer_config.json) is a ConfigError naming the folder."""
     from transformers import AutoTokenizer
 
+    for p in sorted(folder.iterdir()):  # transformers opens whatever it looks for
+        if not p.is_dir():
+            check_regular(p, "tokenizer file")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # transformers and tokenizers raise many types on a bad file
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"tokenizer in {folder}: cannot be loaded ({first[:200]})") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def model_tokenizer(model: str) -> object | None:
+    """The tokenizer of `--model`: its folder's, when the folder holds tokenizer files; else
+    the one shipped for a registered name (`models.tokenizers`: stories15m); else None."""
+    from nanosched.models.tokenizers import has_shipped_tokenizer, shipped_tokenizer
+
+    folder = model_folder(model)
+    if folder is not None and any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return load_tokenizer(folder)
+    if folder is None and has_shipped_tokenizer(model):
+        try:
+            return shipped_tokenizer(model)
+        except ImportError:  # no transformers (the serve extra): token ids only
+            return None
+    return None
 
 
 def model_folder(model: str) -> Path | None:

@@ -64,7 +64,7 @@ import bisect
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -430,64 +430,11 @@ def _make(cls: type, item: Any, where: str) -> Any:
 
 
 def validate(prof: Profile, where: str = "profile") -> None:
-    """Check internal consistency and bounds; raise ProfileError naming the first problem.
+    """Check internal consistency and bounds (profiler/validate.py); raise ProfileError naming
+    the first problem."""
+    from nanosched.profiler.validate import validate_profile
 
-    Field types (finite numbers, integers) are checked when the file is read
-    (`fileio.check_fields`); here every time is positive (P = alone / co-run divides by them),
-    every token count, context and SM count within what a GPU holds."""
-    if not 0 < prof.identity.num_sms <= MAX_SMS:
-        raise ProfileError(f"{where}: identity.num_sms must be in 1..{MAX_SMS}, got "
-                           f"{prof.identity.num_sms}")
-    if not 0 < prof.dense_batch <= MAX_TOKENS:
-        raise ProfileError(f"{where}: dense_batch must be in 1..{MAX_TOKENS}, got "
-                           f"{prof.dense_batch}")
-    try:
-        prof.model.check_tp(prof.tp)
-    except ConfigError as exc:
-        raise ProfileError(f"{where}: tp: {exc}") from None
-    c = prof.ceilings
-    if not (c.gemm_tflops_8192 > 0 and c.gemm_tflops_model > 0 and c.copy_gbs > 0):
-        raise ProfileError(f"{where}: ceilings: gemm_tflops_8192, gemm_tflops_model and "
-                           f"copy_gbs must be positive")
-    if not prof.kernels:
-        raise ProfileError(f"{where}: kernel table is empty")
-    for i, k in enumerate(prof.kernels):
-        here = f"{where}: kernels[{i}] ({k.op}, {k.tokens} tokens)"
-        if k.mechanism not in MECHANISMS:
-            raise ProfileError(f"{here}: mechanism {k.mechanism!r} not in {MECHANISMS}")
-        if not (isinstance(k.time_us, (int, float)) and k.time_us > 0):
-            raise ProfileError(f"{here}: time_us must be positive, got {k.time_us!r}")
-        if not 0 < k.sms <= prof.identity.num_sms:
-            raise ProfileError(f"{here}: sms {k.sms} not in 1..{prof.identity.num_sms}")
-        if not 0 < k.tokens <= MAX_TOKENS or not 0 <= k.context <= MAX_TOKENS * 64:
-            raise ProfileError(f"{here}: tokens must be in 1..{MAX_TOKENS} and context in "
-                               f"0..{MAX_TOKENS * 64}")
-    for i, pr in enumerate(prof.pairs):
-        times = (pr.compute_alone_us, pr.other_alone_us, pr.compute_us, pr.other_us)
-        if not all(t > 0 for t in times) or pr.tokens <= 0 or pr.settle_ms < 0 \
-                or pr.window_ms < 0:
-            raise ProfileError(f"{where}: pairs[{i}] ({pr.compute_op} x {pr.other_op}): times "
-                               f"and tokens must be positive, settle_ms and window_ms >= 0")
-    for i, r in enumerate(prof.forward):
-        if not (r.row_us > 0 and r.time_us > 0 and 0 < r.tokens <= r.batch_tokens <= MAX_TOKENS
-                and 0 <= r.num_decode <= r.batch_tokens and 0 <= r.context <= MAX_TOKENS * 64
-                and r.settle_ms >= 0 and r.window_ms >= 0):
-            raise ProfileError(f"{where}: forward[{i}] ({r.op}, {r.batch_tokens} tokens): times "
-                               f"must be positive, tokens in 1..batch_tokens, num_decode in "
-                               f"0..batch_tokens, settle_ms and window_ms >= 0")
-    for key, table in (("rp", prof.rp), ("rp_shapes", prof.rp_shapes)):
-        for cls, pts in table.items():
-            if cls not in RP_CLASSES:
-                raise ProfileError(f"{where}: {key} class {cls!r} not in {RP_CLASSES}")
-            for p in pts:
-                _check_rp_point(p, f"{where}: {key}[{cls}] point r={p.r}")
-
-
-def _check_rp_point(p: RPPoint, here: str) -> None:
-    if not (0 < p.r < 1 and 0 < p.p_other <= 1.5 and 0 < p.p_compute <= 1.5):
-        raise ProfileError(f"{here}: r must be in (0, 1) and P in (0, 1.5]")
-    if p.mechanism not in MECHANISMS:
-        raise ProfileError(f"{here}: mechanism {p.mechanism!r} not in {MECHANISMS}")
+    validate_profile(prof, where)
 
 
 def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | None = None,
@@ -497,9 +444,16 @@ def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | 
 
     The one compatibility check of a profile: the search's request, its config and the
     schedule checker all ask it, so a mismatch reads the same wherever it is caught."""
-    if prof.model.name != model.name or prof.model != model:
+    if prof.model.name != model.name:
         raise ProfileError(f"{where} was made for model {prof.model.name!r}, not {model.name!r}: "
                            f"profile this model with `nanosched profile --model {model.name}`")
+    if prof.model != model:
+        field, theirs, ours = next((f.name, getattr(prof.model, f.name), getattr(model, f.name))
+                                   for f in fields(model)
+                                   if getattr(prof.model, f.name) != getattr(model, f.name))
+        raise ProfileError(f"{where} was made for a {model.name} with {field} {theirs}, not "
+                           f"{ours} (another model's dimensions): profile this model with "
+                           f"`nanosched profile --model {model.name}`")
     if prof.tp != tp:
         raise ProfileError(f"{where} was made for --tp {prof.tp}, not --tp {tp}")
     if gpu_name is not None and prof.identity.gpu_name != gpu_name:

@@ -9,14 +9,13 @@ the rows that are missing.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from nanosched.errors import ProfileError
-from nanosched.fileio import write_json_atomic
+from nanosched.fileio import read_json, write_json_atomic
 from nanosched.profiler.format import Ceilings, ForwardRow, Identity, KernelRow, PairRow
 from nanosched.profiler.plan import ProfileSettings
 
@@ -83,14 +82,11 @@ def save_state(state: RunState, path: Path) -> None:
 
 def load_state(path: Path, settings: ProfileSettings, identity: Identity) -> RunState:
     """Read a partial file and check it belongs to this run; ProfileError names what differs."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.exists():
         raise ProfileError(f"--resume: no partial profile {path}; run without --resume to "
-                           f"start one") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"--resume: {path} is not valid JSON ({exc}); delete it and run "
-                           f"without --resume") from exc
+                           f"start one")
+    data = read_json(path, "--resume: partial profile", ProfileError,
+                     hint="; delete it and run without --resume")
     if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
         raise ProfileError(f"--resume: {path} is not a partial profile ({PARTIAL_FORMAT})")
     _check_same(data, settings, identity, path)

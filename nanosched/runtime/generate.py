@@ -17,13 +17,11 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import cuda_available
-from nanosched.models.checkpoint import checkpoint_folder, load_tokenizer
+from nanosched.models.checkpoint import model_tokenizer
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.loader import load_engine, resolve_weights
 from nanosched.runtime.requests import Request, SamplingParams
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -53,14 +51,11 @@ def _serve_one(cfg: GenerateConfig, prompt: list[int]) -> list[int]:
     with load_engine(engine_cfg, requests=[req]) as loaded, torch.inference_mode():
         loaded.engine.add_request(req)
         loaded.engine.run_to_completion()
+    if req.finish_reason == "error":
+        raise ConfigError(f"the model's logits are not finite (NaN or infinite) after "
+                          f"{len(req.output_ids)} generated tokens: its weights or activations "
+                          f"overflow; check the checkpoint (or run it in fp32 on the CPU)")
     return req.output_ids
-
-
-def _tokenizer(model: str):  # -> transformers tokenizer or None
-    folder = checkpoint_folder(model)
-    if folder is None or not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    return load_tokenizer(folder)
 
 
 def _check(cfg: GenerateConfig, spec: ModelSpec, prompt: list[int]) -> None:
@@ -68,8 +63,9 @@ def _check(cfg: GenerateConfig, spec: ModelSpec, prompt: list[int]) -> None:
     spec.check_tp(eng.tp)
     if cfg.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {cfg.max_tokens}")
-    if cfg.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {cfg.temperature}")
+    if not 0 <= cfg.temperature < float("inf"):
+        raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got "
+                          f"{cfg.temperature}")
     if eng.device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda, got {eng.device!r}")
     if eng.device == "cuda" and not cuda_available():
@@ -93,7 +89,7 @@ def generate(cfg: GenerateConfig) -> GenerateResult:
     spec = load_spec(model)
     if (cfg.prompt is None) == (cfg.prompt_ids is None):
         raise ConfigError("give exactly one of --prompt TEXT and --prompt-ids 1,2,3")
-    tok = _tokenizer(model)
+    tok = model_tokenizer(model)
     if cfg.prompt is not None and tok is None:
         raise ConfigError(f"--prompt needs a tokenizer; --model {model} has none "
                           f"(use --prompt-ids)")

@@ -31,8 +31,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be a finite number >= 0, got "
+                              f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -178,6 +179,8 @@ def _jsonl_object(data: bytes, where: str) -> dict:
         raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
     except RecursionError:
         raise ConfigError(f"{where}: JSON nested too deep") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise ConfigError(f"{where}: a number too long to read ({exc})") from None
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: expected an object with prompt_len or prompt_ids")
     return obj
@@ -206,10 +209,25 @@ def _prompt_ids(obj: dict, where: str, rng: np.random.Generator, vocab_size: int
     return ids if "prompt_ids" in obj else _random_ids(rng, n, vocab_size)
 
 
+MAX_ARRIVAL_SPAN_S = 86_400.0  # a benchmark's requests arrive within a day
+
+
+def check_request_rate(rate: float, num_prompts: int) -> None:
+    """Refuse a rate that is not positive, or so low that `num_prompts` requests would take
+    more than MAX_ARRIVAL_SPAN_S to arrive (the run would wait for them)."""
+    if not rate > 0:
+        raise ConfigError(f"--request-rate must be positive (inf: all at once), got {rate}")
+    span = num_prompts / rate
+    if span > MAX_ARRIVAL_SPAN_S:
+        raise ConfigError(f"--request-rate {rate:g}: {num_prompts} requests would arrive over "
+                          f"about {span:.3g} s; give at least "
+                          f"{num_prompts / MAX_ARRIVAL_SPAN_S:.3g} requests/s (all within a "
+                          f"day), or inf for all at once")
+
+
 def poisson_arrivals(requests: list[Request], rate: float, seed: int = 0) -> None:
     """Set arrival times with exponential gaps at `rate` requests/s (inf: all at time 0)."""
-    if not rate > 0:
-        raise ConfigError(f"--request-rate must be positive, got {rate}")
+    check_request_rate(rate, len(requests))
     if math.isinf(rate):
         return
     gaps = np.random.default_rng(seed + 1).exponential(1 / rate, size=len(requests))

@@ -260,6 +260,10 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
                 or not math.isfinite(ctx[f]) or ctx[f] < 0 for f in fields):
             raise ScheduleError(f"{where}: search.contexts must hold {', '.join(fields)} as "
                                 f"finite numbers >= 0, got {ctx!r}; search the set again")
+    if not s.entries:
+        raise ScheduleError(f"{where}: entries is empty; a set holds an entry (pipeline or "
+                            f"sequential) for each batch shape it was searched for: search "
+                            f"again")
     seen: set[tuple[int, int]] = set()
     for i, e in enumerate(s.entries):
         at = f"{where}: entries[{i}] (D={e.num_decode}, T={e.num_tokens})"
@@ -298,8 +302,24 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
 
 def entry_schedule(s: ScheduleSet, key: str | None = None) -> Schedule:
     """The pipeline of the entry at `key` ("D,T"), or of the steady state's entry (also one
-    the set does not run: the best the search found there); a ScheduleError naming the
-    pipelined keys when there is none."""
+    the set does not run: the best the search found there, `not_run_note`); a ScheduleError
+    naming the pipelined keys when there is none."""
+    return _entry_at(s, key).schedule  # type: ignore[return-value]
+
+
+def not_run_note(s: ScheduleSet, key: str | None = None) -> str | None:
+    """What to say over the pipeline `entry_schedule` gives when the set does not run it: the
+    entry is sequential (its pipeline predicts less than the set's --min-gain); None when it
+    runs."""
+    e = _entry_at(s, key)
+    if e.kind == "pipeline":
+        return None
+    gain = e.sequential_us / layer_times_us(e.schedule)[0]  # type: ignore[arg-type]
+    return (f"NOT RUN: this set runs Sequential at D={e.num_decode} T={e.num_tokens}; the "
+            f"pipeline shown predicts {gain:.3f}x, below the set's {s.min_gain:.2f}x")
+
+
+def _entry_at(s: ScheduleSet, key: str | None) -> SetEntry:
     if key is None:
         e = s.full
         where = "the steady state's batch"
@@ -317,7 +337,7 @@ def entry_schedule(s: ScheduleSet, key: str | None = None) -> Schedule:
         keys = " ".join(f"{p.num_decode},{p.num_tokens}" for p in s.pipelines) or "none"
         raise ScheduleError(f"the set runs Sequential at {where} and kept no pipeline there; "
                             f"pipelined keys: {keys}")
-    return e.schedule
+    return e
 
 
 def set_key(num_decode: int, num_tokens: int, dense_batch: int) -> tuple[int, int] | None:

@@ -121,7 +121,7 @@ def _fit_label(ax: Any, renderer: Any, x0: float, width: float, lane: int,
     return None
 
 
-def gantt_figure(s: Schedule) -> Any:
+def gantt_figure(s: Schedule, note: str | None = None) -> Any:
     """The steady-state pipeline (layers l and l + 1) per stream, as a matplotlib Figure.
 
     Bars are labelled (op and nano-batch, then the share R) only where the label fits inside the
@@ -151,8 +151,10 @@ def gantt_figure(s: Schedule) -> Any:
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("time (us); layer l solid, layer l+1 faded; hatched: a nano-batch after the "
                   "first; red lines: period boundaries")
-    ax.set_title(f"{s.model['name']} tp={s.tp} on {s.gpu_name}: period {period:.0f} us, "
-                 f"B={s.batch.dense_batch}")
+    title = f"{s.model['name']} tp={s.tp} on {s.gpu_name}: period {period:.0f} us, " \
+            f"B={s.batch.dense_batch}"
+    ax.set_title(title if note is None else f"{note}\n{title}",
+                 color="black" if note is None else "firebrick")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     renderer = fig.canvas.get_renderer()
     unlabelled: dict[str, list[str]] = {}
@@ -170,8 +172,9 @@ def gantt_figure(s: Schedule) -> Any:
     return fig
 
 
-def plot_gantt(s: Schedule, path: str | os.PathLike[str]) -> None:
-    """Draw the steady-state pipeline (layers l and l + 1) per stream to `path` (PNG/SVG)."""
+def plot_gantt(s: Schedule, path: str | os.PathLike[str], note: str | None = None) -> None:
+    """Draw the steady-state pipeline (layers l and l + 1) per stream to `path` (PNG/SVG);
+    `note` heads the title (a pipeline the set does not run says so)."""
     try:
         import matplotlib
 
@@ -179,6 +182,6 @@ def plot_gantt(s: Schedule, path: str | os.PathLike[str]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install 'nanosched[plot]'") from None
-    fig = gantt_figure(s)
+    fig = gantt_figure(s, note)
     fig.savefig(path, dpi=120)
     plt.close(fig)

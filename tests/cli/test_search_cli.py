@@ -117,7 +117,7 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path):
         ({"--dense-batch": "200"}, "--dense-batch must be a multiple of 128"),
         ({"--dense-batch": "lots"}, "--dense-batch must be a number of tokens or 'auto'"),
         ({"--profile": "nosuch"}, "--profile 'nosuch' is neither a file nor a shipped profile"),
-        ({"--time-limit": "0"}, "--time-limit must be > 0"),
+        ({"--time-limit": "0"}, "--time-limit must be a finite number of seconds > 0"),
         ({"--tp": "3"}, "--tp 3 does not divide"),
         ({"--model": "llama9"}, "--model 'llama9' is neither a known model"),
     ]:

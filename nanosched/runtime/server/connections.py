@@ -6,8 +6,9 @@ them exhaust the process's file descriptors (legitimate requests then time out a
 failed accept() is logged). `guarded(base, limits)` subclasses uvicorn's HTTP protocol class:
 - a request's headers must be complete within `header_timeout_s` of the connection opening or
   of the previous response ending, and its body within `body_timeout_s` of the headers; a late
-  client gets a 408 (if no response began) and its connection is closed. An app waiting for
-  the body sees the client leave (`http.disconnect`), as for a client that hung up;
+  client gets a 408 (if no response began; a keep-alive connection idle after a response is
+  closed without one) and its connection is closed. An app waiting for the body sees the
+  client leave (`http.disconnect`), as for a client that hung up;
 - at most `max_connections` connections are open; one more is answered 503 at once and
   closed, before it is read. The default is below the descriptor limit (RLIMIT_NOFILE), with
   room left for the model's files and the process's own.
@@ -84,6 +85,7 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
 
     class Guarded(base):  # type: ignore[misc, valid-type]
         _timer: asyncio.TimerHandle | None = None
+        _what = ""  # what the armed timer waits for: "headers" or "body"
         _seen: Any = None  # the request cycle whose headers have been seen
 
         def connection_made(self, transport: Any) -> None:
@@ -97,42 +99,54 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            cycle = self.cycle
-            if cycle is None or cycle is self._seen or cycle.response_complete:
-                if cycle is not None and cycle is self._seen and not cycle.more_body:
-                    self._disarm()  # the whole body is in
-                return
-            self._seen = cycle  # a new request's headers are in
-            if cycle.more_body:
-                self._arm(limits.body_timeout_s, "body")
-            else:
-                self._disarm()
+            self._track()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
-                self._arm(limits.header_timeout_s, "headers")  # the next request's
+                self._disarm()  # the next request's headers get a deadline of their own
+                self._track()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
+        def _track(self) -> None:
+            """Arm the timer for what the connection waits for now: a request's headers (a
+            deadline kept, not moved, while they trickle in), its body, or nothing."""
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                if self._what != "headers":
+                    self._arm(limits.header_timeout_s, "headers")
+            elif cycle is not self._seen:  # a new request's headers are in
+                self._seen = cycle
+                if cycle.more_body:
+                    self._arm(limits.body_timeout_s, "body")
+                else:
+                    self._disarm()
+            elif not cycle.more_body:
+                self._disarm()  # the whole body is in
+
         def _arm(self, seconds: float, what: str) -> None:
             self._disarm()
-            self._timer = self.loop.call_later(seconds, self._expire, what)
+            self._timer, self._what = self.loop.call_later(seconds, self._expire, what), what
 
         def _disarm(self) -> None:
             if self._timer is not None:
                 self._timer.cancel()
-                self._timer = None
+            self._timer, self._what = None, ""
 
         def _expire(self, what: str) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            limits.count(f"slow {what}")
+            self._timer, self._what = None, ""
             cycle = self.cycle
-            if cycle is None or cycle.response_complete or not cycle.response_started:
+            idle = cycle is None or cycle.response_complete
+            if self.transport.is_closing() or (what == "headers") != idle or (
+                    what == "body" and not cycle.more_body):
+                return  # the request moved on since the timer was armed
+            limits.count(f"slow {what}")
+            if idle and self._seen is not None:
+                pass  # an idle keep-alive connection: closed without a word, as uvicorn's own
+            elif idle or not cycle.response_started:
                 self.transport.write(SLOW_HEADERS if what == "headers" else SLOW_BODY)
             self.transport.close()
 

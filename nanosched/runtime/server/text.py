@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanosched.models.checkpoint import load_tokenizer, model_folder
+from nanosched.models.checkpoint import model_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 PROBE_CHARS_PER_TOKEN = 8  # the first prefix tokenized: this many characters per allowed token
 PROBE_GROWTH = 8  # each next prefix is this much longer
 PROBE_SLACK = 16  # tokens a prefix may hold beyond the whole text's (its cut end re-tokenized)
@@ -57,11 +56,9 @@ class TextCodec:
 
     @classmethod
     def for_model(cls, model: str) -> TextCodec:
-        """The checkpoint folder's tokenizer, or none (token-id prompts only)."""
-        folder = model_folder(model)
-        if folder is None or not any((folder / f).is_file() for f in TOKENIZER_FILES):
-            return cls(None)
-        return cls(load_tokenizer(folder))
+        """The checkpoint folder's tokenizer, or the one shipped for a registered model, or
+        none (token-id prompts only)."""
+        return cls(model_tokenizer(model))
 
     @property
     def has_tokenizer(self) -> bool:

@@ -111,6 +111,22 @@ def test_a_stream_longer_than_the_timeouts_is_not_cut(srv):
     assert len(ids) == 200 and time.monotonic() - t0 > TIMEOUT_S
 
 
+def test_pipelined_requests_are_served_whole_past_the_header_timeout(srv):
+    """Two requests in one write: the second is parsed when the first's response ends (after
+    more than the header timeout) and is served, not cut; then the idle connection closes."""
+    def post(body: dict) -> bytes:
+        raw = json.dumps(body).encode()
+        return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n" % len(raw)) + raw
+
+    sock = _connect(srv.url)
+    sock.sendall(post({"model": "tiny", "prompt": [1], "max_tokens": 200, "ignore_eos": True})
+                 + post({"model": "tiny", "prompt": [2], "max_tokens": 1}))
+    answer, took = _timed(sock)
+    assert answer.count(b"HTTP/1.1 200 OK") == 2 and b"408" not in answer
+    assert took > TIMEOUT_S  # the first answer took longer than the header timeout
+
+
 def test_keep_alive_requests_reuse_the_connection(srv):
     with httpx.Client(timeout=10) as c:
         for _ in range(3):

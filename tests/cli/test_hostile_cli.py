@@ -1,0 +1,137 @@
+"""The command line under hostile or puzzled use (issue 36): values out of range, `--gpu` as a
+name or an index everywhere, search's first lines early, `profile rederive` that never
+overwrites its input (or a file shipped in the package), and the Gantt chart of a pipeline the
+set does not run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hostile import RUNNER, refused
+from repo import ROOT
+
+import nanosched.cli.common as common
+from nanosched.cli import app
+
+CONFIG = str(ROOT / "tests" / "data" / "tiny_llama_config.json")
+SHIPPED_PROFILE = ROOT / "nanosched" / "profiler" / "profiles" / "llama3-70b-tp2-h200x2-quick.json"
+SHIPPED_SET = ROOT / "nanosched" / "schedules" / "shipped" / \
+    "llama3-8b-tp1-h100-in1024-out512-b1024.set.json"
+BENCH = ["bench", "--model", CONFIG, "--device", "cpu", "--input-len", "4", "--output-len",
+         "2", "--num-prompts", "100"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["search", "--model", "llama3-8b", "--time-limit", "inf"], "--time-limit"),
+    (["search", "--model", "llama3-8b", "--time-limit", "nan"], "--time-limit"),
+    (["search", "--model", "llama3-8b", "--max-period-us", "-1"], "--max-period-us"),
+    (["search", "--model", "llama3-8b", "--max-period-us", "inf"], "--max-period-us"),
+    ([*BENCH, "--request-rate", "1e-9"], "at least 0.00116 requests/s"),
+    ([*BENCH, "--request-rate", "0"], "--request-rate must be positive"),
+    ([*BENCH, "--request-rate", "nan"], "--request-rate must be positive"),
+    (["generate", "--model", CONFIG, "--prompt-ids", "1", "--temperature", "inf"],
+     "--temperature must be a finite number"),
+    (["generate", "--model", CONFIG, "--prompt-ids", "1", "--temperature", "nan"],
+     "--temperature"),
+], ids=["time-inf", "time-nan", "period-negative", "period-inf", "rate-tiny", "rate-zero",
+        "rate-nan", "temperature-inf", "temperature-nan"])
+def test_values_out_of_range_are_refused_before_any_work(args, needle):
+    refused(args, needle)
+
+
+def test_gpu_names_and_indices_mean_the_same_everywhere(monkeypatch):
+    here = ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    monkeypatch.setattr(common, "visible_gpus", lambda: here)
+    assert common.gpu_index("h100") == 1 and common.gpu_index("0") == 0
+    assert common.gpu_name("1") == "h100" and common.gpu_name("h200") == "h200"
+    r = RUNNER.invoke(app, ["models", "--gpu", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    monkeypatch.setattr(common, "visible_gpus", lambda: [])
+    refused(["profile", "--gpu", "h100", "--model", "llama3-8b"], "--gpu h100", "no h100 here",
+            "GPUs here: none")
+    refused(["profile", "--gpu", "tpu", "--model", "llama3-8b"], "not a known GPU", "h100")
+    refused(["profile", "--gpu", "-1", "--model", "llama3-8b"], "device index")
+    refused(["models", "--gpu", "0"], "--gpu 0", "no GPU at that index")
+    refused(["search", "--model", "llama3-8b", "--gpu", "2"], "--gpu 2")
+    assert common.gpu_index("h100", fake=True) == 0  # a dry run measures no device
+
+
+def test_search_reads_one_profile_and_says_what_it_decided_before_it_solves(monkeypatch,
+                                                                           tmp_path):
+    """The issue's search printed nothing for 48 s: it read every shipped profile whole, and
+    said nothing of the batch shapes it decided without a solve."""
+    import nanosched.autosearch.request as request
+    import nanosched.autosearch.sets as sets
+    from nanosched.autosearch.search import search_and_save
+
+    read, lines = [], []
+    real = request.load_profile
+    monkeypatch.setattr(request, "load_profile", lambda p: read.append(p) or real(p))
+
+    def first_solve(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sets, "run_search", first_solve)
+    with pytest.raises(KeyboardInterrupt):
+        search_and_save(model="llama3-8b", tp=None, profile=None, gpu="h100", workload=None,
+                        input_len=None, output_len=None, dense_batch="auto", time_limit=60,
+                        workers=1, max_nano_ops=4, max_period_us=None,
+                        out=str(tmp_path / "s.json"), echo=lines.append,
+                        print_table=lambda *_: None, buckets="all")
+    assert [Path(p).name for p in read] == ["llama3-8b-tp1-h100.json"]
+    assert lines[-2].startswith("searching llama3-8b")
+    assert lines[-1].startswith("[12/44] decided without a search: 2 too small"), lines[-1]
+
+
+def test_rederive_never_overwrites_its_input(tmp_path, monkeypatch):
+    before = SHIPPED_PROFILE.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    r = RUNNER.invoke(app, ["profile", "rederive", str(SHIPPED_PROFILE)])
+    assert r.exit_code == 0, r.output
+    written = tmp_path / "llama3-70b-tp2-h200x2-quick.rederived.json"
+    assert written.is_file() and f"wrote {written.name}" in r.output
+    assert SHIPPED_PROFILE.read_bytes() == before  # the package's file is untouched
+    mine = Path(shutil.copy(SHIPPED_PROFILE, tmp_path / "sub.json"))
+    r = RUNNER.invoke(app, ["profile", "rederive", str(mine)])
+    assert r.exit_code == 0 and (tmp_path / "sub.rederived.json").is_file()
+    assert mine.read_bytes() == before
+    r = RUNNER.invoke(app, ["profile", "rederive", str(mine), "--out", str(mine)])
+    assert r.exit_code == 0  # named explicitly: replaced
+
+
+def test_profile_forward_leaves_a_shipped_profile_alone_unless_told(monkeypatch):
+    refused(["profile", "forward", str(SHIPPED_PROFILE), "--fake-gpu"], "shipped in the "
+            "installed nanosched package", "--out")
+
+
+def test_the_gantt_of_a_pipeline_the_set_does_not_run_says_so(tmp_path, monkeypatch):
+    import nanosched.schedules.show as show
+
+    titles = []
+    real = show.gantt_figure
+
+    def spy(s, note=None):
+        fig = real(s, note)
+        titles.append(fig.axes[0].get_title())
+        return fig
+
+    monkeypatch.setattr(show, "gantt_figure", spy)
+    r = RUNNER.invoke(app, ["show", str(SHIPPED_SET), "--plot", str(tmp_path / "g.png")])
+    assert r.exit_code == 0, r.output
+    assert titles[0].startswith("NOT RUN: this set runs Sequential at D=384 T=1024")
+    assert "does not run" in r.output
+    r = RUNNER.invoke(app, ["show", str(SHIPPED_SET), "--key", "384,1024"])
+    assert r.exit_code == 0 and "NOT RUN" in r.output
+    data = json.loads(SHIPPED_SET.read_text())
+    steady = next(e for e in data["entries"] if e["schedule"] is not None)
+    steady["kind"] = "pipeline"
+    steady["forward_us"] = steady["sequential_us"] / 1.2
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    titles.clear()
+    r = RUNNER.invoke(app, ["show", str(tmp_path / "run.json"), "--plot",
+                            str(tmp_path / "g2.png")])
+    assert r.exit_code == 0, r.output
+    assert not titles[0].startswith("NOT RUN")

@@ -27,11 +27,14 @@ SET = str(ROOT / "nanosched" / "schedules" / "shipped"
 
 
 def char_device(folder: Path) -> Path:
-    if os.geteuid() == 0:
-        node = folder / "null"
+    if os.geteuid() != 0:
+        return Path("/dev/null")
+    node = folder / "null"
+    try:
         os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-        return node
-    return Path("/dev/null")
+    except PermissionError:  # root without CAP_MKNOD (a container): never risk /dev/null
+        pytest.skip("root here cannot make a device node, and /dev/null is not risked")
+    return node
 
 
 @pytest.fixture(params=["device", "fifo", "socket"])

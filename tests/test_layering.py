@@ -8,7 +8,11 @@ lazy imports inside functions included) against the rules below.
 - kernels import only kernels, constants and errors;
 - the profiler imports neither the search nor the runtime;
 - the runtime, the profiler and the models never import the benchmark harnesses (a server or
-  a profile run carries no benchmark code).
+  a profile run carries no benchmark code);
+- the frontend (a traced model as the runtime's ops) builds on the models, kernels and the
+  runtime's program contract, never on the search, schedules or benchmarks; nothing below it
+  (runtime, models, search, schedules) imports it: the runtime takes a frontend model by what
+  it offers (`program`), not by its class.
 Top-level pure modules (constants, errors, hardware, workloads, costmodel, fileio), the command
 line (`nanosched.cli`) and the benchmark harnesses (`nanosched.benchmarks`, which may import
 both sides) are not restricted. Relative imports are read as the absolute names they stand for.
@@ -22,11 +26,12 @@ from pathlib import Path
 import pytest
 
 FORBIDDEN = {
-    "runtime": {"autosearch", "benchmarks"},
-    "autosearch": {"runtime", "kernels"},
-    "schedules": {"runtime", "autosearch"},
-    "models": {"runtime", "schedules", "benchmarks"},
+    "runtime": {"autosearch", "benchmarks", "frontend"},
+    "autosearch": {"runtime", "kernels", "frontend"},
+    "schedules": {"runtime", "autosearch", "frontend"},
+    "models": {"runtime", "schedules", "benchmarks", "frontend"},
     "profiler": {"autosearch", "runtime", "benchmarks"},
+    "frontend": {"autosearch", "benchmarks", "schedules"},
 }
 KERNELS_MAY_IMPORT = {"kernels", "constants", "errors"}
 ROOT = Path(__file__).resolve().parents[1] / "nanosched"

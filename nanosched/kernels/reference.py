@@ -94,11 +94,22 @@ def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Ten
     cos = torch.cat((cos_table[positions],) * 2, dim=-1).to(qkv.dtype)[:, None, :]  # [n, 1, d]
     sin = torch.cat((sin_table[positions],) * 2, dim=-1).to(qkv.dtype)[:, None, :]
     q_out.copy_(_rotate(q, cos, sin))
-    k = _rotate(k, cos, sin)
+    append_kv(_rotate(k, cos, sin), v, slot_mapping, k_cache, v_cache, k_scale=k_scale,
+              v_scale=v_scale)
+
+
+def append_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write k, v [n, Hkv, d] into the paged cache [P, S, Hkv, d] at `slot_mapping` [n]
+    (quantised per (token, KV head) into an FP8 cache with scales)."""
+    num_kv, d = k_cache.shape[2], k_cache.shape[3]
     for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
         if scales is not None:
             x, sx = quantize_fp8(x)
             scales.view(-1, num_kv).index_copy_(0, slot_mapping, sx)
+        elif x.dtype != cache.dtype:
+            x = x.to(cache.dtype)
         if x.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
         cache.view(-1, num_kv, d).index_copy_(0, slot_mapping, x)

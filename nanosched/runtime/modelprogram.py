@@ -85,7 +85,10 @@ def _launch_dict(cfg: LaunchConfig, op: str) -> dict[str, Any] | None:
 
 def model_program(model: Any, ws: Any, meta: Any,
                   segments: Sequence[tuple[int, int, bool]]) -> Program:
-    """The forward over the batch described by `meta`: embedding, then every layer's ops."""
+    """The forward over the batch described by `meta`: embedding, then every layer's ops.
+    A model that partitions itself (a `nanosched.frontend.FrontendModel`) builds its own."""
+    if hasattr(model, "program"):
+        return model.program(ws, meta, segments)
     num_tokens = segments[-1][1] if segments else 0
     decode, prefill, prefill_kv = attention_spans(segments)
     spans = {("attn_decode", "kv"): decode, ("attn_prefill", "kv"): prefill_kv}

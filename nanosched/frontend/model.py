@@ -1,0 +1,296 @@
+"""`FrontendModel`: an unmodified model, traced and partitioned, run as the runtime's ops.
+
+    fm = FrontendModel(hf_model, llama_rules())          # trace + partition + subgraphs
+    ws = fm.new_workspace(max_tokens, num_pages)         # value buffers + paged KV cache
+    meta = ws.kv.plan([(request, num_tokens, is_decode), ...])
+    ws.token_ids[:T] = ids
+    program = fm.program(ws, meta, segments)             # a runtime Program, like model_program
+    run_program(program, Sequential(), Backend(SerialDevice()))
+    logits = fm.logits(ws, rows)                         # the epilogue on the rows that sample
+
+It offers what the runtime asks of the named-op `CausalLM` for one forward (`program`,
+`logits`, `new_workspace`, `op_names`), so every strategy runs on it unchanged:
+`runtime.modelprogram.model_program` hands a frontend model's `program` to the scheduler.
+
+Depth: Dynamo traces `trace_layers` layers (trace.py); a deeper model runs the traced
+layer 0, then the traced layer 1 bound to the weights and KV layer of each middle layer, then
+the traced last layer bound to the model's last. The traced layers 0 and 1 must have the same
+subgraphs up to their weights (checked), else `trace_layers=None` traces every layer.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from nanosched.constants import PAGE_SIZE
+from nanosched.errors import ConfigError
+from nanosched.frontend import ops
+from nanosched.frontend.boundary import (
+    Value,
+    allocate,
+    crossing_values,
+    evaluate,
+    outside_reads,
+    rows,
+)
+from nanosched.frontend.codegen import Subgraph, build
+from nanosched.frontend.partition import EMBED, HEAD, Partition, example, is_size, partition
+from nanosched.frontend.program import Step, assign_buffers, program, token_rows
+from nanosched.frontend.rules import Rules, SplitFunc, same_callable
+from nanosched.frontend.trace import Trace, capture, layer_list
+from nanosched.kernels.dispatch import KernelOptions
+from nanosched.models.kvcache import KVCache
+
+# the frontend's own operators, named as the named-op model names them (below the user's rules)
+DEFAULT_RULES = (SplitFunc(ops.KV_APPEND, "rope_append"),
+                 SplitFunc(ops.ATTN_DECODE, "attn_decode"),
+                 SplitFunc(ops.ATTN_PREFILL, "attn_prefill"),
+                 SplitFunc(ops.EXPERTS_UG, "experts_ug"), SplitFunc(ops.EXPERTS_D, "experts_d"))
+
+
+@dataclass(eq=False)
+class FrontendWorkspace:
+    """The buffers of one frontend model instance: token ids, value buffers, paged KV cache."""
+
+    max_tokens: int
+    token_ids: torch.Tensor  # [T] int64, filled by the caller
+    buffers: dict[str, torch.Tensor]
+    kv: KVCache
+
+
+class FrontendModel:
+    """An unmodified torch model partitioned into named ops (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, rules: Rules, *,
+                 kernels: KernelOptions | None = None, example_tokens: int = 8,
+                 trace_layers: int | None = 3) -> None:
+        t0 = time.perf_counter()
+        first = next(model.parameters())
+        self.model, self.device, self.dtype = model, first.device, first.dtype
+        self.kernels = kernels or KernelOptions()
+        prefix, layers = layer_list(model)
+        self.num_layers = len(layers)
+        if trace_layers is not None and self.num_layers > trace_layers and trace_layers < 3:
+            raise ConfigError(f"trace_layers={trace_layers}: a model deeper than the trace "
+                              f"needs at least 3 traced layers (first, middle, last)")
+        self.trace: Trace = capture(model, example_tokens, trace_layers)
+        self.part: Partition = partition(self.trace.gm, rules.extended(DEFAULT_RULES))
+        subs, traced = self._subgraphs()
+        self.steps, self.head = self._steps(subs, traced)
+        self.values = {v: traced[n] for s in [*self.steps, self.head]
+                       for n in (*s.sub.reads.values, *s.sub.outputs) for v in [s.value_id(n)]}
+        self.buffers = assign_buffers(self.steps, self.values)
+        self._params = dict([*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)])
+        for s in [*self.steps, self.head]:
+            s.bound = self._bind(s)
+        self.kv_heads, self.head_dim = self._kv_geometry()
+        self.init_seconds = time.perf_counter() - t0
+
+    # ---- what the runtime asks of a model ---------------------------------------------------
+    def op_names(self) -> list[str]:
+        """The layer's ops in program order (from the partition)."""
+        return [op for op, _ in self.part.layer_ops]
+
+    def layer_ops(self) -> list[tuple[str, str]]:
+        """(op, resource class) of one layer, in program order."""
+        return list(self.part.layer_ops)
+
+    def new_workspace(self, max_tokens: int, num_pages: int, page_size: int = PAGE_SIZE,
+                      kv_dtype: str = "auto") -> FrontendWorkspace:
+        kv = KVCache(self.num_layers, num_pages, self.kv_heads, self.head_dim, self.dtype,
+                     self.device, page_size, kv_dtype)
+        specs: dict[str, Value] = {}
+        for v, name in self.buffers.items():
+            specs.setdefault(name, self.values[v])
+        buffers = {name: allocate(spec, max_tokens, self.device) for name, spec in specs.items()}
+        ids = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
+        return FrontendWorkspace(max_tokens, ids, buffers, kv)
+
+    def program(self, ws: FrontendWorkspace, meta: Any,
+                segments: list[tuple[int, int, bool]]) -> Any:
+        return program(self, ws, meta, segments)
+
+    def logits(self, ws: FrontendWorkspace, rows_: torch.Tensor | None = None,
+               num_tokens: int | None = None) -> torch.Tensor:
+        """The epilogue on the given rows (all `num_tokens` rows if None): logits [R, V]."""
+        if rows_ is None:
+            rows_ = torch.arange(num_tokens or 0, device=self.device)
+        head, sub = self.head, self.head.sub
+        args: list[Any] = []
+        for v in head.reads():
+            value = self.values[v]
+            if value.rows_per_token != 1:
+                raise ConfigError(f"the epilogue reads {v[0]}, {value.rows_per_token} rows "
+                                  f"per token: it must read one row per token")
+            args.append(ws.buffers[self.buffers[v]].index_select(value.token_dim, rows_))
+        for x in head.bound:
+            if isinstance(x, str):
+                raise ConfigError(f"the epilogue reads the graph input {x}: it must read only "
+                                  f"what the last layer computes")
+            args.append(x)
+        args += [evaluate(self.sizes[n], self.trace.symbol, len(rows_))
+                 for n in sub.reads.symbols]
+        with ops.calling(ws.kv, None, 0, len(rows_), None, self.kernels, head.shift):
+            out = sub.module(*args)
+        logits = next(t for t in out if isinstance(t, torch.Tensor))
+        return logits.reshape(len(rows_), -1)
+
+    def forward(self, ws: FrontendWorkspace, meta: Any, rows_: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Sequential reference: every op over the whole batch, then the logits."""
+        from nanosched.runtime.program import DEFAULT_LAUNCH
+
+        segments = [(s, e, i < meta.num_decode) for i, (s, e) in
+                    enumerate(zip(meta.seg_starts, meta.seg_ends, strict=True))]
+        for op in self.program(ws, meta, segments).ops:
+            op.run(0, meta.end, DEFAULT_LAUNCH)
+        return self.logits(ws, rows_, num_tokens=meta.end)
+
+    def inputs_of(self, step: Step) -> list[Any]:
+        return step.bound
+
+    def describe(self) -> dict[str, Any]:
+        """What the partition made: ops, how each value is written, buffer sizes, timings."""
+        writes: dict[str, int] = {}
+        for s in self.steps:
+            for mode in s.sub.writes.values():
+                writes[mode] = writes.get(mode, 0) + 1
+        per_token = {}
+        for v, name in self.buffers.items():
+            spec = self.values[v]
+            per_token[name] = spec.dtype.itemsize * int(torch.tensor(spec.sizes).prod())
+        return {"layer_ops": self.layer_ops(), "num_layers": self.num_layers,
+                "traced_layers": self.trace.layers, "writes": writes,
+                "copies": sorted({f"{s.sub.group.op}:{v}" for s in self.steps
+                                  for v, m in s.sub.writes.items() if m == "copy"}),
+                "buffers": len(per_token), "buffer_bytes_per_token": sum(per_token.values()),
+                "trace_s": round(self.trace.seconds, 3), "init_s": round(self.init_seconds, 3)}
+
+    # ---- building -----------------------------------------------------------------------------
+    @property
+    def sizes(self) -> dict[fx.Node, Any]:
+        return self._sizes
+
+    def _subgraphs(self) -> tuple[list[Subgraph], dict[fx.Node, Value]]:
+        part, gm, symbol = self.part, self.trace.gm, self.trace.symbol
+        for node, name in self.trace.tokens.items():
+            node.meta["nanosched_input"] = name
+        reads = [outside_reads(g, set(g.nodes)) for g in part.groups]
+        traced = crossing_values(part, reads, symbol)
+        self._sizes = {**self.trace.symbols}
+        for r in reads:
+            for n in r.symbols:
+                self._sizes.setdefault(n, _size_expr(n))
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        subs = []
+        for i, g in enumerate(part.groups):
+            outputs = [v for v in traced if part.group_of[v] == i]
+            graph_outputs = list(_flatten(out_node.args)) if g.op == HEAD else None
+            subs.append(build(gm, g, reads[i], outputs, graph_outputs))
+        if subs[-1].group.op != HEAD:
+            raise ConfigError("the traced graph has no epilogue: nothing after the last layer")
+        return subs, traced
+
+    def _steps(self, subs: list[Subgraph], traced: dict[fx.Node, Value]
+               ) -> tuple[list[Step], Step]:
+        roles = {}
+        for s in subs:
+            for j, v in enumerate(s.outputs):
+                roles[v] = (s.group.op, j, s.group.layer)
+        by_layer: dict[int, list[Subgraph]] = {}
+        for s in subs:
+            by_layer.setdefault(s.group.layer, []).append(s)
+        embed = [s for s in by_layer[-1] if s.group.op == EMBED]
+        depth, k = self.num_layers, self.part.num_layers
+        if depth == k:
+            plan = [(t, 0) for t in range(k)]
+        else:
+            _check_same(by_layer[0], by_layer[1], self.trace, traced)
+            middle = [(1, layer - 1) for layer in range(1, depth - 1)]
+            plan = [(0, 0), *middle, (k - 1, depth - k)]
+        steps = [Step(s, 0, roles) for s in embed]
+        for t, shift in plan:
+            steps += [Step(s, shift, roles) for s in by_layer[t]]
+        head = Step(subs[-1], depth - k, roles)
+        return steps, head
+
+    def _bind(self, step: Step) -> list[Any]:
+        """Per graph input the step reads: a token input's name or the constant tensor (the
+        shifted layer's parameter for a layer's weight)."""
+        out: list[Any] = []
+        prefix = re.escape(self.trace.layer_prefix) + r"\.(\d+)\."
+        for n in step.sub.reads.inputs:
+            if n in self.trace.tokens:
+                out.append(self.trace.tokens[n])
+                continue
+            path = self.trace.paths.get(n)
+            if step.shift and path and re.match(prefix, path):
+                layer = int(re.match(prefix, path).group(1)) + step.shift
+                path = re.sub(prefix, f"{self.trace.layer_prefix}.{layer}.", path, count=1)
+                out.append(self._params[path])
+            else:
+                out.append(self.trace.constants[n])
+        return out
+
+    def _kv_geometry(self) -> tuple[int, int]:
+        for n in self.trace.gm.graph.nodes:
+            if n.op == "call_function" and same_callable(n.target, ops.KV_APPEND):
+                shape = example(n.args[0]).shape  # [1, Hkv, T, d]
+                return int(shape[1]), int(shape[3])
+        raise ConfigError("the traced model writes no KV cache: route its attention through "
+                          "the frontend (hf.use_nanosched)")
+
+
+def _size_expr(n: fx.Node) -> Any:
+    return example(n)
+
+
+def _flatten(x: Any) -> list[Any]:
+    if isinstance(x, (tuple, list)):
+        return [y for item in x for y in _flatten(item)]
+    if isinstance(x, dict):
+        return [y for item in x.values() for y in _flatten(item)]
+    return [x]
+
+
+def _check_same(a: list[Subgraph], b: list[Subgraph], trace: Trace,
+                values: dict[fx.Node, Value]) -> None:
+    """Traced layers 0 and 1 run the same subgraphs up to their weights (else a deeper model
+    cannot run the traced layer 1 as every middle layer)."""
+    for sa, sb in zip(a, b, strict=True):
+        if _signature(sa, trace, values) != _signature(sb, trace, values):
+            raise ConfigError(f"op {sa.group.op} differs between layers 0 and 1 beyond their "
+                              f"weights: trace every layer (trace_layers=None)")
+
+
+def _signature(sub: Subgraph, trace: Trace, values: dict[fx.Node, Value]) -> tuple:
+    layer = sub.group.layer
+    prefix = re.escape(trace.layer_prefix) + r"\.(\d+)\."
+
+    def rel(n: fx.Node) -> str:
+        path = trace.paths.get(n, "")
+        m = re.match(prefix, path)
+        return f"+{int(m.group(1)) - layer}.{path[m.end():]}" if m else path or n.name
+
+    kept = [n for n in sub.module.graph.nodes if n.op == "placeholder" or not is_size(n)]
+    index = {n: i for i, n in enumerate(kept)}
+    body = []
+    for n in kept:  # size arithmetic is recomputed from the token count: not compared
+        if n.op == "placeholder":
+            continue
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index.get(a, 'size')}")
+        if n.op == "call_function" and any(same_callable(n.target, op) for op in ops.LAYERED):
+            args = (args[0][:2] + (args[0][2] - layer,) + args[0][3:], args[1])
+        body.append((n.op, str(n.target), repr(args)))
+    return (tuple(values[v].signature() for v in (*sub.reads.values, *sub.outputs)),
+            tuple(rel(n) for n in sub.reads.inputs), tuple(sub.writes.values()), tuple(body))
+
+
+__all__ = ["FrontendModel", "FrontendWorkspace", "rows", "token_rows"]

@@ -1,0 +1,152 @@
+"""The frontend's ops as the runtime's `Program`, over buffers shared by the whole forward.
+
+`Step` is one op of the forward: a subgraph (codegen.py) bound to one layer (`shift` layers
+after the traced layer it was built from: its weights and KV layer are the shifted ones).
+Every tensor one step computes for later steps is a value `(op, output index, layer)`;
+values of equal shape, dtype and layout share a buffer when their lifetimes (first writer to
+last reader, in program order) do not overlap, so the buffers hold about one layer's
+intermediates whatever the depth, as the named-op workspace does. A step reads and writes
+only its token rows of them; the attention steps touch only their own kind of rows (decode
+or prompt) and read the K/V of earlier rows of their prompt through the cache
+(runtime/modelprogram.py's spans).
+
+`program(fm, ws, meta, segments)` declares each step's buffer accesses (the scheduler and
+backend order nano-ops from them) and its `run(start, end, cfg)`: the subgraph called on row
+views of the buffers, inside `ops.calling` (its KV cache, batch metadata, range, launch dict,
+layer shift).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from nanosched.frontend import ops
+from nanosched.frontend.boundary import Value, evaluate, rows
+from nanosched.frontend.codegen import Subgraph
+from nanosched.frontend.partition import mutated
+from nanosched.frontend.rules import same_callable
+from nanosched.runtime.modelprogram import attention_spans
+from nanosched.runtime.program import Access, LaunchConfig, Program, ProgramOp
+
+ValueId = tuple[str, int, int]  # (producing op, its output index, real layer or -1)
+
+
+@dataclass
+class Step:
+    sub: Subgraph
+    shift: int  # real layer - traced layer
+    roles: dict[fx.Node, tuple[str, int, int]]  # value -> (op, output index, traced layer)
+    bound: list[Any] = field(default_factory=list)  # per graph input: token name or tensor
+
+    @property
+    def layer(self) -> int:
+        g = self.sub.group
+        return g.layer + self.shift if g.layer >= 0 else -1
+
+    def value_id(self, node: fx.Node) -> ValueId:
+        """A value by role, so the traced layer bound to several layers names each layer's
+        own copy: the previous layer's output j of op X is (X, j, layer - 1) in every layer."""
+        op, j, t = self.roles[node]
+        return op, j, (t + self.shift if t >= 0 else -1)
+
+    def reads(self) -> list[ValueId]:
+        return [self.value_id(n) for n in self.sub.reads.values]
+
+    def writes(self) -> list[ValueId]:
+        own = [self.value_id(n) for n in self.sub.outputs]
+        changed = [self.value_id(v) for n in self.sub.group.nodes for v in mutated(n)
+                   if v in self.roles and v in self.sub.reads.values]
+        return own + changed
+
+    def has(self, op: Any) -> bool:
+        return any(n.op == "call_function" and same_callable(n.target, op)
+                   for n in self.sub.group.nodes)
+
+
+def assign_buffers(steps: Sequence[Step], values: dict[ValueId, Value]
+                   ) -> dict[ValueId, str]:
+    """Buffer name of every value: reuse one whose last reader came strictly earlier."""
+    first: dict[ValueId, int] = {}
+    last: dict[ValueId, int] = {}
+    for i, s in enumerate(steps):
+        for v in s.writes():
+            first.setdefault(v, i)
+            last[v] = max(last.get(v, i), i)
+        for v in s.reads():
+            last[v] = max(last.get(v, i), i)
+    free: dict[tuple, list[tuple[int, str]]] = {}  # signature -> (busy until, name)
+    out: dict[ValueId, str] = {}
+    count = 0
+    for v in sorted(first, key=first.__getitem__):
+        pool = free.setdefault(values[v].signature(), [])
+        slot = next((k for k, (until, _) in enumerate(pool) if until < first[v]), None)
+        if slot is None:
+            name = f"b{count}"
+            count += 1
+            pool.append((last[v], name))
+        else:
+            name = pool[slot][1]
+            pool[slot] = (last[v], name)
+        out[v] = name
+    return out
+
+
+def program(fm: Any, ws: Any, meta: Any, segments: Sequence[tuple[int, int, bool]]) -> Program:
+    """The forward of frontend model `fm` over the batch `meta` describes (runtime contract:
+    runtime/program.py), on workspace `ws`."""
+    num_tokens = segments[-1][1] if segments else 0
+    decode, prefill, prefill_kv = attention_spans(segments)
+    out = []
+    for step in fm.steps:
+        span, kv_span = None, None
+        if step.has(ops.ATTN_PREFILL):
+            kv_span = prefill_kv
+            span = None if step.has(ops.ATTN_DECODE) else prefill
+        elif step.has(ops.ATTN_DECODE):
+            span = kv_span = decode
+        reads = [Access(fm.buffers[v], span) for v in step.reads()]
+        writes = [Access(fm.buffers[v], span) for v in step.writes()]
+        if kv_span is not None:
+            reads.append(Access(f"kv{step.layer}", kv_span))
+        if step.has(ops.KV_APPEND):
+            writes.append(Access(f"kv{step.layer}"))
+        if "input_ids" in fm.inputs_of(step):
+            reads.append(Access("token_ids"))
+        out.append(ProgramOp(step.sub.group.op, step.layer, step.sub.group.resource,
+                             runner(fm, step, ws, meta), tuple(reads), tuple(writes)))
+    return Program(num_tokens, tuple(out))
+
+
+def runner(fm: Any, step: Step, ws: Any, meta: Any) -> Callable[[int, int, LaunchConfig], None]:
+    """`run(start, end, cfg)` of one step; what does not depend on the range is looked up once."""
+    sub = step.sub
+    ins = [(ws.buffers[fm.buffers[v]], fm.values[v]) for v in step.reads()]
+    outs = [(ws.buffers[fm.buffers[v]], fm.values[v])
+            for v in map(step.value_id, sub.outputs)]
+    inputs = fm.inputs_of(step)  # token input name, or a bound constant tensor
+    syms = [fm.sizes[n] for n in sub.reads.symbols]
+    module, kernels, shift, op, symbol = sub.module, fm.kernels, step.shift, sub.group.op, \
+        fm.trace.symbol
+
+    def run(s: int, e: int, cfg: LaunchConfig) -> None:
+        n = e - s
+        args: list[Any] = [rows(b, v, s, e) for b, v in ins]
+        args += [token_rows(ws, meta, x, s, e) if isinstance(x, str) else x for x in inputs]
+        args += [evaluate(x, symbol, n) for x in syms]
+        args += [rows(b, v, s, e) for b, v in outs]
+        with ops.calling(ws.kv, meta, s, e, cfg.launch_dict(op), kernels, shift):
+            module(*args)
+
+    return run
+
+
+def token_rows(ws: Any, meta: Any, name: str, s: int, e: int) -> torch.Tensor:
+    """Rows [s, e) of a token input as the traced graph takes it ([1, n])."""
+    if name == "input_ids":
+        return ws.token_ids[s:e].view(1, -1)
+    return meta.slice(s, e).positions.view(1, -1)

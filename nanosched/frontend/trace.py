@@ -1,0 +1,144 @@
+"""TorchDynamo capture of an unmodified model's forward, as the frontend's input.
+
+`capture(model, ...)` compiles the model with a `torch.compile` backend that keeps the graph
+Dynamo hands it, and calls it once on `example_tokens` tokens of one sequence
+(`input_ids` and `position_ids` of shape [1, T], T marked dynamic, `use_cache=False`), so every
+size that depends on T is a symbol. The graph's placeholders are then sorted into the token
+inputs (rows of the batch), the symbolic sizes (functions of T) and the constants (the model's
+parameters and buffers, found by identity, so a path like `model.layers.3.mlp.up_proj.weight`
+names each).
+
+`layers`: trace only the first `layers` decoder layers (the model's layer list cut short while
+Dynamo runs, HF's `num_hidden_layers` likewise); the frontend binds the traced middle layer's
+ops to the weights of the others (model.py). Tracing time grows with depth: a 32-layer tiny
+Llama took 18.7 s and a 2-layer one 4.3 s on a shared 2-core CPU (about 0.5 s a layer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch import fx
+
+from nanosched.errors import ConfigError
+
+TOKEN_INPUTS = ("input_ids", "position_ids")
+
+
+@dataclass
+class Trace:
+    gm: fx.GraphModule
+    symbol: sympy.Symbol  # the token count T
+    tokens: dict[fx.Node, str] = field(default_factory=dict)  # placeholder -> token input
+    constants: dict[fx.Node, torch.Tensor] = field(default_factory=dict)
+    paths: dict[fx.Node, str] = field(default_factory=dict)  # constant -> the model's name
+    symbols: dict[fx.Node, sympy.Expr] = field(default_factory=dict)  # SymInt placeholders
+    layers: int = 0  # decoder layers traced
+    layer_prefix: str = ""  # the layer list's path ("model.layers")
+    seconds: float = 0.0
+
+
+def layer_list(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """The model's decoder layers: the longest `ModuleList` of modules of one class."""
+    best: tuple[str, torch.nn.ModuleList] | None = None
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) and \
+                len({type(x) for x in m}) == 1 and (best is None or len(m) > len(best[1])):
+            best = (name, m)
+    if best is None:
+        raise ConfigError(f"{type(model).__name__} has no list of decoder layers "
+                          f"(a torch.nn.ModuleList of modules of one class)")
+    return best
+
+
+@contextmanager
+def _shallow(model: torch.nn.Module, prefix: str, layers: int) -> Iterator[None]:
+    parent_name, _, attr = prefix.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    full = getattr(parent, attr)
+    config = getattr(model, "config", None)
+    saved = getattr(config, "num_hidden_layers", None)
+    setattr(parent, attr, torch.nn.ModuleList(list(full)[:layers]))
+    if saved is not None:
+        config.num_hidden_layers = layers
+    try:
+        yield
+    finally:
+        setattr(parent, attr, full)
+        if saved is not None:
+            config.num_hidden_layers = saved
+
+
+def capture(model: torch.nn.Module, example_tokens: int = 8, layers: int | None = None
+            ) -> Trace:
+    """Trace `model` (see the module docstring); `layers=None` traces every layer."""
+    prefix, full = layer_list(model)
+    depth = len(full) if layers is None else min(layers, len(full))
+    graphs: list[tuple[fx.GraphModule, list]] = []
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    device = next(model.parameters()).device
+    ids = torch.zeros((1, example_tokens), dtype=torch.int64, device=device)
+    pos = torch.arange(example_tokens, device=device)[None]
+    for t in (ids, pos):
+        torch._dynamo.mark_dynamic(t, 1)
+    torch._dynamo.reset()  # a fresh trace, whatever was compiled before in this process
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), _shallow(model, prefix, depth):
+            torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(
+                input_ids=ids, position_ids=pos, use_cache=False)
+    except torch._dynamo.exc.Unsupported as exc:
+        raise ConfigError(f"TorchDynamo cannot trace {type(model).__name__} as one graph: "
+                          f"{str(exc).splitlines()[0]}") from exc
+    finally:
+        torch._dynamo.reset()
+    if len(graphs) != 1:
+        raise ConfigError(f"tracing {type(model).__name__} gave {len(graphs)} graphs, not one")
+    gm, examples = graphs[0]
+    trace = Trace(gm, _token_symbol(gm, examples, ids), layers=depth, layer_prefix=prefix,
+                  seconds=time.perf_counter() - t0)
+    _sort_inputs(trace, model, examples, {id(ids): "input_ids", id(pos): "position_ids"})
+    return trace
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _token_symbol(gm: fx.GraphModule, examples: list, ids: torch.Tensor) -> sympy.Symbol:
+    for node, value in zip(_placeholders(gm), examples, strict=True):
+        if value is ids:
+            size = node.meta["example_value"].shape[1]
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                return size.node.expr
+    raise ConfigError("tracing kept no symbolic token count: the model's forward "
+                      "specialised the sequence length (it must run on any number of tokens)")
+
+
+def _sort_inputs(trace: Trace, model: torch.nn.Module, examples: list,
+                 token_ids: dict[int, str]) -> None:
+    names = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), name)
+    for node, value in zip(_placeholders(trace.gm), examples, strict=True):
+        if id(value) in token_ids:
+            trace.tokens[node] = token_ids[id(value)]
+        elif isinstance(value, torch.SymInt):
+            trace.symbols[node] = value.node.expr
+        elif isinstance(value, torch.Tensor):
+            trace.constants[node] = value
+            if id(value) in names:
+                trace.paths[node] = names[id(value)]
+        else:
+            raise ConfigError(f"graph input {node.name} is a {type(value).__name__}; the "
+                              f"frontend takes tensors and sizes")

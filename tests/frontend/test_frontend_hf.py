@@ -1,0 +1,68 @@
+"""Unmodified HF transformers models through the frontend equal their own eager forward.
+
+Llama, Qwen2 (one KV head), Mixtral (top-2 of 4 experts) with `llama_rules()` and GPT-2 with
+the rules of docs/usage.md: three prompts prefilled in one batch (one chunked over two batches,
+its second chunk beside decode tokens), then greedy decode steps, under Sequential and the
+two-batch overlap; every token's logits match HF's run of each whole sequence (fp32, 1e-5
+relative) and the greedy tokens follow. One trace per model (about 3-6 s on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from frontend_helpers import PROMPTS, max_error_vs_hf, run_mixed, tiny_hf, usage_rules
+
+from nanosched.frontend import FrontendModel
+from nanosched.frontend.hf import llama_rules, use_nanosched
+from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
+
+
+def frontend(arch: str, layers: int = 2, **kw) -> tuple[torch.nn.Module, FrontendModel]:
+    model = tiny_hf(arch, layers)
+    use_nanosched(model)
+    rules = usage_rules()[0] if arch == "gpt2" else llama_rules()
+    return model, FrontendModel(model, rules, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "gpt2"])
+def test_prefill_and_decode_equal_the_unmodified_model(arch):
+    model, fm = frontend(arch)
+    ops = [op for op, _ in fm.layer_ops()]
+    ffn = ["experts_ug", "act", "experts_d"] if arch == "mixtral" else ["ug", "act", "d"]
+    assert ops == ["kqv", "rope_append", "attn_decode", "attn_prefill", "o", "add_norm_ffn",
+                   *ffn, "add_norm_attn"]
+    for strategy in (Sequential(), TwoBatchOverlap(tile_m=4)):
+        seqs, logits = run_mixed(fm, strategy)
+        assert max_error_vs_hf(model, seqs, logits) < 1e-5, strategy.name
+        for r, seq in seqs.items():  # each generated token: the argmax of the row before it
+            prompt = len(PROMPTS[r])
+            assert seq[prompt:] == [int(x.argmax()) for x in logits[r][prompt - 1:]]
+
+
+def test_gpt2_rules_of_the_usage_page_are_at_most_20_lines():
+    _, block = usage_rules()
+    assert len([line for line in block.splitlines() if line.strip()]) <= 20
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_deep_model_runs_its_traced_middle_layer_for_every_middle_layer(arch):
+    """Five layers, three traced: layers 1-3 run the traced layer 1 bound to their own
+    weights and KV layers; the buffers are those of the 2-layer trace (one layer's worth)."""
+    model, fm = frontend(arch, layers=5, trace_layers=3)
+    assert fm.num_layers == 5 and fm.trace.layers == 3
+    assert [s.layer for s in fm.steps if s.sub.group.op == "kqv"] == [0, 1, 2, 3, 4]
+    seqs, logits = run_mixed(fm, Sequential(), decode_steps=2)
+    assert max_error_vs_hf(model, seqs, logits) < 1e-5
+
+
+def test_llama_writes_every_tensor_in_place_and_keeps_one_layer_of_buffers():
+    """No copy inside a layer (only the embedding's output is copied into its buffer), and
+    buffers shared across layers: as many for 4 layers as for 2."""
+    _, two = frontend("llama")
+    desc = two.describe()
+    assert desc["copies"] == ["embed:inputs_embeds"]
+    assert desc["writes"]["alloc"] == 2  # each layer's attention output
+    _, four = frontend("llama", layers=4, trace_layers=None)
+    assert four.describe()["buffers"] == desc["buffers"]
+    assert four.describe()["buffer_bytes_per_token"] == desc["buffer_bytes_per_token"]

@@ -46,6 +46,7 @@ from nanosched.frontend.rules import Rules, SplitFunc, same_callable
 from nanosched.frontend.trace import Trace, capture, layer_list
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.kvcache import KVCache
+from nanosched.models.parallel import TensorParallel
 
 # the frontend's own operators, named as the named-op model names them (below the user's rules)
 DEFAULT_RULES = (SplitFunc(ops.KV_APPEND, "rope_append"),
@@ -74,6 +75,7 @@ class FrontendModel:
         first = next(model.parameters())
         self.model, self.device, self.dtype = model, first.device, first.dtype
         self.kernels = kernels or KernelOptions()
+        self.tp = TensorParallel()  # one process: what the runtime's CUDA graphs ask
         prefix, layers = layer_list(model)
         self.num_layers = len(layers)
         if trace_layers is not None and self.num_layers > trace_layers and trace_layers < 3:

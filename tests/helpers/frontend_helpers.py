@@ -102,3 +102,47 @@ def max_error_vs_hf(model, seqs, logits) -> float:
             got = torch.stack(logits[r])
             worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
     return worst
+
+
+def bucket_forward(fm, runner, chunks, ids):
+    """One batch through a `BucketRunner` (its bucket's metadata, its graph once captured),
+    laid out as the engine lays it; chunks (request, new tokens, is_decode), decode first, and
+    their token ids. Returns the logits at each chunk's last row."""
+    from nanosched.runtime.layout import lay_out
+
+    ws = runner.ws
+    seqs = ws.kv.plan_chunks(chunks)
+    bucket = runner.bucket(seqs)
+    assert bucket is not None
+    lay = lay_out(seqs, [True] * len(seqs), bucket)
+    flat = [0] * lay.num_rows
+    for start, tokens in zip(lay.starts, ids, strict=True):
+        flat[start:start + len(tokens)] = tokens
+    ws.token_ids[: lay.num_rows] = torch.tensor(flat, device=ws.token_ids.device)
+    runner.run(runner.entry(bucket), seqs)
+    return fm.logits(ws, torch.tensor(lay.rows, device=ws.token_ids.device))
+
+
+def plain_forward(fm, ws, chunks, ids):
+    """The same batch on its own `BatchMeta` (no bucket), Sequential: logits at each chunk's
+    last row."""
+    from nanosched.runtime.backend import Backend
+    from nanosched.runtime.device import CudaDevice, SerialDevice
+    from nanosched.runtime.scheduler import run_program
+    from nanosched.runtime.strategies import Sequential
+
+    meta = ws.kv.plan(chunks)
+    flat = [t for tokens in ids for t in tokens]
+    ws.token_ids[: len(flat)] = torch.tensor(flat, device=ws.token_ids.device)
+    segments = [(s, e, i < meta.num_decode)
+                for i, (s, e) in enumerate(zip(meta.seg_starts, meta.seg_ends, strict=True))]
+    device = CudaDevice() if ws.token_ids.is_cuda else SerialDevice()
+    run_program(fm.program(ws, meta, segments), Sequential(), Backend(device))
+    return fm.logits(ws, torch.tensor(meta.seg_ends, device=ws.token_ids.device) - 1)
+
+
+BUCKET_ROUNDS = [  # (request, new tokens, is_decode) and their ids: prompts, then mixed twice
+    ([(0, 7, False), (1, 5, False)], [[3, 9, 27, 81, 5, 15, 45], [2, 4, 8, 16, 32]]),
+    ([(0, 1, True), (1, 1, True), (2, 6, False)], [[11], [12], [5, 6, 7, 8, 9, 10]]),
+    ([(0, 1, True), (1, 1, True), (3, 6, False)], [[13], [14], [50, 60, 70, 80, 90, 100]]),
+]

@@ -65,6 +65,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -248,9 +249,17 @@ class Profile:
     def sm_grid(self, op: str | None = None) -> list[int]:
         return sorted({k.sms for k in self.kernels if op is None or k.op == op})
 
+    @cached_property
+    def _rows_by_key(self) -> dict[tuple[str, int, int], list[KernelRow]]:
+        """The kernel rows by (op, tokens, SMs): the search looks rows up thousands of times."""
+        out: dict[tuple[str, int, int], list[KernelRow]] = {}
+        for k in self.kernels:
+            out.setdefault((k.op, k.tokens, k.sms), []).append(k)
+        return out
+
     def _rows(self, op: str, tokens: int, sms: int | None) -> list[KernelRow]:
         sms = self.identity.num_sms if sms is None else sms
-        rows = [k for k in self.kernels if k.op == op and k.tokens == tokens and k.sms == sms]
+        rows = self._rows_by_key.get((op, tokens, sms), [])
         if not rows:
             have = self.token_grid(op)
             what = f"op {op!r} at {tokens} tokens on {sms} SMs"

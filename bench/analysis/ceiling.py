@@ -37,6 +37,9 @@ reports its proven bound, so the figure stays a ceiling.
 
 What it does not cover: pipelines that cut different ops at different rows (the search may), and
 at tp > 1 the reduce-scatter / all-gather form of a collective (the all-reduce form is priced).
+So the search proves its NO GAIN with the looser resource ceiling instead
+(`nanosched.autosearch.proof`: the same pricing without row groups, every form), which covers
+every pipeline it can return.
 """
 
 from __future__ import annotations
@@ -45,14 +48,13 @@ import itertools
 from dataclasses import dataclass
 
 from nanosched.autosearch.durations import (
-    FULL_SHARE,
     AllocOption,
     Mechanism,
     alloc_options,
-    compatible,
     op_context,
 )
 from nanosched.autosearch.opgraph import TokenMix, layer_graph
+from nanosched.autosearch.proof import fits
 from nanosched.autosearch.search import SearchConfig
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.constants import TOKEN_QUANTUM
@@ -148,13 +150,6 @@ def _pieces(cfg: SearchConfig, batch: BatchInfo, groups: list[Group]) -> list[Pi
     return pieces
 
 
-def _fits(opts: tuple[AllocOption, ...]) -> bool:
-    """Options that may run at once: pairwise compatible (so no full option, and green ones
-    only beside green ones), green shares within the GPU."""
-    return (all(compatible(a, b) for a, b in itertools.combinations(opts, 2))
-            and sum(o.share for o in opts if o.mechanism == Mechanism.GREEN_CTX) <= FULL_SHARE)
-
-
 def _modes(pieces: list[Piece]) -> list[tuple[tuple[int, ...], tuple[AllocOption, ...]]]:
     """Every mode: (piece indices, their options)."""
     modes: list[tuple[tuple[int, ...], tuple[AllocOption, ...]]] = []
@@ -169,7 +164,7 @@ def _modes(pieces: list[Piece]) -> list[tuple[tuple[int, ...], tuple[AllocOption
         if len({pieces[i].group for i in idx}) < len(idx):
             continue  # two pieces of one group: one chain
         for opts in itertools.product(*(pieces[i].options for i in idx)):
-            if _fits(opts):
+            if fits(opts):
                 modes.append((idx, opts))
     return modes
 

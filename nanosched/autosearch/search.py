@@ -301,6 +301,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
         PIPELINE_COLUMNS,
         SET_COLUMNS,
         pipeline_rows,
+        proof_text,
         set_rows,
         set_summary_lines,
         summary_lines,
@@ -365,10 +366,12 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
 
     def on_key(r: object, i: int, n: int) -> None:
         e = r.entry  # type: ignore[attr-defined]
-        if r.how in ("small", "bounded") and keys is None:  # type: ignore[attr-defined]
+        if r.how in ("small", "bounded", "ceiling") and keys is None:  # type: ignore
             return
         elapsed = time.perf_counter() - started
-        echo(f"[{i}/{n}] D={e.num_decode} T={e.num_tokens}: {e.kind}, {e.reason} "
+        proof = proof_text(e, gain)
+        echo(f"[{i}/{n}] D={e.num_decode} T={e.num_tokens}: {e.kind}, {e.reason}"
+             f"{'; NO GAIN ' + proof if proof else ''} "
              f"({r.wall_s:.1f} s; {elapsed:.0f} of {limit:g} s)")  # type: ignore[attr-defined]
 
     sset = search_set(SetSearchConfig(cfg, gain, keys, bound=keys is None),

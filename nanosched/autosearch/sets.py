@@ -5,7 +5,9 @@ Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
 
 1. **too small**: T < 256 cannot hold two nano-batches: `sequential`.
 2. **bounded**: no schedule of any structure can reach `min_gain`: `sequential`, without a
-   solve. The bound (`overlap_bound`) prices each op at its cheapest split in the search's
+   solve, by the cheaper of two bounds: `overlap_bound`, else the resource ceiling
+   (`proof.resource_ceiling`, an LP per key: tighter, a tenth of a second). The bound
+   (`overlap_bound`) prices each op at its cheapest split in the search's
    space (its fewest ticks over 2..max_nano_ops nano-ops covering the batch, or 1..max_nano_ops
    covering an attention op's part, `stage1_bounds.op_min_ticks`; each at the lower of its rows and
    its settled time in the forward, `Profile.settled_factor`), so the period is at least the
@@ -21,6 +23,11 @@ Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
    search makes its key `sequential`, except at the steady state's key, where it stops the
    search with its reason.
 
+Every sequential entry says whether its NO GAIN is proven (`proof.py`): too small, by the
+bound, by the ceiling, by the stages' gaps, or not; a searched key records its ceiling and the
+gaps of the best pipeline found. With `bound` off (`--buckets dense`) the key is searched
+whatever its bounds, and the ceiling is computed after the search, for the proof.
+
 Keys are searched from the steady state's shape (the workload's mix at the dense batch) outwards
 (breadth first over D ± 128, T ± 128), each starting from the nano-op counts of the nearest key
 searched before it, so that the growth trials one key paid for are not paid again next door.
@@ -35,6 +42,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from nanosched.autosearch.cpsat import Progress
+from nanosched.autosearch.proof import resource_ceiling, with_proof
 from nanosched.autosearch.search import SearchConfig, run_search, search_batch
 from nanosched.constants import TOKEN_QUANTUM
 from nanosched.costmodel import kv_capacity_tokens
@@ -72,7 +80,7 @@ class SetSearchConfig:
 class KeyResult:
     key: tuple[int, int]
     entry: SetEntry
-    how: str  # "small" | "bounded" | "searched" | "failed"
+    how: str  # "small" | "bounded" | "ceiling" | "searched" | "failed"
     wall_s: float
 
 
@@ -155,6 +163,34 @@ def overlap_bound(cfg: SearchConfig, batch: BatchInfo) -> float:
     return seq / period
 
 
+def rule_out(cfg: SetSearchConfig, batch: BatchInfo, key: tuple[int, int], seq: float
+             ) -> tuple[SetEntry, str] | float | None:
+    """A key decided without a solve, as (its sequential entry, how: small, bounded or
+    ceiling); else the resource ceiling to keep for its proof (None: `cfg.bound` is off, so
+    neither bound was computed)."""
+    d, t = key
+    if t < 2 * TOKEN_QUANTUM:
+        return SetEntry(d, t, "sequential", seq, seq, "fewer than two 128-token nano-batches",
+                        proof="small"), "small"
+    if not cfg.bound:
+        return None
+    bound = overlap_bound(cfg.base, batch)
+    if bound < cfg.min_gain:
+        return SetEntry(d, t, "sequential", seq, seq, f"bound: no schedule can beat "
+                        f"{bound:.3f}x (needs {cfg.min_gain:.2f}x)", proof="bound"), "bounded"
+    top = resource_ceiling(cfg.base, batch).gain
+    if top < cfg.min_gain:
+        return SetEntry(d, t, "sequential", seq, seq, f"ceiling: no pipeline can beat "
+                        f"{top:.3f}x (needs {cfg.min_gain:.2f}x)", proof="ceiling",
+                        ceiling=top), "ceiling"
+    return top
+
+
+def _ceiling(known: float | None, base: SearchConfig, kcfg: SearchConfig) -> float:
+    """The key's resource ceiling: `known`, else computed now."""
+    return known if known is not None else resource_ceiling(base, search_batch(kcfg)).gain
+
+
 def search_order(keys: list[tuple[int, int]], start: tuple[int, int]) -> list[tuple[int, int]]:
     """`keys` breadth first from `start` over the grid's neighbours (D ± q, T ± q, both - q),
     so each key comes right after keys next to it."""
@@ -206,6 +242,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     sequential: dict[tuple[int, int], float] = {}
     configs: dict[tuple[int, int], SearchConfig] = {}  # each key's search: its batch's source
     contexts: dict[tuple[int, int], float] = {}  # each key's decode context, as searched
+    ceilings: dict[tuple[int, int], float | None] = {}  # None: not computed before the search
     to_search = []
     for key in keys:
         d, t = key
@@ -214,17 +251,11 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
         batch = search_batch(configs[key])
         contexts[key] = batch.decode_context
         seq = sequential[key] = sequential_forward_us(base, batch)
-        if t < 2 * TOKEN_QUANTUM:
-            results[key] = KeyResult(key, SetEntry(d, t, "sequential", seq, seq,
-                                                   "fewer than two 128-token nano-batches"),
-                                     "small", time.perf_counter() - t0)
+        decided = rule_out(cfg, batch, key, seq)
+        if isinstance(decided, tuple):
+            results[key] = KeyResult(key, decided[0], decided[1], time.perf_counter() - t0)
             continue
-        bound = overlap_bound(base, batch) if cfg.bound else float("inf")
-        if bound < cfg.min_gain:
-            results[key] = KeyResult(key, SetEntry(
-                d, t, "sequential", seq, seq, f"bound: no schedule can beat {bound:.3f}x "
-                f"(needs {cfg.min_gain:.2f}x)"), "bounded", time.perf_counter() - t0)
-            continue
+        ceilings[key] = decided
         to_search.append(key)
     n = len(keys)
     done = len(results)
@@ -254,6 +285,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
             if key == start:  # the steady state's batch is the one that matters: say why
                 raise
             entry = SetEntry(d, t, "sequential", seq, seq, f"search failed: {exc}")
+            entry = with_proof(entry, None, _ceiling(ceilings[key], base, kcfg), cfg.min_gain)
             results[key] = KeyResult(key, entry, "failed", time.perf_counter() - t0)
         else:
             counts[key] = _counts(sched)
@@ -266,6 +298,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
                 entry = SetEntry(d, t, "sequential", seq, seq, f"searched: the best pipeline "
                                  f"found predicts {gain:.3f}x (needs {cfg.min_gain:.2f}x)",
                                  sched if key == start else None)
+            entry = with_proof(entry, sched, _ceiling(ceilings[key], base, kcfg), cfg.min_gain)
             results[key] = KeyResult(key, entry, "searched", time.perf_counter() - t0)
         extra += max(0.0, time.perf_counter() - t0 - budget)  # model building, stage II
         over = extra / (i + 1)
@@ -282,7 +315,8 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
         prof.kv_dtype, base.workload.name, cfg.min_gain,
         {"wall_s": round(time.perf_counter() - start_t, 1), "time_limit_s": base.time_limit_s,
          "workers": base.num_workers, "keys": n, "searched": how.count("searched"),
-         "bounded": how.count("bounded"), "small": how.count("small"),
+         "bounded": how.count("bounded"), "ceiling": how.count("ceiling"),
+         "small": how.count("small"),
          "failed": how.count("failed"), "max_p_sum": round(max_p_sum(base), 4),
          "steady_key": list(start), "contexts": context_notes(base)},
         datetime.now(timezone.utc).isoformat(timespec="seconds"), base.command)

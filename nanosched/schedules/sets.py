@@ -41,6 +41,10 @@ from nanosched.schedules.format import Schedule, check_compatible
 
 SET_FORMAT = "nanosched.schedule/2"
 KINDS = ("pipeline", "sequential")
+# how a sequential entry's NO GAIN is proven, strongest first (autosearch/proof.py), or not
+PROOFS = ("small", "bound", "ceiling", "gap", "unproven")
+GAP_PROVEN = 0.05  # a stage whose gap is at most this has converged, for the `gap` proof
+OPTIONAL = ("decode_context", "proof", "ceiling", "stage1_gap", "stage2_gap")  # written if set
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,14 @@ class SetEntry:
     measured: dict[str, Any] | None = None  # `nanosched verify` on a GPU: both times, gain
     decode_context: float | None = None  # the decode rows' mean context the key was priced
     # at (what fits the cache: `fitting_context`); None in older files
+    # Whether a sequential entry's NO GAIN is proven (autosearch/proof.py; None in older files
+    # and for pipelines): how (`PROOFS`), the resource ceiling (the most any pipeline the
+    # search can return is predicted to gain here) and the gaps of the stages of the best
+    # pipeline the search found.
+    proof: str | None = None
+    ceiling: float | None = None
+    stage1_gap: float | None = None
+    stage2_gap: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -74,8 +86,9 @@ class SetEntry:
                "reason": self.reason,
                "schedule": self.schedule.to_json() if self.schedule is not None else None,
                "measured": self.measured}
-        if self.decode_context is not None:  # absent from older files: they round-trip as read
-            out["decode_context"] = self.decode_context
+        for name in OPTIONAL:  # absent from older files: they round-trip as read
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
 
@@ -287,6 +300,7 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
                               or not math.isfinite(c) or c <= 0):
             raise ScheduleError(f"{at}: decode_context must be a positive finite number of "
                                 f"tokens, got {c!r}")
+        _check_proof(e, at)
         if e.kind == "pipeline" and e.schedule is None:
             raise ScheduleError(f"{at}: a pipeline entry holds a schedule")
         if e.schedule is not None:
@@ -298,6 +312,19 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
                     (s.tp, s.profile_digest, s.kv_dtype):
                 raise ScheduleError(f"{at}: its schedule's tp, profile or KV dtype differs "
                                     f"from the set's")
+
+
+def _check_proof(e: SetEntry, at: str) -> None:
+    """The proof fields of an entry: a known proof, a positive ceiling, gaps in [0, 1]."""
+    if e.proof is not None and e.proof not in PROOFS:
+        raise ScheduleError(f"{at}: proof must be one of {PROOFS}, got {e.proof!r}")
+    for name, top in (("ceiling", math.inf), ("stage1_gap", 1.0), ("stage2_gap", 1.0)):
+        v = getattr(e, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not 0 <= v <= top or not math.isfinite(v)
+                              or (name == "ceiling" and v <= 0)):
+            raise ScheduleError(f"{at}: {name} must be a finite number in "
+                                f"{'(0, inf)' if top == math.inf else '[0, 1]'}, got {v!r}")
 
 
 def entry_schedule(s: ScheduleSet, key: str | None = None) -> Schedule:

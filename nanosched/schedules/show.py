@@ -14,7 +14,7 @@ from typing import Any
 
 from nanosched.errors import ConfigError
 from nanosched.schedules.format import Schedule
-from nanosched.schedules.sets import ScheduleSet
+from nanosched.schedules.sets import GAP_PROVEN, PROOFS, ScheduleSet, SetEntry
 
 COLORS = {"compute": "#f2c14e", "memory": "#7bc67e", "network": "#6fa8dc", "other": "#c9c9c9"}
 
@@ -61,17 +61,55 @@ def summary_lines(s: Schedule) -> list[str]:
     return lines + [f"note: {n}" for n in s.notes]
 
 
+def proof_text(e: SetEntry, min_gain: float) -> str:
+    """Whether a sequential entry's NO GAIN is proven, and by what (autosearch/proof.py); ""
+    for a pipeline or an entry of a set searched before proofs were recorded."""
+    if e.kind != "sequential" or e.proof is None:
+        return ""
+    gaps = "/".join("-" if g is None else f"{100 * g:.1f}%" for g in (e.stage1_gap,
+                                                                      e.stage2_gap))
+    ceiling = "?" if e.ceiling is None else f"{e.ceiling:.3f}x"
+    return {"small": "proven: no two nano-batches",
+            "bound": "proven by the bound",
+            "ceiling": f"proven: ceiling {ceiling} < {min_gain:.2f}x",
+            "gap": f"stands: stage I/II gaps {gaps} <= {100 * GAP_PROVEN:.0f}%",
+            }.get(e.proof, f"NOT proven: ceiling {ceiling} >= {min_gain:.2f}x, "
+                           f"stage I/II gaps {gaps}")
+
+
 def set_rows(s: ScheduleSet) -> list[dict[str, Any]]:
     """One row per key, by rows then decode rows."""
     return [{"t": e.num_tokens, "d": e.num_decode, "kind": e.kind,
              "seq": e.sequential_us / 1e3, "fwd": e.forward_us / 1e3, "gain": e.speedup,
-             "reason": e.reason} for e in sorted(s.entries, key=lambda e: (e.num_tokens,
-                                                                          e.num_decode))]
+             "proof": proof_text(e, s.min_gain), "reason": e.reason}
+            for e in sorted(s.entries, key=lambda e: (e.num_tokens, e.num_decode))]
 
 
 SET_COLUMNS = [("t", "T rows", ""), ("d", "D decode", ""), ("kind", "runs", ""),
                ("seq", "sequential ms", ".2f"), ("fwd", "predicted ms", ".2f"),
-               ("gain", "gain", ".3f"), ("reason", "why", "")]
+               ("gain", "gain", ".3f"), ("proof", "NO GAIN", ""), ("reason", "why", "")]
+
+
+def proof_lines(s: ScheduleSet) -> list[str]:
+    """How many sequential entries have their NO GAIN proven, by what, and where it is not."""
+    seq = [e for e in s.entries if e.kind == "sequential"]
+    if not seq:
+        return []
+    if all(e.proof is None for e in seq):
+        return ["NO GAIN proofs: not recorded (a set searched before they were)"]
+    by = {p: [e for e in seq if e.proof == p] for p in PROOFS}
+    labels = {"small": "too small", "bound": "by the bound", "ceiling": "by the ceiling",
+              "gap": "by the stages' gaps"}
+    how = ", ".join(f"{len(by[p])} {label}" for p, label in labels.items() if by[p])
+    lines = [f"NO GAIN proven at {len(seq) - len(by['unproven'])} of {len(seq)} sequential "
+             f"shapes{': ' + how if how else ''}"]
+    if by["unproven"]:
+        top = max(by["unproven"], key=lambda e: e.ceiling or 0.0)
+        lines.append(f"NOT proven at {len(by['unproven'])}: ceilings up to "
+                     f"{top.ceiling or 0:.3f}x (D={top.num_decode}, T={top.num_tokens}) >= "
+                     f"{s.min_gain:.2f}x and the stages' gaps do not settle it, so a longer "
+                     f"search (--time-limit) may still find a pipeline there")
+    return lines
 
 
 def set_summary_lines(s: ScheduleSet) -> list[str]:
@@ -82,17 +120,24 @@ def set_summary_lines(s: ScheduleSet) -> list[str]:
              f"batch shapes, {len(pipes)} pipelined (each predicts >= {s.min_gain:.2f}x)"]
     if s.search:
         x = s.search
-        lines.append(f"search: {x.get('searched', 0)} shapes searched, {x.get('bounded', 0)} "
-                     f"bounded below {s.min_gain:.2f}x without a solve, {x.get('small', 0)} "
+        bounded, ceiling = x.get("bounded", 0), x.get("ceiling", 0)
+        lines.append(f"search: {x.get('searched', 0)} shapes searched, {bounded + ceiling} "
+                     f"ruled out below {s.min_gain:.2f}x without a solve ({bounded} by the "
+                     f"bound, {ceiling} by the ceiling), {x.get('small', 0)} "
                      f"too small, {x.get('failed', 0)} failed; {x.get('wall_s', 0):.0f} s of "
                      f"{x.get('time_limit_s', 0):g} s")
     full = s.full
     if full is not None:
+        proof = proof_text(full, s.min_gain)
         lines.append(f"steady state (D={full.num_decode}, T={full.num_tokens}): {full.kind}, "
                      f"predicted {full.forward_us / 1e3:.2f} ms vs sequential "
-                     f"{full.sequential_us / 1e3:.2f} ms ({full.speedup:.2f}x)")
+                     f"{full.sequential_us / 1e3:.2f} ms ({full.speedup:.2f}x)"
+                     + (f"; NO GAIN {proof}" if proof else ""))
+    lines += proof_lines(s)
     if not pipes:
-        lines.append("NO GAIN: no batch shape is predicted to gain from a pipeline; the set "
+        unproven = any(e.proof == "unproven" for e in s.entries)
+        lines.append(f"NO GAIN{' found (not proven everywhere: above)' if unproven else ''}: "
+                     "no batch shape is predicted to gain from a pipeline; the set "
                      "runs Sequential everywhere (keep --schedule sequential; a profile taken "
                      "with the GPU's fastest few-SM kernels, e.g. cuda_bulk on Hopper, gives the "
                      "search the most to work with: docs/findings.md)")

@@ -34,6 +34,11 @@ def test_search_writes_a_schedule_that_show_prints_and_plots(tmp_path):
     assert data["format"] == "nanosched.schedule/2" and data["tp"] == 1
     assert [(e["num_decode"], e["num_tokens"]) for e in data["entries"]] == [(128, 256)]
     assert data["entries"][0]["schedule"] is not None  # kept for show, whatever it predicts
+    entry = data["entries"][0]  # a sequential entry says whether its NO GAIN is proven
+    assert entry["ceiling"] > 0 and "stage2_gap" in entry
+    if entry["kind"] == "sequential":
+        assert entry["proof"] in ("ceiling", "gap", "unproven")
+        assert "NO GAIN proven" in r.output or "NO GAIN NOT proven" in r.output
     png = tmp_path / "s.png"
     r = run("show", str(out), "--plot", str(png))
     assert r.exit_code == 0, r.output

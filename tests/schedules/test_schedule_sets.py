@@ -234,8 +234,8 @@ def test_the_set_search_decides_every_key(synthetic):
         assert math.isfinite(e.forward_us) and e.forward_us > 0
         if e.kind == "pipeline":
             assert e.speedup >= 1.0 and e.schedule.batch.num_decode == e.num_decode
-    assert sset.search["searched"] + sset.search["bounded"] + sset.search["small"] + \
-        sset.search["failed"] == len(sset.entries)
+    assert sset.search["searched"] + sset.search["bounded"] + sset.search["ceiling"] + \
+        sset.search["small"] + sset.search["failed"] == len(sset.entries)
     again = ScheduleSet.from_json(json.loads(json.dumps(sset.to_json())))
     assert again.to_json() == sset.to_json()
 

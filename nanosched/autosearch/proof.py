@@ -1,0 +1,237 @@
+"""Whether a set entry's NO GAIN is proven: the resource ceiling of a batch, and each sequential
+key's proof.
+
+**The resource ceiling** (`resource_ceiling`) is an upper bound on the gain over Sequential of
+every pipeline `run_search` can return at a batch, as `simulate` predicts it (a set entry's
+gain: the forward's L layers, fill and drain included). It is a linear program (GLOP, well under
+a second) over *modes*: at any instant the GPU runs a set of nano-ops, at most one per stream
+(compute: a compute or elementwise op; memory: a memory or elementwise op; network), under
+allocation options that may run at once (`durations.compatible`, green-context shares within
+the GPU), each option with the largest P `durations.alloc_options` gives the op at any nano-op
+size in its domain, every option also alone. Variables: the time t_m each mode runs per layer,
+and tau. Rows: for each op A, sum over modes m holding A of t_m P_{m,A} >= W_A, and
+sum_m t_m <= tau. W_A is the least total row time of the nano-ops of any split the search may
+make (2..max_nano_ops nano-ops over the batch, 1..max_nano_ops over an attention op's part;
+`stage1_bounds.op_min_ticks` in us). Minimise tau; the ceiling is Sequential's layer time / tau.
+
+Why it bounds every pipeline the search can return: the replay runs each nano-op at
+t_alone / P of its allocation, only beside compatible allocations within the GPU, one nano-op
+per stream; so each instant of a replayed forward is a mode of the LP (or idle), and the
+nano-ops of op A in each of its L layers do at least W_A of row time between them. The forward's
+mode times over L are feasible for the LP with tau = forward / L, so forward >= L tau*, and its
+gain L Sequential / forward <= Sequential / tau*. Nothing here assumes the cuts (ops may be cut
+at different rows), the order, the layer offsets or integer ticks. At tp > 1 every choice of
+collective forms (all-reduce, or reduce-scatter + all-gather, per group) is priced and the
+largest ceiling kept, so the rs_ag pipelines are covered too. It drops what a real pipeline
+also pays (dependencies: a row's chain of ops runs one after another; a nano-op keeps its
+allocation while its partner ends), so it is loose: the LP over row-group structures
+(`bench/analysis/ceiling.py`) is tighter but covers only pipelines that cut every op at the
+same rows.
+
+**Proofs** (`no_gain_proof`), strongest first, for an entry the set runs Sequential:
+  - `small`: fewer than two 128-row nano-batches; no pipeline exists.
+  - `bound`: `sets.overlap_bound` below min_gain (decided without a solve).
+  - `ceiling`: the resource ceiling below min_gain.
+  - `gap`: the kept pipeline's stage I and stage II both ended within `GAP_PROVEN` of their
+    bounds, and stage II's bound, as a gain (Sequential's period / bound), is below min_gain:
+    no allocation of the structure the search kept reaches min_gain, and that structure is
+    within 5% of the best stage I finds at its nano-op counts. Weaker than the two above: stage I
+    prices without interference, so a structure it ranks lower may allocate better.
+  - `unproven`: none of these; the entry says the ceiling and the gaps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+from nanosched.autosearch.durations import (
+    FULL_SHARE,
+    PARTITION,
+    AllocOption,
+    alloc_options,
+    compatible,
+    op_context,
+)
+from nanosched.autosearch.opgraph import TokenMix, layer_graph
+from nanosched.autosearch.search import SearchConfig
+from nanosched.autosearch.simulate import sequential_op_times
+from nanosched.autosearch.stage1_bounds import op_min_ticks
+from nanosched.constants import TOKEN_QUANTUM
+from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
+from nanosched.schedules.format import BatchInfo, Schedule
+from nanosched.schedules.sets import GAP_PROVEN, SetEntry
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """One op of the layer in the resource LP: its least row time per layer and its options."""
+
+    op: str
+    resource: str
+    work_us: float
+    options: tuple[AllocOption, ...]
+
+
+@dataclass(frozen=True)
+class ResourceCeiling:
+    """The resource ceiling of a batch: the gain, and the forms and period that give it."""
+
+    gain: float
+    period_us: float
+    sequential_us: float  # one layer, as the search prices Sequential
+    forms: dict[str, str]
+
+
+def fits(opts: tuple[AllocOption, ...]) -> bool:
+    """Options that may run at once: pairwise compatible (so no full option, and green ones
+    only beside green ones), green shares within the GPU."""
+    return (all(compatible(a, b) for a, b in itertools.combinations(opts, 2))
+            and sum(o.share for o in opts if o.mechanism == PARTITION) <= FULL_SHARE)
+
+
+def least_work_us(cfg: SearchConfig, op: str, quanta: int, whole: bool,
+                  context: float | None) -> float:
+    """Least total row time of `op`'s nano-ops over `quanta` quanta: 2..max_nano_ops of them
+    when the domain is the batch (`whole`), else 1..max_nano_ops (the search's counts)."""
+    table = [0.0] + [cfg.profile.kernel_time_us(op, k * TOKEN_QUANTUM, None, context)
+                     for k in range(1, quanta + 1)]
+    first = 2 if whole else 1
+    top = max(first, min(cfg.max_nano_ops, quanta))
+    return min(op_min_ticks(table, c, quanta, whole) for c in range(first, top + 1))
+
+
+def best_options(cfg: SearchConfig, resource: str, op: str, quanta: int, batch_tokens: int,
+                 context: float | None) -> tuple[AllocOption, ...]:
+    """Every option a nano-op of `op` of 1..quanta quanta may get, each with the largest P it
+    has at any of those sizes (compatibility depends on mechanism, share, side, table and, off
+    a partition, the point: those are kept apart)."""
+    best: dict[tuple, AllocOption] = {}
+    for k in range(1, quanta + 1):
+        for o in alloc_options(cfg.profile, resource, op, k * TOKEN_QUANTUM, batch_tokens,
+                               context):
+            key = (o.mechanism, o.share, o.side, o.table if o.mechanism == PARTITION
+                   else o.point)
+            if key not in best or best[key].p < o.p:
+                best[key] = o
+    return tuple(best.values())
+
+
+def op_works(cfg: SearchConfig, batch: BatchInfo) -> dict[str, OpWork]:
+    """Every op of the layer (both forms of each collective) with a non-empty domain at
+    `batch`, by name."""
+    mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
+    out = {}
+    for o in layer_graph(cfg.spec, cfg.tp).ops:
+        lo, hi = mix.domain(o.domain)
+        quanta = (hi - lo) // TOKEN_QUANTUM
+        if quanta <= 0:
+            continue
+        ctx = op_context(o.name, batch.decode_context, batch.prompt_len)
+        out[o.name] = OpWork(o.name, o.resource,
+                             least_work_us(cfg, o.name, quanta, o.domain == "all", ctx),
+                             best_options(cfg, o.resource, o.name, quanta, batch.dense_batch,
+                                          ctx))
+    return out
+
+
+def modes(ops: list[OpWork]) -> list[tuple[tuple[int, ...], tuple[AllocOption, ...]]]:
+    """Every mode: (op indices, their options), at most one op per stream (compute: compute
+    or elementwise ops; memory: memory or elementwise ops; network)."""
+    def of(*classes: str) -> list[int | None]:
+        return [None, *(i for i, o in enumerate(ops) if o.resource in classes)]
+
+    sets = {tuple(sorted(x for x in (a, b, c) if x is not None))
+            for a in of(COMPUTE, OTHER) for b in of(MEMORY, OTHER) for c in of(NETWORK)}
+    out: list[tuple[tuple[int, ...], tuple[AllocOption, ...]]] = []
+
+    def extend(idx: tuple[int, ...], chosen: tuple[AllocOption, ...]) -> None:
+        if len(chosen) == len(idx):
+            out.append((idx, chosen))
+            return
+        for o in ops[idx[len(chosen)]].options:
+            if not chosen or fits((*chosen, o)):
+                extend(idx, (*chosen, o))
+
+    for idx in sorted(s for s in sets if s and len(set(s)) == len(s)):
+        extend(idx, ())
+    return out
+
+
+def least_period_us(ops: list[OpWork]) -> float:
+    """tau* of the resource LP (module docstring) over `ops`."""
+    from ortools.linear_solver import pywraplp
+
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    tau = lp.NumVar(0, lp.infinity(), "tau")
+    found = modes(ops)
+    t = [lp.NumVar(0, lp.infinity(), f"m{k}") for k in range(len(found))]
+    work: list[list] = [[] for _ in ops]
+    for var, (idx, opts) in zip(t, found, strict=True):
+        for i, o in zip(idx, opts, strict=True):
+            work[i].append(var * o.p)
+    for i, o in enumerate(ops):
+        lp.Add(lp.Sum(work[i]) >= o.work_us)
+    lp.Add(lp.Sum(t) <= tau)
+    lp.Minimize(tau)
+    if lp.Solve() != pywraplp.Solver.OPTIMAL:  # always feasible: every op alone in turn
+        raise RuntimeError("the resource ceiling's LP did not solve")
+    return tau.solution_value()
+
+
+def resource_ceiling(cfg: SearchConfig, batch: BatchInfo) -> ResourceCeiling:
+    """The resource ceiling of `batch` under `cfg`, over every choice of collective forms
+    (module docstring)."""
+    spec, tp = cfg.spec, cfg.tp
+    seq = sum(sequential_op_times(spec, tp, cfg.profile, batch).values())
+    graph = layer_graph(spec, tp)
+    works = op_works(cfg, batch)
+    groups = graph.groups()
+    best: ResourceCeiling | None = None
+    for pick in itertools.product(*groups.values()):
+        forms = dict(zip(groups, pick, strict=True))
+        period = least_period_us([works[o.name] for o in graph.active_ops(forms)
+                                  if o.name in works])
+        if best is None or seq / period > best.gain:
+            best = ResourceCeiling(seq / period, period, seq, forms)
+    assert best is not None  # one choice at least (none to make at tp = 1)
+    return best
+
+
+def stage_gaps(sched: Schedule | None) -> tuple[float | None, float | None]:
+    """(stage I's gap, stage II's gap) of a kept pipeline; None where unknown."""
+    gaps: dict[str, float | None] = {}
+    for st in (sched.stages if sched is not None else ()):
+        gaps[st.stage] = st.gap if math.isfinite(st.gap) else None
+    return gaps.get("stage I"), gaps.get("stage II")
+
+
+def structure_gain(sched: Schedule) -> float | None:
+    """Stage II's bound of the kept pipeline as a gain: Sequential's period over it (no
+    allocation of that structure beats it, as stage II prices it)."""
+    st = next((s for s in sched.stages if s.stage == "stage II"), None)
+    if st is None or not math.isfinite(st.bound_us) or st.bound_us <= 0:
+        return None
+    return sched.prediction.sequential_period_us / st.bound_us
+
+
+def no_gain_proof(sched: Schedule | None, ceiling: float | None, min_gain: float) -> str:
+    """`ceiling`, `gap` or `unproven` for a searched key the set runs Sequential (module
+    docstring); `sched`: the best pipeline its search found (None: it found none)."""
+    if ceiling is not None and ceiling < min_gain:
+        return "ceiling"
+    g1, g2 = stage_gaps(sched)
+    if sched is not None and g1 is not None and g2 is not None \
+            and max(g1, g2) <= GAP_PROVEN and (structure_gain(sched) or math.inf) < min_gain:
+        return "gap"
+    return "unproven"
+
+
+def with_proof(entry: SetEntry, sched: Schedule | None, ceiling: float | None,
+               min_gain: float) -> SetEntry:
+    """A searched key's entry with its ceiling, the gaps of the best pipeline found (`sched`,
+    None when the search found none) and, when the set runs Sequential there, its proof."""
+    g1, g2 = stage_gaps(sched)
+    proof = no_gain_proof(sched, ceiling, min_gain) if entry.kind == "sequential" else None
+    return replace(entry, proof=proof, ceiling=ceiling, stage1_gap=g1, stage2_gap=g2)

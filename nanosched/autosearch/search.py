@@ -360,7 +360,9 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
             return
         how = [r.how for r in decided]
         echo(f"[{len(decided)}/{n}] decided without a search: {how.count('small')} too small "
-             f"for two nano-batches, {how.count('bounded')} bounded below {gain:.2f}x; "
+             f"for two nano-batches, {how.count('bounded') + how.count('ceiling')} bounded "
+             f"below {gain:.2f}x ({how.count('bounded')} by the bound, "
+             f"{how.count('ceiling')} by the ceiling); "
              f"searching {to_search}, the steady state's D={steady.num_decode} "
              f"T={steady.dense_batch} first ({time.perf_counter() - started:.0f} s)")
 

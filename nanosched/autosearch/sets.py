@@ -230,7 +230,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
                ) -> ScheduleSet:
     """Decide every key; returns the set (entries in key order). `on_key(result, i, n)` is
     called after each key; `on_decided(results, to_search, n)` once the keys that need no
-    search (too small, bounded) are decided, before the first search."""
+    search (too small, bounded, below the ceiling) are decided, before the first search."""
     base = cfg.base
     start_t = time.perf_counter()
     deadline = start_t + base.time_limit_s

@@ -83,7 +83,9 @@ def test_search_reads_one_profile_and_says_what_it_decided_before_it_solves(monk
                         print_table=lambda *_: None, buckets="all")
     assert [Path(p).name for p in read] == ["llama3-8b-tp1-h100.json"]
     assert lines[-2].startswith("searching llama3-8b")
-    assert lines[-1].startswith("[12/44] decided without a search: 2 too small"), lines[-1]
+    assert lines[-1].startswith("[23/44] decided without a search: 2 too small for two "
+                                "nano-batches, 21 bounded below 1.05x (10 by the bound, 11 by "
+                                "the ceiling)"), lines[-1]
 
 
 def test_rederive_never_overwrites_its_input(tmp_path, monkeypatch):

@@ -35,8 +35,10 @@ same rows.
   - `gap`: the kept pipeline's stage I and stage II both ended within `GAP_PROVEN` of their
     bounds, and stage II's bound, as a gain (Sequential's period / bound), is below min_gain:
     no allocation of the structure the search kept reaches min_gain, and that structure is
-    within 5% of the best stage I finds at its nano-op counts. Weaker than the two above: stage I
-    prices without interference, so a structure it ranks lower may allocate better.
+    within 5% of stage I's bound for its problem (its nano-op counts; for the decode/prompt
+    split, its cuts). Weaker than the two above: stage I prices without interference, so a
+    structure it ranks lower may allocate better, and the replay may run a little faster than
+    the solver's period that stage II bounds.
   - `unproven`: none of these; the entry says the ceiling and the gaps.
 """
 

@@ -37,32 +37,12 @@ for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISA
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from nanosched.profiler.timing import captured, sustained_fixed, sustained_run  # noqa: E402
+
 H, INTER = 8192, 28672
 MAX_T = 4096
 REPS = 10
 SETTLE_S, WINDOW_S = 1.0, 2.0
-DEPTH = 4  # launches kept queued per stream
-
-
-def _events_ms(start, evs):
-    return [start.elapsed_time(e) for e in evs]
-
-
-def _rate_us(times, lo, hi):
-    inside = [t for t in times if lo <= t <= hi]
-    if len(inside) < 3:
-        return None
-    return 1e3 * (inside[-1] - inside[0]) / (len(inside) - 1)
-
-
-def _graph(fn, stream):
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()  # warm
-    stream.synchronize()
-    with torch.cuda.graph(g, stream=stream):
-        fn()
-    return g
 
 
 def _time_graph_us(g, stream, calls):
@@ -110,7 +90,7 @@ def _correct(ar, buf, rank, n):
 
     torch.manual_seed(7 + rank)
     buf.copy_(torch.randn(MAX_T, H, device="cuda"))
-    g = _graph(three, stream)
+    g = captured(three, stream)
     for rep in range(3):
         torch.manual_seed(100 * rep + rank)
         buf.copy_(torch.randn(MAX_T, H, device="cuda"))
@@ -135,61 +115,21 @@ def _alone(ar, buf, nccl_buf, ts, bounds):
     rows = []
     for t in ts:
         for bound in bounds:
-            g = _graph(lambda t=t, b=bound: [ar.all_reduce(buf[:t], max_ctas=b)
-                                             for _ in range(REPS)], stream)
+            g = captured(lambda t=t, b=bound: [ar.all_reduce(buf[:t], max_ctas=b)
+                                               for _ in range(REPS)], stream)
             dist.barrier()
             rows.append({"impl": "copy_engine", "T": t, "max_ctas": bound,
                          "us": _max_over_ranks(_time_graph_us(g, stream, REPS))})
-        g = _graph(lambda t=t: [dist.all_reduce(nccl_buf[:t]) for _ in range(REPS)], stream)
+        g = captured(lambda t=t: [dist.all_reduce(nccl_buf[:t]) for _ in range(REPS)], stream)
         dist.barrier()
         rows.append({"impl": "nccl", "T": t, "max_ctas": None,
                      "us": _max_over_ranks(_time_graph_us(g, stream, REPS))})
     return rows
 
 
-def _sustained(jobs, n_net, tele):
-    """jobs: [(fn, stream)] with jobs[0] the GEMM (looped while the network runs) and jobs[1]
-    the network graph (exactly n_net launches, or None for the GEMM alone, time-bounded).
-    Returns (us per launch in the window for each job, clock, power)."""
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = torch.cuda.Event(enable_timing=True)
-    start.record()
-    evs = [[] for _ in jobs]
-    for _, s in jobs:
-        s.wait_event(start)
-    t0 = time.perf_counter()
-    total = SETTLE_S + WINDOW_S
-    while True:
-        el = time.perf_counter() - t0
-        net_done = len(jobs) < 2 or len(evs[1]) >= n_net
-        if len(jobs) < 2 and el > total:
-            break
-        if len(jobs) == 2 and net_done and (evs[1][-1].query() or el > 6 * total):
-            break
-        launched = False
-        for i, (fn, s) in enumerate(jobs):
-            if i == 1 and len(evs[1]) >= n_net:
-                continue
-            if i == 0 and len(jobs) == 2 and net_done:
-                continue
-            if len(evs[i]) < DEPTH or evs[i][-DEPTH].query():
-                with torch.cuda.stream(s):
-                    fn()
-                e = torch.cuda.Event(enable_timing=True)
-                e.record(s)
-                evs[i].append(e)
-                launched = True
-        if not launched:
-            time.sleep(2e-5)
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    times = [_events_ms(start, ev) for ev in evs if ev]
-    lo = 1e3 * SETTLE_S
-    hi = min(t[-1] for t in times)
-    us = [_rate_us(t, lo, hi) for t in times]
-    reading = tele.reading(t0 + SETTLE_S, t1) if tele else None
-    return us, (reading.to_json() if reading else None)
+def _window(tele, host_window):
+    reading = tele.reading(*host_window) if tele else None
+    return reading.to_json() if reading else None
 
 
 def _beside(tp, buf, ts, ks, tele):
@@ -214,9 +154,13 @@ def _beside(tp, buf, ts, ks, tele):
                 torch.mm(a, b, out=c)
         return told
 
-    for _ in range(200):
-        gemm()()
-    (g_alone,), g_read = _sustained([(gemm(), low)], 0, tele)
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def alone(fn, stream):  # a GEMM looped until the clock settled: (us, telemetry)
+        run = sustained_run([(fn, stream, 100.0)], device, SETTLE_S, WINDOW_S)
+        return run.median_us[0], _window(tele, run.host_window)
+
+    g_alone, g_read = alone(gemm(), low)
     rows = [{"variant": "gemm alone", "gemm_us": g_alone, "telemetry": g_read}]
     for t in ts:
         variants = [("nccl", "nccl", None, None), ("nccl_ctas16 | gemm -16 SMs", "nccl_ctas16",
@@ -230,15 +174,18 @@ def _beside(tp, buf, ts, ks, tele):
                 pair = split_sms(torch.cuda.current_device(), green) if green else None
                 net_stream = pair.small.stream if pair else high
                 gemm_stream = pair.rest.stream if pair else low
-                g = _graph(lambda t=t, impl=impl: tp.all_reduce(buf[:t], impl), net_stream)
+                g = captured(lambda t=t, impl=impl: tp.all_reduce(buf[:t], impl), net_stream)
                 graph_alone = _max_over_ranks(_time_graph_us(g, net_stream, 1))
                 n_net = int(max(40, (SETTLE_S + WINDOW_S) * 1e6 / graph_alone))
-                (_, net_alone), _ = _sustained([(lambda: None, gemm_stream),
-                                                (g.replay, net_stream)], n_net, None)
+                dist.barrier()
+                net_alone = sustained_fixed(None, None, g.replay, net_stream, n_net,
+                                            SETTLE_S).fixed_us
                 fn = gemm(told)
-                (gemm_own,), _ = _sustained([(fn, gemm_stream)], 0, None)
-                (gemm_us, net_us), read = _sustained([(fn, gemm_stream), (g.replay, net_stream)],
-                                                     n_net, tele)
+                gemm_own, _ = alone(fn, gemm_stream)
+                dist.barrier()
+                both = sustained_fixed(fn, gemm_stream, g.replay, net_stream, n_net, SETTLE_S)
+                gemm_us, net_us = both.loop_us, both.fixed_us
+                read = _window(tele, both.host_window)
                 rows.append({"variant": name, "T": t, "impl": impl, "gemm_sms": told,
                              "net_graph_alone_us": graph_alone, "net_alone_us": net_alone,
                              "net_beside_us": net_us, "gemm_beside_us": gemm_us,

@@ -252,7 +252,7 @@ def _pair(settings: ProfileSettings, task: PairTask, net: _Net,
     alone_o = min(us for (k, t, _), us in times.items() if k == "all_reduce" and
                   t == task.tokens)
     own_o = times[_time_key(task.other_impl, task.tokens)]
-    graph = _graph(net.all_reduce(task.other_impl, task.tokens), s_coll)
+    graph = timing.captured(net.all_reduce(task.other_impl, task.tokens), s_coll)
     comp = kernel(task.compute_impl, task.compute_sms)
     n = max(8, math.ceil(1e6 * (settle_s + window_s) / own_o))
     with comp.scope():
@@ -265,16 +265,3 @@ def _pair(settings: ProfileSettings, task: PairTask, net: _Net,
             "other_us": res.fixed_us, "clock_mhz": reading.clock_mhz if reading else None,
             "power_w": reading.power_w if reading else None,
             "compute_alone_clock_mhz": alone_clock}
-
-
-def _graph(fn: Any, stream: Any) -> Any:
-    """`fn` captured in a CUDA graph on `stream`, after one eager warm-up call."""
-    import torch
-
-    with torch.cuda.stream(stream):
-        fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-        fn()
-    return graph

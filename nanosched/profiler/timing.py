@@ -298,6 +298,18 @@ def sustained_sequence(fns: list[Callable[[], Any]], device: torch.device, settl
                              (host_t0 + lo / 1e3, host_t0 + hi / 1e3))
 
 
+def captured(fn: Callable[[], Any], stream: Any) -> Any:
+    """`fn` captured in a CUDA graph on `stream` after one eager warm-up call (the
+    collectives' pairs replay it: one launch, however many kernels and copies it holds)."""
+    with torch.cuda.stream(stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        fn()
+    return graph
+
+
 @dataclass
 class FixedRun:
     """`sustained_fixed`'s result: each side's median span inside the window where both ran

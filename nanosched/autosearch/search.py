@@ -277,7 +277,18 @@ BUCKETS = ("all", "dense")
 DEFAULT_TIME_LIMIT = {"all": 240.0, "dense": 60.0}
 
 
-def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str | None,
+def profile_model(profile: str | None) -> object:
+    """The model a measured profile was taken for (`search` without --model: a model the
+    registry does not know, such as a frontend model's)."""
+    from nanosched.autosearch.request import load_named_profile
+
+    if profile is None:
+        raise ConfigError("nanosched search needs --model, or --profile FILE to take the model "
+                          "it was measured for")
+    return load_named_profile(profile, None).model
+
+
+def search_and_save(*, model: str | None, tp: int | None, profile: str | None, gpu: str | None,
                     workload: str | None, input_len: float | None, output_len: float | None,
                     dense_batch: str, time_limit: float | None, workers: int,
                     max_nano_ops: int, max_period_us: float | None, out: str | None,
@@ -324,7 +335,7 @@ def search_and_save(*, model: str, tp: int | None, profile: str | None, gpu: str
                           f"{max_period_us}")
     if out is not None:
         check_output_file(out, "--out", make_parent=False)
-    spec = load_spec(model)
+    spec = load_spec(model) if model is not None else profile_model(profile)
     wl = resolve_workload(workload, input_len, output_len)
     choice = resolve(spec, tp, profile, gpu, wl, dense_batch, kv_dtype=kv_dtype)
     for msg in choice.messages:

@@ -56,6 +56,11 @@ def profile(
                                        "and rope_append rows run on: 'auto' (the model's dtype) "
                                        "or 'fp8'. A schedule searched on the profile runs only "
                                        "on that cache (serve/bench --kv-cache-dtype)."),
+    frontend: str | None = typer.Option(None, "--frontend", help="FILE.py:FUNCTION: measure "
+                                        "the ops of the frontend model FUNCTION(device) builds "
+                                        "(an unmodified torch model partitioned by rules, "
+                                        "docs/usage.md) instead of a named model's; --model "
+                                        "names it (default: FUNCTION)."),
 ) -> None:
     """Profile kernels alone and in pairs on a GPU and write the profile (nanosched.profile/1).
 
@@ -69,11 +74,19 @@ def profile(
     from nanosched.profiler.runner import ProfileInterrupted
     from nanosched.workloads import resolve_workload
 
+    index, spec, registry = gpu_index(gpu, fake_gpu), None, None
+    if frontend is not None:
+        from nanosched.frontend.profiling import FrontendImpls, load_frontend, model_spec
+
+        fm = load_frontend(frontend, "cpu" if fake_gpu else f"cuda:{index}")
+        model = model or frontend.rpartition(":")[2]
+        spec, registry = model_spec(fm, model), FrontendImpls(fm)
     if model is None:
-        raise ConfigError("nanosched profile needs --model (e.g. --model llama3-8b)")
-    cfg = ProfileConfig(gpu_index(gpu, fake_gpu), model, tp,
-                        resolve_workload(workload, input_len, output_len), out, quick, resume,
-                        dense_batch, not no_progress, fake_gpu, kv_dtype=kv_cache_dtype)
+        raise ConfigError("nanosched profile needs --model (e.g. --model llama3-8b) or "
+                          "--frontend FILE.py:FUNCTION")
+    cfg = ProfileConfig(index, model, tp, resolve_workload(workload, input_len, output_len),
+                        out, quick, resume, dense_batch, not no_progress, fake_gpu,
+                        kv_dtype=kv_cache_dtype, spec=spec, registry=registry)
     try:
         with sigterm_as_interrupt():
             profile_gpu(cfg, log=typer.echo)

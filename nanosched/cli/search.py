@@ -14,7 +14,9 @@ from nanosched.cli.report import VERIFY_COLUMNS, print_table
 
 
 def search(
-    model: str = model_option("Model name or HF config.json."),
+    model: str | None = model_option("Model name or HF config.json; default: the model the "
+                                     "--profile FILE was measured for (a frontend model's).",
+                                     default=None),
     tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree; default: the "
                                   "profile's, or the smallest that fits the dense batch."),
     profile: str | None = typer.Option(None, "--profile", help="Profile FILE or shipped NAME; "

@@ -105,9 +105,12 @@ class FrontendModel:
         return list(self.part.layer_ops)
 
     def new_workspace(self, max_tokens: int, num_pages: int, page_size: int = PAGE_SIZE,
-                      kv_dtype: str = "auto") -> FrontendWorkspace:
-        kv = KVCache(self.num_layers, num_pages, self.kv_heads, self.head_dim, self.dtype,
-                     self.device, page_size, kv_dtype)
+                      kv_dtype: str = "auto", kv_layers: int | None = None
+                      ) -> FrontendWorkspace:
+        """Buffers for up to `max_tokens` tokens and a paged KV cache of `num_pages` pages
+        for `kv_layers` layers (default: every layer; the profiler runs layer 0 alone)."""
+        kv = KVCache(kv_layers or self.num_layers, num_pages, self.kv_heads, self.head_dim,
+                     self.dtype, self.device, page_size, kv_dtype)
         specs: dict[str, Value] = {}
         for v, name in self.buffers.items():
             specs.setdefault(name, self.values[v])
@@ -236,10 +239,10 @@ class FrontendModel:
             if step.shift and path and re.match(prefix, path):
                 layer = int(re.match(prefix, path).group(1)) + step.shift
                 path = re.sub(prefix, f"{self.trace.layer_prefix}.{layer}.", path, count=1)
-                out.append(self._params[path])
+                out.append(self._params[path].detach())
             else:
-                out.append(self.trace.constants[n])
-        return out
+                out.append(self.trace.constants[n].detach())
+        return out  # detached: ops write into buffers (out=) whether or not grad mode is on
 
     def _kv_geometry(self) -> tuple[int, int]:
         for n in self.trace.gm.graph.nodes:

@@ -188,7 +188,12 @@ def mutated(n: fx.Node) -> list[fx.Node]:
         return []
     if n.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
         return [n.args[0]] if isinstance(n.args[0], fx.Node) else []
-    schema = getattr(n.target, "_schema", None)
+    if same_callable(n.target, ops.KV_APPEND):  # writes the KV cache, not its arguments
+        return []
+    target = n.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    schema = getattr(target, "_schema", None)
     if schema is None:
         return []
     out = []

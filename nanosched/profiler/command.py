@@ -13,12 +13,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
 from nanosched.errors import ConfigError, ProfileError
 from nanosched.fileio import check_output_file
 from nanosched.hardware import GIB, GPUSpec
-from nanosched.models.spec import load_spec
+from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.profiler.backend import ProfilerBackend, Unsupported
 from nanosched.profiler.format import Profile, load_profile, save_profile
 from nanosched.profiler.plan import ProfileSettings
@@ -45,14 +46,17 @@ class ProfileConfig:
     progress: bool = True
     fake: bool = False  # a simulated GPU (fake.FakeBackend): a dry run of the whole flow
     kv_dtype: str = "auto"  # the KV cache the attention rows read (auto | fp8)
+    spec: ModelSpec | None = None  # the model's shapes when `model` names no registered one
+    registry: Any = None  # the implementations measured (a frontend model's; default: impls)
 
 
 def default_out(model: str, tp: int, quick: bool) -> Path:
     return Path(f"profile-{Path(model).stem}-tp{tp}{'-quick' if quick else ''}.json")
 
 
-def dense_batch_for(spec_name: str, tp: int, workload: Workload, memory_bytes: int) -> int:
-    spec = load_spec(spec_name)
+def dense_batch_for(spec: ModelSpec | str, tp: int, workload: Workload,
+                    memory_bytes: int) -> int:
+    spec = load_spec(spec) if isinstance(spec, str) else spec
     gpu = GPUSpec("measured", "", 0, memory_bytes / GIB, 1.0, 1.0, 1.0)
     return min(max_dense_batch(spec, gpu, tp, workload), DEFAULT_MAX_DENSE_BATCH)
 
@@ -63,12 +67,12 @@ def make_backend(cfg: ProfileConfig) -> ProfilerBackend:
     if cfg.fake:
         from nanosched.profiler.fake import FakeBackend
 
-        return FakeBackend()
+        return FakeBackend(registry=cfg.registry)
     try:
         from nanosched.profiler.gpu_backend import GPUBackend
     except ImportError as exc:
         raise ConfigError(f"--gpu needs torch with CUDA and triton: {exc}") from exc
-    return GPUBackend(cfg.gpu, rep_ms=5.0 if cfg.quick else 10.0)
+    return GPUBackend(cfg.gpu, rep_ms=5.0 if cfg.quick else 10.0, registry=cfg.registry)
 
 
 def resume_hint(cfg: ProfileConfig) -> str:
@@ -81,13 +85,13 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
 
     The output path (and so its `.partial.json` beside it) is checked before the backend
     starts: a folder, a missing parent or an unwritable place fails now, not after the run."""
-    spec = load_spec(cfg.model)
+    spec = cfg.spec or load_spec(cfg.model)
     spec.check_tp(cfg.tp)
     check_output_file(cfg.out or default_out(cfg.model, cfg.tp, cfg.quick), "--out",
                       make_parent=False)
     backend = make_backend(cfg)
     identity = backend.identity("")
-    dense = cfg.dense_batch or dense_batch_for(cfg.model, cfg.tp, cfg.workload,
+    dense = cfg.dense_batch or dense_batch_for(spec, cfg.tp, cfg.workload,
                                                identity.memory_bytes)
     settings = ProfileSettings(spec, cfg.tp, cfg.workload, dense, cfg.quick,
                                kv_dtype=cfg.kv_dtype)

@@ -12,6 +12,7 @@ uses the real implementation registry's names, so a fake profile has the rows a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.kernels.impls import network_impl
@@ -74,6 +75,7 @@ class FakeBackend:
     layer_calls: list[LayerTask] = field(default_factory=list)
     reference_calls: int = 0
     copy_engine_reason: str | None = None  # why the copy-engine all-reduce cannot run here
+    registry: Any = None  # the implementations (default: profiler/impls.py's; a frontend's)
 
     def identity(self, command: str) -> Identity:
         return Identity(self.gpu_name, self.num_sms, 80 << 30, "fake", "fake", "fake", "fake",
@@ -89,7 +91,7 @@ class FakeBackend:
     def implementations(self) -> tuple[dict[str, list[ImplInfo]], list[str]]:
         ops = sorted({*GEMM_OPS, "attn_decode", "attn_prefill", "rope_append", "add_norm_ffn",
                       "add_norm_attn", "act"})
-        return impls.available(ops)
+        return (self.registry or impls).available(ops)
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
         return Ceilings(self.peak_tflops * 1.05, self.peak_tflops, self.hbm_gbs)

@@ -59,13 +59,16 @@ def _smi(index: int, query: str) -> list[str]:
 
 
 class GPUBackend:
-    def __init__(self, index: int, rep_ms: float = 10.0) -> None:
+    def __init__(self, index: int, rep_ms: float = 10.0, registry: Any = None) -> None:
+        """`registry`: the implementations measured (default profiler/impls.py's; a frontend
+        model's, nanosched/frontend/profiling.py)."""
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
             from nanosched.errors import ConfigError
 
             raise ConfigError(f"--gpu {index}: no such CUDA device (this process sees "
                               f"{torch.cuda.device_count()})")
         self.index = index
+        self.registry = registry or impls
         self.device = torch.device("cuda", index)
         torch.cuda.set_device(self.device)
         self.rep_ms = rep_ms
@@ -139,8 +142,9 @@ class GPUBackend:
         return granted
 
     def implementations(self) -> tuple[dict[str, list[ImplInfo]], list[str]]:
-        return impls.available(sorted({*GEMM_OPS, "attn_decode", "attn_prefill", "rope_append",
-                                       "add_norm_ffn", "add_norm_attn", "act"}))
+        return self.registry.available(sorted({*GEMM_OPS, "attn_decode", "attn_prefill",
+                                               "rope_append", "add_norm_ffn", "add_norm_attn",
+                                               "act"}))
 
     def _stream(self, mechanism: str, sms: int) -> Any:
         if mechanism != "green_ctx":
@@ -158,7 +162,7 @@ class GPUBackend:
                 sms: int, mechanism: str) -> impls.Kernel:
         call = self._call(settings, op, tokens, context, sms, mechanism)
         try:
-            return impls.get(op, impl).kernel(call)
+            return self.registry.get(op, impl).kernel(call)
         except torch.cuda.OutOfMemoryError as exc:
             self.ws.clear()
             raise Unsupported(f"{op}/{impl} at {tokens} tokens: out of memory") from exc
@@ -263,7 +267,7 @@ class GPUBackend:
         torch.cuda.empty_cache()
         ws = impls.ScratchSpace(self.device, max_bytes=self.ws.max_bytes)
         try:
-            kernels = impls.layer_kernels([(self._call(settings, t.op, t.tokens, t.context,
+            kernels = self.registry.layer_kernels([(self._call(settings, t.op, t.tokens, t.context,
                                                        t.sms, t.mechanism, ws), t.impl)
                                            for t in task.ops])
             with contextlib.ExitStack() as stack:

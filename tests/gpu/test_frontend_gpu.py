@@ -115,3 +115,20 @@ def test_graph_buckets_replay_what_eager_runs(models, strategy):
             assert torch.linalg.norm(got - want) / torch.linalg.norm(want) <= 2e-2
     assert not runner.errors
     assert runner.stats.captures >= 1 and runner.stats.replays >= 1
+
+
+def test_a_quick_profile_measures_every_op_of_the_frontend(models, tmp_path):
+    """`nanosched profile --frontend`'s path on the GPU: the frontend's own ops timed alone
+    (every op of the layer has rows) and in pairs, at a small dense batch."""
+    from nanosched.frontend.profiling import FrontendImpls, model_spec
+    from nanosched.profiler.command import ProfileConfig, profile_gpu
+    from nanosched.workloads import fixed
+
+    _, fm = models
+    spec = model_spec(fm, "hf-llama3-8b-2l")
+    cfg = ProfileConfig(torch.cuda.current_device(), spec.name, 1, fixed(1024, 512),
+                        tmp_path / "p.json", quick=True, dense_batch=256, progress=False,
+                        spec=spec, registry=FrontendImpls(fm))
+    prof = profile_gpu(cfg, log=lambda _: None)
+    assert {k.op for k in prof.kernels} == set(fm.op_names())
+    assert prof.pairs and all(k.time_us > 0 for k in prof.kernels)

@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from search_fixtures import small_profile, small_schedule
+from search_fixtures import search_small_schedule, small_profile, small_schedule
 
 from nanosched.autosearch.check import check_schedule
 from nanosched.autosearch.simulate import lm_head_us, replay, sequential_baseline, simulate
@@ -31,9 +31,10 @@ def _overlapping_pair(s: Schedule):
     raise AssertionError("the searched schedule overlaps nothing")
 
 
+@pytest.mark.slow
 def test_search_results_pass_for_tp1_and_tp2():
-    check_schedule(small_schedule(), small_profile())
-    s2 = small_schedule(2, 256)
+    check_schedule(search_small_schedule(), small_profile())
+    s2 = search_small_schedule(2, 256)
     check_schedule(s2, small_profile(2, 256))
     assert {n.resource for n in s2.nano_ops} >= {"compute", "memory", "network"}
 

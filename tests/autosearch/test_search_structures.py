@@ -25,10 +25,11 @@ def steady_h100() -> SearchConfig:
     wl = fixed(1024, 512)
     choice = resolve(spec, None, None, "h100", wl, "1024")
     cfg = SearchConfig(spec, choice.tp, choice.profile, wl, choice.dense_batch,
-                       time_limit_s=4.0, deterministic=True)
+                       time_limit_s=2.0, deterministic=True)
     return key_config(cfg, 384, 1024)
 
 
+@pytest.mark.slow
 def test_search_keeps_the_faster_structure(steady_h100, monkeypatch):
     """On the shipped H100 profile's steady state the decode/prompt split allocates faster than
     stage I's structure (whose interference-free optimum stage II cannot fill): both are

@@ -4,12 +4,11 @@ what a pipeline of those structures can be predicted, set against the search and
 from dataclasses import replace
 
 import pytest
-from search_fixtures import synthetic_set_config
+from search_fixtures import searched_key, synthetic_set_config
 
 from bench.analysis import ceiling
 from bench.analysis.ceiling import compositions, pipeline_ceiling
-from nanosched.autosearch.search import run_search
-from nanosched.autosearch.sets import key_batch, key_config, overlap_bound
+from nanosched.autosearch.sets import key_batch, overlap_bound
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.schedules.sets import layer_times_us
 
@@ -27,6 +26,7 @@ def test_compositions_cut_the_quanta_into_groups():
     assert len(compositions(5, 3, False)) == 1 + 4 + 6
 
 
+@pytest.mark.slow
 def test_no_pair_worth_more_than_alone_means_no_gain(synthetic):
     """Every R->P point cut to P_compute + P_other <= 1: no mode does more than a unit of work
     per unit of time, so no structure beats Sequential."""
@@ -44,11 +44,12 @@ def test_no_pair_worth_more_than_alone_means_no_gain(synthetic):
     assert pipeline_ceiling(synthetic, key_batch(synthetic, 256, 512)).gain > 1.05
 
 
+@pytest.mark.slow
 def test_the_ceiling_is_above_what_the_search_finds_and_below_the_bound(synthetic):
     for d, t in [(256, 512), (0, 512), (512, 512), (128, 384)]:
         batch = key_batch(synthetic, d, t)
         top = pipeline_ceiling(synthetic, batch)
-        sched = run_search(replace(key_config(synthetic, d, t), time_limit_s=2.0))
+        sched = searched_key(d, t)
         forward, sequential = layer_times_us(sched)
         assert sequential / forward <= top.gain + 1e-6, (d, t, top.best)
         # the bound prices ops in integer ticks: within a tick per op of it
@@ -56,6 +57,7 @@ def test_the_ceiling_is_above_what_the_search_finds_and_below_the_bound(syntheti
         assert top.structures and top.best in top.structures
 
 
+@pytest.mark.slow
 def test_one_allocation_per_piece_lowers_the_ceiling(synthetic, monkeypatch):
     monkeypatch.setattr(ceiling, "MILP_SECONDS", 5.0)  # stopped there, it keeps its bound
     batch = key_batch(synthetic, 128, 384)

@@ -28,6 +28,7 @@ def folder(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_tp2_on_two_gloo_ranks_runs_every_strategy_and_agrees(folder):
     """... Sequential also with the copy-engine all-reduce (host transport) beside gloo's."""
     torch.set_num_threads(1)

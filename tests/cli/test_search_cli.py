@@ -1,6 +1,7 @@
 import json
 from dataclasses import replace
 
+import pytest
 from repo import ROOT
 from search_fixtures import small_profile
 from typer.testing import CliRunner
@@ -154,6 +155,7 @@ def test_shipped_profile_closest_to_the_request_is_chosen(tmp_path, monkeypatch)
     assert "profile: llama3-8b-tp1" in r.output and "SYNTHETIC PROFILE" not in r.output
 
 
+@pytest.mark.slow
 def test_a_signal_stops_the_whole_search_and_writes_nothing(tmp_path):
     """SIGINT and SIGTERM in the middle of a CP-SAT solve end the process at once (not only
     the solve), with exit 130, the message, and an earlier file untouched."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 
+from repo import DATA
+
 from nanosched.autosearch.search import SearchConfig, batch_info, run_search
 from nanosched.autosearch.synthetic import context_grid, synthetic_profile
 from nanosched.hardware import get_gpu
 from nanosched.models.spec import load_spec
 from nanosched.profiler.format import Profile
-from nanosched.schedules.format import Schedule
+from nanosched.schedules.format import Schedule, load_schedule, save_schedule
 from nanosched.workloads import fixed
 
 
@@ -21,8 +23,22 @@ def small_profile(tp: int = 1, batch: int = 768) -> Profile:
                              context_grid(b.decode_context, b.prompt_len))
 
 
+SMALL_SCHEDULE = DATA / "small_schedule_llama3-8b_tp1_b768.json"
+
+
 @functools.cache
-def small_schedule(tp: int = 1, batch: int = 768) -> Schedule:
+def small_schedule() -> Schedule:
+    """The searched schedule the checker, format and simulator tests alter (llama3-8b at 768
+    tokens, half decode, half prefill, on `small_profile()`: stage II overlaps decode attention
+    with GEMMs). Read from tests/data, where `python tests/helpers/search_fixtures.py` writes
+    `search_small_schedule()` again; a search takes a minute on two cores, and
+    tests/autosearch/test_check.py searches it afresh (marked slow). Its profile digest ties it
+    to `small_profile()`: when the synthetic profile changes, `check_schedule` names the
+    mismatch and the file must be written again."""
+    return load_schedule(SMALL_SCHEDULE)
+
+
+def search_small_schedule(tp: int = 1, batch: int = 768) -> Schedule:
     """llama3-8b, half decode / half prefill tokens; deterministic, so reproducible.
 
     At 768 tokens (tp 1) the search overlaps decode attention with GEMMs; at 256 tokens
@@ -32,6 +48,18 @@ def small_schedule(tp: int = 1, batch: int = 768) -> Schedule:
     cfg = SearchConfig(load_spec("llama3-8b"), tp, small_profile(tp, batch), fixed(512, 512),
                        batch, time_limit_s=3.5, num_workers=2, deterministic=True)
     return run_search(cfg)
+
+
+@functools.cache
+def searched_key(num_decode: int, num_tokens: int) -> Schedule:
+    """The search of one key of `synthetic_set_config()` given 2 deterministic seconds, shared
+    by the tests that set its prediction against the bound and the ceiling."""
+    from dataclasses import replace
+
+    from nanosched.autosearch.sets import key_config
+
+    cfg = key_config(synthetic_set_config(), num_decode, num_tokens)
+    return run_search(replace(cfg, time_limit_s=2.0))
 
 
 def synthetic_set_config(time_limit_s: float = 6.0) -> SearchConfig:
@@ -45,3 +73,8 @@ def synthetic_set_config(time_limit_s: float = 6.0) -> SearchConfig:
     prof = synthetic_profile(spec, get_gpu("h100"), 1, 512,
                              context_grid(b.decode_context, b.prompt_len))
     return SearchConfig(spec, 1, prof, wl, 512, time_limit_s=time_limit_s, deterministic=True)
+
+
+if __name__ == "__main__":  # write the stored small schedule again
+    save_schedule(search_small_schedule(), SMALL_SCHEDULE)
+    print(f"wrote {SMALL_SCHEDULE}")

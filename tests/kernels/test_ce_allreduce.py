@@ -55,6 +55,7 @@ def _run(tp: TensorParallel, num_slots: int, rounds: int) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
 def test_host_all_reduce_sums_like_gloo(size):
     rounds = 2 * len(RANGES) + 3

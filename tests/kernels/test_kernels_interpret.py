@@ -273,6 +273,7 @@ def test_grouped_gemm_with_fewer_rows_than_experts_and_none():
     with pytest.raises(ConfigError, match=r"out \[2, 23\] do not fit"):
         grouped_linear(x, w, ids, None, torch.empty(2, 23))
 
+@pytest.mark.slow
 def test_model_on_triton_kernels_matches_torch(tmp_path):
     """The whole tiny model through the Triton kernels (interpreted) equals the torch path."""
     from nanosched.models.checkpoint import load_checkpoint

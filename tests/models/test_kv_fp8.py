@@ -208,6 +208,7 @@ def test_fp8_cache_logits_stay_close_to_the_model_dtype_cache(arch, seed, tmp_pa
     assert rel_err(fp8, base) < LOGIT_TOL
 
 
+@pytest.mark.slow
 @interpret
 def test_fp8_cache_logits_on_triton_kernels_match_torch(tmp_path):
     make_hf("llama", tmp_path, seed=5, num_hidden_layers=1)

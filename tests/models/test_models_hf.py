@@ -82,6 +82,7 @@ def test_prefill_and_decode_match_hf(tmp_path, arch, overrides):
     check_against_hf(hf, *generate_mixed(load(tmp_path)), arch, DECODE_STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
                     reason="needs triton and TRITON_INTERPRET=1 (set by tests/conftest.py)")
 @pytest.mark.parametrize("arch, overrides", [("mixtral", {}),

@@ -45,6 +45,7 @@ def logits_of(tp: TensorParallel, folders: list[str],
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("network", ["nccl", "copy_engine"])
 def test_tp2_equals_tp1(tmp_path, network):
     folders = []

@@ -157,6 +157,7 @@ def _settled(prof: Profile, t: int, factor: float) -> Profile:
     return replace(prof, forward=tuple(row(op, t, factor) for op in ops))
 
 
+@pytest.mark.slow
 def test_search_prices_ops_alone_on_the_whole_gpu_at_the_settled_factor():
     base = small_profile()
     prof = _settled(base, 768, 1.1)

@@ -53,6 +53,7 @@ def test_rows_get_the_runtime_launch_dict():
         {"impl": "cublas", "num_sms": 132}
 
 
+@pytest.mark.slow
 @needs_interpret
 @pytest.mark.parametrize("spec", [TINY, TINY_MOE])
 def test_every_impl_runs_and_matches_its_torch_twin(spec):

@@ -74,6 +74,7 @@ def test_requests_that_never_fit_are_rejected():
         b.add(req(1, 40, 10))
 
 
+@pytest.mark.slow
 def test_random_arrivals_10000_steps_never_overflow_starve_or_lose():
     rng = random.Random(1)
     dense, pages, page = 64, 120, 16

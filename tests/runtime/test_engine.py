@@ -145,6 +145,7 @@ def _plan_and_advance(kv, batcher):
     apply_batch(batcher, kv, batcher.form())
 
 
+@pytest.mark.slow
 def test_no_kv_page_leaks_over_10000_steps_with_random_arrivals():
     """The batcher's batches planned into the real paged cache: pages never run out (plan
     would raise) and all come back (no model: the cache only keeps block tables here)."""

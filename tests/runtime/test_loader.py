@@ -148,6 +148,7 @@ def test_engine_config_refuses_nonsense():
         loader.load_engine(EngineConfig())
 
 
+@pytest.mark.slow
 def test_serving_imports_no_benchmark_or_search_code():
     code = ("import sys, nanosched.runtime.server.startup, nanosched.runtime.generate\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('nanosched.benchmarks', "

@@ -42,6 +42,7 @@ def sim_outputs(reqs, stops, **kw):
     return [r.output_ids for r in reqs], steps, pool
 
 
+@pytest.mark.slow
 def test_kvsim_fuzz_same_tokens_no_leak_no_deadlock():
     totals = {"recomputed": 0, "swapped": 0, "swap_ins": 0}
     for seed in range(48):
@@ -98,6 +99,7 @@ CONFIGS = [(m, a, g) for m in ("recompute", "swap") for a in (False, True)
            for g in ("off", "layout")]
 
 
+@pytest.mark.slow
 def test_engine_fuzz_preemption_keeps_greedy_tokens(model, one_thread):
     totals = {"recomputed": 0, "swapped": 0}
     for seed, (mode, is_async, graphs) in enumerate(CONFIGS * 2):

@@ -60,6 +60,7 @@ def serve(model, cfg, ranks=None, abort_at: int | None = None) -> tuple[list, di
         return [r.output_ids for r in reqs], eng.batcher.report()["preemptions"]
 
 
+@pytest.mark.slow
 def test_tp2_engine_serves_what_tp1_serves(tmp_path):
     folder = str(tmp_path / "llama")
     make_hf("llama", tmp_path / "llama", seed=5)
@@ -84,6 +85,7 @@ def test_tp2_engine_serves_what_tp1_serves(tmp_path):
     assert got_abort == want_abort and len(got_abort[5]) < 22
 
 
+@pytest.mark.slow
 def test_generate_tp2_prints_the_tokens_of_tp1(tmp_path):
     """... with the layers' all-reduces on gloo and on the copy engine (host transport)."""
     import json

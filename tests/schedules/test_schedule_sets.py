@@ -201,18 +201,15 @@ def synthetic():
     return synthetic_set_config()
 
 
+@pytest.mark.slow
 def test_the_bound_is_above_what_the_search_finds(synthetic):
-    from nanosched.autosearch.search import run_search
-    from nanosched.autosearch.sets import (
-        key_batch,
-        key_config,
-        overlap_bound,
-        sequential_forward_us,
-    )
+    from search_fixtures import searched_key
+
+    from nanosched.autosearch.sets import key_batch, overlap_bound, sequential_forward_us
 
     for d, t in [(256, 512), (0, 512), (512, 512)]:
         bound = overlap_bound(synthetic, key_batch(synthetic, d, t))
-        sched = run_search(replace(key_config(synthetic, d, t), time_limit_s=2.0))
+        sched = searched_key(d, t)
         forward, sequential = layer_times_us(sched)
         assert sequential == pytest.approx(
             sequential_forward_us(synthetic, key_batch(synthetic, d, t)))
@@ -220,6 +217,7 @@ def test_the_bound_is_above_what_the_search_finds(synthetic):
         assert found <= bound + 1e-9, (d, t, found, bound)
 
 
+@pytest.mark.slow
 def test_the_set_search_decides_every_key(synthetic):
     from nanosched.autosearch.sets import SetSearchConfig, search_set
 

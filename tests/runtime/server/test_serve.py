@@ -87,6 +87,7 @@ def test_models_and_health(srv, http):
     assert [m["id"] for m in data] == [srv.model] and data[0]["strategy"] == "sequential"
 
 
+@pytest.mark.slow
 def test_64_concurrent_clients_each_get_their_own_answers(srv, folder):
     rng = random.Random(0)
     prompts = [[rng.randrange(100) for _ in range(rng.randint(2, 12))] for _ in range(16)]

@@ -13,6 +13,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from repo import DATA, ROOT
 from typer.testing import CliRunner
 
@@ -111,6 +112,7 @@ def _start(*flags: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_the_open_stream_then_exits():
     proc, url = _start()
     try:
@@ -136,6 +138,7 @@ def test_sigterm_drains_the_open_stream_then_exits():
     assert "Shutting down" in out and "Application shutdown complete" in out, out
 
 
+@pytest.mark.slow
 def test_when_the_drain_time_runs_out_open_requests_end_with_503(tmp_path):
     proc, url = _start("--drain-timeout", "0.5")
     body = {"model": NAME, "prompt": [3, 1, 4], "max_tokens": 500, "ignore_eos": True}

@@ -63,7 +63,7 @@ class Subgraph:
     """A callable op: `module(*args)` with the arguments of the module docstring."""
 
     group: Group
-    module: fx.GraphModule
+    module: fx.GraphModule | Any  # or its torch.compile'd form (FrontendModel compile_ops)
     reads: Reads
     outputs: list[fx.Node]  # values written, in `out_` argument order
     writes: dict[str, str]  # value name -> "alloc" | "out" | "copy"

@@ -12,6 +12,10 @@ It offers what the runtime asks of the named-op `CausalLM` for one forward (`pro
 `logits`, `new_workspace`, `op_names`), so every strategy runs on it unchanged:
 `runtime.modelprogram.model_program` hands a frontend model's `program` to the scheduler.
 
+`compile_ops`: ops whose subgraphs TorchInductor compiles (at their first call, sizes dynamic,
+writes into the buffers kept), e.g. the norms and activation whose many small torch kernels
+the named-op model fuses; one compiled subgraph serves every layer bound to it.
+
 Depth: Dynamo traces `trace_layers` layers (trace.py); a deeper model runs the traced
 layer 0, then the traced layer 1 bound to the weights and KV layer of each middle layer, then
 the traced last layer bound to the model's last. The traced layers 0 and 1 must have the same
@@ -40,8 +44,14 @@ from nanosched.frontend.boundary import (
     rows,
 )
 from nanosched.frontend.codegen import Subgraph, build
-from nanosched.frontend.partition import EMBED, HEAD, Partition, example, is_size, partition
-from nanosched.frontend.program import Step, assign_buffers, program, token_rows
+from nanosched.frontend.partition import EMBED, HEAD, Partition, example, partition
+from nanosched.frontend.program import (
+    Step,
+    assign_buffers,
+    check_same_layers,
+    program,
+    token_rows,
+)
 from nanosched.frontend.rules import Rules, SplitFunc, same_callable
 from nanosched.frontend.trace import Trace, capture, layer_list
 from nanosched.kernels.dispatch import KernelOptions
@@ -70,7 +80,7 @@ class FrontendModel:
 
     def __init__(self, model: torch.nn.Module, rules: Rules, *,
                  kernels: KernelOptions | None = None, example_tokens: int = 8,
-                 trace_layers: int | None = 3) -> None:
+                 trace_layers: int | None = 3, compile_ops: tuple[str, ...] = ()) -> None:
         t0 = time.perf_counter()
         first = next(model.parameters())
         self.model, self.device, self.dtype = model, first.device, first.dtype
@@ -84,6 +94,9 @@ class FrontendModel:
         self.trace: Trace = capture(model, example_tokens, trace_layers)
         self.part: Partition = partition(self.trace.gm, rules.extended(DEFAULT_RULES))
         subs, traced = self._subgraphs()
+        for sub in subs:  # TorchInductor per op, as DynaFlow: one compile serves every layer
+            if sub.group.op in compile_ops:
+                sub.module = torch.compile(sub.module, dynamic=True, fullgraph=True)
         self.steps, self.head = self._steps(subs, traced)
         self.values = {v: traced[n] for s in [*self.steps, self.head]
                        for n in (*s.sub.reads.values, *s.sub.outputs) for v in [s.value_id(n)]}
@@ -217,7 +230,11 @@ class FrontendModel:
         if depth == k:
             plan = [(t, 0) for t in range(k)]
         else:
-            _check_same(by_layer[0], by_layer[1], self.trace, traced)
+            if any(n.op == "get_attr" for s in subs if s.group.layer >= 0
+                   for n in s.group.nodes):  # weights baked in: they cannot be rebound
+                raise ConfigError("Dynamo kept the layers' weights as attributes of the graph, "
+                                  "not inputs: trace every layer (trace_layers=None)")
+            check_same_layers(by_layer[0], by_layer[1], self.trace, traced)
             middle = [(1, layer - 1) for layer in range(1, depth - 1)]
             plan = [(0, 0), *middle, (k - 1, depth - k)]
         steps = [Step(s, 0, roles) for s in embed]
@@ -263,39 +280,6 @@ def _flatten(x: Any) -> list[Any]:
     if isinstance(x, dict):
         return [y for item in x.values() for y in _flatten(item)]
     return [x]
-
-
-def _check_same(a: list[Subgraph], b: list[Subgraph], trace: Trace,
-                values: dict[fx.Node, Value]) -> None:
-    """Traced layers 0 and 1 run the same subgraphs up to their weights (else a deeper model
-    cannot run the traced layer 1 as every middle layer)."""
-    for sa, sb in zip(a, b, strict=True):
-        if _signature(sa, trace, values) != _signature(sb, trace, values):
-            raise ConfigError(f"op {sa.group.op} differs between layers 0 and 1 beyond their "
-                              f"weights: trace every layer (trace_layers=None)")
-
-
-def _signature(sub: Subgraph, trace: Trace, values: dict[fx.Node, Value]) -> tuple:
-    layer = sub.group.layer
-    prefix = re.escape(trace.layer_prefix) + r"\.(\d+)\."
-
-    def rel(n: fx.Node) -> str:
-        path = trace.paths.get(n, "")
-        m = re.match(prefix, path)
-        return f"+{int(m.group(1)) - layer}.{path[m.end():]}" if m else path or n.name
-
-    kept = [n for n in sub.module.graph.nodes if n.op == "placeholder" or not is_size(n)]
-    index = {n: i for i, n in enumerate(kept)}
-    body = []
-    for n in kept:  # size arithmetic is recomputed from the token count: not compared
-        if n.op == "placeholder":
-            continue
-        args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index.get(a, 'size')}")
-        if n.op == "call_function" and any(same_callable(n.target, op) for op in ops.LAYERED):
-            args = (args[0][:2] + (args[0][2] - layer,) + args[0][3:], args[1])
-        body.append((n.op, str(n.target), repr(args)))
-    return (tuple(values[v].signature() for v in (*sub.reads.values, *sub.outputs)),
-            tuple(rel(n) for n in sub.reads.inputs), tuple(sub.writes.values()), tuple(body))
 
 
 __all__ = ["FrontendModel", "FrontendWorkspace", "rows", "token_rows"]

@@ -18,6 +18,7 @@ layer shift).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,10 +26,11 @@ from typing import Any
 import torch
 from torch import fx
 
+from nanosched.errors import ConfigError
 from nanosched.frontend import ops
 from nanosched.frontend.boundary import Value, evaluate, rows
 from nanosched.frontend.codegen import Subgraph
-from nanosched.frontend.partition import mutated
+from nanosched.frontend.partition import is_size, mutated
 from nanosched.frontend.rules import same_callable
 from nanosched.runtime.modelprogram import attention_spans
 from nanosched.runtime.program import Access, LaunchConfig, Program, ProgramOp
@@ -150,3 +152,38 @@ def token_rows(ws: Any, meta: Any, name: str, s: int, e: int) -> torch.Tensor:
     if name == "input_ids":
         return ws.token_ids[s:e].view(1, -1)
     return meta.slice(s, e).positions.view(1, -1)
+
+
+def check_same_layers(a: list[Subgraph], b: list[Subgraph], trace: Any,
+                      values: dict[fx.Node, Value]) -> None:
+    """Traced layers 0 and 1 run the same subgraphs up to their weights (else a deeper model
+    cannot run the traced layer 1 as every middle layer)."""
+    for sa, sb in zip(a, b, strict=True):
+        if signature(sa, trace, values) != signature(sb, trace, values):
+            raise ConfigError(f"op {sa.group.op} differs between layers 0 and 1 beyond their "
+                              f"weights: trace every layer (trace_layers=None)")
+
+
+def signature(sub: Subgraph, trace: Any, values: dict[fx.Node, Value]) -> tuple:
+    """A subgraph's structure up to its layer: values' layouts, weights by relative path,
+    nodes and literals (the frontend's layer index relative to the op's)."""
+    layer = sub.group.layer
+    prefix = re.escape(trace.layer_prefix) + r"\.(\d+)\."
+
+    def rel(n: fx.Node) -> str:
+        path = trace.paths.get(n, "")
+        m = re.match(prefix, path)
+        return f"+{int(m.group(1)) - layer}.{path[m.end():]}" if m else path or n.name
+
+    kept = [n for n in sub.module.graph.nodes if n.op == "placeholder" or not is_size(n)]
+    index = {n: i for i, n in enumerate(kept)}
+    body = []
+    for n in kept:  # size arithmetic is recomputed from the token count: not compared
+        if n.op == "placeholder":
+            continue
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index.get(a, 'size')}")
+        if n.op == "call_function" and any(same_callable(n.target, op) for op in ops.LAYERED):
+            args = (args[0][:2] + (args[0][2] - layer,) + args[0][3:], args[1])
+        body.append((n.op, str(n.target), repr(args)))
+    return (tuple(values[v].signature() for v in (*sub.reads.values, *sub.outputs)),
+            tuple(rel(n) for n in sub.reads.inputs), tuple(sub.writes.values()), tuple(body))

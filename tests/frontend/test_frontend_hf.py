@@ -66,3 +66,13 @@ def test_llama_writes_every_tensor_in_place_and_keeps_one_layer_of_buffers():
     _, four = frontend("llama", layers=4, trace_layers=None)
     assert four.describe()["buffers"] == desc["buffers"]
     assert four.describe()["buffer_bytes_per_token"] == desc["buffer_bytes_per_token"]
+
+
+@pytest.mark.slow
+def test_ops_compiled_by_inductor_keep_the_model_exact():
+    """The norms and the activation compiled by TorchInductor (sizes dynamic, results written
+    into the buffers) still give HF's logits under both strategies (a C++ compiler: ~25 s)."""
+    model, fm = frontend("llama", compile_ops=("add_norm_ffn", "act", "add_norm_attn"))
+    for strategy in (Sequential(), TwoBatchOverlap(tile_m=4)):
+        seqs, logits = run_mixed(fm, strategy)
+        assert max_error_vs_hf(model, seqs, logits) < 1e-5, strategy.name

@@ -132,3 +132,21 @@ def test_a_quick_profile_measures_every_op_of_the_frontend(models, tmp_path):
     prof = profile_gpu(cfg, log=lambda _: None)
     assert {k.op for k in prof.kernels} == set(fm.op_names())
     assert prof.pairs and all(k.time_us > 0 for k in prof.kernels)
+
+
+def test_inductor_compiled_ops_in_graph_buckets(models):
+    """The norms and activation compiled by TorchInductor, captured in a bucket's graph and
+    replayed, give the uncompiled frontend's logits (bf16 rounding)."""
+    hf, fm = models
+    compiled = FrontendModel(hf, llama_rules(), compile_ops=("add_norm_ffn", "act",
+                                                             "add_norm_attn"))
+    ref_ws = fm.new_workspace(max_tokens=64, num_pages=32)
+    ws = compiled.new_workspace(max_tokens=64, num_pages=32)
+    runner = BucketRunner(compiled, ws, Backend(CudaDevice()), Sequential(), align=8,
+                          max_pages=16, capture=True)
+    with torch.inference_mode():
+        for chunks, ids in BUCKET_ROUNDS:
+            want = plain_forward(fm, ref_ws, chunks, ids).float()
+            got = bucket_forward(compiled, runner, chunks, ids).float()
+            assert torch.linalg.norm(got - want) / torch.linalg.norm(want) <= 2e-2
+    assert not runner.errors and runner.stats.replays >= 1

@@ -11,9 +11,10 @@ every duration the search uses is a measured row.
 `FrontendImpls(fm)` answers the profiler's implementation registry (`available`, `get`,
 `layer_kernels`, as profiler/impls.py's module functions) with kernels that run layer 0's op of
 the frontend model over the row's tokens, with the row's launch dict, in one workspace of
-random values whose KV cache (one layer) is planned per row as the named rows lay theirs out:
-`attn_decode` rows of requests with the row's context, `attn_prefill` rows cut from prompts of
-its length (`impls_kernels.prefill_rows`), every other op over one prompt chunk. So the names
+random values whose KV cache (one layer, of the profile's KV dtype) is planned per row as the
+named rows lay theirs out: `attn_decode` rows of requests with the row's context,
+`attn_prefill` rows cut from prompts of its length (`impls_kernels.prefill_rows`), every other
+op over one prompt chunk. So the names
 are the runtime's: a GEMM op's `linear` calls take the row's implementation and SM target,
 attention its kernel and CTA bound; norms, rotary and activations are the model's own torch
 code (implementation `torch`).
@@ -139,7 +140,7 @@ class FrontendImpls:
         rows = max(c.tokens for c, _ in calls)
         ws, meta = self._batch(rows, decode.tokens if decode else 0,
                                decode.context if decode else 0,
-                               prefill.context if prefill else rows, calls[0][0].max_tokens)
+                               prefill.context if prefill else rows, calls[0][0])
         kernels = []
         for call, name in calls:
             run, cfg = runner(self.fm, self.steps[call.op], ws, meta), _Launch(
@@ -150,22 +151,22 @@ class FrontendImpls:
     # ---- setting a row up --------------------------------------------------------------------
     def _setup(self, call: OpCall, launch: dict[str, Any]) -> Kernel:
         if call.op == "attn_decode":
-            ws, meta = self._batch(call.tokens, call.tokens, call.context, 0, call.max_tokens)
+            ws, meta = self._batch(call.tokens, call.tokens, call.context, 0, call)
         elif call.op == "attn_prefill":
-            ws, meta = self._batch(call.tokens, 0, 0, call.context, call.max_tokens)
+            ws, meta = self._batch(call.tokens, 0, 0, call.context, call)
         else:
-            ws, meta = self._batch(call.tokens, 0, 0, call.tokens, call.max_tokens)
+            ws, meta = self._batch(call.tokens, 0, 0, call.tokens, call)
         run, cfg, t = runner(self.fm, self.steps[call.op], ws, meta), _Launch(launch), call.tokens
         return Kernel(lambda: run(0, t, cfg))
 
     def _batch(self, rows: int, num_decode: int, context: int, prompt: int,
-               max_tokens: int) -> tuple[Any, Any]:
+               call: OpCall) -> tuple[Any, Any]:
         """A workspace and the metadata of `num_decode` decode rows (each after `context - 1`
         cached tokens), then `rows - num_decode` prompt rows cut from prompts of `prompt`."""
         segments = prefill_rows(rows - num_decode, prompt) if rows > num_decode else []
         pages = num_decode * math.ceil(max(context, 1) / PAGE_SIZE) + sum(
             math.ceil((e - s + p) / PAGE_SIZE) for s, e, p in segments) + 8
-        ws = self._workspace(max(rows, max_tokens), pages)
+        ws = self._workspace(max(rows, call.max_tokens), pages, call.kv_dtype)
         for r in list(ws.kv.tables):
             ws.kv.release(r)
         first, chunks = self._next_request, []
@@ -182,13 +183,15 @@ class FrontendImpls:
         meta.prefill_tensors()  # on the device now: a launch (or a graph capture) copies nothing
         return ws, meta
 
-    def _workspace(self, max_tokens: int, pages: int) -> Any:
+    def _workspace(self, max_tokens: int, pages: int, kv_dtype: str) -> Any:
         ws = self._ws
-        if ws is None or ws.max_tokens < max_tokens or ws.kv.allocator.num_pages < pages:
+        if ws is None or ws.max_tokens < max_tokens or ws.kv.allocator.num_pages < pages or \
+                ws.kv.kv_dtype != kv_dtype:
             self._ws = None
-            torch.cuda.empty_cache() if self.fm.device.type == "cuda" else None
-            ws = self.fm.new_workspace(max_tokens, max(pages, 2 * (ws.kv.allocator.num_pages
-                                                                    if ws else 0)),
+            if self.fm.device.type == "cuda":
+                torch.cuda.empty_cache()
+            grown = 2 * ws.kv.allocator.num_pages if ws is not None else 0
+            ws = self.fm.new_workspace(max_tokens, max(pages, grown), kv_dtype=kv_dtype,
                                        kv_layers=1)
             g = torch.Generator(self.fm.device).manual_seed(0)
             for buf in ws.buffers.values():

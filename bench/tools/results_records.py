@@ -2,7 +2,8 @@
 
 An experiment is what was asked, not when: for a `nanosched bench` record (`bench-*.json`) the
 model, tp, GPU, workload (input/output lengths or a dataset, arrival rate), number of prompts,
-dense batch, weights, `--graphs`, `--admission`, `--kv-cache-dtype` and the kind of
+dense batch, weights, `--graphs`, `--admission`, `--kv-cache-dtype`, `--gpu-memory-utilization`
+(when not the default) and the kind of
 `--schedule` (sequential, two_batch, auto or a searched file); for another script's record the
 script, its arguments and the device. Schedules and schedule sets (`*.schedule.json`,
 `*.set.json`) and profiles (`profile-*.json`) are inputs that records name, so they are always
@@ -76,6 +77,9 @@ def bench_runs(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {}
 
 
+DEFAULT_MEM_UTIL = 0.85  # EngineConfig.mem_util (this module reads JSON only, no nanosched)
+
+
 def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
     c, env = data["config"], data.get("environment", {})
     tp = int(c.get("tp") or 1)
@@ -85,6 +89,8 @@ def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
            ("graphs", str(c.get("graphs") or "off")), ("admission", str(c.get("admission"))),
            ("KV", str(c.get("kv_dtype") or "auto")),
            ("schedule", schedule_kind(c.get("schedule"))))
+    if c.get("mem_util") not in (None, DEFAULT_MEM_UTIL):  # --gpu-memory-utilization given
+        key += (("GPU memory", str(c["mem_util"])),)
     summary = ", ".join(f"{run}: {_num(r.get('results', {}).get('tokens_per_s'))} tokens/s"
                         for run, r in bench_runs(data).items())
     return Entry(name, "bench", key, date_of(data, name), summary, data)

@@ -11,12 +11,14 @@ from nanosched.cli.options import (
     Collective,
     DecodeAttention,
     EngineDevice,
+    GpuMemoryUtilization,
     KvCacheDtype,
     KvHeadroom,
     Preemption,
     SwapSpace,
     admission_config,
     kernel_options,
+    mem_util_kwargs,
     model_option,
 )
 
@@ -64,6 +66,7 @@ def bench(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
 ) -> None:
@@ -85,6 +88,7 @@ def bench(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype,
+                          **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,

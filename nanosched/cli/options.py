@@ -57,6 +57,11 @@ Admission = Annotated[str, typer.Option("--admission", help=ADMISSION_HELP)]
 KvHeadroom = Annotated[float, typer.Option("--kv-headroom", help=HEADROOM_HELP)]
 Preemption = Annotated[str, typer.Option("--preemption", help=PREEMPTION_HELP)]
 SwapSpace = Annotated[float, typer.Option("--swap-space", help=SWAP_HELP)]
+GpuMemoryUtilization = Annotated[float | None, typer.Option(
+    "--gpu-memory-utilization", help=(
+        "Share of each GPU's memory, in (0, 1], that weights, working buffers and the KV cache "
+        "may fill, as vLLM's flag (default 0.85): the rest of it after weights and buffers is KV "
+        "cache, so a higher share admits more requests at once."))]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of random weights and of sampling.")]
 EngineDevice = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 
@@ -86,6 +91,17 @@ def kernel_options(decode_attention: str, collective: str = "nccl") -> Any:
     if collective not in ("nccl", "copy_engine"):
         raise ConfigError(f"--collective must be nccl or copy_engine; got {collective!r}")
     return KernelOptions(decode_impl=decode_attention, network=collective)
+
+
+def mem_util_kwargs(gpu_memory_utilization: float | None) -> dict[str, float]:
+    """EngineConfig's `mem_util` from --gpu-memory-utilization (None: its default), refused
+    with the flag's name outside (0, 1]."""
+    if gpu_memory_utilization is None:
+        return {}
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1] (a share of each GPU's "
+                          f"memory); got {gpu_memory_utilization}")
+    return {"mem_util": gpu_memory_utilization}
 
 
 def admission_config(admission: str, kv_headroom: float, preemption: str,

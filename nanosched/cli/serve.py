@@ -10,6 +10,7 @@ from nanosched.cli.options import (
     Collective,
     DecodeAttention,
     EngineDevice,
+    GpuMemoryUtilization,
     KvCacheDtype,
     KvHeadroom,
     Preemption,
@@ -17,6 +18,7 @@ from nanosched.cli.options import (
     SwapSpace,
     admission_config,
     kernel_options,
+    mem_util_kwargs,
     model_option,
 )
 from nanosched.errors import ConfigError
@@ -78,6 +80,7 @@ def serve(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
 ) -> None:
@@ -96,6 +99,7 @@ def serve(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype,
+                          **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,
                            drain_timeout_s=drain_timeout, max_request_bytes=max_request_bytes,

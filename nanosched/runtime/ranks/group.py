@@ -113,29 +113,47 @@ class RankGroup:
 
     # ---- shutdown --------------------------------------------------------------------------
     def close(self, failed: bool = False) -> None:
-        """Stop every worker: `Stop` after the work already sent (waiting up to `STOP_WAIT_S`),
-        or with `failed` (rank 0 broke off mid-work, so workers may wait in a collective)
-        killed at once; then leave the process group."""
+        """Stop every worker: `Stop` after the work already sent, or with `failed` (rank 0
+        broke off mid-work, so workers may wait in a collective) killed at once. Rank 0 leaves
+        the process group while the workers leave it (NCCL's teardown may wait for every rank),
+        and nothing here waits longer than `STOP_WAIT_S`: a worker still alive then is killed,
+        and a teardown still blocked is left to end with the process."""
         if self.closing:
             return
         self.closing = True
-        deadline = time.monotonic() + (0 if failed else STOP_WAIT_S)
+        t0 = time.monotonic()
+        deadline = t0 + (0 if failed else STOP_WAIT_S)
 
         def check() -> None:
             if time.monotonic() > deadline:
                 raise RankDied("a worker did not take the stop message in time")
 
         self.writer.check = check
+        leave = None
         if not failed:
             with contextlib.suppress(RankDied):
                 self.send(Stop())
+            if dist.is_initialized():
+                leave = threading.Thread(target=dist.destroy_process_group,
+                                         name="nanosched-leave-group", daemon=True)
+                leave.start()
+        killed = []
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
+                killed.append(p.rank)
                 p.kill()
                 p.join()
-        if dist.is_initialized() and not failed:
-            dist.destroy_process_group()
+        if leave is not None:
+            leave.join(max(1.0, deadline - time.monotonic()))
+        if killed:
+            log.warning("tensor parallel: ranks %s did not stop within %.0f s and were killed",
+                        ", ".join(map(str, killed)), STOP_WAIT_S)
+        if leave is not None and leave.is_alive():
+            log.warning("tensor parallel: leaving the process group did not end within %.0f s; "
+                        "it is left to end with this process", STOP_WAIT_S)
+        log.info("tensor parallel: %d ranks stopped in %.1f s", self.size,
+                 time.monotonic() - t0)
         self.writer.close()
 
     def __enter__(self) -> RankGroup:

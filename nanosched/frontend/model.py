@@ -44,6 +44,7 @@ from nanosched.frontend.boundary import (
     rows,
 )
 from nanosched.frontend.codegen import Subgraph, build
+from nanosched.frontend.fuse import JOIN, FusedWeights, fuse_linears
 from nanosched.frontend.partition import EMBED, HEAD, Partition, example, partition
 from nanosched.frontend.program import (
     Step,
@@ -80,7 +81,8 @@ class FrontendModel:
 
     def __init__(self, model: torch.nn.Module, rules: Rules, *,
                  kernels: KernelOptions | None = None, example_tokens: int = 8,
-                 trace_layers: int | None = 3, compile_ops: tuple[str, ...] = ()) -> None:
+                 trace_layers: int | None = 3, compile_ops: tuple[str, ...] = (),
+                 fuse: bool = True) -> None:
         t0 = time.perf_counter()
         first = next(model.parameters())
         self.model, self.device, self.dtype = model, first.device, first.dtype
@@ -92,7 +94,12 @@ class FrontendModel:
             raise ConfigError(f"trace_layers={trace_layers}: a model deeper than the trace "
                               f"needs at least 3 traced layers (first, middle, last)")
         self.trace: Trace = capture(model, example_tokens, trace_layers)
-        self.part: Partition = partition(self.trace.gm, rules.extended(DEFAULT_RULES))
+        self._params = dict([*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)])
+        self.weights = FusedWeights(self._params)
+        rules = rules.extended(DEFAULT_RULES)
+        self.fused = fuse_linears(self.trace, rules.label, self.weights) if fuse else []
+        self.part: Partition = partition(self.trace.gm, rules)
         subs, traced = self._subgraphs()
         for sub in subs:  # TorchInductor per op, as DynaFlow: one compile serves every layer
             if sub.group.op in compile_ops:
@@ -101,8 +108,6 @@ class FrontendModel:
         self.values = {v: traced[n] for s in [*self.steps, self.head]
                        for n in (*s.sub.reads.values, *s.sub.outputs) for v in [s.value_id(n)]}
         self.buffers = assign_buffers(self.steps, self.values)
-        self._params = dict([*model.named_parameters(remove_duplicate=False),
-                             *model.named_buffers(remove_duplicate=False)])
         for s in [*self.steps, self.head]:
             s.bound = self._bind(s)
         self.kv_heads, self.head_dim = self._kv_geometry()
@@ -254,9 +259,10 @@ class FrontendModel:
                 continue
             path = self.trace.paths.get(n)
             if step.shift and path and re.match(prefix, path):
-                layer = int(re.match(prefix, path).group(1)) + step.shift
-                path = re.sub(prefix, f"{self.trace.layer_prefix}.{layer}.", path, count=1)
-                out.append(self._params[path].detach())
+                parts = [re.sub(prefix, lambda m: f"{self.trace.layer_prefix}."
+                                f"{int(m.group(1)) + step.shift}.", part, count=1)
+                         for part in path.split(JOIN)]
+                out.append(self.weights.get(JOIN.join(parts)).detach())
             else:
                 out.append(self.trace.constants[n].detach())
         return out  # detached: ops write into buffers (out=) whether or not grad mode is on

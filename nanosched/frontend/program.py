@@ -30,6 +30,7 @@ from nanosched.errors import ConfigError
 from nanosched.frontend import ops
 from nanosched.frontend.boundary import Value, evaluate, rows
 from nanosched.frontend.codegen import Subgraph
+from nanosched.frontend.fuse import JOIN
 from nanosched.frontend.partition import is_size, mutated
 from nanosched.frontend.rules import same_callable
 from nanosched.runtime.modelprogram import attention_spans
@@ -170,10 +171,13 @@ def signature(sub: Subgraph, trace: Any, values: dict[fx.Node, Value]) -> tuple:
     layer = sub.group.layer
     prefix = re.escape(trace.layer_prefix) + r"\.(\d+)\."
 
+    def rel_path(path: str) -> str:
+        m = re.match(prefix, path)
+        return f"@{int(m.group(1)) - layer}.{path[m.end():]}" if m else path
+
     def rel(n: fx.Node) -> str:
         path = trace.paths.get(n, "")
-        m = re.match(prefix, path)
-        return f"+{int(m.group(1)) - layer}.{path[m.end():]}" if m else path or n.name
+        return JOIN.join(map(rel_path, path.split(JOIN))) if path else n.name
 
     kept = [n for n in sub.module.graph.nodes if n.op == "placeholder" or not is_size(n)]
     index = {n: i for i, n in enumerate(kept)}

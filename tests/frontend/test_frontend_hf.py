@@ -14,6 +14,7 @@ import torch
 from frontend_helpers import PROMPTS, max_error_vs_hf, run_mixed, tiny_hf, usage_rules
 
 from nanosched.frontend import FrontendModel
+from nanosched.frontend.codegen import linear_out
 from nanosched.frontend.hf import llama_rules, use_nanosched
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
@@ -66,6 +67,40 @@ def test_llama_writes_every_tensor_in_place_and_keeps_one_layer_of_buffers():
     _, four = frontend("llama", layers=4, trace_layers=None)
     assert four.describe()["buffers"] == desc["buffers"]
     assert four.describe()["buffer_bytes_per_token"] == desc["buffer_bytes_per_token"]
+
+
+def gemms_per_op(fm: FrontendModel, layer: int = 1) -> dict[str, int]:
+    """GEMM calls (the frontend's `linear` through the project's dispatch) per op of a layer."""
+    return {s.sub.group.op: sum(n.target is linear_out for n in s.sub.module.graph.nodes)
+            for s in fm.steps if s.layer == layer}
+
+
+def fused_kqv(fm: FrontendModel) -> list[torch.Tensor]:
+    """The tensors layer 1's kqv op is bound to (its weight and bias)."""
+    step = next(s for s in fm.steps if s.layer == 1 and s.sub.group.op == "kqv")
+    return [t for t in step.bound if isinstance(t, torch.Tensor)]
+
+
+def test_sibling_linears_run_as_one_gemm_on_weights_held_once():
+    """Qwen2's q/k/v (with biases) and gate/up: one GEMM each on concatenated weights, which
+    the model's parameters then view (held once); without fusion three and two GEMMs. A second
+    frontend on the same model views the same concatenation, and the model still runs."""
+    model, fm = frontend("qwen2")
+    want = {"kqv": 1, "o": 1, "ug": 1, "d": 1}
+    assert {op: n for op, n in gemms_per_op(fm).items() if n} == want
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    weight, bias = fused_kqv(fm)
+    assert weight.shape[0] == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    assert attn.q_proj.weight.data_ptr() == weight.data_ptr()
+    assert attn.v_proj.bias.data_ptr() == bias[-attn.v_proj.out_features:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == \
+        mlp.gate_proj.weight.data_ptr() + mlp.gate_proj.weight.nbytes
+    again = FrontendModel(model, llama_rules())
+    assert fused_kqv(again)[0].data_ptr() == weight.data_ptr()
+    unfused = FrontendModel(model, llama_rules(), fuse=False)
+    assert {op: n for op, n in gemms_per_op(unfused).items() if n} == {**want, "kqv": 3, "ug": 2}
+    seqs, logits = run_mixed(again, Sequential(), decode_steps=1)
+    assert max_error_vs_hf(model, seqs, logits) < 1e-5
 
 
 @pytest.mark.slow

@@ -28,6 +28,11 @@ bound, by the ceiling, by the stages' gaps, or not; a searched key records its c
 gaps of the best pipeline found. With `bound` off (`--buckets dense`) the key is searched
 whatever its bounds, and the ceiling is computed after the search, for the proof.
 
+The time limit holds for the whole set: once what is left of it would not cover one more key
+(`MIN_KEY_S` plus what keys have taken beyond their solver budget), the keys not yet searched
+run Sequential, marked `unsearched` (nearest the steady state are searched first). A
+deterministic search (tests) gives every key its fixed share instead.
+
 Keys are searched from the steady state's shape (the workload's mix at the dense batch) outwards
 (breadth first over D ± 128, T ± 128), each starting from the nano-op counts of the nearest key
 searched before it, so that the growth trials one key paid for are not paid again next door.
@@ -80,7 +85,7 @@ class SetSearchConfig:
 class KeyResult:
     key: tuple[int, int]
     entry: SetEntry
-    how: str  # "small" | "bounded" | "ceiling" | "searched" | "failed"
+    how: str  # "small" | "bounded" | "ceiling" | "searched" | "failed" | "unsearched"
     wall_s: float
 
 
@@ -191,6 +196,15 @@ def _ceiling(known: float | None, base: SearchConfig, kcfg: SearchConfig) -> flo
     return known if known is not None else resource_ceiling(base, search_batch(kcfg)).gain
 
 
+def _unsearched(key: tuple[int, int], seq: float, ceiling: float | None,
+                min_gain: float) -> KeyResult:
+    """A key left when the set's time limit ran out: Sequential, its NO GAIN unproven unless
+    the ceiling computed before the search proves it."""
+    entry = SetEntry(key[0], key[1], "sequential", seq, seq,
+                     "not searched: the time limit ran out (raise --time-limit)")
+    return KeyResult(key, with_proof(entry, None, ceiling, min_gain), "unsearched", 0.0)
+
+
 def search_order(keys: list[tuple[int, int]], start: tuple[int, int]) -> list[tuple[int, int]]:
     """`keys` breadth first from `start` over the grid's neighbours (D ± q, T ± q, both - q),
     so each key comes right after keys next to it."""
@@ -269,6 +283,13 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     for i, key in enumerate(order):
         d, t = key
         rest = len(order) - i
+        if i > 0 and not base.deterministic and \
+                deadline - time.perf_counter() < MIN_KEY_S + over:
+            for j, late in enumerate(order[i:]):  # the set's time is spent (module docstring)
+                results[late] = _unsearched(late, sequential[late], ceilings[late], cfg.min_gain)
+                if on_key:
+                    on_key(results[late], done + j + 1, n)
+            break
         left = deadline - time.perf_counter() - over * rest
         share = left * STEADY_SHARE if i == 0 and key == start else left / rest
         budget = max(MIN_KEY_S, min(60.0, share)) if len(order) > 1 else max(MIN_KEY_S, left)
@@ -317,6 +338,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
          "workers": base.num_workers, "keys": n, "searched": how.count("searched"),
          "bounded": how.count("bounded"), "ceiling": how.count("ceiling"),
          "small": how.count("small"),
-         "failed": how.count("failed"), "max_p_sum": round(max_p_sum(base), 4),
+         "failed": how.count("failed"), "unsearched": how.count("unsearched"),
+         "max_p_sum": round(max_p_sum(base), 4),
          "steady_key": list(start), "contexts": context_notes(base)},
         datetime.now(timezone.utc).isoformat(timespec="seconds"), base.command)

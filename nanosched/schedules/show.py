@@ -124,8 +124,10 @@ def set_summary_lines(s: ScheduleSet) -> list[str]:
         lines.append(f"search: {x.get('searched', 0)} shapes searched, {bounded + ceiling} "
                      f"ruled out below {s.min_gain:.2f}x without a solve ({bounded} by the "
                      f"bound, {ceiling} by the ceiling), {x.get('small', 0)} "
-                     f"too small, {x.get('failed', 0)} failed; {x.get('wall_s', 0):.0f} s of "
-                     f"{x.get('time_limit_s', 0):g} s")
+                     f"too small, {x.get('failed', 0)} failed"
+                     + (f", {x['unsearched']} not searched (the time limit ran out)"
+                        if x.get("unsearched") else "")
+                     + f"; {x.get('wall_s', 0):.0f} s of {x.get('time_limit_s', 0):g} s")
     full = s.full
     if full is not None:
         proof = proof_text(full, s.min_gain)

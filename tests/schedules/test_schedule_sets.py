@@ -238,6 +238,30 @@ def test_the_set_search_decides_every_key(synthetic):
     assert again.to_json() == sset.to_json()
 
 
+def test_a_set_search_ends_near_its_time_limit_leaving_the_rest_unsearched(synthetic):
+    """On wall time (not deterministic) a set given less time than its keys need searches the
+    steady state's key first, then stops once the time left would not cover a key: the rest
+    run Sequential, marked unsearched, and the summary says so."""
+    import time
+
+    from nanosched.autosearch.sets import SetSearchConfig, search_set
+    from nanosched.schedules.show import set_summary_lines
+
+    limit = 1.0
+    t0 = time.perf_counter()
+    sset = search_set(SetSearchConfig(replace(synthetic, time_limit_s=limit, deterministic=False),
+                                      min_gain=1.0, bound=False))
+    wall = time.perf_counter() - t0
+    x = sset.search
+    assert x["unsearched"] > 0 and x["searched"] >= 1
+    assert x["searched"] + x["unsearched"] + x["small"] + x["failed"] == len(sset.entries)
+    late = [e for e in sset.entries if e.reason.startswith("not searched")]
+    assert len(late) == x["unsearched"] and all(e.kind == "sequential" for e in late)
+    assert sset.full is not None and not sset.full.reason.startswith("not searched")
+    assert wall < limit + 10.0  # one key past the limit at most (slack for a busy machine)
+    assert any("not searched (the time limit ran out)" in line for line in set_summary_lines(sset))
+
+
 def test_a_high_min_gain_makes_the_set_all_sequential_and_says_so(synthetic):
     from nanosched.autosearch.sets import SetSearchConfig, search_set
     from nanosched.schedules.show import set_summary_lines

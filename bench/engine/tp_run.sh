@@ -1,46 +1,66 @@
 #!/usr/bin/env bash
-# GPU runs of the tensor-parallel engine (one host, 4 GPUs), one section per call so that each
-# stays under the device's 10-minute limit:
-#   tests      GPU tests of tp (NCCL, graphs; the server's need .whl)                  ~5 min
-#   broadcast  what sending a step costs at tp 2 and 4 (tp_broadcast.py)              ~1 min
-#   70b        Llama-3-70B tp 4, 1024/512, 1,000 prompts, bf16 then FP8 KV              ~7 min
-#   8b         Llama-3-8B tp 2 against tp 1, the same workload                          ~4 min
-#   serve      serve --tp 4 (Llama-3-70B) with a client, then SIGTERM (tp_serve_smoke.py) ~3 min
-# as `bench/engine/tp_run.sh SECTION` from the repository root. Results (JSON, named as
-# bench/results/ names them) and logs go to $OUT (else bench/results/). Carry the serve wheels
-# as bench/engine/serve_poisson.py says (.whl) for `tests` and `serve`.
+# GPU runs of the tensor-parallel engine on one 4-GPU host, one section per device call (each
+# under the device's 10-minute limit; wall times measured on 4xH100):
+#   70b        Llama-3-70B tp 4, 1024/512, 1,000 prompts, bf16 then FP8 KV          ~8 min
+#   8b         Llama-3-8B tp 2 (GPUs 0,1) beside tp 1 (GPU 2), the same workload     ~2 min
+#   tests      GPU tests of tp (NCCL, graphs, the server: needs .whl)               ~5 min
+#   serve      serve --tp 4 (Llama-3-70B) with a client, then SIGTERM (needs .whl)   ~3 min
+#   broadcast  what sending a step costs at tp 2 and 4 (tp_broadcast.py)            ~1 min
+# as `bench/engine/tp_run.sh SECTION` from the repository root. Records (JSON, named as
+# bench/results/ names them), logs and the GPUs' clock and power (nvidia-smi every second, a
+# .smi.csv beside each record) go to $OUT, else bench/results/. The GPU image has no fastapi /
+# uvicorn / httpx: carry their wheels as `.whl/dl/*.whl` (bench/engine/serve_poisson.py says
+# which); they are unpacked here with Python's zipfile (the image has no unzip).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=".:.whl"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+    NVSHMEM_DISABLE_NVLS=1
+SITE=/tmp/nanosched-wheels
+if [ -d .whl/dl ]; then
+    mkdir -p "$SITE"
+    for w in .whl/dl/*.whl; do python -m zipfile -e "$w" "$SITE"; done
+fi
+export PYTHONPATH=".:$SITE"
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 DAY=$(date -u +%Y%m%d)
 GPU=$(python -c "import torch; n = torch.cuda.get_device_name(0); print('H200' if 'H200' in n else 'H100')")
 W="--input-len 1024 --output-len 512 --num-prompts 1000 --graphs on"
 
-bench() {  # bench NAME FLAGS...: one `nanosched bench` record and its log
+bench() {  # bench NAME FLAGS...: one `nanosched bench` record, its log and its clock/power
     local name=$1; shift
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,utilization.gpu,memory.used \
+        --format=csv -lms 1000 >"$OUT/$name-$GPU-$DAY.smi.csv" 2>/dev/null &
+    local smi=$!
     python -m nanosched.cli bench "$@" --json "$OUT/$name-$GPU-$DAY.json" \
         >"$OUT/$name-$GPU-$DAY.log" 2>&1
-    echo "$name: exit $?"; tail -n 45 "$OUT/$name-$GPU-$DAY.log"
+    local code=$?
+    kill $smi
+    echo "$name: exit $code"
+    tr '\r' '\n' <"$OUT/$name-$GPU-$DAY.log" | grep -v '^requests: ' | tail -n 30
 }
 
 case "${1:-}" in
-tests)
-    python -m pytest -m gpu -q tests/gpu/test_tp_engine_gpu.py tests/gpu/test_tp_serve_gpu.py \
-        tests/gpu/test_tp_gpu.py 2>&1 | tail -n 40 ;;
-broadcast)
-    python bench/engine/tp_broadcast.py --tp 2 --rows 2048
-    python bench/engine/tp_broadcast.py --tp 4 --rows 2048 ;;
 70b)
     bench bench-tp4-llama3-70b-in1024-out512-n1000 --model llama3-70b --tp 4 $W
     bench bench-tp4-fp8-llama3-70b-in1024-out512-n1000 --model llama3-70b --tp 4 $W \
         --kv-cache-dtype fp8 ;;
-8b)
-    bench bench-tp2-llama3-8b-in1024-out512-n1000 --model llama3-8b --tp 2 $W
-    bench bench-tp1-llama3-8b-in1024-out512-n1000 --model llama3-8b --tp 1 $W ;;
+8b)  # separate GPUs, so both run at once
+    CUDA_VISIBLE_DEVICES=0,1 bench bench-tp2-llama3-8b-in1024-out512-n1000 --model llama3-8b \
+        --tp 2 $W &
+    sleep 2
+    CUDA_VISIBLE_DEVICES=2 bench bench-tp1-llama3-8b-in1024-out512-n1000 --model llama3-8b \
+        --tp 1 $W &
+    wait ;;
+tests)
+    python -m pytest -m gpu -q tests/gpu/test_tp_engine_gpu.py tests/gpu/test_tp_serve_gpu.py \
+        tests/gpu/test_tp_gpu.py tests/gpu/test_ce_allreduce_gpu.py \
+        tests/gpu/test_timeline_tp_gpu.py 2>&1 | tail -n 40 ;;
 serve)
     python bench/engine/tp_serve_smoke.py --model llama3-70b --tp 4 ;;
+broadcast)
+    python bench/engine/tp_broadcast.py --tp 2 --rows 2048
+    python bench/engine/tp_broadcast.py --tp 4 --rows 2048 ;;
 *)
-    echo "usage: bench/engine/tp_run.sh tests|broadcast|70b|8b|serve" >&2; exit 2 ;;
+    echo "usage: bench/engine/tp_run.sh 70b|8b|tests|serve|broadcast" >&2; exit 2 ;;
 esac

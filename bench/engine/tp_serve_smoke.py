@@ -3,10 +3,12 @@
 Starts the server (random weights), then: a completion answered whole and the same one
 streamed (greedy: the same tokens); `--concurrent` streamed requests at once (output tokens/s and
 time to first token); a long stream during which the server gets SIGTERM (it must finish, and
-every rank must exit). Records the start-up time, each figure, the exit code and whether any
-worker process is left, as JSON in $OUT or bench/results/.
+every rank must exit: the record says how long after SIGTERM, or holds the log's tail when the
+server was still running `--exit-timeout` s after the stream). Records the start-up time, each
+figure, the exit code and whether any worker process is left, as JSON in $OUT or bench/results/.
 
-    PYTHONPATH=.:.whl python bench/engine/tp_serve_smoke.py --model llama3-70b --tp 4
+    bench/engine/tp_run.sh serve      (on 4 GPUs; or, with the serve wheels on PYTHONPATH:)
+    python bench/engine/tp_serve_smoke.py --model llama3-70b --tp 4
 
 (the GPU image has no fastapi / uvicorn / httpx: carry `.whl` as
 bench/engine/serve_poisson.py says).
@@ -93,7 +95,12 @@ async def exercise(args: argparse.Namespace, url: str, proc: subprocess.Popen) -
                 "concurrent_output_tokens_per_s": sum(len(m[0]) for m in many) / wall,
                 "concurrent_ttft_mean_s": sum(m[1] for m in many) / len(many)}
         long = body | {"max_tokens": 4 * args.max_tokens}
-        ids, _, _ = await stream(client, url, long, lambda: proc.send_signal(signal.SIGTERM))
+
+        def term() -> None:
+            out["sigterm_at"] = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+
+        ids, _, _ = await stream(client, url, long, term)
         out["drained_stream_tokens"] = len(ids)
         out["drained_stream_complete"] = len(ids) == long["max_tokens"]
     return out
@@ -107,12 +114,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrent", type=int, default=32)
     ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--exit-timeout", type=float, default=60,
+                    help="seconds the server may take to end after the drained stream")
     args = ap.parse_args()
     log = Path(os.environ.get("OUT") or "/tmp") / f"tp-serve-smoke-tp{args.tp}.log"
     proc, url, pids, start_s = start(args, log)
     try:
         out = asyncio.run(exercise(args, url, proc))
-        code = proc.wait(timeout=120)
+        try:  # a server that does not end after SIGTERM is a finding, recorded with its log
+            code = proc.wait(timeout=args.exit_timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+            out["log_tail"] = log.read_text()[-3000:]
+        out["exit_s"] = time.monotonic() - out.pop("sigterm_at") if code is not None else None
     finally:
         if proc.poll() is None:
             proc.kill()

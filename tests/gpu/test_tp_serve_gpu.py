@@ -2,8 +2,8 @@
 server ends non-zero within 10 s, naming the rank, when a worker is killed while rank 0 waits in
 NCCL.
 
-The GPU image has no fastapi / uvicorn / httpx: carry them as bench/serve_poisson.py says and run
-`PYTHONPATH=.:.whl python -m pytest -m gpu tests/gpu/test_tp_serve_gpu.py`.
+The GPU image has no fastapi / uvicorn / httpx: carry their wheels and run it through
+`bench/engine/tp_run.sh tests` (the server inherits this process's PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def start(folder: str, log: Path) -> tuple[subprocess.Popen, str, int]:
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "nanosched.cli", "serve", "--model", folder,
                              "--tp", "2", "--port", str(port), "--dense-batch", "512"],
-                            env=os.environ | {"PYTHONPATH": str(ROOT)}, stdout=log.open("w"),
+                            env=os.environ | {"PYTHONPATH": os.pathsep.join(
+                                filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
+                            stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     while True:

@@ -14,9 +14,10 @@ NCCL on [T, 8192] bf16 (Llama-3-70B's hidden size).
    its reduction bounded to k CTAs beside a GEMM told to leave k SMs (cuBLASLt SM target), and
    inside a green-context partition of k SMs with the GEMM on the rest. P_net: against the
    faster of its graph-timed and sustained alone figures; P_gemm: against cuBLAS on all SMs.
-Writes bench/results/ce_allreduce-<GPU>-<N>gpu-<stamp>.json (or --out), prints a table last.
-Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-     PYTHONPATH=. python bench/kernels/ce_allreduce.py [--world 2] [--quick]
+Writes ce_allreduce-<GPU>-<N>gpu-<stamp>.json to --out, else $OUT, else bench/results/; prints
+tables last. Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  PYTHONPATH=. python bench/kernels/ce_allreduce.py [--world 2] [--quick] [--no-beside] \
+  [--subchunks auto,1,2,4,8]
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 import traceback
@@ -37,94 +37,19 @@ for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISA
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.kernels.ce_allreduce_steps import (  # noqa: E402
+    H,
+    alone,
+    correct,
+    max_over_ranks,
+    steps,
+    time_graph_us,
+)
 from nanosched.profiler.timing import captured, sustained_fixed, sustained_run  # noqa: E402
 
-H, INTER = 8192, 28672
+INTER = 28672
 MAX_T = 4096
-REPS = 10
 SETTLE_S, WINDOW_S = 1.0, 2.0
-
-
-def _time_graph_us(g, stream, calls):
-    times = []
-    for _ in range(3):
-        g.replay()
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            a.record()
-            g.replay()
-            b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b) / calls)
-    return statistics.median(times)
-
-
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _correct(ar, buf, rank, n):
-    out = []
-    for s, e in [(0, 1), (3, 10), (0, 512), (100, 2148), (0, MAX_T)]:
-        torch.manual_seed(1000 * rank + s)
-        buf[s:e].copy_(torch.randn(e - s, H, device="cuda"))
-        ref = buf[s:e].float()
-        dist.all_reduce(ref)
-        ar.all_reduce(buf[s:e])
-        torch.cuda.synchronize()
-        got = buf[s:e].float()
-        rel = float((got - ref).norm() / ref.norm())
-        every = [torch.empty_like(got) for _ in range(n)]
-        dist.all_gather(every, got)
-        out.append({"rows": [s, e], "mode": "eager", "rel_err": rel,
-                    "ranks_equal": all(torch.equal(every[0], t) for t in every)})
-    ranges = [(0, 256), (256, 1280), (1280, 3328)]
-    stream = torch.cuda.Stream()
-
-    def three():
-        for s, e in ranges:
-            ar.all_reduce(buf[s:e])
-
-    torch.manual_seed(7 + rank)
-    buf.copy_(torch.randn(MAX_T, H, device="cuda"))
-    g = captured(three, stream)
-    for rep in range(3):
-        torch.manual_seed(100 * rep + rank)
-        buf.copy_(torch.randn(MAX_T, H, device="cuda"))
-        refs = [buf[s:e].float() for s, e in ranges]
-        for r in refs:
-            dist.all_reduce(r)
-        torch.cuda.synchronize()
-        g.replay()
-        torch.cuda.synchronize()
-        for (s, e), ref in zip(ranges, refs, strict=True):
-            got = buf[s:e].float()
-            every = [torch.empty_like(got) for _ in range(n)]
-            dist.all_gather(every, got)
-            out.append({"rows": [s, e], "mode": f"graph replay {rep}",
-                        "rel_err": float((got - ref).norm() / ref.norm()),
-                        "ranks_equal": all(torch.equal(every[0], t) for t in every)})
-    return out
-
-
-def _alone(ar, buf, nccl_buf, ts, bounds):
-    stream = torch.cuda.Stream()
-    rows = []
-    for t in ts:
-        for bound in bounds:
-            g = captured(lambda t=t, b=bound: [ar.all_reduce(buf[:t], max_ctas=b)
-                                               for _ in range(REPS)], stream)
-            dist.barrier()
-            rows.append({"impl": "copy_engine", "T": t, "max_ctas": bound,
-                         "us": _max_over_ranks(_time_graph_us(g, stream, REPS))})
-        g = captured(lambda t=t: [dist.all_reduce(nccl_buf[:t]) for _ in range(REPS)], stream)
-        dist.barrier()
-        rows.append({"impl": "nccl", "T": t, "max_ctas": None,
-                     "us": _max_over_ranks(_time_graph_us(g, stream, REPS))})
-    return rows
 
 
 def _window(tele, host_window):
@@ -156,11 +81,11 @@ def _beside(tp, buf, ts, ks, tele):
 
     device = torch.device("cuda", torch.cuda.current_device())
 
-    def alone(fn, stream):  # a GEMM looped until the clock settled: (us, telemetry)
+    def looped(fn, stream):  # a GEMM looped until the clock settled: (us, telemetry)
         run = sustained_run([(fn, stream, 100.0)], device, SETTLE_S, WINDOW_S)
         return run.median_us[0], _window(tele, run.host_window)
 
-    g_alone, g_read = alone(gemm(), low)
+    g_alone, g_read = looped(gemm(), low)
     rows = [{"variant": "gemm alone", "gemm_us": g_alone, "telemetry": g_read}]
     for t in ts:
         variants = [("nccl", "nccl", None, None), ("nccl_ctas16 | gemm -16 SMs", "nccl_ctas16",
@@ -175,13 +100,13 @@ def _beside(tp, buf, ts, ks, tele):
                 net_stream = pair.small.stream if pair else high
                 gemm_stream = pair.rest.stream if pair else low
                 g = captured(lambda t=t, impl=impl: tp.all_reduce(buf[:t], impl), net_stream)
-                graph_alone = _max_over_ranks(_time_graph_us(g, net_stream, 1))
+                graph_alone = max_over_ranks(time_graph_us(g, net_stream, 1))
                 n_net = int(max(40, (SETTLE_S + WINDOW_S) * 1e6 / graph_alone))
                 dist.barrier()
                 net_alone = sustained_fixed(None, None, g.replay, net_stream, n_net,
                                             SETTLE_S).fixed_us
                 fn = gemm(told)
-                gemm_own, _ = alone(fn, gemm_stream)
+                gemm_own, _ = looped(fn, gemm_stream)
                 dist.barrier()
                 both = sustained_fixed(fn, gemm_stream, g.replay, net_stream, n_net, SETTLE_S)
                 gemm_us, net_us = both.loop_us, both.fixed_us
@@ -217,11 +142,12 @@ def rank_main(rank: int, n: int, port: int, args: argparse.Namespace, out_dir: s
         buf = ar.symmetric_zeros(MAX_T, H, dtype=torch.bfloat16)
         nccl_buf = torch.randn(MAX_T, H, device="cuda", dtype=torch.bfloat16)
         tele = open_telemetry(rank)
-        res = {"correct": _correct(ar, buf, rank, n)}
+        res = {"correct": [c for p in args.subchunks for c in correct(ar, buf, rank, n, p)]}
         if rank == 0:
             print("correctness done", flush=True)
         ts = [512, 2048] if args.quick else [128, 512, 1024, 2048]
-        res["alone"] = _alone(ar, buf, nccl_buf, ts, [None, 8, 16, 32])
+        res["alone"] = alone(ar, buf, nccl_buf, ts, args.subchunks, [None, 8, 16, 32])
+        res["steps"] = steps(ar, buf, ts)
         if rank == 0:
             print("alone done", flush=True)
         res["beside"] = [] if args.no_beside else _beside(tp, buf, [512, 2048],
@@ -239,8 +165,8 @@ def rank_main(rank: int, n: int, port: int, args: argparse.Namespace, out_dir: s
 
 def _summary(every: list[dict]) -> dict:
     r0 = every[0]
-    correct = {"max_rel_err": max(c["rel_err"] for r in every for c in r["correct"]),
-               "ranks_equal": all(c["ranks_equal"] for r in every for c in r["correct"])}
+    ok = {"max_rel_err": max(c["rel_err"] for r in every for c in r["correct"]),
+          "ranks_equal": all(c["ranks_equal"] for r in every for c in r["correct"])}
     beside = []
     for i, row in enumerate(r0["beside"]):
         if "error" in row or row["variant"] == "gemm alone":
@@ -256,7 +182,7 @@ def _summary(every: list[dict]) -> dict:
         beside.append({**row, "P_net": p_net, "P_gemm": p_gemm, "P_sum": p_net + p_gemm,
                        "P_gemm_vs_same_sms": p_gemm_own,
                        "telemetry_per_rank": [x["telemetry"] for x in rs]})
-    return {"correct": correct, "alone": r0["alone"], "beside": beside}
+    return {"correct": ok, "alone": r0["alone"], "steps": r0["steps"], "beside": beside}
 
 
 def main() -> None:
@@ -269,7 +195,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-beside", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--subchunks", default="auto,1,2,4",
+                   help="sub-chunk counts to check and time alone (auto: by size)")
     args = p.parse_args()
+    args.subchunks = [None if x.strip() == "auto" else int(x)
+                      for x in args.subchunks.split(",")]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -294,15 +224,21 @@ def main() -> None:
     record = {"bench": "ce_allreduce", "device": name, "world": args.world,
               "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
               "date": stamp, "command": " ".join(sys.argv), **_summary(every), "ranks": every}
-    out = Path(args.out or f"bench/results/ce_allreduce-{name}-{args.world}gpu-{stamp}.json")
+    fname = f"ce_allreduce-{name}-{args.world}gpu-{stamp}.json"
+    out = Path(args.out or Path(os.environ.get("OUT") or "bench/results", fname))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str))
     s = record
-    print(f"\n{name} x{args.world}; correct: max rel err {s['correct']['max_rel_err']:.2e}, "
-          f"ranks equal {s['correct']['ranks_equal']}")
-    print(f"{'impl':12} {'T':>5} {'max_ctas':>8} {'us':>8}")
+    print(f"\n{name} x{args.world}; correct (sub-chunks {args.subchunks}): max rel err "
+          f"{s['correct']['max_rel_err']:.2e}, ranks equal {s['correct']['ranks_equal']}")
+    print(f"{'impl':12} {'T':>5} {'subchunks':>9} {'max_ctas':>8} {'us':>8}")
     for r in s["alone"]:
-        print(f"{r['impl']:12} {r['T']:5} {r['max_ctas'] or '-':>8} {r['us']:8.1f}")
+        parts = "-" if r["impl"] == "nccl" else r["subchunks"] or "auto"
+        print(f"{r['impl']:12} {r['T']:5} {parts:>9} {r['max_ctas'] or '-':>8} {r['us']:8.1f}")
+    print(f"{'step':28} {'T':>5} {'us':>8} {'GB/s per peer':>13}")
+    for r in s["steps"]:
+        rate = f"{r['bytes_per_peer'] / r['us'] / 1e3:13.0f}" if "bytes_per_peer" in r else ""
+        print(f"{r['step']:28} {r['T']:5} {r['us']:8.1f} {rate}")
     print(f"{'variant':38} {'T':>5} {'net':>7} {'beside':>7} {'gemm':>6} {'P_net':>6} "
           f"{'P_gemm':>6} {'P_sum':>6} clock/power")
     for r in s["beside"]:

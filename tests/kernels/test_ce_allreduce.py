@@ -1,6 +1,7 @@
-"""The copy-engine all-reduce's slots, chunks and flags, run by the host transport in CPU
-processes over gloo: sums equal gloo's, every rank bitwise equal, rows outside the reduced
-range untouched, slots reused past their count; the Triton reduction under the interpreter."""
+"""The copy-engine all-reduce's slots, chunks, sub-chunks and flags, run by the host transport
+in CPU processes over gloo: sums equal gloo's for every sub-chunk count, odd row counts, fewer
+rows than ranks and chunks left empty, every rank bitwise equal, rows outside the reduced range
+untouched, slots reused past their count; the Triton reduction under the interpreter."""
 
 from __future__ import annotations
 
@@ -11,18 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanosched.kernels.ce_allreduce import (
-    CopyEngineAllReduce,
-    HostTransport,
-    chunk_bounds,
-    reduce_reference,
-)
+from nanosched.kernels.ce_allreduce import CopyEngineAllReduce, chunk_bounds, reduce_reference
+from nanosched.kernels.ce_transports import HostTransport
 from nanosched.kernels.dispatch import triton_available
 from nanosched.models.parallel import TensorParallel, launch
 
-# (start row, end row) of a [64, 40] buffer: whole, a slice, one row, fewer elements than ranks
-# x 4 (empty chunks), and slices at odd offsets
+# (start row, end row) of a [64, 40] buffer (and of a [64, 3] one, where one row has fewer
+# elements than ranks x 4: chunks left empty): whole, a slice, one row, odd counts and offsets
 RANGES = [(0, 64), (8, 40), (63, 64), (5, 6), (17, 50), (0, 1), (1, 64)]
+PARTS = [1, 2, 3, 4, None]  # sub-chunks per call (None: by size)
 
 
 def _run(tp: TensorParallel, num_slots: int, rounds: int) -> list[dict]:
@@ -30,18 +28,20 @@ def _run(tp: TensorParallel, num_slots: int, rounds: int) -> list[dict]:
     transport = HostTransport(tp.rank, tp.size)
     ar = CopyEngineAllReduce(tp.rank, tp.size, None, transport, reduce_reference,
                              torch.device("cpu"), num_slots=num_slots)
-    bufs = {torch.float32: ar.symmetric_zeros(64, 40, dtype=torch.float32),
-            torch.float16: ar.symmetric_zeros(64, 40, dtype=torch.float16)}
+    bufs = {(torch.float32, 40): ar.symmetric_zeros(64, 40, dtype=torch.float32),
+            (torch.float16, 40): ar.symmetric_zeros(64, 40, dtype=torch.float16),
+            (torch.float32, 3): ar.symmetric_zeros(64, 3, dtype=torch.float32)}
     out = []
     for i in range(rounds):
         dtype = torch.float32 if i % 3 else torch.float16
+        width = 3 if i % 4 == 3 else 40
         s, e = RANGES[i % len(RANGES)]
-        buf = bufs[dtype]
-        buf.copy_(torch.randn(64, 40).to(dtype))
+        buf = bufs.get((dtype, width), bufs[dtype, 40])
+        buf.copy_(torch.randn(buf.shape).to(dtype))
         before = buf.clone()
         want = buf[s:e].float().clone()  # .float() of fp32 is the buffer itself
         dist.all_reduce(want)
-        ar.all_reduce(buf[s:e])
+        ar.all_reduce(buf[s:e], num_subchunks=PARTS[i % len(PARTS)])
         got = buf[s:e].clone()
         every = [torch.empty_like(got) for _ in range(tp.size)]
         dist.all_gather(every, got)
@@ -58,7 +58,7 @@ def _run(tp: TensorParallel, num_slots: int, rounds: int) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 3])
 def test_host_all_reduce_sums_like_gloo(size):
-    rounds = 2 * len(RANGES) + 3
+    rounds = len(RANGES) * len(PARTS)  # every range with every sub-chunk count
     res = launch(_run, size, "gloo", 5, rounds)  # 5 slots: reused about four times
     assert len(res) == rounds
     for r in res:

@@ -1,0 +1,152 @@
+"""The copy-engine all-reduce alone, per rank (used by bench/kernels/ce_allreduce.py): is it
+correct at every sub-chunk count, how long does it take at each, and what bounds it.
+
+- `correct`: eager and inside a CUDA graph (three all-reduces of different row ranges, replayed
+  on fresh data), each against NCCL's sum (relative error) and every rank bitwise equal.
+- `alone`: median time of one all-reduce, each inside a graph of REPS calls, per T, per
+  sub-chunk count and (by size only) per bound of the reduction's CTAs; NCCL likewise.
+- `steps`: the call's parts, each in a graph of REPS: an empty round (flags, forks and joins:
+  what every call pays whatever its size), the pulls alone (each peer's share of our chunk
+  onto the pull streams, no flags), the pushes alone (our chunk to every peer), and the
+  reduction of the whole chunk; so the sum of pulls + reduction + pushes + empty round against
+  the call says what the pipelining hides, and the empty round what bounds small T.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from nanosched.kernels.ce_allreduce import chunk_bounds
+from nanosched.profiler.timing import captured
+
+H = 8192
+REPS = 10
+
+
+def time_graph_us(g, stream, calls: int) -> float:
+    """Median time of one of `calls` calls captured in `g`, over 15 replays."""
+    times = []
+    for _ in range(3):
+        g.replay()
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a.record()
+            g.replay()
+            b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b) / calls)
+    return statistics.median(times)
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _compare(buf, s, e, ref, n, mode, parts) -> dict:
+    got = buf[s:e].float()
+    every = [torch.empty_like(got) for _ in range(n)]
+    dist.all_gather(every, got)
+    return {"rows": [s, e], "mode": mode, "subchunks": parts,
+            "rel_err": float((got - ref).norm() / ref.norm()),
+            "ranks_equal": all(torch.equal(every[0], t) for t in every)}
+
+
+def correct(ar, buf, rank: int, n: int, parts: int | None) -> list[dict]:
+    ar.num_subchunks = parts
+    out = []
+    for s, e in [(0, 1), (3, 10), (0, 512), (100, 2148), (0, buf.shape[0])]:
+        torch.manual_seed(1000 * rank + s)
+        buf[s:e].copy_(torch.randn(e - s, H, device="cuda"))
+        ref = buf[s:e].float()
+        dist.all_reduce(ref)
+        ar.all_reduce(buf[s:e])
+        torch.cuda.synchronize()
+        out.append(_compare(buf, s, e, ref, n, "eager", parts))
+    ranges = [(0, 256), (256, 1280), (1280, 3328)]
+    stream = torch.cuda.Stream()
+    torch.manual_seed(7 + rank)
+    buf.copy_(torch.randn(buf.shape, device="cuda"))
+    g = captured(lambda: [ar.all_reduce(buf[s:e]) for s, e in ranges], stream)
+    for rep in range(3):
+        torch.manual_seed(100 * rep + rank)
+        buf.copy_(torch.randn(buf.shape, device="cuda"))
+        refs = [buf[s:e].float() for s, e in ranges]
+        for r in refs:
+            dist.all_reduce(r)
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        out += [_compare(buf, s, e, ref, n, f"graph replay {rep}", parts)
+                for (s, e), ref in zip(ranges, refs, strict=True)]
+    ar.num_subchunks = None
+    return out
+
+
+def _graph_us(fn, stream) -> float:
+    g = captured(lambda: [fn() for _ in range(REPS)], stream)
+    dist.barrier()
+    return max_over_ranks(time_graph_us(g, stream, REPS))
+
+
+def alone(ar, buf, nccl_buf, ts, parts_list, bounds) -> list[dict]:
+    """Per T: the copy engine at each sub-chunk count (None: by size) with the reduction
+    unbounded, by size at each CTA bound, and NCCL."""
+    stream = torch.cuda.Stream()
+    rows = []
+    for t in ts:
+        for parts in parts_list:
+            for bound in bounds if parts is None else [None]:
+                us = _graph_us(lambda t=t, b=bound, p=parts: ar.all_reduce(
+                    buf[:t], max_ctas=b, num_subchunks=p), stream)
+                rows.append({"impl": "copy_engine", "T": t, "subchunks": parts,
+                             "max_ctas": bound, "us": us})
+        rows.append({"impl": "nccl", "T": t, "subchunks": None, "max_ctas": None,
+                     "us": _graph_us(lambda t=t: dist.all_reduce(nccl_buf[:t]), stream)})
+    return rows
+
+
+def _copies(ar, buf, lo: int, hi: int, pull: bool) -> None:
+    """Elements [lo, hi) of `buf` from every peer onto the pull streams (pull), or to every peer
+    on the push streams; no flags: the copy engines' time alone."""
+    tr, item = ar.transport, buf.element_size()
+    region, peers = ar._region(buf), [q for q in range(ar.size) if q != ar.rank]
+    scratch, flat = ar._scratch[buf.dtype], buf.view(-1)
+    s, pulls, pushes = tr.streams(peers)
+    for i, q in enumerate(peers):
+        c = pulls[i] if pull else pushes[i]
+        tr.fork(s, c)
+        peer = region.peer_ptrs[q] + lo * item
+        if pull:
+            tr.copy(c, scratch[i].data_ptr(), peer, (hi - lo) * item)
+        else:
+            tr.copy(c, peer, flat[lo:].data_ptr(), (hi - lo) * item)
+        tr.fork(c, s)
+
+
+def steps(ar, buf, ts) -> list[dict]:
+    """Per T: the empty round, the pulls alone, the pushes alone, the reduction alone (us)."""
+    from nanosched.kernels.reduce_sum import reduce_rows
+
+    stream, item = torch.cuda.Stream(), buf.element_size()
+    scratch, flat = ar._scratch[buf.dtype], buf.view(-1)
+    rows = [{"step": "empty round (flags, forks)", "T": 0,
+             "us": _graph_us(lambda: ar.all_reduce(buf[:0]), stream)}]
+    for t in ts:
+        bounds = chunk_bounds(t * H, item, ar.size)
+        lo, hi = bounds[ar.rank], bounds[ar.rank + 1]
+        nbytes = (hi - lo) * item
+        rows += [{"step": "pulls", "T": t, "bytes_per_peer": nbytes,
+                  "us": _graph_us(lambda lo=lo, hi=hi: _copies(ar, buf, lo, hi, True), stream)},
+                 {"step": "pushes", "T": t, "bytes_per_peer": nbytes,
+                  "us": _graph_us(lambda lo=lo, hi=hi: _copies(ar, buf, lo, hi, False),
+                                  stream)},
+                 {"step": "reduction", "T": t, "us": _graph_us(
+                     lambda lo=lo, hi=hi: reduce_rows(flat[lo:hi], scratch[:, :hi - lo]),
+                     stream)}]
+    return rows

@@ -12,9 +12,11 @@ It offers what the runtime asks of the named-op `CausalLM` for one forward (`pro
 `logits`, `new_workspace`, `op_names`), so every strategy runs on it unchanged:
 `runtime.modelprogram.model_program` hands a frontend model's `program` to the scheduler.
 
-`compile_ops`: ops whose subgraphs TorchInductor compiles (at their first call, sizes dynamic,
-writes into the buffers kept), e.g. the norms and activation whose many small torch kernels
-the named-op model fuses; one compiled subgraph serves every layer bound to it.
+`compile_ops`: ops whose subgraphs TorchInductor compiles (sizes dynamic, writes into the
+buffers kept; inductor.py): by default (`"auto"`, on a CUDA device) the elementwise ones,
+whose many small torch kernels the named-op model fuses, compiled at initialisation
+(`compile_seconds`, apart from `init_seconds`: trace + analysis); `()` compiles none.
+`fuse`: sibling linears on one input run as one GEMM (fuse.py).
 
 Depth: Dynamo traces `trace_layers` layers (trace.py); a deeper model runs the traced
 layer 0, then the traced layer 1 bound to the weights and KV layer of each middle layer, then
@@ -45,6 +47,7 @@ from nanosched.frontend.boundary import (
 )
 from nanosched.frontend.codegen import Subgraph, build
 from nanosched.frontend.fuse import JOIN, FusedWeights, fuse_linears
+from nanosched.frontend.inductor import AUTO, chosen_ops, compile_subgraphs, warm_up
 from nanosched.frontend.partition import EMBED, HEAD, Partition, example, partition
 from nanosched.frontend.program import (
     Step,
@@ -81,7 +84,7 @@ class FrontendModel:
 
     def __init__(self, model: torch.nn.Module, rules: Rules, *,
                  kernels: KernelOptions | None = None, example_tokens: int = 8,
-                 trace_layers: int | None = 3, compile_ops: tuple[str, ...] = (),
+                 trace_layers: int | None = 3, compile_ops: tuple[str, ...] | str = AUTO,
                  fuse: bool = True) -> None:
         t0 = time.perf_counter()
         first = next(model.parameters())
@@ -101,9 +104,8 @@ class FrontendModel:
         self.fused = fuse_linears(self.trace, rules.label, self.weights) if fuse else []
         self.part: Partition = partition(self.trace.gm, rules)
         subs, traced = self._subgraphs()
-        for sub in subs:  # TorchInductor per op, as DynaFlow: one compile serves every layer
-            if sub.group.op in compile_ops:
-                sub.module = torch.compile(sub.module, dynamic=True, fullgraph=True)
+        self.compiled_ops = chosen_ops(subs, self.device, compile_ops)
+        compile_subgraphs(subs, self.compiled_ops)  # one compile serves every layer bound
         self.steps, self.head = self._steps(subs, traced)
         self.values = {v: traced[n] for s in [*self.steps, self.head]
                        for n in (*s.sub.reads.values, *s.sub.outputs) for v in [s.value_id(n)]}
@@ -111,7 +113,8 @@ class FrontendModel:
         for s in [*self.steps, self.head]:
             s.bound = self._bind(s)
         self.kv_heads, self.head_dim = self._kv_geometry()
-        self.init_seconds = time.perf_counter() - t0
+        self.init_seconds = time.perf_counter() - t0  # trace + analysis
+        self.compile_seconds = warm_up(self) if self.compiled_ops else 0.0
 
     # ---- what the runtime asks of a model ---------------------------------------------------
     def op_names(self) -> list[str]:
@@ -194,7 +197,9 @@ class FrontendModel:
                 "copies": sorted({f"{s.sub.group.op}:{v}" for s in self.steps
                                   for v, m in s.sub.writes.items() if m == "copy"}),
                 "buffers": len(per_token), "buffer_bytes_per_token": sum(per_token.values()),
-                "trace_s": round(self.trace.seconds, 3), "init_s": round(self.init_seconds, 3)}
+                "fused_linears": self.fused, "compiled_ops": list(self.compiled_ops),
+                "trace_s": round(self.trace.seconds, 3), "init_s": round(self.init_seconds, 3),
+                "compile_s": round(self.compile_seconds, 3)}
 
     # ---- building -----------------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ from frontend_helpers import PROMPTS, max_error_vs_hf, run_mixed, tiny_hf, usage
 from nanosched.frontend import FrontendModel
 from nanosched.frontend.codegen import linear_out
 from nanosched.frontend.hf import llama_rules, use_nanosched
+from nanosched.frontend.inductor import elementwise_ops
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
 
@@ -105,9 +106,19 @@ def test_sibling_linears_run_as_one_gemm_on_weights_held_once():
 
 @pytest.mark.slow
 def test_ops_compiled_by_inductor_keep_the_model_exact():
-    """The norms and the activation compiled by TorchInductor (sizes dynamic, results written
-    into the buffers) still give HF's logits under both strategies (a C++ compiler: ~25 s)."""
-    model, fm = frontend("llama", compile_ops=("add_norm_ffn", "act", "add_norm_attn"))
+    """The ops a GPU compiles by default (norms, rotary + KV append, activation: every op
+    that calls no GEMM or attention) compiled by TorchInductor at initialisation (sizes
+    dynamic, results written into the buffers) still give HF's logits under both strategies,
+    with no compile left for the forwards (a C++ compiler: about a minute)."""
+    model, plain = frontend("llama", compile_ops=())
+    assert plain.compiled_ops == () and plain.compile_seconds == 0  # the CPU's default too
+    chosen = elementwise_ops([s.sub for s in plain.steps])
+    assert chosen == ("rope_append", "add_norm_ffn", "act", "add_norm_attn")
+    _, fm = frontend("llama", compile_ops=chosen)
+    assert fm.compile_seconds > 0 and fm.describe()["compiled_ops"] == list(chosen)
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
     for strategy in (Sequential(), TwoBatchOverlap(tile_m=4)):
         seqs, logits = run_mixed(fm, strategy)
         assert max_error_vs_hf(model, seqs, logits) < 1e-5, strategy.name
+    assert counters["stats"]["unique_graphs"] == before  # compiled at init, none since

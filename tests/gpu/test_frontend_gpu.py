@@ -7,7 +7,8 @@
   noise floor (tests/gpu/test_models_gpu.py's criteria).
 - CUDA graphs: batches laid out in the engine's buckets, captured across the strategy's
   streams (Sequential, and the two-batch overlap on two streams) and replayed, equal the same
-  batches run eagerly on their own metadata.
+  batches run eagerly on their own metadata; the elementwise ops Inductor compiles by default
+  give the uncompiled frontend's logits, and nothing compiles after initialisation.
 
     PYTHONPATH=. python -m pytest -m gpu tests/gpu/test_frontend_gpu.py
 """
@@ -135,18 +136,22 @@ def test_a_quick_profile_measures_every_op_of_the_frontend(models, tmp_path):
 
 
 def test_inductor_compiled_ops_in_graph_buckets(models):
-    """The norms and activation compiled by TorchInductor, captured in a bucket's graph and
-    replayed, give the uncompiled frontend's logits (bf16 rounding)."""
+    """By default on a GPU the elementwise ops (norms, rotary + KV append, activation) are
+    compiled by TorchInductor at initialisation; captured in a bucket's graph and replayed,
+    they give the uncompiled frontend's logits (bf16 rounding), with no compile after init."""
     hf, fm = models
-    compiled = FrontendModel(hf, llama_rules(), compile_ops=("add_norm_ffn", "act",
-                                                             "add_norm_attn"))
-    ref_ws = fm.new_workspace(max_tokens=64, num_pages=32)
-    ws = compiled.new_workspace(max_tokens=64, num_pages=32)
-    runner = BucketRunner(compiled, ws, Backend(CudaDevice()), Sequential(), align=8,
+    assert fm.compiled_ops == ("rope_append", "add_norm_ffn", "act", "add_norm_attn")
+    assert fm.compile_seconds > 0
+    plain = FrontendModel(hf, llama_rules(), compile_ops=())
+    ref_ws = plain.new_workspace(max_tokens=64, num_pages=32)
+    ws = fm.new_workspace(max_tokens=64, num_pages=32)
+    runner = BucketRunner(fm, ws, Backend(CudaDevice()), Sequential(), align=8,
                           max_pages=16, capture=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.inference_mode():
         for chunks, ids in BUCKET_ROUNDS:
-            want = plain_forward(fm, ref_ws, chunks, ids).float()
-            got = bucket_forward(compiled, runner, chunks, ids).float()
+            want = plain_forward(plain, ref_ws, chunks, ids).float()
+            got = bucket_forward(fm, runner, chunks, ids).float()
             assert torch.linalg.norm(got - want) / torch.linalg.norm(want) <= 2e-2
     assert not runner.errors and runner.stats.replays >= 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

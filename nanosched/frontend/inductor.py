@@ -1,0 +1,104 @@
+"""TorchInductor for the frontend's elementwise ops: norms, activation, rotary, residual adds.
+
+HF writes an RMSNorm as about eight torch kernels (dtype casts, square, mean, rsqrt, two
+products), its rotary embedding as about ten (products, halves, negation, concatenation) and
+SiLU * up as two, each reading and writing the whole activation, where the named-op model runs
+one fused kernel per op. Inductor fuses each such subgraph into a few generated kernels.
+
+- `chosen_ops(fm, compile_ops)`: `"auto"` (the default) picks the layer's ops that call
+  neither a matmul, an attention, an expert GEMM nor a collective (partition.py's inference on
+  the op's nodes, whatever class a rule gives it), when the model is on a CUDA device and
+  Triton is importable; on the CPU none (Inductor's C++ path compiles for tens of seconds per
+  op there, and the CPU runs exist to check equivalence). A tuple names the ops; `()` none.
+- `compile_subgraphs`: `torch.compile(dynamic=True, fullgraph=True)` per chosen subgraph; the
+  layers bound to one traced subgraph share its compile.
+- `warm_up(fm)`: a forward of 11 prompt tokens and one of 1 decode token on a throwaway
+  workspace of 29 rows, so that the compiles (for a symbolic token count, and Dynamo's
+  specialisation of a 1-row call) happen at initialisation, not in the first forward the caller
+  times; the frontend reports their seconds apart from the trace's
+  (`FrontendModel.compile_seconds`). Dynamo guards on the sizes of the buffers the row views
+  come from, and would tie any two sizes equal while it compiles (duck shaping, off during
+  the warm-up): so every size there is distinct, and no later batch or buffer size recompiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental import _config as shape_config
+
+from nanosched.errors import ConfigError
+from nanosched.frontend.codegen import Subgraph
+from nanosched.frontend.partition import infer_resource
+from nanosched.models.ops import OTHER
+
+AUTO = "auto"
+WARM_PROMPT, WARM_ROWS = 11, 29  # prompt tokens, buffer rows: no other size of the model
+
+
+def chosen_ops(subs: list[Subgraph], device: torch.device,
+               compile_ops: tuple[str, ...] | str) -> tuple[str, ...]:
+    """The ops whose subgraphs Inductor compiles (module docstring)."""
+    layer_ops = list(dict.fromkeys(s.group.op for s in subs if s.group.layer >= 0))
+    if compile_ops != AUTO:
+        if isinstance(compile_ops, str):
+            raise ConfigError(f"compile_ops={compile_ops!r}: give {AUTO!r} or a tuple of op "
+                              f"names of the layer ({', '.join(layer_ops)})")
+        unknown = [op for op in compile_ops if op not in layer_ops]
+        if unknown:
+            raise ConfigError(f"compile_ops names {', '.join(unknown)}, not ops of the layer "
+                              f"({', '.join(layer_ops)})")
+        return tuple(compile_ops)
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return ()
+    return elementwise_ops(subs)
+
+
+def elementwise_ops(subs: list[Subgraph]) -> tuple[str, ...]:
+    """The layer's ops, in order, that call no matmul, attention, expert GEMM or collective."""
+    ops = [s.group.op for s in subs if s.group.layer >= 0]
+    heavy = {s.group.op for s in subs if infer_resource(s.group.nodes) != OTHER}
+    return tuple(op for op in dict.fromkeys(ops) if op not in heavy)
+
+
+def compile_subgraphs(subs: list[Subgraph], ops: tuple[str, ...]) -> None:
+    for sub in subs:
+        if sub.group.op in ops:
+            _functional_writes(sub.module)
+            sub.module = torch.compile(sub.module, dynamic=True, fullgraph=True)
+
+
+def _functional_writes(module: fx.GraphModule) -> None:
+    """`f(..., out=o)` as `o.copy_(f(...))`: Dynamo refuses an `out=` tensor that is not
+    contiguous (a token-major buffer seen in the traced layout), while Inductor stores a
+    copy into its input straight from the kernel that computes the value."""
+    graph = module.graph
+    for n in list(graph.nodes):
+        out = n.kwargs.get("out") if n.op == "call_function" else None
+        if out is None:
+            continue
+        if isinstance(n.target, torch._ops.OpOverload):  # aten.silu.out -> aten.silu.default
+            n.target = n.target.overloadpacket.default
+        n.kwargs = {k: v for k, v in n.kwargs.items() if k != "out"}
+        with graph.inserting_after(n):
+            graph.call_method("copy_", (out, n))
+    graph.lint()
+    module.recompile()
+
+
+def warm_up(fm: Any) -> float:
+    """Run the compiles now (module docstring); seconds spent."""
+    t0 = time.perf_counter()
+    pages = -(-(WARM_PROMPT + 1) // 16)
+    ws = fm.new_workspace(max_tokens=WARM_ROWS, num_pages=pages, page_size=16)
+    with torch.inference_mode(), shape_config.patch(use_duck_shape=False):
+        for num_tokens, is_decode in ((WARM_PROMPT, False), (1, True)):
+            meta = ws.kv.plan([(0, num_tokens, is_decode)])
+            fm.forward(ws, meta, torch.zeros(1, dtype=torch.int64, device=fm.device))
+    if fm.device.type == "cuda":
+        torch.cuda.synchronize(fm.device)
+    return time.perf_counter() - t0

@@ -1,0 +1,90 @@
+"""CPU: the frontend's initialisation (trace, then partition and subgraphs) on HF Llama.
+
+Each run is a fresh Python process that builds HF `LlamaForCausalLM` and then the frontend twice:
+cold (the process's first `torch.compile`, which starts TorchDynamo) and warm. Two shapes:
+the tests' tiny Llama (fp32 on the CPU, 2 layers) and Llama-3-8B's config on the meta device
+(bf16, 32 layers, no memory: the trace needs shapes only). For each: the trace seconds
+(TorchDynamo's capture of 3 layers), `init_s` (trace + analysis: partition, fusion, subgraphs,
+buffers), and their difference (the frontend's own analysis); no Inductor compile on the CPU.
+
+    PYTHONPATH=. python bench/analysis/frontend_init.py --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPES = ("tiny", "llama3-8b-meta")
+
+
+def one_run(shape: str) -> dict[str, float]:
+    """Build the model and the frontend twice in this process (module docstring)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nanosched.frontend import FrontendModel
+    from nanosched.frontend.hf import llama_rules, use_nanosched
+
+    if shape == "tiny":
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                          max_position_embeddings=256)
+        model = LlamaForCausalLM(cfg).eval()
+    else:
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=8192, rms_norm_eps=1e-5,
+                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                          tie_word_embeddings=False)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    use_nanosched(model)
+    out: dict[str, float] = {}
+    for when in ("cold", "warm"):
+        t0 = time.perf_counter()
+        fm = FrontendModel(model, llama_rules())
+        out |= {f"{when}_trace_s": fm.trace.seconds, f"{when}_init_s": fm.init_seconds,
+                f"{when}_analysis_s": fm.init_seconds - fm.trace.seconds,
+                f"{when}_total_s": time.perf_counter() - t0}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3, help="fresh processes per shape")
+    ap.add_argument("--one", choices=SHAPES, help=argparse.SUPPRESS)  # a child run
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one_run(args.one)))
+        return
+    record: dict[str, dict[str, object]] = {}
+    for shape in SHAPES:
+        runs = []
+        for _ in range(args.reps):
+            done = subprocess.run([sys.executable, __file__, "--one", shape], check=True,
+                                  capture_output=True, text=True, cwd=ROOT)
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        median = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+        record[shape] = {"median": median, "runs": runs}
+        print(f"{shape:15s} " + "  ".join(f"{k} {v:.2f}" for k, v in median.items()))
+    stamp = time.strftime("%Y%m%d", time.gmtime())
+    out = ROOT / "bench" / "results" / f"frontend-init-cpu-{stamp}.json"
+    import torch
+    import transformers
+
+    env = {"python": sys.version.split()[0], "torch": torch.__version__,
+           "transformers": transformers.__version__, "cpus": os.cpu_count()}
+    out.write_text(json.dumps({"reps": args.reps, "env": env, "shapes": record}, indent=1))
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()

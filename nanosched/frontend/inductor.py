@@ -10,8 +10,9 @@ one fused kernel per op. Inductor fuses each such subgraph into a few generated 
   the op's nodes, whatever class a rule gives it), when the model is on a CUDA device and
   Triton is importable; on the CPU none (Inductor's C++ path compiles for tens of seconds per
   op there, and the CPU runs exist to check equivalence). A tuple names the ops; `()` none.
-- `compile_subgraphs`: `torch.compile(dynamic=True, fullgraph=True)` per chosen subgraph; the
-  layers bound to one traced subgraph share its compile.
+- `compile_subgraphs`: `torch.compile(fullgraph=True)` per chosen subgraph, only its token
+  dimensions (and sizes passed as integers) dynamic (`TokenDynamic`); the layers bound to one
+  traced subgraph share its compile.
 - `warm_up(fm)`: a forward of 11 prompt tokens and one of 1 decode token on a throwaway
   workspace of 29 rows, so that the compiles (for a symbolic token count, and Dynamo's
   specialisation of a 1-row call) happen at initialisation, not in the first forward the caller
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,11 +67,49 @@ def elementwise_ops(subs: list[Subgraph]) -> tuple[str, ...]:
     return tuple(op for op in dict.fromkeys(ops) if op not in heavy)
 
 
-def compile_subgraphs(subs: list[Subgraph], ops: tuple[str, ...]) -> None:
+def compile_subgraphs(subs: list[Subgraph], ops: tuple[str, ...],
+                      token_dim: Callable[[fx.Node], int | None]) -> None:
+    """Compile the subgraphs of `ops`; `token_dim(node)`: the token dimension of a value or
+    graph input a subgraph takes (None: a weight or a size)."""
     for sub in subs:
         if sub.group.op in ops:
             _functional_writes(sub.module)
-            sub.module = torch.compile(sub.module, dynamic=True, fullgraph=True)
+            r = sub.reads
+            dims = [token_dim(n) for n in (*r.values, *r.inputs, *r.symbols, *sub.outputs)]
+            sub.module = TokenDynamic(sub.module, dims)
+
+
+class TokenDynamic:
+    """A subgraph compiled with its token dimensions dynamic and every other size static.
+
+    `torch.compile(dynamic=True)` would make every size symbolic, the hidden size too, and
+    Inductor then generates reductions that loop over a row of unknown width; so while
+    `marking` (the warm-up) each call marks its tensors' other dimensions static, and those
+    of the buffers the row views come from (token-major: dimension 0 is the token one). Sizes
+    passed as integers stay symbolic."""
+
+    def __init__(self, module: fx.GraphModule, token_dims: list[int | None]) -> None:
+        self.module, self.token_dims, self.marking = module, token_dims, True
+        self.compiled = torch.compile(module, dynamic=True, fullgraph=True)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.module.graph
+
+    def __call__(self, *args: Any) -> Any:
+        if self.marking:
+            for a, d in zip(args, self.token_dims, strict=True):
+                if isinstance(a, torch.Tensor):
+                    _static_except(a, d)
+                    if a._base is not None:
+                        _static_except(a._base, None if d is None else 0)
+        return self.compiled(*args)
+
+
+def _static_except(t: torch.Tensor, dim: int | None) -> None:
+    for d in range(t.dim()):
+        if d != dim:
+            torch._dynamo.mark_static(t, d)
 
 
 def _functional_writes(module: fx.GraphModule) -> None:
@@ -101,4 +141,7 @@ def warm_up(fm: Any) -> float:
             fm.forward(ws, meta, torch.zeros(1, dtype=torch.int64, device=fm.device))
     if fm.device.type == "cuda":
         torch.cuda.synchronize(fm.device)
+    for step in fm.steps:
+        if isinstance(step.sub.module, TokenDynamic):
+            step.sub.module.marking = False
     return time.perf_counter() - t0

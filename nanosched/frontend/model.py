@@ -105,7 +105,9 @@ class FrontendModel:
         self.part: Partition = partition(self.trace.gm, rules)
         subs, traced = self._subgraphs()
         self.compiled_ops = chosen_ops(subs, self.device, compile_ops)
-        compile_subgraphs(subs, self.compiled_ops)  # one compile serves every layer bound
+        compile_subgraphs(subs, self.compiled_ops,  # one compile serves every layer bound
+                          lambda n: traced[n].token_dim if n in traced else
+                          1 if n in self.trace.tokens else None)
         self.steps, self.head = self._steps(subs, traced)
         self.values = {v: traced[n] for s in [*self.steps, self.head]
                        for n in (*s.sub.reads.values, *s.sub.outputs) for v in [s.value_id(n)]}

@@ -3,6 +3,7 @@ group's own callback), `show` a profile, add its `forward` table, `rederive` its
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -24,6 +25,8 @@ from nanosched.cli.options import (
 )
 from nanosched.errors import ConfigError
 
+EXIT_TIME_LIMIT = 75  # EX_TEMPFAIL: not done, run again with --resume
+
 profile_app = typer.Typer(
     help="Measure this GPU's kernels and their interference (`nanosched profile --gpu 0 "
     "--model llama3-8b`), or show a profile (`nanosched profile show FILE`).",
@@ -44,6 +47,10 @@ def profile(
     quick: bool = typer.Option(False, "--quick", help="Coarse grid: fewer SM partitions, "
                                "implementations, contexts and pairs (about 2 minutes)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT.partial.json."),
+    time_limit: float | None = typer.Option(None, "--time-limit", help="Seconds this command "
+                                            "may run: it stops before the next piece that "
+                                            "would end later, saves OUT.partial.json and exits "
+                                            "75; --resume goes on (a full grid in parts)."),
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Largest token count "
                                            "(default: what fits, capped at 2048)."),
     input_len: MeanInputLen = None,
@@ -66,12 +73,14 @@ def profile(
 
     Measures ceilings, then every op of the model's layer at 128..dense-batch tokens on every
     SM partition and implementation, then compute x memory (and x network, tp > 1) pairs, and
-    derives the R->P tables. Ctrl-C leaves OUT.partial.json; --resume continues it.
+    derives the R->P tables. Ctrl-C leaves OUT.partial.json; --resume continues it. With
+    --time-limit each call measures what fits and the call that finishes writes OUT.
     """
     if ctx.invoked_subcommand is not None:
         return
+    started = time.monotonic()  # --time-limit counts from here
     from nanosched.profiler.command import ProfileConfig, profile_gpu
-    from nanosched.profiler.runner import ProfileInterrupted
+    from nanosched.profiler.runner import ProfileInterrupted, ProfileStopped
     from nanosched.workloads import resolve_workload
 
     index, spec, registry = gpu_index(gpu, fake_gpu), None, None
@@ -86,13 +95,17 @@ def profile(
                           "--frontend FILE.py:FUNCTION")
     cfg = ProfileConfig(index, model, tp, resolve_workload(workload, input_len, output_len),
                         out, quick, resume, dense_batch, not no_progress, fake_gpu,
-                        kv_dtype=kv_cache_dtype, spec=spec, registry=registry)
+                        kv_dtype=kv_cache_dtype, spec=spec, registry=registry,
+                        time_limit=time_limit, started=started)
     try:
         with sigterm_as_interrupt():
             profile_gpu(cfg, log=typer.echo)
     except ProfileInterrupted as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(code=130) from None
+    except ProfileStopped as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(code=EXIT_TIME_LIMIT) from None
 
 
 @profile_app.command("show")

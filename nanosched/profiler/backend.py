@@ -59,13 +59,15 @@ class NetworkRequest:
     """Collectives to time on `world` GPUs: every NCCL kind at every token count, with NCCL's
     default CTA count (0) and with each CTA bound; the copy-engine all-reduce with its reduction
     unbounded (0) and bounded to each of `copy_engine_ctas` (empty: not measured); then the
-    GEMM x all-reduce pairs, sustained."""
+    GEMM x all-reduce pairs, sustained. A request may carry only some of the pairs, and the
+    collective rows a former request measured (`times_us`: not timed again)."""
 
     world: int
     tokens: tuple[int, ...]
     ctas: tuple[int, ...]  # 0 = NCCL's default
     pairs: tuple[PairTask, ...] = ()
     copy_engine_ctas: tuple[int, ...] = ()
+    times_us: tuple[tuple[str, int, int, float], ...] = ()  # (kind, tokens, ctas, us)
 
 
 @dataclass(frozen=True)

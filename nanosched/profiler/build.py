@@ -35,8 +35,10 @@ from nanosched.profiler.state import RunState
 
 
 def network_request(settings: ProfileSettings, backend: ProfilerBackend, num_sms: int,
-                    impls: dict[str, list[ImplInfo]], state: RunState) -> NetworkRequest | None:
-    """What to measure on several GPUs, or None (tp 1, or a single GPU visible)."""
+                    impls: dict[str, list[ImplInfo]], state: RunState,
+                    best: Callable[..., str | None] | None = None) -> NetworkRequest | None:
+    """What to measure on several GPUs, or None (tp 1, or a single GPU visible); `best` picks
+    the pairs' GEMMs (`plan.network_pair_tasks`)."""
     if settings.tp == 1:
         return None
     world = min(settings.tp, backend.visible_gpus())
@@ -54,14 +56,15 @@ def network_request(settings: ProfileSettings, backend: ProfilerBackend, num_sms
         state.note(f"copy-engine all-reduce not measured: it runs on all {settings.tp} GPUs, "
                    f"{world} are visible")
     return NetworkRequest(world, tuple(settings.token_grid()), (0, *settings.nccl_ctas()),
-                          tuple(network_pair_tasks(settings, num_sms, impls, ce_ctas)),
+                          tuple(network_pair_tasks(settings, num_sms, impls, ce_ctas, best)),
                           (0, *ce_ctas) if ce_ctas else ())
 
 
-def record_network(state: RunState, settings: ProfileSettings, request: NetworkRequest,
-                   result: NetworkResult, num_sms: int) -> None:
-    state.network = {"world": result.world,
-                     "times": [[k, t, c, us] for (k, t, c), us in sorted(result.times_us.items())]}
+def record_network(state: RunState, result: NetworkResult) -> None:
+    """A network measurement into the run: its collective rows (the first time), its pairs."""
+    if state.network is None:
+        state.network = {"world": result.world, "times": [
+            [k, t, c, us] for (k, t, c), us in sorted(result.times_us.items())]}
     for pair in result.pairs:
         task, timing = pair.task, pair.timing
         state.pairs[task.key] = PairRow(

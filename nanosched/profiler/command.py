@@ -2,6 +2,8 @@
 
 The dense batch defaults to what the cost model says fits this GPU's memory for the workload,
 capped at 2,048 tokens as `nanosched analyze` does; `--dense-batch` overrides it.
+`--time-limit S` counts from the command's start (the backend's start included) and stops
+before the piece that would end after it (profiler/budget.py), the partial file saved.
 `nanosched profile forward FILE` measures the forward table of a finished profile (one taken
 before profiles had it) on the GPU it was taken on, from its own kernel rows.
 """
@@ -10,8 +12,9 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,8 @@ class ProfileConfig:
     kv_dtype: str = "auto"  # the KV cache the attention rows read (auto | fp8)
     spec: ModelSpec | None = None  # the model's shapes when `model` names no registered one
     registry: Any = None  # the implementations measured (a frontend model's; default: impls)
+    time_limit: float | None = None  # seconds from `started`: stop and save before it
+    started: float = field(default_factory=time.monotonic)
 
 
 def default_out(model: str, tp: int, quick: bool) -> Path:
@@ -87,6 +92,9 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     starts: a folder, a missing parent or an unwritable place fails now, not after the run."""
     spec = cfg.spec or load_spec(cfg.model)
     spec.check_tp(cfg.tp)
+    if cfg.time_limit is not None and not cfg.time_limit > 0:
+        raise ConfigError(f"--time-limit must be a positive number of seconds, got "
+                          f"{cfg.time_limit:g}")
     check_output_file(cfg.out or default_out(cfg.model, cfg.tp, cfg.quick), "--out",
                       make_parent=False)
     backend = make_backend(cfg)
@@ -98,7 +106,8 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     out = cfg.out or default_out(cfg.model, cfg.tp, cfg.quick)
     opts = RunOptions(out=out, resume=cfg.resume, progress=cfg.progress,
                       command="nanosched " + shlex.join(sys.argv[1:]), log=log,
-                      resume_hint=resume_hint(cfg))
+                      resume_hint=resume_hint(cfg),
+                      deadline=cfg.started + cfg.time_limit if cfg.time_limit else None)
     log(f"profiling {spec.name} tp {cfg.tp} on {identity.gpu_name} ({identity.num_sms} SMs): "
         f"dense batch {dense}, workload p={cfg.workload.input_len:g} "
         f"d={cfg.workload.output_len:g}{', quick grid' if cfg.quick else ''}"

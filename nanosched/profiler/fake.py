@@ -40,6 +40,7 @@ from nanosched.profiler.shapes import GEMM_OPS, gemm_flops, op_bytes
 
 MAX_CLOCK, SUSTAINED_CLOCK, POWER_LIMIT = 1980.0, 1500.0, 700.0
 LAYER_SLOWDOWN, LAYER_L2 = 0.08, 0.15
+FAKE_SECONDS = {"row": 0.05, "looped": 1.3, "network": 30.0, "network_pair": 2.0}
 IMPL_SPEED = {"cublas": 1.0, "cublaslt": 0.97, "triton_persistent_128x128": 0.93,
               "triton_persistent_128x256": 0.95}  # GEMMs; other ops follow bandwidth
 
@@ -73,6 +74,7 @@ class FakeBackend:
     pair_calls: list[PairTask] = field(default_factory=list)
     sustained_calls: list[KernelTask] = field(default_factory=list)
     layer_calls: list[LayerTask] = field(default_factory=list)
+    network_calls: list[NetworkRequest] = field(default_factory=list)
     reference_calls: int = 0
     copy_engine_reason: str | None = None  # why the copy-engine all-reduce cannot run here
     registry: Any = None  # the implementations (default: profiler/impls.py's; a frontend's)
@@ -150,6 +152,7 @@ class FakeBackend:
     def network(self, settings: ProfileSettings, request: NetworkRequest) -> NetworkResult:
         """NCCL by the ring formula; the copy engine at half NCCL's bus bandwidth with a
         longer latency, and its pairs at P_other 0.9 (the shape the 4xH100 bench measured)."""
+        self.network_calls.append(request)
         size = settings.model.hidden_size * settings.model.dtype_bytes
         result = NetworkResult(request.world)
         for kind in KINDS:
@@ -175,6 +178,15 @@ class FakeBackend:
                                                    POWER_LIMIT),
                 settings.pair_settle_ms, settings.pair_window_ms, SUSTAINED_CLOCK))
         return result
+
+    def clock(self) -> float:
+        """Seconds a GPU would have spent on the calls so far (a test's clock for time limits):
+        FAKE_SECONDS per kernel row, per looped run, per network start and per network pair."""
+        looped = len(self.sustained_calls) + len(self.pair_calls) + len(self.layer_calls)
+        pairs = sum(len(r.pairs) for r in self.network_calls)
+        return (FAKE_SECONDS["row"] * len(self.calls) + FAKE_SECONDS["looped"] * looped
+                + FAKE_SECONDS["network"] * len(self.network_calls)
+                + FAKE_SECONDS["network_pair"] * pairs)
 
     def close(self) -> None:
         pass

@@ -11,7 +11,8 @@ gaps (`_fixed_bench_us`). Then each rank runs a GEMM beside the all-reduce, sust
 memory pairs are: the GEMM looped alone until the clock settled, then beside the collective
 (captured in a CUDA graph and launched the same number of times on every rank,
 `timing.sustained_fixed`) for the settle time and the window, with clock and power sampled;
-rank 0 writes the results as JSON for the parent.
+rank 0 writes the results as JSON for the parent. A request whose collective rows are known
+(`times_us`, a later batch of pairs) times only its pairs.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _worker(rank: int, world: int, port: int, settings: ProfileSettings,
         if request.copy_engine_ctas:
             tp = tp.with_copy_engine(torch.device("cuda", rank))
         net = _Net(settings, request, groups, tp, world)
-        times = _collectives(net)
+        times = {(k, t, c): us for k, t, c, us in request.times_us} or _collectives(net)
         tele = open_telemetry(rank)
         pairs = [(str(t.key), _pair(settings, t, net, times, num_sms, tele))
                  for t in request.pairs if net.runs(t.other_impl)]

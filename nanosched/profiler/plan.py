@@ -14,6 +14,9 @@ Grids (full / --quick):
 - CTA bounds of memory and elementwise kernels (`cta_bound`): 8, 16, 32, 48, 64, 96, 128  /
   16, 64.
 - NCCL CTA bounds of network kernels: 2, 4, 8, 16, 32  /  2, 8.
+- compute x network pairs, at each pair shape and each of its GEMMs at 1,024 and 2,048 rows
+  (where the grid reaches): NCCL beside the GEMM on all SMs; NCCL at each CTA bound and the
+  copy engine at each of `COPY_ENGINE_CTAS`, beside the GEMM told to leave those SMs.
 - compute x memory pairs, at each pair shape (every GEMM at a quarter, half and all of the dense
   batch / two shapes): plain prioritised streams; each granted partition, the GEMM on the rest
   and the memory kernel on the small side; and the memory kernel bounded to as many CTAs as a
@@ -50,6 +53,7 @@ NCCL_CTAS_QUICK = (2, 8)
 # for 2,048 (bench/results/ce_allreduce-*-4gpu-*.json)
 COPY_ENGINE_CTAS = (8, 16)
 PAIR_COMPUTE_OPS = GEMM_OPS  # the compute kernels co-run with memory and network kernels
+NETWORK_PAIR_LARGE = (1024, 2048)  # GEMM rows also paired with the network ops
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,15 @@ class ProfileSettings:
             return [(gemms[-2], grid[len(grid) // 2]), (gemms[0], grid[len(grid) // 4])]
         sizes = sorted({grid[len(grid) // 4], grid[len(grid) // 2], grid[-1]})
         return [(op, t) for op in gemms for t in sizes]
+
+    def network_pair_shapes(self) -> list[tuple[str, int]]:
+        """(compute op, tokens) of the GEMM x all-reduce pairs: the pair shapes, and each of
+        their GEMMs at 1,024 and 2,048 rows where the grid reaches (a GEMM long enough to hide
+        an all-reduce: there the copy engine's P_sum was 1.84 on 4xH100)."""
+        grid, shapes = self.token_grid(), self.pair_shapes()
+        ops = list(dict.fromkeys(op for op, _ in shapes))
+        more = [(op, t) for op in ops for t in NETWORK_PAIR_LARGE if t in grid]
+        return list(dict.fromkeys([*shapes, *more]))
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model.name, "tp": self.tp, "workload": self.workload.to_json(),
@@ -263,27 +276,31 @@ def memory_pair_tasks(settings: ProfileSettings, num_sms: int,
 
 
 def network_pair_tasks(settings: ProfileSettings, num_sms: int,
-                       impls: dict[str, list[ImplInfo]],
-                       copy_engine_ctas: tuple[int, ...] = ()) -> list[PairTask]:
-    """GEMM x all-reduce pairs: NCCL as is, and bounded to few CTAs with the GEMM told to
-    leave those SMs free; the copy-engine all-reduce with its reduction bounded to each of
-    `copy_engine_ctas` beside a GEMM that can be told to leave those SMs (beside one that
-    cannot, the reduction waits for the GEMM's last wave: 0.3-0.4 of its speed)."""
+                       impls: dict[str, list[ImplInfo]], copy_engine_ctas: tuple[int, ...] = (),
+                       best: BestImpl | None = None) -> list[PairTask]:
+    """GEMM x all-reduce pairs at every `network_pair_shapes` shape: NCCL as is beside the GEMM
+    fastest alone on all SMs, NCCL bounded to few CTAs and the copy-engine all-reduce with its
+    reduction bounded to each of `copy_engine_ctas`, each beside the GEMM fastest alone of
+    those that can be told to leave those SMs (beside one that cannot, the reduction waits for
+    the GEMM's last wave: 0.3-0.4 of its speed), as the memory pairs choose theirs. `best`
+    names the fastest implementation (the kernel rows; None: the registry's first)."""
     if settings.tp == 1:
         return []
     tasks = []
-    for op, tokens in settings.pair_shapes():
-        gemms = _pair_impls(settings, impls, op)
-        base = PairTask(op, tokens, "ar_ffn", NETWORK, 0, "stream_priority", gemms[0].name,
+    for op, tokens in settings.network_pair_shapes():
+        gemms = {i.name: i for i in _pair_impls(settings, impls, op)}
+        told = [n for n, i in gemms.items() if i.targets_sms]
+        full = (best and best(op, tokens, num_sms, "full")) or next(iter(gemms))
+        told_best = best and told and best(op, tokens, num_sms, "full", told)
+        sharer = gemms[told_best or (told[0] if told else full)]
+        base = PairTask(op, tokens, "ar_ffn", NETWORK, 0, "stream_priority", full,
                         num_sms, num_sms, "nccl")
         tasks.append(base)
-        for ctas in settings.nccl_ctas():
-            tasks += [replace(_sharing(base, i, num_sms, ctas), other_impl=f"nccl_ctas{ctas}")
-                      for i in gemms]
-        for ctas in copy_engine_ctas:
-            tasks += [replace(_sharing(base, i, num_sms, ctas),
-                              other_impl=f"copy_engine_ctas{ctas}")
-                      for i in gemms if i.targets_sms]
+        tasks += [replace(_sharing(base, sharer, num_sms, ctas), other_impl=f"nccl_ctas{ctas}")
+                  for ctas in settings.nccl_ctas()]
+        if sharer.targets_sms:
+            tasks += [replace(_sharing(base, sharer, num_sms, ctas),
+                              other_impl=f"copy_engine_ctas{ctas}") for ctas in copy_engine_ctas]
     return tasks
 
 

@@ -3,24 +3,38 @@ a checked profile.
 
 `run_profile(settings, backend, options)` drives any `ProfilerBackend`. It saves `FILE.partial.json`
 atomically every `SAVE_EVERY` rows; on Ctrl-C it saves it and raises `ProfileInterrupted`,
-whose message says how to resume; `--resume` measures only the rows missing from it. A busy GPU
+whose message says how to resume; `--resume` measures only the rows missing from it. With a
+deadline (`--time-limit`) it stops before the first piece that would not fit (`budget.py`),
+saves, and raises `ProfileStopped`, whose message says how to go on. The network step runs in
+batches of pairs, each recorded as it ends. Without a progress bar, a line every
+`PROGRESS_EVERY_S` says where the run is and how long the phase has left. A busy GPU
 and clock drift (a reference GEMM re-timed every `DRIFT_EVERY` rows, more than `DRIFT_LIMIT`
 away from the first timing) are reported on the console and in the profile's notes.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import replace
 
-from nanosched.errors import NanoschedError
 from nanosched.models.ops import MEMORY
-from nanosched.profiler.backend import ProfilerBackend, Timing, Unsupported
+from nanosched.profiler.backend import NetworkRequest, ProfilerBackend, Timing, Unsupported
+from nanosched.profiler.budget import (
+    ROW_MARGIN_S,
+    looped_s,
+    network_batch,
+    network_collectives,
+)
 from nanosched.profiler.build import build_profile, network_request, record_network
 from nanosched.profiler.format import ForwardRow, KernelRow, PairRow, Profile, save_profile
+from nanosched.profiler.loop import (
+    FINISH_MARGIN_S,
+    Loop,
+    ProfileInterrupted,
+    ProfileStopped,
+    RunOptions,
+    TimeUp,
+)
 from nanosched.profiler.plan import (
     KernelTask,
     LayerTask,
@@ -30,74 +44,15 @@ from nanosched.profiler.plan import (
     layer_tasks,
     memory_pair_tasks,
 )
-from nanosched.profiler.state import RunState, load_state, partial_path, save_state
+from nanosched.profiler.state import RunState, load_state, partial_path
 
-SAVE_EVERY = 100  # rows, or
-SAVE_EVERY_S = 15.0  # seconds, whichever comes first
-DRIFT_EVERY = 200
-DRIFT_LIMIT = 0.05
+__all__ = ["ProfileInterrupted", "ProfileStopped", "RunOptions", "run_profile", "forward_rows",
+           "best_impl"]
+
 REFERENCE_REPEATS = 5  # the start reference is the fastest of these
 MEMORY_PAIR_IMPL = "triton_pipelined"  # the memory kernel of the pairs: the runtime's default
 # attention kernels a pair may run on a partition or CTA bound: the fastest alone there
 PARTITION_MEMORY_IMPLS = ("triton_pipelined", "triton_pipelined_2w", "cuda_bulk")
-
-
-class ProfileInterrupted(NanoschedError):
-    """Ctrl-C during a profile; the partial file is saved and the message says how to resume."""
-
-
-@dataclass
-class RunOptions:
-    out: Path
-    resume: bool = False
-    progress: bool = True
-    command: str = ""
-    log: Callable[[str], None] = print
-    resume_hint: str = "the same command with --resume"
-
-
-@dataclass
-class _Loop:
-    settings: ProfileSettings
-    backend: ProfilerBackend
-    state: RunState
-    opts: RunOptions
-    bar: Any = None
-    since_save: int = 0
-    since_drift: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    saved_at: float = field(default_factory=time.perf_counter)
-
-    def warn(self, text: str) -> None:
-        (self.bar.write if self.bar is not None else self.opts.log)(f"warning: {text}")
-        self.state.note(text)
-
-    def done_one(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-        self.since_save += 1
-        self.since_drift += 1
-        if self.since_save >= SAVE_EVERY or time.perf_counter() - self.saved_at > SAVE_EVERY_S:
-            self.save()
-        if self.since_drift >= DRIFT_EVERY:
-            self.check_drift()
-
-    def save(self) -> None:
-        now = time.perf_counter()
-        self.state.elapsed_s += now - self.started
-        self.started = now
-        save_state(self.state, partial_path(self.opts.out))
-        self.since_save, self.saved_at = 0, time.perf_counter()
-
-    def check_drift(self) -> None:
-        self.since_drift = 0
-        ref = self.state.reference_us
-        now = self.backend.reference_us()
-        if ref and abs(now / ref - 1) > DRIFT_LIMIT:
-            why = ("slower: throttling or another process" if now > ref else
-                   "faster: the start was measured before the clocks settled")
-            self.warn(f"reference GEMM takes {now:.1f} us, {100 * (now / ref - 1):+.0f}% from "
-                      f"{ref:.1f} us at the start ({why}); rows measured around now are suspect")
 
 
 def run_profile(settings: ProfileSettings, backend: ProfilerBackend, opts: RunOptions) -> Profile:
@@ -113,7 +68,7 @@ def run_profile(settings: ProfileSettings, backend: ProfilerBackend, opts: RunOp
             opts.log(f"note: starting over; {ppath} from an earlier run is replaced "
                      f"(use --resume to continue it instead)")
         state = RunState(settings=settings.to_json(), identity=identity)
-    loop = _Loop(settings, backend, state, opts)
+    loop = Loop(settings, backend, state, opts)
     try:
         _measure(loop)
     except KeyboardInterrupt:
@@ -123,6 +78,18 @@ def run_profile(settings: ProfileSettings, backend: ProfilerBackend, opts: RunOp
         raise ProfileInterrupted(
             f"interrupted: {len(state.kernels)} kernel rows and {len(state.pairs)} pairs saved "
             f"to {ppath}; continue with {opts.resume_hint}") from None
+    except TimeUp as up:
+        if loop.bar is not None:
+            loop.bar.close()
+        loop.save()
+        raise ProfileStopped(
+            f"time limit: stopped before {up} ({loop.time_left():.0f} s left); "
+            f"{len(state.kernels)} kernel rows and {len(state.pairs)} pairs saved to {ppath} "
+            f"({state.elapsed_s:.0f} s measured so far); continue with "
+            f"{opts.resume_hint}") from None
+    except Exception:
+        loop.save()  # what was measured stays resumable
+        raise
     finally:
         backend.close()
     if loop.bar is not None:
@@ -138,7 +105,7 @@ def run_profile(settings: ProfileSettings, backend: ProfilerBackend, opts: RunOp
     return prof
 
 
-def _measure(loop: _Loop) -> None:
+def _measure(loop: Loop) -> None:
     settings, backend, state = loop.settings, loop.backend, loop.state
     for reason in backend.busy():
         loop.warn(f"GPU busy: {reason}; timings will be slower than on an idle GPU")
@@ -178,27 +145,27 @@ def _measure(loop: _Loop) -> None:
                            lambda op, t, c: best_impl(state, op, t, num_sms, "full",
                                                       context=c))
 
-    request = network_request(settings, backend, num_sms, impls, state)
-    _run_tasks(loop, ktasks, pairs, request is not None)
+    _run_tasks(loop, ktasks, pairs)
     _run_layers(loop, layers())
-    if request is not None and state.network is None:
-        result = backend.network(settings, request)
-        record_network(state, settings, request, result, num_sms)
-        loop.done_one()
+    request = network_request(settings, backend, num_sms, impls, state,
+                              lambda *a: best_impl(state, *a))
+    if request is not None:
+        _run_network(loop, request)
     loop.check_drift()
 
 
-def _run_tasks(loop: _Loop, ktasks: list[KernelTask],
-               pair_tasks: Callable[[], list[PairTask]], network: bool) -> None:
+def _run_tasks(loop: Loop, ktasks: list[KernelTask],
+               pair_tasks: Callable[[], list[PairTask]]) -> None:
     from tqdm import tqdm
 
     state = loop.state
     done = sum(1 for t in ktasks if t.key in state.kernels or str(t.key) in state.skipped)
-    done += int(network and state.network is not None)
-    loop.bar = tqdm(total=len(ktasks) + int(network), initial=done, unit="row",
+    loop.bar = tqdm(total=len(ktasks), initial=done, unit="row",
                     disable=not loop.opts.progress, desc="kernels", dynamic_ncols=True)
+    loop.begin("kernel rows", len(ktasks), done)
     for task in ktasks:
         if task.key not in state.kernels and str(task.key) not in state.skipped:
+            loop.need(ROW_MARGIN_S, f"kernel row {task.op} at {task.tokens} tokens")
             _kernel(loop, task)
     ptasks = pair_tasks()
     if ptasks:
@@ -209,31 +176,70 @@ def _run_tasks(loop: _Loop, ktasks: list[KernelTask],
     todo = [t for t in ptasks if t.key not in state.pairs and str(t.key) not in state.skipped]
     if todo:
         window = loop.settings.pair_settle_ms + loop.settings.pair_window_ms
-        loop.bar.write(f"{len(todo)} co-run pairs, each looped {window / 1e3:.1f} s so that the "
+        loop.say(f"{len(todo)} co-run pairs, each looped {window / 1e3:.1f} s so that the "
                        f"clock settles under the power cap (about {len(todo) * window / 6e4:.0f} "
                        f"min, plus the alone references)")
     loop.bar.total += len(ptasks)
     loop.bar.n += len(ptasks) - len(todo)
     loop.bar.set_description("pairs")
+    loop.begin("co-run pairs", len(ptasks), len(ptasks) - len(todo))
     for task in todo:
+        loop.need(3 * looped_s(loop.settings), f"pair {task.compute_op} x {task.other_op}")
         _pair(loop, task)
 
 
-def _run_layers(loop: _Loop, tasks: list[LayerTask]) -> None:
+def _run_layers(loop: Loop, tasks: list[LayerTask]) -> None:
     state = loop.state
     todo = [t for t in tasks if t.key not in state.forward and str(t.key) not in state.skipped]
     loop.bar.total += len(tasks)
     loop.bar.n += len(tasks) - len(todo)
     loop.bar.set_description("forward")
+    loop.begin("forward layers", len(tasks), len(tasks) - len(todo))
     if tasks:
         state.note(FORWARD_NOTE)
     for task in todo:
+        loop.need(looped_s(loop.settings), f"forward layer of {task.tokens} rows")
         try:
             state.forward[task.key] = forward_rows(
                 loop.backend, loop.settings, task, lambda k: state.kernels[k.key].time_us)
         except Unsupported as exc:
             state.skipped[str(task.key)] = str(exc)
         loop.done_one()
+
+
+def _run_network(loop: Loop, request: NetworkRequest) -> None:
+    """The collective rows and the GEMM x all-reduce pairs, in batches that fit the time left
+    (`budget.network_batch`), each recorded and saved as it ends; a pair its batch did not
+    return (its collective cannot run here) is recorded as skipped."""
+    state, settings = loop.state, loop.settings
+    todo = [t for t in request.pairs if t.key not in state.pairs and str(t.key) not in
+            state.skipped]
+    loop.bar.total += len(request.pairs)
+    loop.bar.n += len(request.pairs) - len(todo)
+    loop.bar.set_description("network")
+    loop.begin("network pairs", len(request.pairs), len(request.pairs) - len(todo))
+    while state.network is None or todo:
+        known = state.network is not None
+        num = 0 if known else network_collectives(len(request.tokens), len(request.ctas),
+                                                   len(request.copy_engine_ctas))
+        room = loop.time_left() - FINISH_MARGIN_S
+        batch, cost = network_batch(settings, todo, num, room)
+        if cost > room or (todo and not batch):
+            raise TimeUp(f"a network batch ({cost:.0f} s for {len(batch) or 1} pair(s)"
+                          f"{'' if known else ' and the collective rows'})")
+        loop.say(f"network: {'' if known else f'{num} collective rows and '}{len(batch)} "
+                 f"pairs on {request.world} GPUs, about {cost:.0f} s")
+        times = tuple(tuple(x) for x in state.network["times"]) if known else ()
+        result = loop.backend.network(settings, replace(request, pairs=tuple(batch),
+                                                        times_us=times))
+        record_network(state, result)
+        for task in batch:
+            if task.key not in state.pairs:
+                state.skipped[str(task.key)] = f"{task.other_impl} did not run on the GPUs"
+        todo = todo[len(batch):]
+        loop.bar.update(len(batch))
+        loop.report(len(batch))
+        loop.save()
 
 
 FORWARD_NOTE_PREFIX = "forward table: "  # the forward table's note (an older one replaced)
@@ -256,7 +262,7 @@ def forward_rows(backend: ProfilerBackend, settings: ProfileSettings, task: Laye
             for k, us in zip(task.ops, t.op_us, strict=True)]
 
 
-def _kernel(loop: _Loop, task: KernelTask) -> None:
+def _kernel(loop: Loop, task: KernelTask) -> None:
     try:
         t = loop.backend.time_kernel(loop.settings, task)
     except Unsupported as exc:
@@ -284,7 +290,7 @@ def best_impl(state: RunState, op: str, tokens: int, sms: int, mechanism: str,
     return min(rows, key=lambda r: r.time_us).impl if rows else None
 
 
-def _alone(loop: _Loop, op: str, impl: str, tokens: int, context: int) -> Timing | None:
+def _alone(loop: Loop, op: str, impl: str, tokens: int, context: int) -> Timing | None:
     """`op` with `impl` looped alone on the whole GPU until the clock settled (cached)."""
     state, key = loop.state, (op, impl, tokens, context)
     if key not in state.alone:
@@ -299,7 +305,7 @@ def _alone(loop: _Loop, op: str, impl: str, tokens: int, context: int) -> Timing
     return Timing(us, clock, power)
 
 
-def _pair(loop: _Loop, task: PairTask) -> None:
+def _pair(loop: Loop, task: PairTask) -> None:
     """A pair normalised to each kernel's best implementation alone on the whole GPU, both
     timed sustained."""
     state = loop.state

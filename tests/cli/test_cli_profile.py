@@ -53,3 +53,20 @@ def test_profile_rederive_rewrites_the_rp_tables(tmp_path):
     assert r.exit_code == 0 and "(unchanged)" in r.output, r.output
     r = runner.invoke(app, ["profile", "rederive", str(tmp_path / "missing.json")])
     assert r.exit_code == 2 and "missing.json" in r.output
+
+
+def test_profile_time_limit_stops_with_exit_75_and_resume_finishes(tmp_path):
+    """A limit too short for any row: the partial file is saved, the message says how to go on,
+    exit 75; --resume without a limit writes the profile; a limit of 0 is refused."""
+    out = tmp_path / "p.json"
+    argv = ["profile", "--fake-gpu", "--model", "llama3-8b", "--quick", "--dense-batch", "128",
+            "--out", str(out), "--no-progress"]
+    r = runner.invoke(app, [*argv, "--time-limit", "1"])
+    assert r.exit_code == 75, r.output
+    assert "time limit: stopped before kernel row" in r.output and "--resume" in r.output
+    assert (tmp_path / "p.partial.json").exists() and not out.exists()
+    r = runner.invoke(app, [*argv, "--resume"])
+    assert r.exit_code == 0, r.output
+    assert out.exists() and not (tmp_path / "p.partial.json").exists()
+    r = runner.invoke(app, [*argv, "--time-limit", "0"])
+    assert r.exit_code == 2 and "--time-limit must be a positive number" in r.output

@@ -16,7 +16,8 @@ profile. The estimates only decide where to stop, so they are generous:
   alone rate, so beside a GEMM it lasts the window / its P; `PAIR_P` is below the lowest P
   against its own row the 4xH100 quick profile measured (NCCL unbounded 0.26, bounded 0.46,
   copy engine 0.57: pairs of 1.3 to 5 s).
-A batch holds at most `MAX_BATCH_S` of estimated work, under the workers' own timeout.
+A batch holds at most `MAX_BATCH_S` of estimated work, under the workers' own timeout, and at
+least `MIN_BATCH_PAIRS` pairs (or all that are left): fewer would not pay for the start.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ COLLECTIVE_S = 0.15
 PAIR_OVERHEAD_S = 0.5  # capturing the collective's graph, setting up the GEMM
 PAIR_P = {"nccl": 0.2, "nccl_bounded": 0.4, "copy_engine": 0.45}
 MAX_BATCH_S = 420.0
+MIN_BATCH_PAIRS = 8  # fewer (unless that is all that is left) do not pay for a start
 
 
 def looped_s(settings: ProfileSettings) -> float:
@@ -46,8 +48,9 @@ def network_pair_s(settings: ProfileSettings, task: PairTask) -> float:
 def network_batch(settings: ProfileSettings, todo: list[PairTask], num_collectives: int,
                   budget_s: float) -> tuple[list[PairTask], float]:
     """The longest prefix of `todo` whose batch fits `budget_s` (and `MAX_BATCH_S`), with its
-    estimate; `num_collectives` rows to time first (0: known). An empty list: nothing fits
-    (not even the start and the collectives, when there is no pair left)."""
+    estimate; `num_collectives` rows to time first (0: known). An empty list: too little fits
+    (fewer than `MIN_BATCH_PAIRS` pairs of more, or not even the start and the collectives when
+    no pair is left)."""
     budget = min(budget_s, MAX_BATCH_S)
     cost = NETWORK_START_S + COLLECTIVE_S * num_collectives
     shapes: set[tuple[str, int]] = set()
@@ -61,6 +64,8 @@ def network_batch(settings: ProfileSettings, todo: list[PairTask], num_collectiv
         cost += more
         shapes.add((task.compute_op, task.tokens))
         batch.append(task)
+    if len(batch) < min(len(todo), MIN_BATCH_PAIRS):
+        return [], cost
     return batch, cost
 
 

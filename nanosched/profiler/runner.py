@@ -20,6 +20,7 @@ from dataclasses import replace
 from nanosched.models.ops import MEMORY
 from nanosched.profiler.backend import NetworkRequest, ProfilerBackend, Timing, Unsupported
 from nanosched.profiler.budget import (
+    MIN_BATCH_PAIRS,
     ROW_MARGIN_S,
     looped_s,
     network_batch,
@@ -41,6 +42,7 @@ from nanosched.profiler.plan import (
     PairTask,
     ProfileSettings,
     kernel_tasks,
+    layer_sizes,
     layer_tasks,
     memory_pair_tasks,
 )
@@ -145,6 +147,12 @@ def _measure(loop: Loop) -> None:
                            lambda op, t, c: best_impl(state, op, t, num_sms, "full",
                                                       context=c))
 
+    net = network_request(settings, backend, num_sms, impls, state)  # its GEMMs: after rows
+    ways = 1 + 2 * len(state.partitions)  # streams, each partition, each CTA bound
+    loop.say(f"grid: {len(ktasks)} kernel rows, up to "
+             f"{len(settings.pair_shapes()) * ways * has_memory_impl} co-run pairs, "
+             f"{len(layer_sizes(settings))} forward layers"
+             f"{f', {len(net.pairs)} network pairs on {net.world} GPUs' if net else ''}")
     _run_tasks(loop, ktasks, pairs)
     _run_layers(loop, layers())
     request = network_request(settings, backend, num_sms, impls, state,
@@ -225,8 +233,8 @@ def _run_network(loop: Loop, request: NetworkRequest) -> None:
         room = loop.time_left() - FINISH_MARGIN_S
         batch, cost = network_batch(settings, todo, num, room)
         if cost > room or (todo and not batch):
-            raise TimeUp(f"a network batch ({cost:.0f} s for {len(batch) or 1} pair(s)"
-                          f"{'' if known else ' and the collective rows'})")
+            raise TimeUp(f"the next network batch (at least {min(len(todo), MIN_BATCH_PAIRS)} "
+                         f"pairs{'' if known else ' and the collective rows'})")
         loop.say(f"network: {'' if known else f'{num} collective rows and '}{len(batch)} "
                  f"pairs on {request.world} GPUs, about {cost:.0f} s")
         times = tuple(tuple(x) for x in state.network["times"]) if known else ()

@@ -8,16 +8,21 @@ from __future__ import annotations
 import pytest
 
 from nanosched.models.spec import load_spec
-from nanosched.profiler.budget import MAX_BATCH_S, NETWORK_START_S, network_batch
+from nanosched.profiler.budget import (
+    MAX_BATCH_S,
+    MIN_BATCH_PAIRS,
+    NETWORK_START_S,
+    network_batch,
+)
 from nanosched.profiler.fake import FakeBackend
 from nanosched.profiler.plan import ProfileSettings, network_pair_tasks
 from nanosched.profiler.runner import ProfileStopped, RunOptions, run_profile
 from nanosched.workloads import fixed
 
-LIMIT_S = 80.0
+LIMIT_S = 200.0
 
 
-def _settings(quick: bool = True) -> ProfileSettings:
+def _settings(quick: bool = False) -> ProfileSettings:
     return ProfileSettings(load_spec("llama3-8b"), 2, fixed(1024, 512), 256, quick)
 
 
@@ -49,11 +54,14 @@ def test_parts_each_within_the_limit_write_the_profile_one_run_writes(tmp_path):
     assert any(line.startswith("network: ") for line in logs)
 
 
-def test_a_batch_is_the_prefix_that_fits():
+def test_a_batch_is_the_prefix_that_fits_and_worth_its_start():
     s = _settings()
     tasks = network_pair_tasks(s, 132, FakeBackend().implementations()[0], (8, 16))
-    batch, cost = network_batch(s, tasks, 10, 60.0)
-    assert 0 < len(batch) < len(tasks) and batch == tasks[:len(batch)] and cost <= 60.0
+    batch, cost = network_batch(s, tasks, 10, 200.0)
+    assert MIN_BATCH_PAIRS <= len(batch) < len(tasks) and batch == tasks[:len(batch)]
+    assert cost <= 200.0
+    assert network_batch(s, tasks, 10, 60.0)[0] == []  # fewer than MIN_BATCH_PAIRS would fit
+    assert network_batch(s, tasks[:2], 0, 60.0)[0] == tasks[:2]  # all that is left
     assert network_batch(s, tasks, 0, 10.0) == ([], NETWORK_START_S)
     batch, cost = network_batch(s, tasks * 50, 0, float("inf"))
     assert cost <= MAX_BATCH_S and len(batch) < len(tasks) * 50

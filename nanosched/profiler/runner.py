@@ -185,8 +185,8 @@ def _run_tasks(loop: Loop, ktasks: list[KernelTask],
     if todo:
         window = loop.settings.pair_settle_ms + loop.settings.pair_window_ms
         loop.say(f"{len(todo)} co-run pairs, each looped {window / 1e3:.1f} s so that the "
-                       f"clock settles under the power cap (about {len(todo) * window / 6e4:.0f} "
-                       f"min, plus the alone references)")
+                 f"clock settles under the power cap (about {len(todo) * window / 6e4:.0f} "
+                 f"min, plus the alone references)")
     loop.bar.total += len(ptasks)
     loop.bar.n += len(ptasks) - len(todo)
     loop.bar.set_description("pairs")

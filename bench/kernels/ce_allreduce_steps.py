@@ -7,9 +7,10 @@ correct at every sub-chunk count, how long does it take at each, and what bounds
   sub-chunk count and (by size only) per bound of the reduction's CTAs; NCCL likewise.
 - `steps`: the call's parts, each in a graph of REPS: an empty round (flags, forks and joins:
   what every call pays whatever its size), the pulls alone (each peer's share of our chunk
-  onto the pull streams, no flags), the pushes alone (our chunk to every peer), and the
-  reduction of the whole chunk; so the sum of pulls + reduction + pushes + empty round against
-  the call says what the pipelining hides, and the empty round what bounds small T.
+  onto the pull streams, no flags), the pushes alone (our chunk to every peer), both at once
+  (do the copy engines move more when pulls and pushes overlap, as sub-chunks make them?), and
+  the reduction of the whole chunk; so pulls + reduction + pushes + empty round against the
+  call says what the pipelining hides, and the empty round what bounds small T.
 """
 
 from __future__ import annotations
@@ -111,26 +112,29 @@ def alone(ar, buf, nccl_buf, ts, parts_list, bounds) -> list[dict]:
     return rows
 
 
-def _copies(ar, buf, lo: int, hi: int, pull: bool) -> None:
-    """Elements [lo, hi) of `buf` from every peer onto the pull streams (pull), or to every peer
-    on the push streams; no flags: the copy engines' time alone."""
+def _copies(ar, buf, lo: int, hi: int, pull: bool, push: bool) -> None:
+    """Elements [lo, hi) of `buf` from every peer onto the pull streams (pull) and/or to every
+    peer on the push streams (push), no flags: the copy engines' time alone."""
     tr, item = ar.transport, buf.element_size()
     region, peers = ar._region(buf), [q for q in range(ar.size) if q != ar.rank]
     scratch, flat = ar._scratch[buf.dtype], buf.view(-1)
     s, pulls, pushes = tr.streams(peers)
     for i, q in enumerate(peers):
-        c = pulls[i] if pull else pushes[i]
-        tr.fork(s, c)
         peer = region.peer_ptrs[q] + lo * item
-        if pull:
-            tr.copy(c, scratch[i].data_ptr(), peer, (hi - lo) * item)
-        else:
-            tr.copy(c, peer, flat[lo:].data_ptr(), (hi - lo) * item)
-        tr.fork(c, s)
+        for c, on in ((pulls[i], pull), (pushes[i], push)):
+            if not on:
+                continue
+            tr.fork(s, c)
+            if c is pulls[i]:
+                tr.copy(c, scratch[i].data_ptr(), peer, (hi - lo) * item)
+            else:
+                tr.copy(c, peer, flat[lo:].data_ptr(), (hi - lo) * item)
+            tr.fork(c, s)
 
 
 def steps(ar, buf, ts) -> list[dict]:
-    """Per T: the empty round, the pulls alone, the pushes alone, the reduction alone (us)."""
+    """Per T: the empty round, the pulls alone, the pushes alone, both at once (what the
+    pipelining can overlap), the reduction alone (us)."""
     from nanosched.kernels.reduce_sum import reduce_rows
 
     stream, item = torch.cuda.Stream(), buf.element_size()
@@ -141,12 +145,11 @@ def steps(ar, buf, ts) -> list[dict]:
         bounds = chunk_bounds(t * H, item, ar.size)
         lo, hi = bounds[ar.rank], bounds[ar.rank + 1]
         nbytes = (hi - lo) * item
-        rows += [{"step": "pulls", "T": t, "bytes_per_peer": nbytes,
-                  "us": _graph_us(lambda lo=lo, hi=hi: _copies(ar, buf, lo, hi, True), stream)},
-                 {"step": "pushes", "T": t, "bytes_per_peer": nbytes,
-                  "us": _graph_us(lambda lo=lo, hi=hi: _copies(ar, buf, lo, hi, False),
-                                  stream)},
-                 {"step": "reduction", "T": t, "us": _graph_us(
-                     lambda lo=lo, hi=hi: reduce_rows(flat[lo:hi], scratch[:, :hi - lo]),
-                     stream)}]
+        for name, pull, push in (("pulls", True, False), ("pushes", False, True),
+                                 ("pulls + pushes at once", True, True)):
+            rows.append({"step": name, "T": t, "bytes_per_peer": nbytes * (pull + push),
+                         "us": _graph_us(lambda lo=lo, hi=hi, a=pull, b=push: _copies(
+                             ar, buf, lo, hi, a, b), stream)})
+        rows.append({"step": "reduction", "T": t, "us": _graph_us(
+            lambda lo=lo, hi=hi: reduce_rows(flat[lo:hi], scratch[:, :hi - lo]), stream)})
     return rows

@@ -86,7 +86,8 @@ class TokenDynamic:
     Inductor then generates reductions that loop over a row of unknown width; so while
     `marking` (the warm-up) each call marks its tensors' other dimensions static, and those
     of the buffers the row views come from (token-major: dimension 0 is the token one). Sizes
-    passed as integers stay symbolic."""
+    passed as integers stay symbolic. Calls run in inference mode, as the warm-up does, since
+    Dynamo guards on the grad mode (the profiler calls ops with it on)."""
 
     def __init__(self, module: fx.GraphModule, token_dims: list[int | None]) -> None:
         self.module, self.token_dims, self.marking = module, token_dims, True
@@ -103,7 +104,8 @@ class TokenDynamic:
                     _static_except(a, d)
                     if a._base is not None:
                         _static_except(a._base, None if d is None else 0)
-        return self.compiled(*args)
+        with torch.inference_mode():  # the warm-up's mode, whatever the caller's: no recompile
+            return self.compiled(*args)
 
 
 def _static_except(t: torch.Tensor, dim: int | None) -> None:

@@ -121,4 +121,6 @@ def test_ops_compiled_by_inductor_keep_the_model_exact():
     for strategy in (Sequential(), TwoBatchOverlap(tile_m=4)):
         seqs, logits = run_mixed(fm, strategy)
         assert max_error_vs_hf(model, seqs, logits) < 1e-5, strategy.name
+    ws = fm.new_workspace(max_tokens=8, num_pages=4)
+    fm.forward(ws, ws.kv.plan([(0, 6, False)]))  # grad mode on, as the profiler calls ops
     assert counters["stats"]["unique_graphs"] == before  # compiled at init, none since

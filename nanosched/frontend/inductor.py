@@ -5,11 +5,12 @@ products), its rotary embedding as about ten (products, halves, negation, concat
 SiLU * up as two, each reading and writing the whole activation, where the named-op model runs
 one fused kernel per op. Inductor fuses each such subgraph into a few generated kernels.
 
-- `chosen_ops(fm, compile_ops)`: `"auto"` (the default) picks the layer's ops that call
-  neither a matmul, an attention, an expert GEMM nor a collective (partition.py's inference on
-  the op's nodes, whatever class a rule gives it), when the model is on a CUDA device and
-  Triton is importable; on the CPU none (Inductor's C++ path compiles for tens of seconds per
-  op there, and the CPU runs exist to check equivalence). A tuple names the ops; `()` none.
+- `chosen_ops(subs, device, compile_ops)`: `"auto"` (the default) picks the layer's ops that
+  call neither a matmul, an attention, an expert GEMM nor a collective (partition.py's
+  inference on the op's nodes, whatever class a rule gives it), when the model is on a CUDA
+  device and Triton is importable; on the CPU none (Inductor's C++ path took 20-26 s for the
+  four of a 2-layer tiny Llama on this project's 2-core CPU, and the CPU runs exist to check
+  equivalence). A tuple names the ops; `()` none.
 - `compile_subgraphs`: `torch.compile(fullgraph=True)` per chosen subgraph, only its token
   dimensions (and sizes passed as integers) dynamic (`TokenDynamic`); the layers bound to one
   traced subgraph share its compile.

@@ -20,7 +20,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from nanosched.kernels.common import FP8_MAX, FP8_MIN_SCALE
 
@@ -153,6 +152,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out.copy_(res.reshape(n, num_q, d))
 
 
+def causal_mask(m: int, length: int, device: torch.device) -> object:
+    """The lower-right causal mask of m queries over `length` keys: on CUDA a CausalBias, which
+    SDPA's fused (flash / memory-efficient) kernels take natively; elsewhere the boolean mask SDPA
+    would make of it. torch.nn.attention.bias imports torch._dynamo (2-5 s of CPU), so only
+    CUDA processes import it, and only when they first attend."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(m, length)
+    return torch.ones(m, length, dtype=torch.bool, device=device).tril(length - m)
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, segments: list[tuple[int, int, int]],
                       scale: float, out: torch.Tensor, *, k_scale: torch.Tensor | None = None,
@@ -174,7 +185,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qs = q[start:end].transpose(0, 1)[None]  # [1, Hq, m, d]
         res = F.scaled_dot_product_attention(qs, k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None],
-                                             attn_mask=causal_lower_right(m, length),
+                                             attn_mask=causal_mask(m, length, q.device),
                                              scale=scale)
         out[start:end].copy_(res[0].transpose(0, 1))
 

@@ -45,11 +45,11 @@ def test_no_pair_worth_more_than_alone_means_no_gain(synthetic):
 
 
 @pytest.mark.slow
-def test_the_ceiling_is_above_what_the_search_finds_and_below_the_bound(synthetic):
+def test_the_ceiling_is_above_what_the_search_finds_and_below_the_bound(synthetic, shared_cache):
     for d, t in [(256, 512), (0, 512), (512, 512), (128, 384)]:
         batch = key_batch(synthetic, d, t)
         top = pipeline_ceiling(synthetic, batch)
-        sched = searched_key(d, t)
+        sched = searched_key(d, t, shared_cache)
         forward, sequential = layer_times_us(sched)
         assert sequential / forward <= top.gain + 1e-6, (d, t, top.best)
         # the bound prices ops in integer ticks: within a tick per op of it

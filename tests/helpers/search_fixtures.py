@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from repo import DATA
+from run_cache import computed_once
 
 from nanosched.autosearch.search import SearchConfig, batch_info, run_search
 from nanosched.autosearch.synthetic import context_grid, synthetic_profile
@@ -51,15 +53,19 @@ def search_small_schedule(tp: int = 1, batch: int = 768) -> Schedule:
 
 
 @functools.cache
-def searched_key(num_decode: int, num_tokens: int) -> Schedule:
+def searched_key(num_decode: int, num_tokens: int, shared: Path | None = None) -> Schedule:
     """The search of one key of `synthetic_set_config()` given 2 deterministic seconds, shared
-    by the tests that set its prediction against the bound and the ceiling."""
+    by the tests that set its prediction against the bound and the ceiling (3-18 s of CPU a
+    key): once per process, and once per run where `shared` is the `shared_cache` folder."""
     from dataclasses import replace
 
     from nanosched.autosearch.sets import key_config
 
-    cfg = key_config(synthetic_set_config(), num_decode, num_tokens)
-    return run_search(replace(cfg, time_limit_s=2.0))
+    def search() -> Schedule:
+        cfg = key_config(synthetic_set_config(), num_decode, num_tokens)
+        return run_search(replace(cfg, time_limit_s=2.0))
+
+    return computed_once(shared, f"searched-key-{num_decode}-{num_tokens}", search)
 
 
 def synthetic_set_config(time_limit_s: float = 6.0) -> SearchConfig:

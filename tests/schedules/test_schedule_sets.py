@@ -202,14 +202,14 @@ def synthetic():
 
 
 @pytest.mark.slow
-def test_the_bound_is_above_what_the_search_finds(synthetic):
+def test_the_bound_is_above_what_the_search_finds(synthetic, shared_cache):
     from search_fixtures import searched_key
 
     from nanosched.autosearch.sets import key_batch, overlap_bound, sequential_forward_us
 
     for d, t in [(256, 512), (0, 512), (512, 512)]:
         bound = overlap_bound(synthetic, key_batch(synthetic, d, t))
-        sched = searched_key(d, t)
+        sched = searched_key(d, t, shared_cache)
         forward, sequential = layer_times_us(sched)
         assert sequential == pytest.approx(
             sequential_forward_us(synthetic, key_batch(synthetic, d, t)))

@@ -39,11 +39,9 @@ def one_run(shape: str) -> dict[str, float]:
                           max_position_embeddings=256)
         model = LlamaForCausalLM(cfg).eval()
     else:
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                          max_position_embeddings=8192, rms_norm_eps=1e-5,
-                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                          tie_word_embeddings=False)
+        from bench.engine.frontend_llama import llama_config
+
+        cfg = llama_config(32)
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     use_nanosched(model)

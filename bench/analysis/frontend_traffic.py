@@ -78,16 +78,13 @@ class Calls(TorchDispatchMode):
 
 
 def frontend(fuse: bool) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    from bench.engine.frontend_llama import llama_config
     from nanosched.frontend import FrontendModel
     from nanosched.frontend.hf import llama_rules, use_nanosched
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=3,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192, rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                      tie_word_embeddings=False)
+    cfg = llama_config(3)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     use_nanosched(model)

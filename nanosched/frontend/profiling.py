@@ -35,7 +35,14 @@ from nanosched.frontend.rules import same_callable
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
-from nanosched.profiler.impls import Impl, Kernel, OpCall, launch_of, triton_missing
+from nanosched.profiler.impls import (
+    Impl,
+    Kernel,
+    OpCall,
+    available_in,
+    launch_of,
+    triton_missing,
+)
 from nanosched.profiler.impls_kernels import SM_MECHANISMS, prefill_rows
 from nanosched.profiler.plan import ImplInfo
 
@@ -115,16 +122,7 @@ class FrontendImpls:
 
     # ---- the registry's functions ------------------------------------------------------------
     def available(self, ops_: list[str]) -> tuple[dict[str, list[ImplInfo]], list[str]]:
-        out: dict[str, list[ImplInfo]] = {}
-        notes = []
-        for op in ops_:
-            for impl in self.table.get(op, []):
-                reason = impl.requires()
-                if reason:
-                    notes.append(f"{op}/{impl.name} not measured: {reason}")
-                else:
-                    out.setdefault(op, []).append(impl.info())
-        return out, notes
+        return available_in(self.table, ops_)
 
     def get(self, op: str, name: str) -> Impl:
         for impl in self.table.get(op, []):

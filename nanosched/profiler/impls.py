@@ -136,19 +136,27 @@ def register(op: str, impl: Impl) -> None:
     REGISTRY[op] = impls + [impl]
 
 
-def available(ops: list[str]) -> tuple[dict[str, list[ImplInfo]], list[str]]:
-    """Per op the implementations that can run here, and a note for each that cannot."""
-    _ensure_registered()
+def available_in(table: dict[str, list[Impl]], ops: list[str]
+                 ) -> tuple[dict[str, list[ImplInfo]], list[str]]:
+    """Per op the implementations of `table` that can run here, and a note for each that
+    cannot (the registry's, or a frontend model's own table)."""
     out: dict[str, list[ImplInfo]] = {}
     notes = []
     for op in ops:
-        for impl in REGISTRY.get(op, []):
+        for impl in table.get(op, []):
             reason = impl.requires()
             if reason:
                 notes.append(f"{op}/{impl.name} not measured: {reason}")
             else:
                 out.setdefault(op, []).append(impl.info())
     return out, notes
+
+
+def available(ops: list[str]) -> tuple[dict[str, list[ImplInfo]], list[str]]:
+    """Per op the registered implementations that can run here, and a note for each that
+    cannot."""
+    _ensure_registered()
+    return available_in(REGISTRY, ops)
 
 
 def get(op: str, name: str) -> Impl:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 from repo import DATA, ROOT
-from search_fixtures import small_profile, synthetic_set_config
+from search_fixtures import no_pair_gain, small_profile, synthetic_set_config
 from typer.testing import CliRunner
 
 from nanosched.autosearch import proof
@@ -55,14 +55,7 @@ def sequential(d=128, t=256):
 def test_no_pair_worth_more_than_alone_gives_a_ceiling_of_one(synthetic):
     """Every R->P point cut to P_compute + P_other <= 1: no mode does more than a unit of work
     per unit of time, so no pipeline can be predicted to beat Sequential."""
-    prof = synthetic.profile
-
-    def cut(points):
-        return tuple(replace(p, p_compute=min(p.p_compute, 1 - p.p_other)) for p in points)
-
-    flat = replace(synthetic, profile=replace(
-        prof, rp={k: cut(v) for k, v in prof.rp.items()},
-        rp_shapes={k: cut(v) for k, v in prof.rp_shapes.items()}))
+    flat = no_pair_gain(synthetic)
     for d, t in [(256, 512), (0, 512), (512, 512), (128, 256)]:
         assert resource_ceiling(flat, key_batch(flat, d, t)).gain <= 1 + 1e-9, (d, t)
     assert resource_ceiling(synthetic, key_batch(synthetic, 256, 512)).gain > 1.05

@@ -1,10 +1,9 @@
 """The pipeline ceiling (bench/analysis/ceiling.py): an LP over row-group structures that bounds
 what a pipeline of those structures can be predicted, set against the search and the bound."""
 
-from dataclasses import replace
 
 import pytest
-from search_fixtures import searched_key, synthetic_set_config
+from search_fixtures import no_pair_gain, searched_key, synthetic_set_config
 
 from bench.analysis import ceiling
 from bench.analysis.ceiling import compositions, pipeline_ceiling
@@ -30,14 +29,7 @@ def test_compositions_cut_the_quanta_into_groups():
 def test_no_pair_worth_more_than_alone_means_no_gain(synthetic):
     """Every R->P point cut to P_compute + P_other <= 1: no mode does more than a unit of work
     per unit of time, so no structure beats Sequential."""
-    prof = synthetic.profile
-
-    def cut(points):
-        return tuple(replace(p, p_compute=min(p.p_compute, 1 - p.p_other)) for p in points)
-
-    flat = replace(synthetic, profile=replace(
-        prof, rp={k: cut(v) for k, v in prof.rp.items()},
-        rp_shapes={k: cut(v) for k, v in prof.rp_shapes.items()}))
+    flat = no_pair_gain(synthetic)
     for d, t in [(256, 512), (0, 512), (512, 512)]:
         top = pipeline_ceiling(flat, key_batch(flat, d, t))
         assert top.gain <= 1 + 1e-6, (d, t, top.best)

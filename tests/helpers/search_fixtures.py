@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 from repo import DATA
@@ -23,6 +24,19 @@ def small_profile(tp: int = 1, batch: int = 768) -> Profile:
     b = batch_info(fixed(512, 512), batch)
     return synthetic_profile(spec, get_gpu("h100"), tp, batch,
                              context_grid(b.decode_context, b.prompt_len))
+
+
+def no_pair_gain(cfg: SearchConfig) -> SearchConfig:
+    """`cfg` with every R->P point of its profile cut to P_compute + P_other <= 1: no mode does
+    more than a unit of work per unit of time, so nothing can be predicted to beat Sequential."""
+    prof = cfg.profile
+
+    def cut(points):
+        return tuple(replace(p, p_compute=min(p.p_compute, 1 - p.p_other)) for p in points)
+
+    return replace(cfg, profile=replace(
+        prof, rp={k: cut(v) for k, v in prof.rp.items()},
+        rp_shapes={k: cut(v) for k, v in prof.rp_shapes.items()}))
 
 
 SMALL_SCHEDULE = DATA / "small_schedule_llama3-8b_tp1_b768.json"

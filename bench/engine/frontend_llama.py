@@ -63,6 +63,9 @@ def llama_config(layers: int) -> Any:
 
 
 def hf_llama(layers: int) -> torch.nn.Module:
+    """HF `LlamaForCausalLM` of Llama-3-8B's shapes with `layers` layers on the GPU in bf16:
+    norms 1, embeddings N(0, 1), the rest N(0, 1/fan_in), seed 0 (this bench's model and the
+    GPU tests' of the frontend and the named-op model)."""
     from transformers import LlamaForCausalLM
 
     with torch.device("cuda"):

@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from frontend_helpers import BUCKET_ROUNDS, bucket_forward, eager, plain_forward
@@ -39,24 +37,9 @@ MARGIN = 0.1  # top-2 margin (logit units) below which a position is not decisiv
 
 @pytest.fixture(scope="module")
 def models():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from bench.engine.frontend_llama import hf_llama
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      max_position_embeddings=8192, rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                      tie_word_embeddings=False)
-    with torch.device("cuda"):
-        hf = LlamaForCausalLM(cfg)
-    hf = hf.to(torch.bfloat16).eval()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                std = 1.0 if "embed" in name else 1 / math.sqrt(p.shape[-1])
-                p.normal_(0.0, std, generator=g)
+    hf = hf_llama(2)
     use_nanosched(hf)
     return hf, FrontendModel(hf, llama_rules())
 

@@ -101,6 +101,15 @@ class BucketRunner:
         """Why a bucket's capture failed, by (strategy name, bucket)."""
         return {(e.strategy.name, b): e.error for b, e in self._entries.items() if e.error}
 
+    def release(self) -> None:
+        """Drop every bucket's graph once the device has run them. A collective captured in a
+        graph holds its communicator, and NCCL's teardown of the process group waits for what
+        holds it, so an engine at tp > 1 releases its graphs before its ranks leave the group.
+        Buckets met afterwards are laid out and captured afresh."""
+        if self.capture and self._entries:
+            torch.cuda.synchronize(self.model.device)
+        self._entries.clear()
+
     def reset_stats(self) -> GraphStats:
         """Start counting afresh (the graphs stay); returns the new counters."""
         self.stats = GraphStats()

@@ -178,8 +178,11 @@ class LoadedEngine:
         return self.engine.model
 
     def close(self) -> None:
-        """Release the green-context partitions and, at tp > 1, the engine on the other ranks
-        and the group it started (the engine must not step afterwards)."""
+        """Release the engine's CUDA graphs, the green-context partitions and, at tp > 1, the
+        engine on the other ranks and the group it started (the engine must not step
+        afterwards). The graphs go first: collectives captured in them hold the group."""
+        if self.engine.graphs is not None:
+            self.engine.graphs.release()
         if self.streams is not None:
             self.streams.close()
             self.streams = None

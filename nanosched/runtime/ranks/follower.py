@@ -12,11 +12,16 @@ to rank 0's (PR_SET_PDEATHSIG, and a parent check while it waits), ignores SIGIN
   LM head's all-gather (`Engine.follow`); nothing waits for the GPU, so while the GPU runs one
   iteration this process is already queueing the next, as rank 0 is;
 - `Call`: the journal, then `fn(engine, *args)`; `CloseEngine`: release that engine.
+
+At `Stop` it releases the engines left (their graphs hold the communicator) and leaves the
+group; if leaving has not ended after `LEAVE_DUMP_S`, the Python stacks of the process go to
+stderr, so the server's log shows where a rank that rank 0 then kills was waiting.
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import os
 import signal
@@ -42,6 +47,7 @@ from nanosched.runtime.ranks.messages import (
 )
 
 PR_SET_PDEATHSIG = 1
+LEAVE_DUMP_S = 8.0  # below group.STOP_WAIT_S, after which rank 0 kills a worker still alive
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -73,7 +79,9 @@ def run_worker(rank: int, size: int, port: int, handle: ChannelHandle,
     with torch.inference_mode():
         Follower(model, reader, setup.parent_pid).run()
     reader.close()
+    faulthandler.dump_traceback_later(LEAVE_DUMP_S)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 class Follower:
@@ -88,6 +96,13 @@ class Follower:
             os._exit(1)  # rank 0 is gone (PR_SET_PDEATHSIG covers Linux; this, the rest)
 
     def run(self) -> None:
+        """Follow rank 0's messages until `Stop`, then release the engines still open."""
+        self._follow()
+        for key in list(self.engines):
+            self.engines.pop(key).close()
+        gc.collect()
+
+    def _follow(self) -> None:
         while not isinstance(msg := self.reader.recv(self._check_parent), Stop):
             if isinstance(msg, Step):
                 loaded = self.engines[msg.key]

@@ -21,6 +21,7 @@ last engine's work, so a server drained by SIGTERM drains every rank.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -150,6 +151,7 @@ class RankGroup:
             log.warning("tensor parallel: ranks %s did not stop within %.0f s and were killed",
                         ", ".join(map(str, killed)), STOP_WAIT_S)
         if leave is not None and leave.is_alive():
+            faulthandler.dump_traceback(all_threads=True)  # where the teardown waits
             log.warning("tensor parallel: leaving the process group did not end within %.0f s; "
                         "it is left to end with this process", STOP_WAIT_S)
         log.info("tensor parallel: %d ranks stopped in %.1f s", self.size,

@@ -12,7 +12,10 @@ The backend keeps the graph and stops Dynamo there (an exception it catches): th
 the transformed bytecode and a run of the captured graph on the example would be Dynamo's
 work for a later call that never comes (0.16-0.27 s of a 2-2.9 s capture of a 3-layer
 Llama-3-8B-shaped model on the meta device, on this project's 2-core CPU; on a GPU the run
-would also be the process's first CUDA forward).
+would also be the process's first CUDA forward). Nothing else of Dynamo's state is touched:
+the stopped compile leaves no cache entry, and `torch._dynamo.reset()` would drop every
+function compiled in the process (another frontend's Inductor ops, the user's own), each then
+compiling again at its next call (in serving, a latency spike).
 
 `layers`: trace only the first `layers` decoder layers (the model's layer list cut short while
 Dynamo runs, HF's `num_hidden_layers` likewise); the frontend binds the traced middle layer's
@@ -96,7 +99,6 @@ def capture(model: torch.nn.Module, example_tokens: int = 8, layers: int | None 
     pos = torch.arange(example_tokens, device=device)[None]
     for t in (ids, pos):
         torch._dynamo.mark_dynamic(t, 1)
-    torch._dynamo.reset()  # a fresh trace, whatever was compiled before in this process
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), _shallow(model, prefix, depth):
@@ -108,8 +110,6 @@ def capture(model: torch.nn.Module, example_tokens: int = 8, layers: int | None 
     except torch._dynamo.exc.Unsupported as exc:
         raise ConfigError(f"TorchDynamo cannot trace {type(model).__name__} as one graph: "
                           f"{str(exc).splitlines()[0]}") from exc
-    finally:
-        torch._dynamo.reset()
     if len(graphs) != 1:
         raise ConfigError(f"tracing {type(model).__name__} gave {len(graphs)} graphs, not one")
     gm, examples = graphs[0]

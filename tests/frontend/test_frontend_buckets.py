@@ -38,3 +38,27 @@ def test_bucketed_batches_equal_plain_ones():
         for r in range(4):
             ws.kv.release(r)
             ref_ws.kv.release(r)
+
+
+def test_ops_compiled_at_init_stay_compiled_when_another_frontend_is_built():
+    """A frontend's Inductor-compiled op (the activation here, the smallest) is compiled at its
+    initialisation for every bucket; building another frontend in the same process (the
+    uncompiled reference, as the GPU test does) must not drop those compiles, so the bucketed
+    batches of both strategies compile nothing after init and equal the reference's."""
+    model = tiny_hf("llama")
+    use_nanosched(model)
+    fm = FrontendModel(model, llama_rules(), compile_ops=("act",))
+    plain = FrontendModel(model, llama_rules(), compile_ops=())
+    counters = torch._dynamo.utils.counters
+    graphs = counters["stats"]["unique_graphs"]
+    for strategy in (Sequential(), TwoBatchOverlap(tile_m=8)):
+        ref_ws = plain.new_workspace(max_tokens=64, num_pages=32, page_size=4)
+        ws = fm.new_workspace(max_tokens=64, num_pages=32, page_size=4)
+        runner = BucketRunner(fm, ws, Backend(SerialDevice()), strategy, align=8, max_pages=16,
+                              capture=False)
+        with torch.inference_mode():
+            for chunks, ids in BUCKET_ROUNDS:
+                want = plain_forward(plain, ref_ws, chunks, ids)
+                got = bucket_forward(fm, runner, chunks, ids)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs

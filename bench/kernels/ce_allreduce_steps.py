@@ -5,12 +5,13 @@ correct at every sub-chunk count, how long does it take at each, and what bounds
   on fresh data), each against NCCL's sum (relative error) and every rank bitwise equal.
 - `alone`: median time of one all-reduce, each inside a graph of REPS calls, per T, per
   sub-chunk count and (by size only) per bound of the reduction's CTAs; NCCL likewise.
-- `steps`: the call's parts, each in a graph of REPS: an empty round (flags, forks and joins:
-  what every call pays whatever its size), the pulls alone (each peer's share of our chunk
-  onto the pull streams, no flags), the pushes alone (our chunk to every peer), both at once
-  (do the copy engines move more when pulls and pushes overlap, as sub-chunks make them?), and
-  the reduction of the whole chunk; so pulls + reduction + pushes + empty round against the
-  call says what the pipelining hides, and the empty round what bounds small T.
+- `steps`: the call's parts, each in a graph of REPS: the round of one row (flags, forks and
+  joins, a few bytes a peer: what every call pays whatever its size), the pulls alone (each
+  peer's share of our chunk onto the pull streams, no flags), the pushes alone (our chunk to
+  every peer), both at once (do the copy engines move more when pulls and pushes overlap, as
+  sub-chunks make them?), and the reduction of the whole chunk; so pulls + reduction + pushes +
+  one-row round against the call says what the pipelining hides, and the one-row round what
+  bounds small T.
 """
 
 from __future__ import annotations
@@ -133,14 +134,14 @@ def _copies(ar, buf, lo: int, hi: int, pull: bool, push: bool) -> None:
 
 
 def steps(ar, buf, ts) -> list[dict]:
-    """Per T: the empty round, the pulls alone, the pushes alone, both at once (what the
-    pipelining can overlap), the reduction alone (us)."""
+    """The round of one row (what bounds small T); per T: the pulls alone, the pushes alone,
+    both at once (what the pipelining can overlap), the reduction alone (us)."""
     from nanosched.kernels.reduce_sum import reduce_rows
 
     stream, item = torch.cuda.Stream(), buf.element_size()
     scratch, flat = ar._scratch[buf.dtype], buf.view(-1)
-    rows = [{"step": "empty round (flags, forks)", "T": 0,
-             "us": _graph_us(lambda: ar.all_reduce(buf[:0]), stream)}]
+    rows = [{"step": "one row (flags, forks)", "T": 1,
+             "us": _graph_us(lambda: ar.all_reduce(buf[:1]), stream)}]
     for t in ts:
         bounds = chunk_bounds(t * H, item, ar.size)
         lo, hi = bounds[ar.rank], bounds[ar.rank + 1]

@@ -2,7 +2,7 @@
 # GPU runs of issue 34 on one 4-GPU host (nvidia-h100-x4), one section per device call, each
 # kept under 9 minutes:
 #   bench    the copy-engine all-reduce: correct and alone at sub-chunks auto,1,2,4,8; its
-#            parts alone (empty round, pulls, pushes, reduction); beside the `ug` GEMM
+#            parts alone (one-row round, pulls, pushes, reduction); beside the `ug` GEMM
 #   tests    GPU tests of the copy-engine all-reduce (tp 2 and 4, whole and sub-chunked,
 #            graphs) and of tp models on it
 #   profile  one part of the full-grid Llama-3-70B tp 4 profile: stops before PROFILE_LIMIT_S

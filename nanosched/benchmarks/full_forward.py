@@ -34,7 +34,8 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     in the workspace `ws` of a finished run; decode tokens and their context shrink to what its
     cache holds. With `graphs`, the batch is laid out in its bucket (decode rows rounded up to
     32) and the forward is a CUDA graph's replay, metadata writes included. Returns (ms, decode
-    tokens, decode context)."""
+    tokens, decode context). At tp > 1 the ranks line up before each timed forward: a rank
+    that starts late would count in the others' time, their collectives waiting for it."""
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.graphs import BucketRunner
     from nanosched.runtime.modelprogram import model_program
@@ -48,6 +49,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
                           max_pages=-(-max(context + 1, prompt) // page), capture=True) \
         if graphs else None
     untimed = 2 if graphs else 1  # the first forward compiles; with graphs the second captures
+    tp = getattr(model, "tp", None)
     times = []
     for rep in range(reps + untimed):
         first_id = rep * 10**7
@@ -56,6 +58,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
                                                   first_id)
             program = model_program(model, ws, meta, segments)
             run = strategy.pick(program, num_decode) or Sequential()
+            _line_up(tp, model.device)
             t0 = time.perf_counter()
             run_program(program, run, Backend(device))
         else:
@@ -63,6 +66,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
                                      runner.align)
             ws.token_ids[:dense].random_(0, 1000)
             entry = runner.entry(runner.bucket(seqs))
+            _line_up(tp, model.device)
             t0 = time.perf_counter()
             runner.run(entry, seqs)
         if model.device.type == "cuda":
@@ -80,3 +84,11 @@ def engine_forward_ms(engine: Any, dense: int, num_decode: int, context: int, pr
     that a tensor-parallel worker can be told to run it: `Engine.run_on_ranks`)."""
     return forward_ms(engine.model, engine.ws, engine.strategy, engine.backend.device, dense,
                       num_decode, context, prompt, graphs=graphs)
+
+
+def _line_up(tp: Any, device: torch.device) -> None:
+    """Every rank's GPU idle and every rank here before a timed region starts (tp > 1)."""
+    if tp is not None and tp.size > 1:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tp.barrier()

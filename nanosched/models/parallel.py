@@ -55,6 +55,13 @@ class TensorParallel:
             return torch.zeros(shape, dtype=dtype, device=device)
         return self.copy_engine.symmetric_zeros(*shape, dtype=dtype)
 
+    def barrier(self) -> None:
+        """Return once every rank of the group has come here (nothing to wait for alone)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
     def all_reduce(self, x: torch.Tensor, impl: str | None = None,
                    max_ctas: int | None = None) -> None:
         """Sum `x` over the group in place (nothing at tp = 1). `impl`: a network

@@ -194,7 +194,8 @@ def main() -> None:
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-beside", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="folder of the JSON (default $OUT, else bench/results), or a .json file")
     p.add_argument("--subchunks", default="auto,1,2,4",
                    help="sub-chunk counts to check and time alone (auto: by size)")
     args = p.parse_args()
@@ -225,7 +226,9 @@ def main() -> None:
               "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
               "date": stamp, "command": " ".join(sys.argv), **_summary(every), "ranks": every}
     fname = f"ce_allreduce-{name}-{args.world}gpu-{stamp}.json"
-    out = Path(args.out or Path(os.environ.get("OUT") or "bench/results", fname))
+    out = Path(args.out or os.environ.get("OUT") or "bench/results")
+    if out.suffix != ".json":
+        out = out / fname
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str))
     s = record

@@ -44,7 +44,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("1.18×", "bench-kv-fp8-llama3-8b-in1024-out512-n1000-b2048-H200-20261126.json",
            ("runs.sequential+graphs.results.tokens_per_s",
             "runs.sequential+graphs.results.tokens_per_s"), "ratio", "{:.2f}×",
-           "bench-kv-auto-llama3-8b-in1024-out512-n1000-b2048-H200-20261126.json"),
+           "archive/bench-kv-auto-llama3-8b-in1024-out512-n1000-b2048-H200-20261126.json"),
     # Limits: a pipeline forced at the H100's steady state, timed by `nanosched verify`
     Figure("0.914×", "llama3-8b-tp1-h100-b1024-hbm-forced-20261126.verified.set.json",
            ("entries[num_decode=384,num_tokens=1024].measured.gain",)),

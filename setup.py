@@ -26,7 +26,7 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "transformers>=5.0",
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.0",
                  "ruff>=0.5", "triton>=3.0", "fastapi>=0.160", "uvicorn>=0.50", "httpx>=0.27",
                  "matplotlib>=3.7", "jinja2>=3.1", "openai>=1.0"],
         # transformers and jinja2: tokenizers and chat templates (stories15m ships one)

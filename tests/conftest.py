@@ -2,8 +2,10 @@
 tests only when asked for, and how pytest-xdist shares out the tests (`-n 2`).
 
 TRITON_INTERPRET must be set before triton is first imported; nanosched imports triton lazily
-and this file runs before any test module, so setting it here covers every test. On a GPU
-machine it stays unset and the Triton kernels compile for the GPU (tests/gpu/).
+and `pytest_configure` runs before any test module is imported, so setting it there covers every
+test. On a GPU machine it stays unset and the Triton kernels compile for the GPU (tests/gpu/).
+The xdist controller runs no test, so it skips this setup and never imports torch (2 s of CPU
+while the workers start on the same cores).
 
 Tests marked `gpu` run only under a `-m` expression that names `gpu` (`-m gpu tests/gpu`);
 without one, or under any other (`-m "not slow"`, the edit loop), they are deselected.
@@ -18,15 +20,20 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    # The CPU tests' tensors are tiny: a second intra-op thread only adds synchronisation,
-    # which on a busy 2-core machine made them 3-4x slower, in wall and in CPU time. Processes
-    # the tests spawn (servers, tp ranks) inherit the variable.
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # the xdist controller: its workers run the tests
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # The CPU tests' tensors are tiny: a second intra-op thread only adds synchronisation,
+        # which on a busy 2-core machine made them 3-4x slower, in wall and in CPU time.
+        # Processes the tests spawn (servers, tp ranks) inherit the variable.
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ captures and replays the graphs.
 from __future__ import annotations
 
 import torch
-from frontend_helpers import BUCKET_ROUNDS, bucket_forward, plain_forward, tiny_hf
+from frontend_helpers import BUCKET_ROUNDS, bucket_forward, plain_forward, shared_frontend, tiny_hf
 
 from nanosched.frontend import FrontendModel
 from nanosched.frontend.hf import llama_rules, use_nanosched
@@ -21,9 +21,7 @@ from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
 
 def test_bucketed_batches_equal_plain_ones():
-    model = tiny_hf("llama")
-    use_nanosched(model)
-    fm = FrontendModel(model, llama_rules())
+    _, fm = shared_frontend("llama")
     ref_ws = fm.new_workspace(max_tokens=64, num_pages=32, page_size=4)
     ws = fm.new_workspace(max_tokens=64, num_pages=32, page_size=4)
     for strategy in (Sequential(), TwoBatchOverlap(tile_m=8)):

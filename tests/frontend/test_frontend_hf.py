@@ -4,32 +4,33 @@ Llama, Qwen2 (one KV head), Mixtral (top-2 of 4 experts) with `llama_rules()` an
 the rules of docs/usage.md: three prompts prefilled in one batch (one chunked over two batches,
 its second chunk beside decode tokens), then greedy decode steps, under Sequential and the
 two-batch overlap; every token's logits match HF's run of each whole sequence (fp32, 1e-5
-relative) and the greedy tokens follow. One trace per model (about 3-6 s on a 2-core CPU).
+relative) and the greedy tokens follow. Each 2-layer model is traced once per test process
+(`shared_frontend`: 1.5-3 s of CPU a trace).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from frontend_helpers import PROMPTS, max_error_vs_hf, run_mixed, tiny_hf, usage_rules
+from frontend_helpers import (
+    PROMPTS,
+    hf_frontend,
+    max_error_vs_hf,
+    run_mixed,
+    shared_frontend,
+    usage_rules,
+)
 
 from nanosched.frontend import FrontendModel
 from nanosched.frontend.codegen import linear_out
-from nanosched.frontend.hf import llama_rules, use_nanosched
+from nanosched.frontend.hf import llama_rules
 from nanosched.frontend.inductor import elementwise_ops
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
 
-def frontend(arch: str, layers: int = 2, **kw) -> tuple[torch.nn.Module, FrontendModel]:
-    model = tiny_hf(arch, layers)
-    use_nanosched(model)
-    rules = usage_rules()[0] if arch == "gpt2" else llama_rules()
-    return model, FrontendModel(model, rules, **kw)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral", "gpt2"])
 def test_prefill_and_decode_equal_the_unmodified_model(arch):
-    model, fm = frontend(arch)
+    model, fm = shared_frontend(arch)
     ops = [op for op, _ in fm.layer_ops()]
     ffn = ["experts_ug", "act", "experts_d"] if arch == "mixtral" else ["ug", "act", "d"]
     assert ops == ["kqv", "rope_append", "attn_decode", "attn_prefill", "o", "add_norm_ffn",
@@ -51,7 +52,7 @@ def test_gpt2_rules_of_the_usage_page_are_at_most_20_lines():
 def test_a_deep_model_runs_its_traced_middle_layer_for_every_middle_layer(arch):
     """Five layers, three traced: layers 1-3 run the traced layer 1 bound to their own
     weights and KV layers; the buffers are those of the 2-layer trace (one layer's worth)."""
-    model, fm = frontend(arch, layers=5, trace_layers=3)
+    model, fm = hf_frontend(arch, layers=5, trace_layers=3)
     assert fm.num_layers == 5 and fm.trace.layers == 3
     assert [s.layer for s in fm.steps if s.sub.group.op == "kqv"] == [0, 1, 2, 3, 4]
     seqs, logits = run_mixed(fm, Sequential(), decode_steps=2)
@@ -61,11 +62,11 @@ def test_a_deep_model_runs_its_traced_middle_layer_for_every_middle_layer(arch):
 def test_llama_writes_every_tensor_in_place_and_keeps_one_layer_of_buffers():
     """No copy inside a layer (only the embedding's output is copied into its buffer), and
     buffers shared across layers: as many for 4 layers as for 2."""
-    _, two = frontend("llama")
+    _, two = shared_frontend("llama")
     desc = two.describe()
     assert desc["copies"] == ["embed:inputs_embeds"]
     assert desc["writes"]["alloc"] == 2  # each layer's attention output
-    _, four = frontend("llama", layers=4, trace_layers=None)
+    _, four = hf_frontend("llama", layers=4, trace_layers=None)
     assert four.describe()["buffers"] == desc["buffers"]
     assert four.describe()["buffer_bytes_per_token"] == desc["buffer_bytes_per_token"]
 
@@ -86,7 +87,7 @@ def test_sibling_linears_run_as_one_gemm_on_weights_held_once():
     """Qwen2's q/k/v (with biases) and gate/up: one GEMM each on concatenated weights, which
     the model's parameters then view (held once); without fusion three and two GEMMs. A second
     frontend on the same model views the same concatenation, and the model still runs."""
-    model, fm = frontend("qwen2")
+    model, fm = shared_frontend("qwen2")
     want = {"kqv": 1, "o": 1, "ug": 1, "d": 1}
     assert {op: n for op, n in gemms_per_op(fm).items() if n} == want
     attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
@@ -111,11 +112,11 @@ def test_ops_compiled_by_inductor_keep_the_model_exact():
     dynamic, results written into the buffers; five layers, the middle three running one
     compiled traced layer on their own weights) still give HF's logits under both strategies,
     with no compile left for the forwards (a C++ compiler: about a minute)."""
-    _, plain = frontend("llama")  # the default on the CPU: nothing compiled
+    _, plain = shared_frontend("llama")  # the default on the CPU: nothing compiled
     assert plain.compiled_ops == () and plain.compile_seconds == 0
     chosen = elementwise_ops([s.sub for s in plain.steps])
     assert chosen == ("rope_append", "add_norm_ffn", "act", "add_norm_attn")
-    model, fm = frontend("llama", layers=5, compile_ops=chosen)  # layers 1-3 share layer 1's
+    model, fm = hf_frontend("llama", layers=5, compile_ops=chosen)  # layers 1-3 share layer 1's
     assert fm.compile_seconds > 0 and fm.describe()["compiled_ops"] == list(chosen)
     counters = torch._dynamo.utils.counters
     before = counters["stats"]["unique_graphs"]

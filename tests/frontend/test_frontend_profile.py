@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from frontend_helpers import tiny_hf
+from frontend_helpers import shared_frontend
 from repo import DATA
 from runtime_helpers import ShuffledDevice, batch_logits
 from typer.testing import CliRunner
@@ -23,7 +23,6 @@ from nanosched.cli import app
 from nanosched.errors import ConfigError
 from nanosched.frontend import FrontendModel
 from nanosched.frontend.boundary import rows
-from nanosched.frontend.hf import llama_rules, use_nanosched
 from nanosched.frontend.profiling import FrontendImpls, load_frontend, model_spec
 from nanosched.models.spec import spec_from_hf_config
 from nanosched.profiler.impls import OpCall, ScratchSpace
@@ -37,15 +36,21 @@ SHAPE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
          "intermediate_size", "vocab_size")
 
 
-def test_the_spec_is_read_off_the_partition():
-    hf = tiny_hf("llama")
+@pytest.fixture(scope="module")
+def gpt2():
+    """The CLI's frontend model (`--frontend tests/data/frontend_gpt2.py:build`), loaded once:
+    the tests that take it only read it."""
+    return load_frontend(GPT2, "cpu")
+
+
+def test_the_spec_is_read_off_the_partition(gpt2):
+    hf, fm = shared_frontend("llama")
     want = spec_from_hf_config(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]},
                                name="x")
-    use_nanosched(hf)
-    got = model_spec(FrontendModel(hf, llama_rules()), "x")
+    got = model_spec(fm, "x")
     assert [getattr(got, f) for f in SHAPE] == [getattr(want, f) for f in SHAPE]
-    gpt2 = model_spec(load_frontend(GPT2, "cpu"), "gpt2-tiny")
-    assert [getattr(gpt2, f) for f in SHAPE] == [64, 2, 4, 4, 16, 256, 256]
+    small = model_spec(gpt2, "gpt2-tiny")
+    assert [getattr(small, f) for f in SHAPE] == [64, 2, 4, 4, 16, 256, 256]
 
 
 def test_ops_the_search_does_not_know_are_refused():
@@ -57,8 +62,8 @@ def test_ops_the_search_does_not_know_are_refused():
         load_frontend(f"{DATA / 'frontend_gpt2.py'}:nope", "cpu")
 
 
-def test_the_frontends_kernels_run_its_own_ops():
-    fm = load_frontend(GPT2, "cpu")
+def test_the_frontends_kernels_run_its_own_ops(gpt2):
+    fm = gpt2
     spec, reg = model_spec(fm, "gpt2-tiny"), FrontendImpls(fm)
     have, _ = reg.available(fm.op_names())
     assert {i.name for i in have["ug"]} >= {"cublas", "cublaslt"} and \

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 from hf_models import TINY, randomize
@@ -31,6 +32,26 @@ def tiny_hf(arch: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
                                                  bos_token_id=0, eos_token_id=0))
     randomize(model, seed)
     return model.eval()
+
+
+def hf_frontend(arch: str, layers: int = 2, **kw):
+    """`tiny_hf(arch, layers)` routed through the frontend's operators and traced with its rules
+    (`llama_rules()`, or docs/usage.md's for GPT-2): (HF model, `FrontendModel`)."""
+    from nanosched.frontend import FrontendModel
+    from nanosched.frontend.hf import llama_rules, use_nanosched
+
+    model = tiny_hf(arch, layers)
+    use_nanosched(model)
+    rules = usage_rules()[0] if arch == "gpt2" else llama_rules()
+    return model, FrontendModel(model, rules, **kw)
+
+
+@cache
+def shared_frontend(arch: str):
+    """`hf_frontend(arch)` built once per test process, for tests that only read it and the
+    model (each run makes its own workspace): a trace is 1.5-3 s of CPU, and five tests
+    take the 2-layer Llama."""
+    return hf_frontend(arch)
 
 
 def usage_rules():

@@ -12,6 +12,12 @@ failed accept() is logged). `guarded(base, limits)` subclasses uvicorn's HTTP pr
 - at most `max_connections` connections are open; one more is answered 503 at once and
   closed, before it is read. The default is below the descriptor limit (RLIMIT_NOFILE), with
   room left for the model's files and the process's own.
+An idle keep-alive connection is closed by the header timeout (10 s by default), and uvicorn's
+own idle close (5 s by default) is set past it (`keep_alive_s`): httpx, and so the `openai`
+client, reuse a pooled connection idle for up to `CLIENT_KEEPALIVE_S`, and a server that closes
+idle connections at that same age closes some under a request already on its way (the client
+sees a reset, `httpx.ReadError`, or no response; under load, when a loaded client takes longer
+between picking the connection and writing on it). Keep `--header-timeout` above those 5 s.
 What was closed is counted and logged at most once per `LOG_EVERY_S`, never per connection.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +36,7 @@ LOG_EVERY_S = 10.0
 RESERVED_FDS = 64  # descriptors kept for the model's files, logs, pipes and the listener
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0  # an 8 MiB body at 140 KB/s
+CLIENT_KEEPALIVE_S = 5.0  # httpx's default keepalive_expiry (the openai client's too)
 
 
 def default_max_connections(cap: int = 1024) -> int:
@@ -63,6 +71,12 @@ class ConnectionLimits:
                         "%g s, body timeout %g s)",
                         ", ".join(f"{n} {w}" for w, n in sorted(self.closed.items())),
                         self.max_connections, self.header_timeout_s, self.body_timeout_s)
+
+
+def keep_alive_s(limits: ConnectionLimits) -> int:
+    """uvicorn's `timeout_keep_alive`: past the header timeout, which closes an idle keep-alive
+    connection first (module docstring)."""
+    return math.ceil(limits.header_timeout_s) + 1
 
 
 def _raw_response(status: str, message: str, code: str) -> bytes:

@@ -34,6 +34,7 @@ from nanosched.runtime.server.connections import (
     ConnectionLimits,
     default_max_connections,
     guarded,
+    keep_alive_s,
 )
 from nanosched.runtime.server.startup import ServeConfig, check_flags, prepare
 from nanosched.runtime.server.worker import EngineWorker
@@ -151,6 +152,7 @@ def build_server(cfg: ServeConfig) -> Any:
                               cfg.max_connections or default_max_connections())
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             http=guarded(AutoHTTPProtocol, limits),
+                            timeout_keep_alive=keep_alive_s(limits),
                             timeout_graceful_shutdown=cfg.drain_timeout_s + UVICORN_SLACK_S)
     server = _server_class(cfg, worker)(config)
     server.nanosched_worker = worker  # for tests and the bench: the engine behind the app

@@ -15,7 +15,14 @@ import pytest
 from serve_helpers import ThreadServer, tiny_folder
 
 from nanosched.errors import ConfigError
-from nanosched.runtime.server.connections import RESERVED_FDS, default_max_connections
+from nanosched.runtime.server.connections import (
+    CLIENT_KEEPALIVE_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    RESERVED_FDS,
+    ConnectionLimits,
+    default_max_connections,
+    keep_alive_s,
+)
 
 TIMEOUT_S = 0.5
 CAP = 6
@@ -133,6 +140,40 @@ def test_keep_alive_requests_reuse_the_connection(srv):
             r = c.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": [1],
                                                           "max_tokens": 1})
             assert r.status_code == 200
+
+
+def test_idle_keep_alive_is_closed_by_the_header_timeout_after_clients_let_go(srv):
+    """uvicorn's own idle close comes after the header timeout's, and the default header
+    timeout after the age at which httpx (and the openai client) stop reusing a connection: a
+    client never writes a request on a connection the server is closing (uvicorn's 5 s, equal
+    to httpx's, gave the 64-client test an httpx.ReadError under load)."""
+    assert srv.server.config.timeout_keep_alive == keep_alive_s(srv.server.nanosched_limits)
+    assert keep_alive_s(srv.server.nanosched_limits) > TIMEOUT_S
+    assert keep_alive_s(ConnectionLimits()) > DEFAULT_HEADER_TIMEOUT_S
+    assert httpx.Limits().keepalive_expiry == CLIENT_KEEPALIVE_S < DEFAULT_HEADER_TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_a_connection_idle_as_long_as_clients_keep_one_still_serves(tmp_path):
+    """The same on the wire, with the default timeouts: one connection, a request, an idle
+    pause just past the clients' keep-alive, another request on the same socket."""
+    import http.client
+
+    s = ThreadServer(model=str(tiny_folder(tmp_path)), dense_batch=16)
+    host, port = s.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": s.model, "prompt": [1, 2], "max_tokens": 1})
+    try:
+        for pause in (0.0, CLIENT_KEEPALIVE_S + 0.5):
+            time.sleep(pause)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            sock = conn.sock
+            r = conn.getresponse()
+            assert r.status == 200 and r.read()
+            assert conn.sock is sock and not r.will_close
+    finally:
+        conn.close()
+        s.close()
 
 
 def test_the_default_cap_stays_below_the_descriptor_limit(monkeypatch):

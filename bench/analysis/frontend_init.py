@@ -1,11 +1,15 @@
 """CPU: the frontend's initialisation (trace, then partition and subgraphs) on HF Llama.
 
-Each run is a fresh Python process that builds HF `LlamaForCausalLM` and then the frontend twice:
-cold (the process's first `torch.compile`, which starts TorchDynamo) and warm. Two shapes:
-the tests' tiny Llama (fp32 on the CPU, 2 layers) and Llama-3-8B's config on the meta device
-(bf16, 32 layers, no memory: the trace needs shapes only). For each: the trace seconds
-(TorchDynamo's capture of 3 layers), `init_s` (trace + analysis: partition, fusion, subgraphs,
-buffers), and their difference (the frontend's own analysis); no Inductor compile on the CPU.
+Each run is a fresh Python process that builds HF `LlamaForCausalLM`, starts TorchDynamo
+(`start_s`: frontend/trace.py's `start_dynamo`, what the process's first `torch.compile` pays,
+which `FrontendModel` times apart from its init) and then builds the frontend twice: cold (the
+model's code traced for the first time in the process) and warm. Two shapes: the tests' tiny
+Llama (fp32 on the CPU, 2 layers) and Llama-3-8B's config on the meta device (bf16, 32 layers,
+no memory: the trace needs shapes only). For each: the trace seconds (TorchDynamo's capture of
+3 layers), `init_s` (trace + analysis: partition, fusion, subgraphs, buffers), their
+difference (the frontend's own analysis), and the process's CPU seconds of the start and of
+each init (`*_cpu_s`: the machine is shared, and CPU time varies less with its load than wall
+time, which each run records beside `load_1m`); no Inductor compile on the CPU.
 
     PYTHONPATH=. python bench/analysis/frontend_init.py --reps 3
 """
@@ -32,6 +36,7 @@ def one_run(shape: str) -> dict[str, float]:
 
     from nanosched.frontend import FrontendModel
     from nanosched.frontend.hf import llama_rules, use_nanosched
+    from nanosched.frontend.trace import start_dynamo
 
     if shape == "tiny":
         cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -45,14 +50,18 @@ def one_run(shape: str) -> dict[str, float]:
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     use_nanosched(model)
-    out: dict[str, float] = {}
+    param = next(model.parameters())
+    cpu = time.process_time()
+    out = {"start_s": start_dynamo(param.device, param.dtype),
+           "start_cpu_s": time.process_time() - cpu}
     for when in ("cold", "warm"):
-        t0 = time.perf_counter()
+        cpu = time.process_time()
         fm = FrontendModel(model, llama_rules())
+        assert fm.start_seconds == 0.0  # started above
         out |= {f"{when}_trace_s": fm.trace.seconds, f"{when}_init_s": fm.init_seconds,
                 f"{when}_analysis_s": fm.init_seconds - fm.trace.seconds,
-                f"{when}_total_s": time.perf_counter() - t0}
-    return out
+                f"{when}_init_cpu_s": time.process_time() - cpu}
+    return out | {"load_1m": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -73,7 +82,7 @@ def main() -> None:
         median = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
         record[shape] = {"median": median, "runs": runs}
         print(f"{shape:15s} " + "  ".join(f"{k} {v:.2f}" for k, v in median.items()))
-    stamp = time.strftime("%Y%m%d", time.gmtime())
+    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
     out = ROOT / "bench" / "results" / f"frontend-init-cpu-{stamp}.json"
     import torch
     import transformers

@@ -13,7 +13,9 @@ named-op `CausalLM` loaded from the same weights. One run answers issue 37's GPU
   measured as it comes (sibling linears fused, Inductor on its elementwise ops), without
   Inductor, and with neither (HF's modules as they are), so each lever's share shows;
 - initialisation: the default frontend's trace, trace + analysis (`init_s`) and Inductor
-  compile seconds, cold (the process's first torch.compile) and again warm;
+  compile seconds, cold (the process's first torch.compile) and again warm; TorchDynamo's
+  first start in the process (`dynamo_start_s`, frontend/trace.py's `start_dynamo`: what any
+  torch.compile user pays once per process) apart from `init_s`;
 - accuracy: four prompts (1,024 tokens) prefilled in one batch by the frontend, the named-op
   model and HF's own eager SDPA forward in bf16, each against HF's eager forward in fp32 on the
   same weights (relative L2 of every position's logits, top-1 agreement where fp32's top-2
@@ -103,7 +105,8 @@ def frontend_model(hf: torch.nn.Module) -> tuple[Any, dict[str, float]]:
     for when in ("cold", "warm"):
         fm = FrontendModel(hf, llama_rules())
         init |= {f"{when}_trace_s": fm.trace.seconds, f"{when}_init_s": fm.init_seconds,
-                 f"{when}_compile_s": fm.compile_seconds}
+                 f"{when}_compile_s": fm.compile_seconds,
+                 f"{when}_dynamo_start_s": fm.start_seconds}
     return fm, init
 
 
@@ -280,8 +283,9 @@ def report(record: dict[str, Any], out: Path) -> None:
         print(f"  {op:14s} " + "  ".join(f"{r['per_op_gpu_ms'].get(op, 0.0):8.3f}"
                                          for r in results.values()))
     print(f"init: cold {init['cold_init_s']:.2f} s (trace {init['cold_trace_s']:.2f}, compile "
-          f"{init['cold_compile_s']:.2f}), warm {init['warm_init_s']:.2f} s (trace "
-          f"{init['warm_trace_s']:.2f}, compile {init['warm_compile_s']:.2f})")
+          f"{init['cold_compile_s']:.2f}; Dynamo's first start {init['cold_dynamo_start_s']:.2f} "
+          f"apart), warm {init['warm_init_s']:.2f} s (trace {init['warm_trace_s']:.2f}, "
+          f"compile {init['warm_compile_s']:.2f})")
     for key in (f"{HF16}_vs_fp32", f"{NAMED}_vs_fp32", f"{FRONTEND}_vs_fp32",
                 f"{NAMED}_vs_{HF16}", f"{FRONTEND}_vs_{HF16}"):
         print(f"logits {key:22s} rel L2 {acc[key]['rel_l2']:.4f}, top-1 "

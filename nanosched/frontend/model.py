@@ -16,6 +16,8 @@ It offers what the runtime asks of the named-op `CausalLM` for one forward (`pro
 buffers kept; inductor.py): by default (`"auto"`, on a CUDA device) the elementwise ones,
 whose many small torch kernels the named-op model fuses, compiled at initialisation
 (`compile_seconds`, apart from `init_seconds`: trace + analysis); `()` compiles none.
+TorchDynamo's first start in the process (trace.py's `start_dynamo`) is timed apart too
+(`start_seconds`, 0 in a process that has started it): it is no part of tracing this model.
 `fuse`: sibling linears on one input run as one GEMM (fuse.py).
 
 Depth: Dynamo traces `trace_layers` layers (trace.py); a deeper model runs the traced
@@ -115,7 +117,8 @@ class FrontendModel:
         for s in [*self.steps, self.head]:
             s.bound = self._bind(s)
         self.kv_heads, self.head_dim = self._kv_geometry()
-        self.init_seconds = time.perf_counter() - t0  # trace + analysis
+        self.start_seconds = self.trace.start_seconds  # Dynamo's first start: not the model's
+        self.init_seconds = time.perf_counter() - t0 - self.start_seconds  # trace + analysis
         self.compile_seconds = warm_up(self) if self.compiled_ops else 0.0
 
     # ---- what the runtime asks of a model ---------------------------------------------------
@@ -201,7 +204,8 @@ class FrontendModel:
                 "buffers": len(per_token), "buffer_bytes_per_token": sum(per_token.values()),
                 "fused_linears": self.fused, "compiled_ops": list(self.compiled_ops),
                 "trace_s": round(self.trace.seconds, 3), "init_s": round(self.init_seconds, 3),
-                "compile_s": round(self.compile_seconds, 3)}
+                "compile_s": round(self.compile_seconds, 3),
+                "dynamo_start_s": round(self.start_seconds, 3)}
 
     # ---- building -----------------------------------------------------------------------------
     @property
@@ -217,7 +221,7 @@ class FrontendModel:
         self._sizes = {**self.trace.symbols}
         for r in reads:
             for n in r.symbols:
-                self._sizes.setdefault(n, _size_expr(n))
+                self._sizes.setdefault(n, example(n))
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         subs = []
         for i, g in enumerate(part.groups):
@@ -281,10 +285,6 @@ class FrontendModel:
                 return int(shape[1]), int(shape[3])
         raise ConfigError("the traced model writes no KV cache: route its attention through "
                           "the frontend (hf.use_nanosched)")
-
-
-def _size_expr(n: fx.Node) -> Any:
-    return example(n)
 
 
 def _flatten(x: Any) -> list[Any]:

@@ -17,6 +17,16 @@ the stopped compile leaves no cache entry, and `torch._dynamo.reset()` would dro
 function compiled in the process (another frontend's Inductor ops, the user's own), each then
 compiling again at its next call (in serving, a latency spike).
 
+`start_dynamo(device)`: TorchDynamo's first compile in the process, apart from the trace
+(`Trace.start_seconds`; 0 once done): a small model of torch's own modules (embedding, linear,
+SiLU, an RMS norm) traced by the same backend on the model's device, with a dynamic token
+count. It pays what any `torch.compile` user pays once per process, whoever compiles first:
+the imports of Dynamo's compile path (AOTAutograd, functorch's compile, the debugging
+backends: 0.4-0.5 s on this project's 2-core CPU), the fake-tensor, symbolic-shape and sympy
+first uses, the scan of torch's module sources. What is left of a first trace beyond a second
+one is the model's own code seen for the first time (its source files scanned, its functions'
+bytecode analysed), and stays in the trace's seconds.
+
 `layers`: trace only the first `layers` decoder layers (the model's layer list cut short while
 Dynamo runs, HF's `num_hidden_layers` likewise); the frontend binds the traced middle layer's
 ops to the weights of the others (model.py). Tracing time grows with depth: a 32-layer tiny
@@ -50,6 +60,7 @@ class Trace:
     layers: int = 0  # decoder layers traced
     layer_prefix: str = ""  # the layer list's path ("model.layers")
     seconds: float = 0.0
+    start_seconds: float = 0.0  # Dynamo's first start in the process, before the trace
 
 
 def layer_list(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
@@ -88,25 +99,13 @@ def capture(model: torch.nn.Module, example_tokens: int = 8, layers: int | None 
     """Trace `model` (see the module docstring); `layers=None` traces every layer."""
     prefix, full = layer_list(model)
     depth = len(full) if layers is None else min(layers, len(full))
-    graphs: list[tuple[fx.GraphModule, list]] = []
-
-    def backend(gm: fx.GraphModule, example_inputs: list) -> object:
-        graphs.append((gm, list(example_inputs)))
-        raise _Captured  # the graph is all the frontend needs: no guards, no forward run
-
-    device = next(model.parameters()).device
-    ids = torch.zeros((1, example_tokens), dtype=torch.int64, device=device)
-    pos = torch.arange(example_tokens, device=device)[None]
-    for t in (ids, pos):
-        torch._dynamo.mark_dynamic(t, 1)
+    first = next(model.parameters())
+    started = start_dynamo(first.device, first.dtype)
+    ids, pos = _token_inputs(example_tokens, first.device)
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), _shallow(model, prefix, depth):
-            torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(
-                input_ids=ids, position_ids=pos, use_cache=False)
-    except torch._dynamo.exc.BackendCompilerFailed as exc:
-        if not isinstance(exc.inner_exception, _Captured):
-            raise
+        with _shallow(model, prefix, depth):
+            graphs = _graphs(model, input_ids=ids, position_ids=pos, use_cache=False)
     except torch._dynamo.exc.Unsupported as exc:
         raise ConfigError(f"TorchDynamo cannot trace {type(model).__name__} as one graph: "
                           f"{str(exc).splitlines()[0]}") from exc
@@ -114,13 +113,71 @@ def capture(model: torch.nn.Module, example_tokens: int = 8, layers: int | None 
         raise ConfigError(f"tracing {type(model).__name__} gave {len(graphs)} graphs, not one")
     gm, examples = graphs[0]
     trace = Trace(gm, _token_symbol(gm, examples, ids), layers=depth, layer_prefix=prefix,
-                  seconds=time.perf_counter() - t0)
+                  seconds=time.perf_counter() - t0, start_seconds=started)
     _sort_inputs(trace, model, examples, {id(ids): "input_ids", id(pos): "position_ids"})
     return trace
 
 
 class _Captured(Exception):
     """Raised by the capturing backend once it holds the graph, to stop Dynamo there."""
+
+
+def _graphs(module: torch.nn.Module, **inputs: object) -> list[tuple[fx.GraphModule, list]]:
+    """The graphs Dynamo hands a backend that keeps them and stops it (module docstring)."""
+    graphs: list[tuple[fx.GraphModule, list]] = []
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> object:
+        graphs.append((gm, list(example_inputs)))
+        raise _Captured  # the graph is all the frontend needs: no guards, no forward run
+
+    try:
+        with torch.no_grad():
+            torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(**inputs)
+    except torch._dynamo.exc.BackendCompilerFailed as exc:
+        if not isinstance(exc.inner_exception, _Captured):
+            raise
+    return graphs
+
+
+def _token_inputs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and position_ids [1, n], n dynamic."""
+    ids = torch.zeros((1, n), dtype=torch.int64, device=device)
+    pos = torch.arange(n, device=device)[None]
+    for t in (ids, pos):
+        torch._dynamo.mark_dynamic(t, 1)
+    return ids, pos
+
+
+class _Probe(torch.nn.Module):
+    """torch's own modules, as a decoder's layer uses them: what `start_dynamo` traces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.proj, self.act = (torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16),
+                                           torch.nn.SiLU())
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+        gate, up = self.proj(x).chunk(2, dim=-1)
+        return (self.act(gate) * up).transpose(1, 2) + position_ids[:, None].to(x.dtype)
+
+
+_STARTED: set[tuple[str, str]] = set()
+
+
+def start_dynamo(device: torch.device, dtype: torch.dtype) -> float:
+    """Dynamo's first start in this process on `device` (module docstring); seconds, 0 once
+    done."""
+    key = (str(device), str(dtype))
+    if key in _STARTED:
+        return 0.0
+    t0 = time.perf_counter()
+    probe = _Probe().to(device=device, dtype=dtype)
+    ids, pos = _token_inputs(4, device)
+    _graphs(probe, input_ids=ids, position_ids=pos)
+    _STARTED.add(key)
+    return time.perf_counter() - t0
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:

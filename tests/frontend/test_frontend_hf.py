@@ -25,6 +25,7 @@ from nanosched.frontend import FrontendModel
 from nanosched.frontend.codegen import linear_out
 from nanosched.frontend.hf import llama_rules
 from nanosched.frontend.inductor import elementwise_ops
+from nanosched.frontend.trace import start_dynamo
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
 
@@ -57,6 +58,19 @@ def test_a_deep_model_runs_its_traced_middle_layer_for_every_middle_layer(arch):
     assert [s.layer for s in fm.steps if s.sub.group.op == "kqv"] == [0, 1, 2, 3, 4]
     seqs, logits = run_mixed(fm, Sequential(), decode_steps=2)
     assert max_error_vs_hf(model, seqs, logits) < 1e-5
+
+
+def test_dynamos_first_start_is_timed_apart_from_the_trace_and_paid_once():
+    """TorchDynamo's first start on a device (`start_dynamo`: a small model of torch's modules
+    traced by the capturing backend) runs once per process and device; a frontend built after
+    it reports no start, and its init (trace + analysis) covers the trace."""
+    meta = torch.device("meta")
+    assert start_dynamo(meta, torch.float16) > 0  # no other test starts Dynamo on meta fp16
+    assert start_dynamo(meta, torch.float16) == 0.0
+    model, fm = frontend("llama")
+    again = FrontendModel(model, llama_rules())
+    assert again.start_seconds == 0.0 and again.describe()["dynamo_start_s"] == 0.0
+    assert fm.init_seconds >= fm.trace.seconds > 0 and again.init_seconds >= again.trace.seconds
 
 
 def test_llama_writes_every_tensor_in_place_and_keeps_one_layer_of_buffers():

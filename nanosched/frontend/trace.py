@@ -17,13 +17,14 @@ the stopped compile leaves no cache entry, and `torch._dynamo.reset()` would dro
 function compiled in the process (another frontend's Inductor ops, the user's own), each then
 compiling again at its next call (in serving, a latency spike).
 
-`start_dynamo(device)`: TorchDynamo's first compile in the process, apart from the trace
-(`Trace.start_seconds`; 0 once done): a small model of torch's own modules (embedding, linear,
-SiLU, an RMS norm) traced by the same backend on the model's device, with a dynamic token
-count. It pays what any `torch.compile` user pays once per process, whoever compiles first:
-the imports of Dynamo's compile path (AOTAutograd, functorch's compile, the debugging
-backends: 0.4-0.5 s on this project's 2-core CPU), the fake-tensor, symbolic-shape and sympy
-first uses, the scan of torch's module sources. What is left of a first trace beyond a second
+`start_dynamo(device, dtype)`: TorchDynamo's first compile in the process, apart from the
+trace (`Trace.start_seconds`; 0 once done for that device and dtype): a small model of torch's
+own modules (embedding, linear, SiLU, an RMS norm) traced by the same backend on the model's
+device, with a dynamic token count. It pays what any `torch.compile` user pays once per
+process, whoever compiles first: the imports of Dynamo's compile path (AOTAutograd, functorch's
+compile, the debugging backends), the fake-tensor, symbolic-shape and sympy first uses, the
+scan of torch's module sources (0.69 s, median of 5 fresh processes on this project's 2-core
+CPU: bench/analysis/frontend_init.py). What is left of a first trace beyond a second
 one is the model's own code seen for the first time (its source files scanned, its functions'
 bytecode analysed), and stays in the trace's seconds.
 
@@ -167,13 +168,13 @@ _STARTED: set[tuple[str, str]] = set()
 
 
 def start_dynamo(device: torch.device, dtype: torch.dtype) -> float:
-    """Dynamo's first start in this process on `device` (module docstring); seconds, 0 once
-    done."""
+    """Dynamo's first start in this process on `device` in `dtype` (module docstring);
+    seconds, 0 once done."""
     key = (str(device), str(dtype))
     if key in _STARTED:
         return 0.0
     t0 = time.perf_counter()
-    probe = _Probe().to(device=device, dtype=dtype)
+    probe = _Probe().to(device=device, dtype=dtype if dtype.is_floating_point else None)
     ids, pos = _token_inputs(4, device)
     _graphs(probe, input_ids=ids, position_ids=pos)
     _STARTED.add(key)

@@ -67,7 +67,7 @@ def test_dynamos_first_start_is_timed_apart_from_the_trace_and_paid_once():
     meta = torch.device("meta")
     assert start_dynamo(meta, torch.float16) > 0  # no other test starts Dynamo on meta fp16
     assert start_dynamo(meta, torch.float16) == 0.0
-    model, fm = frontend("llama")
+    model, fm = shared_frontend("llama")
     again = FrontendModel(model, llama_rules())
     assert again.start_seconds == 0.0 and again.describe()["dynamo_start_s"] == 0.0
     assert fm.init_seconds >= fm.trace.seconds > 0 and again.init_seconds >= again.trace.seconds

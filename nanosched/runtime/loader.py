@@ -181,8 +181,9 @@ class LoadedEngine:
         """Release the engine's CUDA graphs, the green-context partitions and, at tp > 1, the
         engine on the other ranks and the group it started (the engine must not step
         afterwards). The graphs go first: collectives captured in them hold the group."""
-        if self.engine.graphs is not None:
-            self.engine.graphs.release()
+        graphs = getattr(self.engine, "graphs", None)
+        if graphs is not None:
+            graphs.release()
         if self.streams is not None:
             self.streams.close()
             self.streams = None

@@ -20,6 +20,15 @@ from nanosched.runtime.graphs import BucketRunner
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
 
+def _rounds_match(fm, runner, ref, ref_ws) -> None:
+    """Every round of BUCKET_ROUNDS through `runner`'s buckets equals `ref`'s plain forward."""
+    with torch.inference_mode():
+        for chunks, ids in BUCKET_ROUNDS:
+            want = plain_forward(ref, ref_ws, chunks, ids)
+            got = bucket_forward(fm, runner, chunks, ids)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bucketed_batches_equal_plain_ones():
     _, fm = shared_frontend("llama")
     ref_ws = fm.new_workspace(max_tokens=64, num_pages=32, page_size=4)
@@ -27,11 +36,7 @@ def test_bucketed_batches_equal_plain_ones():
     for strategy in (Sequential(), TwoBatchOverlap(tile_m=8)):
         runner = BucketRunner(fm, ws, Backend(SerialDevice()), strategy, align=8, max_pages=16,
                               capture=False)
-        with torch.inference_mode():
-            for chunks, ids in BUCKET_ROUNDS:
-                want = plain_forward(fm, ref_ws, chunks, ids)
-                got = bucket_forward(fm, runner, chunks, ids)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        _rounds_match(fm, runner, fm, ref_ws)
         assert runner.stats.eager_bucket == len(BUCKET_ROUNDS)
         for r in range(4):
             ws.kv.release(r)
@@ -54,9 +59,5 @@ def test_ops_compiled_at_init_stay_compiled_when_another_frontend_is_built():
         ws = fm.new_workspace(max_tokens=64, num_pages=32, page_size=4)
         runner = BucketRunner(fm, ws, Backend(SerialDevice()), strategy, align=8, max_pages=16,
                               capture=False)
-        with torch.inference_mode():
-            for chunks, ids in BUCKET_ROUNDS:
-                want = plain_forward(plain, ref_ws, chunks, ids)
-                got = bucket_forward(fm, runner, chunks, ids)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        _rounds_match(fm, runner, plain, ref_ws)
     assert counters["stats"]["unique_graphs"] == graphs

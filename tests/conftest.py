@@ -7,6 +7,11 @@ test. On a GPU machine it stays unset and the Triton kernels compile for the GPU
 The xdist controller runs no test, so it skips this setup and never imports torch (2 s of CPU
 while the workers start on the same cores).
 
+typer's `CliRunner.invoke(app, ...)` builds the click command tree of the whole app on every
+call (it reads the signature of every command: about 20 ms, and the edit loop invokes the CLI
+400 times); here each test process builds it once per app. The app is not changed after import,
+so every invocation gets the tree a fresh build would give.
+
 Tests marked `gpu` run only under a `-m` expression that names `gpu` (`-m gpu tests/gpu`);
 without one, or under any other (`-m "not slow"`, the edit loop), they are deselected.
 
@@ -16,6 +21,7 @@ out takes half of what the other has left. `shared_cache` is a folder every work
 sees, for results computed once per run (tests/helpers/run_cache.py).
 """
 
+import functools
 import os
 from pathlib import Path
 
@@ -34,6 +40,17 @@ def pytest_configure(config: pytest.Config) -> None:
         # Processes the tests spawn (servers, tp ranks) inherit the variable.
         torch.set_num_threads(1)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _build_cli_commands_once()
+
+
+def _build_cli_commands_once() -> None:
+    try:
+        import typer.testing
+    except ImportError:
+        return
+    build = getattr(typer.testing, "_get_command", None)  # typer.main.get_command, as imported
+    if build is not None and not hasattr(build, "cache_info"):
+        typer.testing._get_command = functools.cache(build)
 
 
 def pytest_collection_modifyitems(config, items):

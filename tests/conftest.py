@@ -6,11 +6,8 @@ and `pytest_configure` runs before any test module is imported, so setting it th
 test. On a GPU machine it stays unset and the Triton kernels compile for the GPU (tests/gpu/).
 The xdist controller runs no test, so it skips this setup and never imports torch (2 s of CPU
 while the workers start on the same cores).
-
-typer's `CliRunner.invoke(app, ...)` builds the click command tree of the whole app on every
-call (it reads the signature of every command: about 20 ms, and the edit loop invokes the CLI
-400 times); here each test process builds it once per app. The app is not changed after import,
-so every invocation gets the tree a fresh build would give.
+`lib_patches.apply()` (tests/helpers) skips work typer's CliRunner and Triton's interpreter
+repeat for nothing, in the same processes.
 
 Tests marked `gpu` run only under a `-m` expression that names `gpu` (`-m gpu tests/gpu`);
 without one, or under any other (`-m "not slow"`, the edit loop), they are deselected.
@@ -21,10 +18,10 @@ out takes half of what the other has left. `shared_cache` is a folder every work
 sees, for results computed once per run (tests/helpers/run_cache.py).
 """
 
-import functools
 import os
 from pathlib import Path
 
+import lib_patches
 import pytest
 
 
@@ -40,17 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # Processes the tests spawn (servers, tp ranks) inherit the variable.
         torch.set_num_threads(1)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _build_cli_commands_once()
-
-
-def _build_cli_commands_once() -> None:
-    try:
-        import typer.testing
-    except ImportError:
-        return
-    build = getattr(typer.testing, "_get_command", None)  # typer.main.get_command, as imported
-    if build is not None and not hasattr(build, "cache_info"):
-        typer.testing._get_command = functools.cache(build)
+    lib_patches.apply()
 
 
 def pytest_collection_modifyitems(config, items):

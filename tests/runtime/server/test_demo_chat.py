@@ -14,7 +14,6 @@ from serve_helpers import ThreadServer
 from nanosched.models.tokenizers import SHIPPED, shipped_tokenizer
 
 README = ROOT / "README.md"
-openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +25,7 @@ def srv():
 
 @pytest.fixture(scope="module")
 def client(srv):
+    openai = pytest.importorskip("openai")  # here, not at collection: a second of CPU
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 

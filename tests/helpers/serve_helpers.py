@@ -11,7 +11,7 @@ from pathlib import Path
 from repo import DATA
 
 from nanosched.runtime.config import EngineConfig
-from nanosched.runtime.server.lifecycle import build_server
+from nanosched.runtime.server.lifecycle import bind_port, build_server
 from nanosched.runtime.server.startup import ServeConfig
 
 
@@ -44,8 +44,10 @@ class ThreadServer:
                                                           if k in server_keys}))
         self.worker = self.server.nanosched_worker
         self.model = self.server.nanosched_name  # the id requests name
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        # bound as `nanosched serve` binds (bind_port): a TCP socket, so that asyncio sets
+        # TCP_NODELAY on its connections (a protocol-0 socket kept Nagle on: every response
+        # whose headers and body went out in two writes waited 40 ms for the delayed ACK)
+        sock = bind_port("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True)

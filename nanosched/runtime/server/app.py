@@ -57,11 +57,16 @@ def _error(exc: ApiError) -> JSONResponse:
 
 
 def _internal(request: Request, exc: Exception) -> JSONResponse:
-    """Any exception no check foresaw: logged with its traceback, answered as a JSON 500."""
+    """Any exception no check foresaw: logged with its traceback, answered as a JSON 500.
+
+    Starlette raises the exception again after this answer and uvicorn then closes the
+    connection, so the answer says `Connection: close`: a keep-alive client that reused the
+    connection at once would write its next request into the closing socket (a reset)."""
     log.error("%s %s failed", request.method, request.url.path,
               exc_info=(type(exc), exc, exc.__traceback__))
     return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
-                           code="internal_error", kind="server_error"))
+                           code="internal_error", kind="server_error",
+                           headers={"Connection": "close"}))
 
 
 def _client_left(request: Request, _: ClientDisconnect) -> Response:

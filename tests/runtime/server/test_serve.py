@@ -372,6 +372,7 @@ def test_unknown_routes_and_methods_and_internal_errors_answer_json(srv, http, m
     assert r.status_code == 500 and r.json()["error"] == {
         "message": "internal error: RuntimeError: boom", "type": "server_error",
         "param": None, "code": "internal_error"}
+    assert r.headers["connection"] == "close"  # the server closes it: not to be reused
     monkeypatch.undo()
     assert ask(http, srv, prompt=[1], max_tokens=2).status_code == 200
 

@@ -16,6 +16,7 @@ capped at 2048 and at the profile's largest batch.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for, lo
 from nanosched.workloads import Workload
 
 SHIPPED = Path(__file__).resolve().parent.parent / "profiler" / "profiles"
+_PACKAGE_DATA = SHIPPED  # the installed profiles, whatever SHIPPED is pointed at
 DEFAULT_GPU = "h100"  # the GPU assumed without --gpu (the CLI passes the GPU present, if any)
 SYNTHETIC_BANNER = ("*** SYNTHETIC PROFILE: no measured profile for this request; kernel times "
                     "are a roofline model and NanoFlow's Table 3, NOT measurements. Run "
@@ -56,9 +58,33 @@ def shipped_profiles(folder: Path | None = None) -> dict[str, Path]:
 
 def _read(path: Path) -> Profile | None:
     try:
-        return load_profile(path)
+        return _load(path)
     except (NanoschedError, json.JSONDecodeError):
         return None
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """(mtime, size) of a profile installed with the package, else None (not cached)."""
+    if path.parent != _PACKAGE_DATA:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _load(path: Path) -> Profile:
+    """`load_profile`; a profile installed with the package is parsed and checked once per
+    process (every search ranks them all and reads the one it picks: 0.1-0.3 s each), read
+    again only if its file changed. Profiles are immutable, so callers may share one."""
+    stamp = _stamp(path)
+    return load_profile(path) if stamp is None else _installed_profile(path, stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _installed_profile(path: Path, _stamp: tuple[int, int]) -> Profile:
+    return load_profile(path)
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,16 @@ class _Head:
 
 
 def _head(path: Path) -> _Head | None:
+    stamp = _stamp(path)
+    return _read_head(path) if stamp is None else _installed_head(path, stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _installed_head(path: Path, _stamp: tuple[int, int]) -> _Head | None:
+    return _read_head(path)
+
+
+def _read_head(path: Path) -> _Head | None:
     try:
         d = json.loads(path.read_bytes())
         return _Head(d["model"]["name"], d["tp"], d["identity"]["gpu_name"],
@@ -151,7 +187,7 @@ def load_named_profile(arg: str, folder: Path | None = None) -> Profile:
     if arg not in names:
         raise ConfigError(f"--profile {arg!r} is neither a file nor a shipped profile; shipped: "
                           f"{', '.join(names) or 'none'}")
-    return load_profile(names[arg])
+    return _load(names[arg])
 
 
 def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: str | None,

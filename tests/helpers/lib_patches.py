@@ -7,10 +7,10 @@ without it; where a library's internals differ from what a shortcut expects, it 
   times). Here each process builds it once per app; the app is not changed after import.
 - Triton's interpreter (TRITON_INTERPRET=1) patches `triton.language` for the kernel at each
   launch, and again at every call of a `@triton.jit` function inside it (`tl.sum`, `tl.max`
-  and the kernels' own helpers: each call scans the language modules, about 0.3 ms, on every
+  and the kernels' own helpers: each call scans the language modules, about 0.2 ms, on every
   loop step of every program). A second patch from the same module globals within one launch
   changes nothing (patched members are no longer builtins, and the rest is set to the same
-  thing), so it is skipped: a fifth of the interpreted kernel tests' CPU.
+  thing), so it is skipped: about a sixth of the interpreted kernel tests' CPU.
 """
 
 from __future__ import annotations

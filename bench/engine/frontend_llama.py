@@ -24,7 +24,7 @@ named-op `CausalLM` loaded from the same weights. One run answers issue 37's GPU
   theirs.
 
 Targets (issue 37): frontend / named-op graph time <= 1.05, init <= 2 s, logits within
-rounding. Writes frontend-llama3-8b-<gpu>-<date>.json to $OUT (else bench/results/).
+rounding. Writes frontend-llama3-8b-<gpu>-<date>-<HHMM>.json to $OUT (else bench/results/).
 
     PYTHONPATH=. python bench/engine/frontend_llama.py --rows 1024 --decode 256 --context 768
 """
@@ -265,8 +265,8 @@ def main() -> None:
                           "cold_init_le_2s": init["cold_init_s"] <= 2.0,
                           "warm_init_le_2s": init["warm_init_s"] <= 2.0,
                           "logits_within_rounding": acc["within_rounding"]}}
-    name = (f"frontend-llama3-8b-{env['device'].replace(' ', '_')}-"
-            f"{env['date'][:10].replace('-', '')}.json")
+    stamp = env["date"][:16].replace("-", "").replace(":", "").replace("T", "-")
+    name = f"frontend-llama3-8b-{env['device'].replace(' ', '_')}-{stamp}.json"
     out = Path(os.environ.get("OUT", ROOT / "bench" / "results")) / name
     out.write_text(json.dumps(record, indent=1, default=str))
     report(record, out)

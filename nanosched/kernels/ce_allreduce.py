@@ -56,10 +56,13 @@ from nanosched.kernels.ce_transports import Region
 ALIGN_BYTES = 16  # chunk boundaries: a copy engine moves 16-byte-aligned chunks fastest
 NUM_SLOTS = 4096  # flags per (kind, source rank): more than the all-reduces of any forward
 READY, DONE = 0, 1
-# sub-chunks of an owned chunk: one per SUBCHUNK_BYTES, at least 1, at most MAX_SUBCHUNKS (a
-# copy has a fixed cost, so small chunks go whole); bench/kernels/ce_allreduce.py --subchunks
-# sweeps the count on the GPUs
-SUBCHUNK_BYTES = 2 << 20
+# sub-chunks of an owned chunk: one per SUBCHUNK_BYTES, at least 1, at most MAX_SUBCHUNKS. Each
+# added sub-chunk costs its copies' fixed cost, more than the overlap of pulls and pushes saves:
+# on 4xH100 whole chunks were fastest at 2 and 8 MiB (8 MiB: 300 us whole, 337 / 375 / 438 us in
+# 2 / 4 / 8), so a chunk is split only from 32 MiB on, beyond any layer's all-reduce at tp >= 4
+# (`ce_allreduce-NVIDIA_H100_80GB_HBM3-4gpu-20261127T100335.json`; bench/kernels/ce_allreduce.py
+# --subchunks sweeps it)
+SUBCHUNK_BYTES = 16 << 20
 MAX_SUBCHUNKS = 4
 
 

@@ -83,5 +83,5 @@ def test_sub_ranges_cover_the_chunk_aligned(lo, hi, itemsize, parts, want):
 
 
 def test_small_chunks_go_whole_and_large_ones_in_parts():
-    assert subchunks_for(0) == 1 and subchunks_for(512 << 10) == 1
-    assert subchunks_for(4 << 20) == 2 and subchunks_for(64 << 20) == 4
+    assert subchunks_for(0) == 1 and subchunks_for(8 << 20) == 1 and subchunks_for(16 << 20) == 1
+    assert subchunks_for(32 << 20) == 2 and subchunks_for(256 << 20) == 4

@@ -14,10 +14,12 @@ NCCL on [T, 8192] bf16 (Llama-3-70B's hidden size).
    its reduction bounded to k CTAs beside a GEMM told to leave k SMs (cuBLASLt SM target), and
    inside a green-context partition of k SMs with the GEMM on the rest. P_net: against the
    faster of its graph-timed and sustained alone figures; P_gemm: against cuBLAS on all SMs.
-Writes ce_allreduce-<GPU>-<N>gpu-<stamp>.json to --out, else $OUT, else bench/results/; prints
+With --one-stream every copy-engine call runs all its steps on the caller's stream (the
+all-reduce's `one_stream`: no side streams), so the same figures compare that form.
+Writes ce_allreduce-<GPU>-<N>gpu[-1stream]-<stamp>.json to --out, else $OUT, else bench/results/; prints
 tables last. Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   PYTHONPATH=. python bench/kernels/ce_allreduce.py [--world 2] [--quick] [--no-beside] \
-  [--subchunks auto,1,2,4,8]
+  [--subchunks auto,1,2,4,8] [--one-stream]
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def rank_main(rank: int, n: int, port: int, args: argparse.Namespace, out_dir: s
         from nanosched.profiler.telemetry import open_telemetry
 
         ar = make_all_reduce(rank, n, None, torch.device("cuda", rank))
+        ar.one_stream = args.one_stream
         tp = TensorParallel(rank, n, copy_engine=ar)
         buf = ar.symmetric_zeros(MAX_T, H, dtype=torch.bfloat16)
         nccl_buf = torch.randn(MAX_T, H, device="cuda", dtype=torch.bfloat16)
@@ -196,6 +199,8 @@ def main() -> None:
     p.add_argument("--no-beside", action="store_true")
     p.add_argument("--out", default=None,
                    help="folder of the JSON (default $OUT, else bench/results), or a .json file")
+    p.add_argument("--one-stream", action="store_true",
+                   help="every copy-engine call on the caller's stream alone (one_stream)")
     p.add_argument("--subchunks", default="auto,1,2,4",
                    help="sub-chunk counts to check and time alone (auto: by size)")
     args = p.parse_args()
@@ -223,9 +228,10 @@ def main() -> None:
     name = torch.cuda.get_device_name(0).replace(" ", "_")
     stamp = time.strftime("%Y%m%dT%H%M%S")
     record = {"bench": "ce_allreduce", "device": name, "world": args.world,
+              "one_stream": args.one_stream,
               "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
               "date": stamp, "command": " ".join(sys.argv), **_summary(every), "ranks": every}
-    fname = f"ce_allreduce-{name}-{args.world}gpu-{stamp}.json"
+    fname = f"ce_allreduce-{name}-{args.world}gpu{'-1stream' * args.one_stream}-{stamp}.json"
     out = Path(args.out or os.environ.get("OUT") or "bench/results")
     if out.suffix != ".json":
         out = out / fname

@@ -2,7 +2,8 @@
 
 Profile: `--profile FILE` or the NAME of a shipped profile (`nanosched/profiler/profiles/`);
 without one, the shipped profile closest to the request — same model required, then same tp,
-then same GPU, then the largest measured batch — and failing that a synthetic profile for
+then same GPU, then the largest measured batch, then the fullest grid (most co-run pairs) — and
+failing that a synthetic profile for
 `--gpu`, announced loudly. A profile of another GPU than the `--gpu` asked for is never picked
 (the search runs on a synthetic profile of the GPU asked for, and says which shipped ones
 exist); without `--gpu` the GPU assumed is `DEFAULT_GPU`, and a profile of another GPU is used
@@ -96,6 +97,7 @@ class _Head:
     gpu_name: str
     kv_dtype: str
     dense_batch: int
+    pairs: int  # co-run pairs measured: a full grid has more than a --quick one
 
 
 def _head(path: Path) -> _Head | None:
@@ -112,7 +114,7 @@ def _read_head(path: Path) -> _Head | None:
     try:
         d = json.loads(path.read_bytes())
         return _Head(d["model"]["name"], d["tp"], d["identity"]["gpu_name"],
-                     d.get("kv_dtype") or "auto", d["dense_batch"])
+                     d.get("kv_dtype") or "auto", d["dense_batch"], len(d.get("pairs") or ()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -141,9 +143,9 @@ def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
     def same_gpu(head: _Head) -> bool:
         return gpu is None or gpu_key(head.gpu_name) == gpu_key(gpu)
 
-    def rank(item: tuple[str, _Head]) -> tuple[bool, bool, int]:
+    def rank(item: tuple[str, _Head]) -> tuple[bool, bool, int, int]:
         head = item[1]
-        return (tp is None or head.tp == tp, same_gpu(head), head.dense_batch)
+        return (tp is None or head.tp == tp, same_gpu(head), head.dense_batch, head.pairs)
 
     name, head = max(found, key=rank)
     if tp is not None and head.tp != tp:

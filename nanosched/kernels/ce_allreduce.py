@@ -38,6 +38,12 @@ precedes, on S, the next ready), so back-to-back calls, CUDA-graph replays of th
 included, may reuse a slot; only calls in flight at once need different slots, which holds
 while fewer than `num_slots` all-reduces are issued per forward.
 
+One stream (`one_stream`): the same steps, every one on S in the order above (ready flags,
+pulls, reduction, pushes, done flags), with no side stream. Forking into a stream per peer and
+joining back costs about 30 us on 4xH100 inside a CUDA graph (a 16-byte copy on S costs 2.4 us),
+so for small tensors one stream is faster; its copies are serialized, so pulls and pushes
+overlap nothing (`bench/kernels/ce_latency.py` times both).
+
 Everything is capturable in a CUDA graph: copies, memory operations and events on streams
 forked from S and joined back into it. The transports (`ce_transports.py`) run the same steps
 on GPUs (`CudaTransport`) and on CPU processes (`HostTransport`, for tests over gloo).
@@ -104,7 +110,8 @@ class CopyEngineAllReduce:
     allocate the same buffers in the same order: it exchanges addresses); `holds(x)` says
     whether x lies in one. `reduce` is the SM step: reduce(x_chunk [n], scratch [N-1, n],
     max_ctas) adds the rows into x_chunk in place. `num_subchunks`: the sub-chunk count of
-    every call (None: `subchunks_for` the owned chunk's size).
+    every call (None: `subchunks_for` the owned chunk's size). `one_stream`: every call's steps
+    on the caller's stream alone (module docstring).
     """
 
     rank: int
@@ -115,6 +122,7 @@ class CopyEngineAllReduce:
     device: torch.device
     num_slots: int = NUM_SLOTS
     num_subchunks: int | None = None
+    one_stream: bool = False
     regions: list[Region] = field(default_factory=list)
     _flags: Region | None = None
     _scratch: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
@@ -162,9 +170,10 @@ class CopyEngineAllReduce:
         return slot
 
     def all_reduce(self, x: torch.Tensor, max_ctas: int | None = None,
-                   num_subchunks: int | None = None) -> None:
+                   num_subchunks: int | None = None, one_stream: bool | None = None) -> None:
         """Sum `x` over the group in place, on the transport's streams (CUDA: forked from the
-        current stream and joined back into it). `num_subchunks` overrides the instance's."""
+        current stream and joined back into it). `num_subchunks` and `one_stream` override the
+        instance's (one stream: whole chunks, nothing forked)."""
         region = self._region(x)
         if region is None or not x.is_contiguous():
             raise ConfigError("copy-engine all-reduce: the tensor is not a contiguous view of a "
@@ -180,6 +189,9 @@ class CopyEngineAllReduce:
         s, pulls, pushes = self.transport.streams(peers)
         tr, flags, base = self.transport, self._flags, x.data_ptr() - region.ptr
         mine = [region.peer_ptrs[q] + base for q in peers]  # x_q, seen from here
+        if self.one_stream if one_stream is None else one_stream:
+            self._on_one_stream(x, s, slot, peers, mine, lo, hi, max_ctas)
+            return
         for q in peers:  # 1. x_r is ready
             tr.write_flag(s, self._flag(flags.peer_ptrs[q], READY, slot, r))
         for i, q in enumerate(peers):  # 2. once q's x is ready, pull from it
@@ -202,6 +214,27 @@ class CopyEngineAllReduce:
             tr.write_flag(pushes[i], self._flag(flags.peer_ptrs[q], DONE, slot, r))
             tr.fork(pushes[i], s)
         for q in peers:  # every chunk is here
+            tr.wait_flag(s, self._flag(flags.ptr, DONE, slot, q))
+
+    def _on_one_stream(self, x: torch.Tensor, s: Any, slot: int, peers: list[int],
+                       mine: list[int], lo: int, hi: int, max_ctas: int | None) -> None:
+        """The steps of `all_reduce` in order on S: each wait resets its flag on S before S
+        writes anything the flag's writer waits for, as the side streams' joins ensure there."""
+        tr, flags, r, item = self.transport, self._flags, self.rank, x.element_size()
+        scratch, flat, nbytes = self._scratch[x.dtype], x.view(-1), (hi - lo) * item
+        for q in peers:  # 1. x_r is ready
+            tr.write_flag(s, self._flag(flags.peer_ptrs[q], READY, slot, r))
+        for q in peers:
+            tr.wait_flag(s, self._flag(flags.ptr, READY, slot, q))
+        if nbytes:
+            for i in range(len(peers)):  # 2. pull the owned chunk from every peer
+                tr.copy(s, scratch[i].data_ptr(), mine[i] + lo * item, nbytes)
+            self.reduce(flat[lo:hi], scratch[:, :hi - lo], max_ctas)  # 3.
+            for i in range(len(peers)):  # 4. push it back
+                tr.copy(s, mine[i] + lo * item, flat[lo:].data_ptr(), nbytes)
+        for q in peers:  # 5.
+            tr.write_flag(s, self._flag(flags.peer_ptrs[q], DONE, slot, r))
+        for q in peers:
             tr.wait_flag(s, self._flag(flags.ptr, DONE, slot, q))
 
 

@@ -1,7 +1,7 @@
 """The copy-engine all-reduce on two (and four) GPUs against NCCL: eager, and replayed from a
 CUDA graph on fresh data (flags, copies and the reduction captured), every rank bitwise equal;
-whole chunks and chunks pipelined in sub-chunks (1, 3, and by size: [2048, 4096] bf16 at tp = 2
-is 8 MiB a chunk, 4 sub-chunks)."""
+whole chunks, chunks pipelined in sub-chunks (1, 3, and by size: [2048, 4096] bf16 at tp = 2
+is 8 MiB a chunk, whole) and every step on the caller's stream ("one stream")."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST
 RANGES = [(0, 1), (3, 130), (130, 1154), (0, 2048)]
 
 
-def _check(tp: TensorParallel, impl: str, parts: int | None) -> list[dict]:
+def _check(tp: TensorParallel, impl: str, parts: int | str | None) -> list[dict]:
     device = torch.device("cuda", tp.rank)
     tp = tp.with_copy_engine(device)
-    tp.copy_engine.num_subchunks = parts
+    if parts == "one stream":
+        tp.copy_engine.one_stream = True
+    else:
+        tp.copy_engine.num_subchunks = parts
     buf = tp.symmetric_zeros(2048, 4096, dtype=torch.bfloat16, device=device)
     out = []
 
@@ -64,7 +67,8 @@ def _check(tp: TensorParallel, impl: str, parts: int | None) -> list[dict]:
 
 
 @pytest.mark.parametrize("impl, parts", [("copy_engine", 1), ("copy_engine", 3),
-                                         ("copy_engine", None), ("copy_engine_ctas8", None)])
+                                         ("copy_engine", None), ("copy_engine_ctas8", None),
+                                         ("copy_engine", "one stream")])
 def test_copy_engine_all_reduce_equals_nccl_eager_and_in_graphs(impl, parts):
     res = launch(_check, 2, "nccl", impl, parts)
     assert len(res) == len(RANGES) + 3 * 2
@@ -73,7 +77,7 @@ def test_copy_engine_all_reduce_equals_nccl_eager_and_in_graphs(impl, parts):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
-@pytest.mark.parametrize("parts", [1, None])
+@pytest.mark.parametrize("parts", [1, None, "one stream"])
 def test_copy_engine_all_reduce_on_four_gpus(parts):
     res = launch(_check, 4, "nccl", "copy_engine_ctas16", parts)
     assert len(res) == len(RANGES) + 3 * 2

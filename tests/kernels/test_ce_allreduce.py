@@ -1,5 +1,5 @@
 """The copy-engine all-reduce's slots, chunks, sub-chunks and flags, run by the host transport
-in CPU processes over gloo: sums equal gloo's for every sub-chunk count, odd row counts, fewer
+in CPU processes over gloo: sums equal gloo's for every sub-chunk count and on one stream, odd row counts, fewer
 rows than ranks and chunks left empty, every rank bitwise equal, rows outside the reduced range
 untouched, slots reused past their count; the Triton reduction under the interpreter."""
 
@@ -20,7 +20,7 @@ from nanosched.models.parallel import TensorParallel, launch
 # (start row, end row) of a [64, 40] buffer (and of a [64, 3] one, where one row has fewer
 # elements than ranks x 4: chunks left empty): whole, a slice, one row, odd counts and offsets
 RANGES = [(0, 64), (8, 40), (63, 64), (5, 6), (17, 50), (0, 1), (1, 64)]
-PARTS = [1, 2, 3, 4, None]  # sub-chunks per call (None: by size)
+PARTS = [1, 2, 3, 4, None, "one stream"]  # sub-chunks per call (None: by size)
 
 
 def _run(tp: TensorParallel, num_slots: int, rounds: int) -> list[dict]:
@@ -41,7 +41,11 @@ def _run(tp: TensorParallel, num_slots: int, rounds: int) -> list[dict]:
         before = buf.clone()
         want = buf[s:e].float().clone()  # .float() of fp32 is the buffer itself
         dist.all_reduce(want)
-        ar.all_reduce(buf[s:e], num_subchunks=PARTS[i % len(PARTS)])
+        parts = PARTS[i % len(PARTS)]
+        if parts == "one stream":
+            ar.all_reduce(buf[s:e], one_stream=True)
+        else:
+            ar.all_reduce(buf[s:e], num_subchunks=parts)
         got = buf[s:e].clone()
         every = [torch.empty_like(got) for _ in range(tp.size)]
         dist.all_gather(every, got)
@@ -59,7 +63,7 @@ def _run(tp: TensorParallel, num_slots: int, rounds: int) -> list[dict]:
 @pytest.mark.parametrize("size", [2, 3])
 def test_host_all_reduce_sums_like_gloo(size):
     rounds = len(RANGES) * len(PARTS)  # every range with every sub-chunk count
-    res = launch(_run, size, "gloo", 5, rounds)  # 5 slots: reused about four times
+    res = launch(_run, size, "gloo", 5, rounds)  # 5 slots: each reused about eight times
     assert len(res) == rounds
     for r in res:
         tol = 1e-5 if r["dtype"] == "torch.float32" else 2e-3

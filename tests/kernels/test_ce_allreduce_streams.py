@@ -1,8 +1,8 @@
 """The copy-engine all-reduce's stream order: its steps on modelled CUDA streams (a pull and a
 push stream per peer, events, flags) run in random legal orders across ranks, back-to-back
 calls with the next layer's writes queued behind them and slots reused, give the exact sum for
-every sub-chunk count, and every side stream is joined back into the caller's (as a CUDA graph
-capture needs); a transport that drops the push streams' forks is caught (a wrong sum,
+every sub-chunk count and on the caller's stream alone, and every side stream is joined back
+into the caller's (as a CUDA graph capture needs); a transport that drops the push streams' forks is caught (a wrong sum,
 or a deadlock)."""
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ CALLS = [(0, 0, 16), (1, 7, 8), (0, 3, 14), (1, 0, 2), (0, 15, 16), (1, 0, 16), 
          (0, 5, 6), (0, 0, 16)]
 
 
-def _run(size: int, parts: int | None, seed: int, transport=SimTransport) -> list[bool]:
+def _run(size: int, parts: int | None, seed: int, transport=SimTransport,
+         one_stream: bool = False) -> list[bool]:
     world = World(size, seed)
     ranks = []
     for r in range(size):
         t = transport(r, world)
         ar = CopyEngineAllReduce(r, size, None, t, t.reduce, torch.device("cpu"),
-                                 num_slots=3, num_subchunks=parts)
+                                 num_slots=3, num_subchunks=parts, one_stream=one_stream)
         ranks.append((t, ar, [ar.symmetric_zeros(ROWS, w, dtype=torch.float32)
                               for w in WIDTHS]))
     gen = torch.Generator().manual_seed(seed)
@@ -50,6 +51,12 @@ def _run(size: int, parts: int | None, seed: int, transport=SimTransport) -> lis
 def test_any_stream_order_gives_the_sum(size, parts):
     for seed in range(6):
         assert all(_run(size, parts, seed)), (size, parts, seed)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_one_stream_gives_the_sum_in_any_order_across_ranks(size):
+    for seed in range(6):
+        assert all(_run(size, None, seed, one_stream=True)), (size, seed)
 
 
 class _PushesUnordered(SimTransport):

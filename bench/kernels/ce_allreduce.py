@@ -16,8 +16,9 @@ NCCL on [T, 8192] bf16 (Llama-3-70B's hidden size).
    faster of its graph-timed and sustained alone figures; P_gemm: against cuBLAS on all SMs.
 With --one-stream every copy-engine call runs all its steps on the caller's stream (the
 all-reduce's `one_stream`: no side streams), so the same figures compare that form.
-Writes ce_allreduce-<GPU>-<N>gpu[-1stream]-<stamp>.json to --out, else $OUT, else bench/results/; prints
-tables last. Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+Writes ce_allreduce-<GPU>-<N>gpu[-1stream]-<stamp>.json to --out, else $OUT, else
+bench/results/; prints tables last.
+Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   PYTHONPATH=. python bench/kernels/ce_allreduce.py [--world 2] [--quick] [--no-beside] \
   [--subchunks auto,1,2,4,8] [--one-stream]
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -44,6 +44,8 @@ from bench.kernels.ce_allreduce_steps import (  # noqa: E402
     alone,
     correct,
     max_over_ranks,
+    record_path,
+    run_ranks,
     steps,
     time_graph_us,
 )
@@ -189,10 +191,6 @@ def _summary(every: list[dict]) -> dict:
 
 
 def main() -> None:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--quick", action="store_true")
@@ -206,25 +204,7 @@ def main() -> None:
     args = p.parse_args()
     args.subchunks = [None if x.strip() == "auto" else int(x)
                       for x in args.subchunks.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, tmp))
-                 for r in range(args.world)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(540)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        errs = sorted(Path(tmp).glob("*.err"))
-        if errs:
-            print(errs[0].read_text(), file=sys.stderr)
-            sys.exit(1)
-        every = json.loads(Path(tmp, "ranks.json").read_text())
+    every = run_ranks(rank_main, args.world, (args,), 540, "ranks.json")
     name = torch.cuda.get_device_name(0).replace(" ", "_")
     stamp = time.strftime("%Y%m%dT%H%M%S")
     record = {"bench": "ce_allreduce", "device": name, "world": args.world,
@@ -232,10 +212,7 @@ def main() -> None:
               "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
               "date": stamp, "command": " ".join(sys.argv), **_summary(every), "ranks": every}
     fname = f"ce_allreduce-{name}-{args.world}gpu{'-1stream' * args.one_stream}-{stamp}.json"
-    out = Path(args.out or os.environ.get("OUT") or "bench/results")
-    if out.suffix != ".json":
-        out = out / fname
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = record_path(args.out, fname)
     out.write_text(json.dumps(record, indent=1, default=str))
     s = record
     print(f"\n{name} x{args.world}; correct (sub-chunks {args.subchunks}): max rel err "

@@ -16,7 +16,14 @@ correct at every sub-chunk count, how long does it take at each, and what bounds
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +33,43 @@ from nanosched.profiler.timing import captured
 
 H = 8192
 REPS = 10
+
+
+def run_ranks(target: Any, world: int, extra: tuple, timeout_s: float, result: str) -> Any:
+    """Run target(rank, world, port, *extra, folder) in `world` spawned processes (one per GPU,
+    a TCP rendezvous on a free local port) and return the JSON that one of them wrote to
+    folder/`result`. A rank that fails writes rank<r>.err there: the first is printed and the
+    script exits 1; a rank still running after `timeout_s` is killed."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=target, args=(r, world, port, *extra, tmp))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout_s)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        errs = sorted(Path(tmp).glob("*.err"))
+        if errs:
+            print(errs[0].read_text(), file=sys.stderr)
+            sys.exit(1)
+        return json.loads(Path(tmp, result).read_text())
+
+
+def record_path(out: str | None, fname: str) -> Path:
+    """Where a record goes: --out (a folder, or a .json file), else $OUT, else bench/results."""
+    path = Path(out or os.environ.get("OUT") or "bench/results")
+    if path.suffix != ".json":
+        path = path / fname
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def time_graph_us(g, stream, calls: int) -> float:

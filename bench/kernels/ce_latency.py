@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -47,7 +46,13 @@ for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISA
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.kernels.ce_allreduce_steps import H, max_over_ranks, time_graph_us  # noqa: E402
+from bench.kernels.ce_allreduce_steps import (  # noqa: E402
+    H,
+    max_over_ranks,
+    record_path,
+    run_ranks,
+    time_graph_us,
+)
 from nanosched.kernels.ce_allreduce import DONE, READY  # noqa: E402
 from nanosched.profiler.timing import captured  # noqa: E402
 
@@ -216,10 +221,6 @@ def rank_main(rank: int, n: int, port: int, out_dir: str) -> None:
 
 
 def main() -> None:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--out", default=None,
@@ -227,34 +228,13 @@ def main() -> None:
     args = p.parse_args()
     if args.world < 2:
         sys.exit("ce_latency: needs 2 or more GPUs (--world)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=rank_main, args=(r, args.world, port, tmp))
-                 for r in range(args.world)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(300)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        errs = sorted(Path(tmp).glob("*.err"))
-        if errs:
-            print(errs[0].read_text(), file=sys.stderr)
-            sys.exit(1)
-        res = json.loads(Path(tmp, "rows.json").read_text())
+    res = run_ranks(rank_main, args.world, (), 300, "rows.json")
     name = torch.cuda.get_device_name(0).replace(" ", "_")
     stamp = time.strftime("%Y%m%dT%H%M%S")
     record = {"bench": "ce_latency", "device": name, "world": args.world,
               "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
               "date": stamp, "command": " ".join(sys.argv), "reps": REPS, **res}
-    out = Path(args.out or os.environ.get("OUT") or "bench/results")
-    if out.suffix != ".json":
-        out = out / f"ce_latency-{name}-{args.world}gpu-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = record_path(args.out, f"ce_latency-{name}-{args.world}gpu-{stamp}.json")
     out.write_text(json.dumps(record, indent=1))
     print(f"\n{name} x{args.world}, {REPS} calls a graph; us per call (slowest rank)")
     for r in res["rows"]:

@@ -3,14 +3,14 @@
 Profile: `--profile FILE` or the NAME of a shipped profile (`nanosched/profiler/profiles/`);
 without one, the shipped profile closest to the request — same model required, then same tp,
 then same GPU, then the largest measured batch, then the fullest grid (most co-run pairs) — and
-failing that a synthetic profile for
-`--gpu`, announced loudly. A profile of another GPU than the `--gpu` asked for is never picked
-(the search runs on a synthetic profile of the GPU asked for, and says which shipped ones
-exist); without `--gpu` the GPU assumed is `DEFAULT_GPU`, and a profile of another GPU is used
-only with a message that says so. A profile is measured on one KV cache dtype (`kv_dtype`); only
-profiles of the requested `--kv-cache-dtype` are picked or accepted, and FP8 needs a measured
-one (the synthetic profile models a cache in the model's dtype). tp: `--tp`, else the
-profile's, else the smallest power of two that leaves room for the dense batch's KV cache.
+failing that a synthetic profile for `--gpu`, announced loudly. A profile of another GPU than
+the `--gpu` asked for is never picked (the search runs on a synthetic profile of the GPU asked
+for, and says which shipped ones exist); without `--gpu` the GPU assumed is `DEFAULT_GPU`, and a
+profile of another GPU is used only with a message that says so. A profile is measured on one KV
+cache dtype (`kv_dtype`); only profiles of the requested `--kv-cache-dtype` are picked or
+accepted, and FP8 needs a measured one (the synthetic profile models a cache in the model's
+dtype). tp: `--tp`, else the profile's, else the smallest power of two that leaves room for the
+dense batch's KV cache.
 Dense batch: `auto` is the largest multiple of 128 that fits (costmodel.max_dense_batch),
 capped at 2048 and at the profile's largest batch.
 """

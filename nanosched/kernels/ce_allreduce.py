@@ -39,10 +39,10 @@ included, may reuse a slot; only calls in flight at once need different slots, w
 while fewer than `num_slots` all-reduces are issued per forward.
 
 One stream (`one_stream`): the same steps, every one on S in the order above (ready flags,
-pulls, reduction, pushes, done flags), with no side stream. Forking into a stream per peer and
-joining back costs about 30 us on 4xH100 inside a CUDA graph (a 16-byte copy on S costs 2.4 us),
-so for small tensors one stream is faster; its copies are serialized, so pulls and pushes
-overlap nothing (`bench/kernels/ce_latency.py` times both).
+pulls, reduction, pushes, done flags), with no side stream. It saves the forks into a stream per
+peer and back (about 30 us for three peers inside a CUDA graph on 4xH100) but issues its memory
+operations and copies in series: the same 67 us at one row, slower at 2,048 rows (318 against
+294 us) (`bench/kernels/ce_latency.py` times both).
 
 Everything is capturable in a CUDA graph: copies, memory operations and events on streams
 forked from S and joined back into it. The transports (`ce_transports.py`) run the same steps

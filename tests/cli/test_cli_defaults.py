@@ -77,3 +77,12 @@ def test_another_gpus_profile_only_when_no_gpu_was_asked_for():
     assert "pass --gpu h200 or --profile llama3-70b-tp8-h200-quick" in why
     choice = request.resolve(spec, 8, None, "h100", fixed(1024, 512), "256")
     assert choice.profile is None and request.SYNTHETIC_BANNER in choice.messages
+
+
+def test_the_full_grid_is_picked_over_a_quick_one_of_the_same_setup():
+    spec = load_spec("llama3-70b")  # tp 4 on H100: a full and a --quick profile, batches alike
+    prof, why = request.pick_shipped(spec, 4, "h100")
+    assert "'llama3-70b-tp4-h100x4'" in why and "--quick" not in prof.identity.command
+    quick = request.load_profile(request.shipped_profiles()["llama3-70b-tp4-h100x4-quick"])
+    assert (quick.dense_batch, quick.tp) == (prof.dense_batch, prof.tp)
+    assert len(prof.pairs) > len(quick.pairs)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from nanosched.costmodel import (
     DEFAULT_MAX_DENSE_BATCH,
@@ -33,6 +35,8 @@ from nanosched.hardware import get_gpu, measured_gpu, prior_for
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for, load_profile
 from nanosched.workloads import Workload
+
+T = TypeVar("T")
 
 SHIPPED = Path(__file__).resolve().parent.parent / "profiler" / "profiles"
 _PACKAGE_DATA = SHIPPED  # the installed profiles, whatever SHIPPED is pointed at
@@ -75,17 +79,22 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return st.st_mtime_ns, st.st_size
 
 
-def _load(path: Path) -> Profile:
-    """`load_profile`; a profile installed with the package is parsed and checked once per
-    process (every search ranks them all and reads the one it picks: 0.1-0.3 s each), read
-    again only if its file changed. Profiles are immutable, so callers may share one."""
-    stamp = _stamp(path)
-    return load_profile(path) if stamp is None else _installed_profile(path, stamp)
+def _once_if_installed(read: Callable[[Path], T]) -> Callable[[Path], T]:
+    """`read`, its result kept per process for a profile installed with the package (every
+    search ranks them all and reads the one it picks: 0.1-0.3 s each) and read again only if the
+    file changed; any other path is read every time. Profiles are immutable, so callers may share
+    one."""
+    cached = functools.lru_cache(maxsize=32)(lambda path, _stamp: read(path))
+
+    def get(path: Path) -> T:
+        stamp = _stamp(path)
+        return read(path) if stamp is None else cached(path, stamp)
+    get.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return get
 
 
-@functools.lru_cache(maxsize=32)
-def _installed_profile(path: Path, _stamp: tuple[int, int]) -> Profile:
-    return load_profile(path)
+# `load_profile` is looked up at each call, so that a test may wrap it
+_load = _once_if_installed(lambda path: load_profile(path))
 
 
 @dataclass(frozen=True)
@@ -100,16 +109,6 @@ class _Head:
     pairs: int  # co-run pairs measured: a full grid has more than a --quick one
 
 
-def _head(path: Path) -> _Head | None:
-    stamp = _stamp(path)
-    return _read_head(path) if stamp is None else _installed_head(path, stamp)
-
-
-@functools.lru_cache(maxsize=32)
-def _installed_head(path: Path, _stamp: tuple[int, int]) -> _Head | None:
-    return _read_head(path)
-
-
 def _read_head(path: Path) -> _Head | None:
     try:
         d = json.loads(path.read_bytes())
@@ -117,6 +116,9 @@ def _read_head(path: Path) -> _Head | None:
                      d.get("kv_dtype") or "auto", d["dense_batch"], len(d.get("pairs") or ()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+_head = _once_if_installed(_read_head)
 
 
 def gpu_key(name: str) -> str:

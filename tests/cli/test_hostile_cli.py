@@ -70,7 +70,7 @@ def test_search_reads_one_profile_and_says_what_it_decided_before_it_solves(monk
     read, lines = [], []
     real = request.load_profile
     monkeypatch.setattr(request, "load_profile", lambda p: read.append(p) or real(p))
-    request._installed_profile.cache_clear()  # what an earlier search of this process read
+    request._load.cache_clear()  # what an earlier search of this process read
 
     def first_solve(*_a, **_k):
         raise KeyboardInterrupt

@@ -14,13 +14,15 @@ NCCL on [T, 8192] bf16 (Llama-3-70B's hidden size).
    its reduction bounded to k CTAs beside a GEMM told to leave k SMs (cuBLASLt SM target), and
    inside a green-context partition of k SMs with the GEMM on the rest. P_net: against the
    faster of its graph-timed and sustained alone figures; P_gemm: against cuBLAS on all SMs.
+4. With --attention, also beside the decode attention (`ce_beside_attn.py`): does the copy
+   engines' traffic take the HBM bandwidth the attention needs?
 With --one-stream every copy-engine call runs all its steps on the caller's stream (the
 all-reduce's `one_stream`: no side streams), so the same figures compare that form.
 Writes ce_allreduce-<GPU>-<N>gpu[-1stream]-<stamp>.json to --out, else $OUT, else
 bench/results/; prints tables last.
 Run: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   PYTHONPATH=. python bench/kernels/ce_allreduce.py [--world 2] [--quick] [--no-beside] \
-  [--subchunks auto,1,2,4,8] [--one-stream]
+  [--subchunks auto,1,2,4,8] [--one-stream] [--attention]
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from bench.kernels.ce_allreduce_steps import (  # noqa: E402
     steps,
     time_graph_us,
 )
+from bench.kernels.ce_beside_attn import beside_attention, print_rows  # noqa: E402
+from bench.kernels.ce_beside_attn import summary as attention_summary  # noqa: E402
 from nanosched.profiler.timing import captured, sustained_fixed, sustained_run  # noqa: E402
 
 INTER = 28672
@@ -157,6 +161,8 @@ def rank_main(rank: int, n: int, port: int, args: argparse.Namespace, out_dir: s
             print("alone done", flush=True)
         res["beside"] = [] if args.no_beside else _beside(tp, buf, [512, 2048],
                                                           [16] if args.quick else [8, 16], tele)
+        res["attention"] = beside_attention(tp, ar, buf, [512, 2048], lambda hw: _window(
+            tele, hw)) if args.attention else []
         every = [None] * n
         dist.all_gather_object(every, res)
         if rank == 0:
@@ -187,7 +193,9 @@ def _summary(every: list[dict]) -> dict:
         beside.append({**row, "P_net": p_net, "P_gemm": p_gemm, "P_sum": p_net + p_gemm,
                        "P_gemm_vs_same_sms": p_gemm_own,
                        "telemetry_per_rank": [x["telemetry"] for x in rs]})
-    return {"correct": ok, "alone": r0["alone"], "steps": r0["steps"], "beside": beside}
+    attention = attention_summary([r["attention"] for r in every]) if r0["attention"] else []
+    return {"correct": ok, "alone": r0["alone"], "steps": r0["steps"], "beside": beside,
+            "attention": attention}
 
 
 def main() -> None:
@@ -195,6 +203,8 @@ def main() -> None:
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-beside", action="store_true")
+    p.add_argument("--attention", action="store_true",
+                   help="also beside the decode attention (bench/kernels/ce_beside_attn.py)")
     p.add_argument("--out", default=None,
                    help="folder of the JSON (default $OUT, else bench/results), or a .json file")
     p.add_argument("--one-stream", action="store_true",
@@ -238,6 +248,8 @@ def main() -> None:
                   f"{r['P_sum']:6.2f} {tel.get('clock_mhz')}/{tel.get('power_w')}")
         else:
             print(f"gemm alone {r['gemm_us']:.1f} us {r['telemetry']}")
+    if s["attention"]:
+        print_rows(s["attention"])
     print(f"wrote {out}")
 
 

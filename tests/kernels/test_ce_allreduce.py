@@ -1,7 +1,8 @@
-"""The copy-engine all-reduce's slots, chunks, sub-chunks and flags, run by the host transport
-in CPU processes over gloo: sums equal gloo's for every sub-chunk count and on one stream, odd row counts, fewer
-rows than ranks and chunks left empty, every rank bitwise equal, rows outside the reduced range
-untouched, slots reused past their count; the Triton reduction under the interpreter."""
+"""The copy-engine all-reduce's slots, chunks, sub-chunks and flags, run by the host transport in
+CPU processes over gloo: sums equal gloo's for every sub-chunk count and on one stream, odd row
+counts, fewer rows than ranks and chunks left empty, every rank bitwise equal, rows outside the
+reduced range untouched, slots reused past their count; the Triton reduction under the
+interpreter."""
 
 from __future__ import annotations
 

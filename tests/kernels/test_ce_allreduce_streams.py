@@ -1,9 +1,9 @@
-"""The copy-engine all-reduce's stream order: its steps on modelled CUDA streams (a pull and a
-push stream per peer, events, flags) run in random legal orders across ranks, back-to-back
-calls with the next layer's writes queued behind them and slots reused, give the exact sum for
-every sub-chunk count and on the caller's stream alone, and every side stream is joined back
-into the caller's (as a CUDA graph capture needs); a transport that drops the push streams' forks is caught (a wrong sum,
-or a deadlock)."""
+"""The copy-engine all-reduce's stream order: its steps on modelled CUDA streams (a pull and a push
+stream per peer, events, flags) run in random legal orders across ranks, back-to-back calls with
+the next layer's writes queued behind them and slots reused, give the exact sum for every
+sub-chunk count and on the caller's stream alone, and every side stream is joined back into the
+caller's (as a CUDA graph capture needs); a transport that drops the push streams' forks is
+caught (a wrong sum, or a deadlock)."""
 
 from __future__ import annotations
 

@@ -42,22 +42,23 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.kernels.ce_allreduce_steps import (  # noqa: E402
+    SETTLE_S,
+    WINDOW_S,
     H,
     alone,
+    collective_alone,
     correct,
-    max_over_ranks,
+    net_alone_us,
     record_path,
     run_ranks,
     steps,
-    time_graph_us,
 )
 from bench.kernels.ce_beside_attn import beside_attention, print_rows  # noqa: E402
 from bench.kernels.ce_beside_attn import summary as attention_summary  # noqa: E402
-from nanosched.profiler.timing import captured, sustained_fixed, sustained_run  # noqa: E402
+from nanosched.profiler.timing import sustained_fixed, sustained_run  # noqa: E402
 
 INTER = 28672
 MAX_T = 4096
-SETTLE_S, WINDOW_S = 1.0, 2.0
 
 
 def _window(tele, host_window):
@@ -107,12 +108,8 @@ def _beside(tp, buf, ts, ks, tele):
                 pair = split_sms(torch.cuda.current_device(), green) if green else None
                 net_stream = pair.small.stream if pair else high
                 gemm_stream = pair.rest.stream if pair else low
-                g = captured(lambda t=t, impl=impl: tp.all_reduce(buf[:t], impl), net_stream)
-                graph_alone = max_over_ranks(time_graph_us(g, net_stream, 1))
-                n_net = int(max(40, (SETTLE_S + WINDOW_S) * 1e6 / graph_alone))
-                dist.barrier()
-                net_alone = sustained_fixed(None, None, g.replay, net_stream, n_net,
-                                            SETTLE_S).fixed_us
+                g, graph_alone, n_net, net_alone = collective_alone(
+                    lambda t=t, impl=impl: tp.all_reduce(buf[:t], impl), net_stream)
                 fn = gemm(told)
                 gemm_own, _ = looped(fn, gemm_stream)
                 dist.barrier()
@@ -184,10 +181,8 @@ def _summary(every: list[dict]) -> dict:
             beside.append(row)
             continue
         rs = [r["beside"][i] for r in every]
-        # alone: the faster of the graph-timed and the sustained figure (a short collective's
-        # sustained loop can be bound by the host); P_gemm against cuBLAS on the whole GPU
-        p_net = min(min(x["net_alone_us"], x["net_graph_alone_us"]) / x["net_beside_us"]
-                    for x in rs)
+        # P_gemm against cuBLAS on the whole GPU
+        p_net = min(net_alone_us(x) / x["net_beside_us"] for x in rs)
         p_gemm = min(x["gemm_alone_us"] / x["gemm_beside_us"] for x in rs)
         p_gemm_own = min(x["gemm_alone_same_sms_us"] / x["gemm_beside_us"] for x in rs)
         beside.append({**row, "P_net": p_net, "P_gemm": p_gemm, "P_sum": p_net + p_gemm,
@@ -242,7 +237,7 @@ def main() -> None:
             print(f"{r['variant']:38} {r.get('T', ''):>5} ERROR {r['error'][:80]}")
         elif "P_net" in r:
             tel = r["telemetry"] or {}
-            alone = min(r["net_alone_us"], r["net_graph_alone_us"])
+            alone = net_alone_us(r)
             print(f"{r['variant']:38} {r['T']:5} {alone:7.1f} {r['net_beside_us']:7.1f} "
                   f"{r['gemm_beside_us']:6.0f} {r['P_net']:6.2f} {r['P_gemm']:6.2f} "
                   f"{r['P_sum']:6.2f} {tel.get('clock_mhz')}/{tel.get('power_w')}")

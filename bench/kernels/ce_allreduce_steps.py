@@ -29,10 +29,28 @@ import torch
 import torch.distributed as dist
 
 from nanosched.kernels.ce_allreduce import chunk_bounds
-from nanosched.profiler.timing import captured
+from nanosched.profiler.timing import captured, sustained_fixed
 
 H = 8192
 REPS = 10
+SETTLE_S, WINDOW_S = 1.0, 2.0  # a sustained pair: the clock settles, then the window is timed
+
+
+def collective_alone(fn: Any, stream: Any) -> tuple[Any, float, int, float | None]:
+    """`fn` (one collective) captured in a graph on `stream`: the graph, its graph-timed time
+    (the slowest rank's, us), the launches a sustained pair makes of it (settle + window, at
+    least 40: every rank launches as many) and its sustained time alone (None: too few)."""
+    g = captured(fn, stream)
+    graph_us = max_over_ranks(time_graph_us(g, stream, 1))
+    n = int(max(40, (SETTLE_S + WINDOW_S) * 1e6 / graph_us))
+    dist.barrier()
+    return g, graph_us, n, sustained_fixed(None, None, g.replay, stream, n, SETTLE_S).fixed_us
+
+
+def net_alone_us(row: dict) -> float:
+    """A pair row's collective alone: the faster of its graph-timed and sustained figures (a
+    short collective's sustained loop can be bound by the host)."""
+    return min(v for v in (row["net_alone_us"], row["net_graph_alone_us"]) if v)
 
 
 def run_ranks(target: Any, world: int, extra: tuple, timeout_s: float, result: str) -> Any:

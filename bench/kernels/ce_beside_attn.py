@@ -20,12 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.kernels.ce_allreduce_steps import max_over_ranks, time_graph_us
-from nanosched.profiler.timing import captured, sustained_fixed, sustained_run
+from bench.kernels.ce_allreduce_steps import (
+    SETTLE_S,
+    WINDOW_S,
+    collective_alone,
+    net_alone_us,
+)
+from nanosched.profiler.timing import sustained_fixed, sustained_run
 
 HQ, HKV, HD, PAGE = 64, 8, 128, 16  # Llama-3-70B, before the tp split
 REQUESTS, CONTEXT = 384, 1280
-SETTLE_S, WINDOW_S = 1.0, 2.0
 IMPLS = (("nccl", "nccl", False), ("copy_engine", "copy_engine", False),
          ("copy_engine, one stream", "copy_engine", True))
 
@@ -63,11 +67,8 @@ def beside_attention(tp: Any, ar: Any, buf: torch.Tensor, ts: list[int], window:
         for name, impl, one in IMPLS:
             saved, ar.one_stream = ar.one_stream, one
             try:
-                g = captured(lambda t=t, impl=impl: tp.all_reduce(buf[:t], impl), high)
-                graph_alone = max_over_ranks(time_graph_us(g, high, 1))
-                n_net = int(max(40, (SETTLE_S + WINDOW_S) * 1e6 / graph_alone))
-                dist.barrier()
-                net_alone = sustained_fixed(None, None, g.replay, high, n_net, SETTLE_S).fixed_us
+                g, graph_alone, n_net, net_alone = collective_alone(
+                    lambda t=t, impl=impl: tp.all_reduce(buf[:t], impl), high)
                 dist.barrier()
                 both = sustained_fixed(attn, low, g.replay, high, n_net, SETTLE_S)
                 rows.append({"variant": name, "T": t, "impl": impl, "one_stream": one,
@@ -96,8 +97,7 @@ def summary(every: list[list[dict]]) -> list[dict]:
         if any(x["net_beside_us"] is None or x["attn_beside_us"] is None for x in rs):
             out.append({**row, "error": "too few launches inside the window"})
             continue
-        p_net = min(min(v for v in (x["net_alone_us"], x["net_graph_alone_us"]) if v)
-                    / x["net_beside_us"] for x in rs)
+        p_net = min(net_alone_us(x) / x["net_beside_us"] for x in rs)
         p_attn = min(x["attn_alone_us"] / x["attn_beside_us"] for x in rs)
         out.append({**row, "P_net": p_net, "P_attn": p_attn, "P_sum": p_net + p_attn})
     return out
@@ -112,7 +112,7 @@ def print_rows(rows: list[dict]) -> None:
         if "error" in r:
             print(f"{r['variant']:28} {r.get('T', ''):>5} ERROR {r['error'][:80]}")
         elif "P_net" in r:
-            alone = min(v for v in (r["net_alone_us"], r["net_graph_alone_us"]) if v)
+            alone = net_alone_us(r)
             print(f"{r['variant']:28} {r['T']:5} {alone:7.1f} {r['net_beside_us']:7.1f} "
                   f"{r['attn_beside_us']:6.0f} {r['P_net']:6.2f} {r['P_attn']:6.2f} "
                   f"{r['P_sum']:6.2f} {tel.get('clock_mhz')}/{tel.get('power_w')}")

@@ -300,7 +300,9 @@ def sustained_sequence(fns: list[Callable[[], Any]], device: torch.device, settl
 
 def captured(fn: Callable[[], Any], stream: Any) -> Any:
     """`fn` captured in a CUDA graph on `stream` after one eager warm-up call (the
-    collectives' pairs replay it: one launch, however many kernels and copies it holds)."""
+    collectives' pairs replay it: one launch, however many kernels and copies it holds). The
+    warm-up call runs after the work already queued on the current stream (its inputs)."""
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()
     stream.synchronize()

@@ -1,5 +1,6 @@
 """The copy-engine all-reduce on two (and four) GPUs against NCCL: eager, and replayed from a
-CUDA graph on fresh data (flags, copies and the reduction captured), every rank bitwise equal;
+CUDA graph on fresh data (flags, copies and the reduction captured: two slices in one graph,
+and the whole buffer in another), every rank bitwise equal;
 whole chunks, chunks pipelined in sub-chunks (1, 3, and by size: [2048, 4096] bf16 at tp = 2
 is 8 MiB a chunk, whole) and every step on the caller's stream ("one stream")."""
 
@@ -21,6 +22,8 @@ for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST
     os.environ[var] = value
 
 RANGES = [(0, 1), (3, 130), (130, 1154), (0, 2048)]
+GRAPH_REPLAYS = 3
+CHECKS = len(RANGES) + GRAPH_REPLAYS * 3  # eager; two slices a replay, then the whole buffer
 
 
 def _check(tp: TensorParallel, impl: str, parts: int | str | None) -> list[dict]:
@@ -49,20 +52,21 @@ def _check(tp: TensorParallel, impl: str, parts: int | str | None) -> list[dict]
         tp.all_reduce(buf[s:e], impl)
         torch.cuda.synchronize()
         compare(s, e, ref, "eager")
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.graph(graph, stream=side):
-        for s, e in RANGES[1:3]:
-            tp.all_reduce(buf[s:e], impl)
-    for rep in range(3):
-        buf.normal_(generator=torch.Generator(device).manual_seed(100 * rep + tp.rank))
-        refs = [buf[s:e].float() for s, e in RANGES[1:3]]
-        for ref in refs:
-            dist.all_reduce(ref)
-        torch.cuda.synchronize()
-        graph.replay()
-        torch.cuda.synchronize()
-        for (s, e), ref in zip(RANGES[1:3], refs, strict=True):
-            compare(s, e, ref, f"graph {rep}")
+    for name, ranges in (("graph", RANGES[1:3]), ("whole graph", RANGES[3:])):
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.graph(graph, stream=side):
+            for s, e in ranges:
+                tp.all_reduce(buf[s:e], impl)
+        for rep in range(GRAPH_REPLAYS):
+            buf.normal_(generator=torch.Generator(device).manual_seed(100 * rep + tp.rank))
+            refs = [buf[s:e].float() for s, e in ranges]
+            for ref in refs:
+                dist.all_reduce(ref)
+            torch.cuda.synchronize()
+            graph.replay()
+            torch.cuda.synchronize()
+            for (s, e), ref in zip(ranges, refs, strict=True):
+                compare(s, e, ref, f"{name} {rep}")
     return out
 
 
@@ -71,7 +75,7 @@ def _check(tp: TensorParallel, impl: str, parts: int | str | None) -> list[dict]
                                          ("copy_engine", "one stream")])
 def test_copy_engine_all_reduce_equals_nccl_eager_and_in_graphs(impl, parts):
     res = launch(_check, 2, "nccl", impl, parts)
-    assert len(res) == len(RANGES) + 3 * 2
+    assert len(res) == CHECKS
     for r in res:
         assert r["rel"] < 1e-2 and r["equal"], r
 
@@ -80,6 +84,6 @@ def test_copy_engine_all_reduce_equals_nccl_eager_and_in_graphs(impl, parts):
 @pytest.mark.parametrize("parts", [1, None, "one stream"])
 def test_copy_engine_all_reduce_on_four_gpus(parts):
     res = launch(_check, 4, "nccl", "copy_engine_ctas16", parts)
-    assert len(res) == len(RANGES) + 3 * 2
+    assert len(res) == CHECKS
     for r in res:
         assert r["rel"] < 1e-2 and r["equal"], r

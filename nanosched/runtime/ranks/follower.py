@@ -104,23 +104,29 @@ class Follower:
 
     def _follow(self) -> None:
         while not isinstance(msg := self.reader.recv(self._check_parent), Stop):
-            if isinstance(msg, Step):
-                loaded = self.engines[msg.key]
-                self._replay(loaded, msg.ops)
-                loaded.engine.follow(*msg.chunks())
-            elif isinstance(msg, OpenEngine):
-                choice = named_choice(msg.strategy, msg.schedule, self.model.spec,
-                                      self.model.device)
-                self.engines[msg.key] = build_engine(self.model, msg.config, choice)
-            elif isinstance(msg, Call):
-                loaded = self.engines[msg.key]
-                self._replay(loaded, msg.ops)
-                msg.fn(loaded.engine, *msg.args)
-            elif isinstance(msg, CloseEngine):
-                self.engines.pop(msg.key).close()
-                gc.collect()
-                if self.model.device.type == "cuda":
-                    torch.cuda.empty_cache()
+            self._handle(msg)
+
+    def _handle(self, msg: Any) -> None:
+        """One message. An engine is referenced only from `self.engines` between messages, so
+        the one `CloseEngine` pops is freed (its KV cache and graph pools) before the next
+        `OpenEngine` sizes its cache by the memory left."""
+        if isinstance(msg, Step):
+            loaded = self.engines[msg.key]
+            self._replay(loaded, msg.ops)
+            loaded.engine.follow(*msg.chunks())
+        elif isinstance(msg, OpenEngine):
+            choice = named_choice(msg.strategy, msg.schedule, self.model.spec,
+                                  self.model.device)
+            self.engines[msg.key] = build_engine(self.model, msg.config, choice)
+        elif isinstance(msg, Call):
+            loaded = self.engines[msg.key]
+            self._replay(loaded, msg.ops)
+            msg.fn(loaded.engine, *msg.args)
+        elif isinstance(msg, CloseEngine):
+            self.engines.pop(msg.key).close()
+            gc.collect()
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     @staticmethod
     def _replay(loaded: LoadedEngine, ops: list[tuple]) -> None:

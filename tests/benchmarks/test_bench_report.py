@@ -83,6 +83,8 @@ def test_ratio_warnings_name_few_replayed_iterations_and_short_runs():
     decided = ratio_warnings(_run("replay_set", 400, 0, 30.0) | {"pipelined_iterations": 12},
                              long_seq)
     assert decided == ["replay_set pipelined only 12 of 400 iterations (the rest ran Sequential)"]
+    every = ratio_warnings(_run("two_batch", 12, 0, 30.0), long_seq)
+    assert every == ["two_batch ran only 12 iterations"]
     half = ratio_warnings(_run("replay", 400, 300, 30.0), long_seq)
     assert len(half) == 1 and "100 of 400" in half[0]
     short = ratio_warnings(_run("replay", 400, 0, 0.06), long_seq)

@@ -6,6 +6,11 @@
 #   tests      GPU tests of tp (NCCL, graphs, the server: needs .whl)               ~5 min
 #   serve      serve --tp 4 (Llama-3-70B) with a client, then SIGTERM (needs .whl)   ~3 min
 #   broadcast  what sending a step costs at tp 2 and 4 (tp_broadcast.py)            ~1 min
+#   overlap-ce    70B tp 4, 1024/512, 500 prompts: Sequential, two_batch (one half's
+#                 all-reduce beside the other's GEMMs), Sequential (A-B-A), all on the
+#                 copy-engine all-reduce                                              ~7 min
+#   overlap-nccl  the same on NCCL's all-reduce                                       ~7 min
+#   overlap-sharegpt  the same as overlap-ce on ShareGPT lengths, 1,000 prompts       ~7 min
 # as `bench/engine/tp_run.sh SECTION` from the repository root. Records (JSON, named as
 # bench/results/ names them), logs and the GPUs' clock and power (nvidia-smi every second, a
 # .smi.csv beside each record) go to $OUT, else bench/results/. The GPU image has no fastapi /
@@ -58,9 +63,22 @@ tests)
         tests/gpu/test_timeline_tp_gpu.py 2>&1 | tail -n 40 ;;
 serve)
     python bench/engine/tp_serve_smoke.py --model llama3-70b --tp 4 ;;
+overlap-ce)  # 500 prompts: an A-B-A of 1,000 at 1024/512 takes over the 10 minutes of a call
+    bench bench-tp4-2batch-ce-llama3-70b-in1024-out512-n500 --model llama3-70b --tp 4 \
+        --input-len 1024 --output-len 512 --num-prompts 500 --graphs on --schedule two_batch \
+        --compare --collective copy_engine ;;
+overlap-nccl)
+    bench bench-tp4-2batch-nccl-llama3-70b-in1024-out512-n500 --model llama3-70b --tp 4 \
+        --input-len 1024 --output-len 512 --num-prompts 500 --graphs on --schedule two_batch \
+        --compare --collective nccl ;;
+overlap-sharegpt)
+    bench bench-tp4-2batch-ce-llama3-70b-sharegpt-n1000 --model llama3-70b --tp 4 \
+        --workload sharegpt --num-prompts 1000 --graphs on --schedule two_batch --compare \
+        --collective copy_engine ;;
 broadcast)
     python bench/engine/tp_broadcast.py --tp 2 --rows 2048
     python bench/engine/tp_broadcast.py --tp 4 --rows 2048 ;;
 *)
-    echo "usage: bench/engine/tp_run.sh 70b|8b|tests|serve|broadcast" >&2; exit 2 ;;
+    echo "usage: bench/engine/tp_run.sh 70b|8b|tests|serve|broadcast|overlap-ce|overlap-nccl|overlap-sharegpt" >&2
+    exit 2 ;;
 esac

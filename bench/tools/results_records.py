@@ -3,7 +3,7 @@
 An experiment is what was asked, not when: for a `nanosched bench` record (`bench-*.json`) the
 model, tp, GPU, workload (input/output lengths or a dataset, arrival rate), number of prompts,
 dense batch, weights, `--graphs`, `--admission`, `--kv-cache-dtype`, `--gpu-memory-utilization`
-(when not the default) and the kind of
+and `--collective` (each when not the default) and the kind of
 `--schedule` (sequential, two_batch, auto or a searched file); for another script's record the
 script, its arguments and the device. Schedules and schedule sets (`*.schedule.json`,
 `*.set.json`) and profiles (`profile-*.json`) are inputs that records name, so they are always
@@ -78,6 +78,19 @@ def bench_runs(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 DEFAULT_MEM_UTIL = 0.85  # EngineConfig.mem_util (this module reads JSON only, no nanosched)
+DEFAULT_COLLECTIVE = "nccl"  # bench --collective
+
+
+def collective(data: dict[str, Any]) -> str:
+    """The all-reduce a bench record's layers ran (`--collective`): its config's, else its
+    command line's (records written before the config named it), else NCCL."""
+    named = data.get("config", {}).get("collective")
+    if named:
+        return str(named)
+    words = shlex.split(str(data.get("environment", {}).get("command") or ""))
+    if "--collective" in words[:-1]:
+        return words[words.index("--collective") + 1]
+    return DEFAULT_COLLECTIVE
 
 
 def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
@@ -91,6 +104,8 @@ def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
            ("schedule", schedule_kind(c.get("schedule"))))
     if c.get("mem_util") not in (None, DEFAULT_MEM_UTIL):  # --gpu-memory-utilization given
         key += (("GPU memory", str(c["mem_util"])),)
+    if collective(data) != DEFAULT_COLLECTIVE:
+        key += (("collective", collective(data)),)
     summary = ", ".join(f"{run}: {_num(r.get('results', {}).get('tokens_per_s'))} tokens/s"
                         for run, r in bench_runs(data).items())
     return Entry(name, "bench", key, date_of(data, name), summary, data)

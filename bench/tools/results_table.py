@@ -59,12 +59,16 @@ def _run_graphs(run_name: str, run: dict[str, Any]) -> str:
 
 
 def readme_key(e: Entry) -> tuple[str, ...]:
-    """What the README keeps one record of: (GPU, model, tp, workload, KV dtype)."""
+    """What the README keeps one record of: (GPU, model, tp with the all-reduce when it is
+    not NCCL's, workload, KV dtype)."""
     c = e.data["config"]
     kv = "fp8" if c.get("kv_dtype") == "fp8" else "bf16"
     workload = workload_label(c).replace("in ", "").replace("out ", "")
-    return (gpu_label(e.data.get("environment", {}).get("device")), str(c.get("model")),
-            str(c.get("tp") or 1), workload, kv)
+    tp, net = str(c.get("tp") or 1), _records.collective(e.data)
+    if net != _records.DEFAULT_COLLECTIVE:
+        tp += f" ({net.replace('_', ' ')})"
+    return (gpu_label(e.data.get("environment", {}).get("device")), str(c.get("model")), tp,
+            workload, kv)
 
 
 def readme_records(entries: list[Entry]) -> list[Entry]:

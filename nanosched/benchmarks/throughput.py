@@ -223,7 +223,7 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
     adm = eng.admission
     record |= {"weights": weights, "admission": adm.policy, "kv_headroom": adm.headroom,
                "preemption": adm.preemption, "swap_space_gib": adm.swap_space_gib,
-               "decode_attention": eng.kernels.decode_impl}
+               "decode_attention": eng.kernels.decode_impl, "collective": eng.kernels.network}
     out: dict[str, Any] = {"config": record | {"dense_batch": dense, "graphs": graphs},
                            "environment": environment(device) | {"num_gpus": eng.tp},
                            "model_params": spec.num_params(),

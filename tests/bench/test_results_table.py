@@ -219,3 +219,25 @@ def test_the_table_keeps_the_newest_records_that_fit_in_ten_rows(repo):
     assert {r[7] for r in rows} == {f"1,{i:03d}" for i in range(2, 12)}  # the ten newest
     assert "bench-w00.json" not in (repo / "README.md").read_text()
     assert "bench-w00.json" in (repo / "bench" / "results" / "INDEX.md").read_text()
+
+
+def test_each_collective_is_its_own_experiment_and_row(repo):
+    """`--collective copy_engine` at tp = 4 is another experiment than NCCL's (from the config,
+    or from the command line of a record written before the config named it)."""
+    two = {"sequential+graphs": {"strategy": "sequential", "graphs": True,
+                                 "results": _results(8_000.0, 30.0)},
+           "two_batch+graphs": {"strategy": "two_batch", "graphs": True,
+                                "results": _results(6_400.0, 24.0)}}
+    tp4 = {"tp": 4, "model": "llama3-70b", "schedule": "two_batch"}
+    nccl = _bench("2026-11-27T02:00:00+00:00", two, **tp4)
+    ce_cmd = _bench("2026-11-27T01:00:00+00:00", two, **tp4)
+    ce_cmd["environment"]["command"] = "cli bench --tp 4 --collective copy_engine --json x.json"
+    _write(repo, "bench-nccl.json", nccl)
+    _write(repo, "bench-ce.json", ce_cmd)
+    assert rt.main([], root=repo, figures=()) == 0
+    rows = _table_rows((repo / "README.md").read_text())
+    assert {r[2] for r in rows if r[1] == "llama3-70b"} == {"4", "4 (copy engine)"}
+    index = (repo / "bench" / "results" / "INDEX.md").read_text()
+    assert "bench-nccl.json" in index and "bench-ce.json" in index  # neither superseded
+    assert rt._records.collective({"config": {"collective": "copy_engine"}}) == "copy_engine"
+    assert rt._records.collective(nccl) == "nccl"

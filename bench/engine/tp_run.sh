@@ -10,7 +10,7 @@
 #                 all-reduce beside the other's GEMMs), Sequential (A-B-A), all on the
 #                 copy-engine all-reduce                                              ~7 min
 #   overlap-nccl  the same on NCCL's all-reduce                                       ~7 min
-#   overlap-sharegpt  the same as overlap-ce on ShareGPT lengths, 1,000 prompts       ~7 min
+#   overlap-sharegpt  the same as overlap-ce on ShareGPT lengths, 500 prompts         ~4 min
 # as `bench/engine/tp_run.sh SECTION` from the repository root. Records (JSON, named as
 # bench/results/ names them), logs and the GPUs' clock and power (nvidia-smi every second, a
 # .smi.csv beside each record) go to $OUT, else bench/results/. The GPU image has no fastapi /
@@ -72,8 +72,8 @@ overlap-nccl)
         --input-len 1024 --output-len 512 --num-prompts 500 --graphs on --schedule two_batch \
         --compare --collective nccl ;;
 overlap-sharegpt)
-    bench bench-tp4-2batch-ce-llama3-70b-sharegpt-n1000 --model llama3-70b --tp 4 \
-        --workload sharegpt --num-prompts 1000 --graphs on --schedule two_batch --compare \
+    bench bench-tp4-2batch-ce-llama3-70b-sharegpt-n500 --model llama3-70b --tp 4 \
+        --workload sharegpt --num-prompts 500 --graphs on --schedule two_batch --compare \
         --collective copy_engine ;;
 broadcast)
     python bench/engine/tp_broadcast.py --tp 2 --rows 2048

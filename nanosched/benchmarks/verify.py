@@ -220,13 +220,15 @@ def run_verify(path: str, out: str, device: str = "auto", cfg: VerifyConfig = Ve
     spec = load_spec(sset.model["name"])
     check_set_compatible(sset, spec, sset.tp, gpu_name(dev), force=dev.type != "cuda",
                          kv_dtype=sset.kv_dtype)
-    if sset.tp != 1:
-        raise ConfigError("verify runs tp = 1 sets only")
     pipes = [e for e in sset.entries if e.kind == "pipeline" and e.schedule is not None]
     if not pipes:
         echo("the set runs no pipeline: nothing to verify; written unchanged")
         save_schedule_set(sset, out)
         return sset, []
+    if sset.tp != 1:
+        raise ConfigError(f"verify times pipelines on one GPU; this set is for tp = {sset.tp}: "
+                          f"time it end to end with `nanosched bench --model "
+                          f"{sset.model['name']} --tp {sset.tp} --schedule {path} --compare`")
     model = load_model(spec, "random", dev)
     from nanosched.benchmarks.throughput import forward_pages
 

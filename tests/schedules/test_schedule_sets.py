@@ -327,17 +327,33 @@ def test_verify_makes_an_entry_whose_replay_fails_sequential(model, single, monk
                      "error": "replay is stuck (test)", "kept": False}]
 
 
-def test_verify_on_a_set_without_pipelines_writes_it_unchanged(tmp_path):
+@pytest.mark.parametrize("src", [
+    ROOT / "bench" / "results" / "llama3-8b-tp1-h200-b2048.set.json",
+    ROOT / "nanosched" / "schedules" / "shipped"
+    / "llama3-70b-tp4-h100-in1024-out512-b1152.set.json",
+])
+def test_verify_on_a_set_without_pipelines_writes_it_unchanged(tmp_path, src):
     from typer.testing import CliRunner
 
     from nanosched.cli import app
 
-    src = ROOT / "bench" / "results" / "llama3-8b-tp1-h200-b2048.set.json"
     out = tmp_path / "v.json"
     r = CliRunner().invoke(app, ["verify", str(src), "--out", str(out), "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert "nothing to verify" in r.output
     assert json.loads(out.read_text())["entries"] == json.loads(src.read_text())["entries"]
+
+
+def test_verify_refuses_a_tp_set_with_pipelines_and_names_bench(tmp_path):
+    from typer.testing import CliRunner
+
+    from nanosched.cli import app
+
+    src = ROOT / "bench" / "results" / "llama3-70b-tp2-h200-b896.schedule.json"  # pipelined
+    r = CliRunner().invoke(app, ["verify", str(src), "--out", str(tmp_path / "v.json"),
+                                 "--device", "cpu"])
+    assert r.exit_code == 2, r.output
+    assert "tp = 2" in r.output and "nanosched bench --model llama3-70b --tp 2" in r.output
 
 
 def test_the_set_predicts_a_bucket_between_its_keys(single):

@@ -113,11 +113,17 @@ def best_options(cfg: SearchConfig, resource: str, op: str, quanta: int, batch_t
     for k in range(1, quanta + 1):
         for o in alloc_options(cfg.profile, resource, op, k * TOKEN_QUANTUM, batch_tokens,
                                context):
-            key = (o.mechanism, o.share, o.side, o.table if o.mechanism == PARTITION
-                   else o.point)
+            key = option_key(o)
             if key not in best or best[key].p < o.p:
                 best[key] = o
     return tuple(best.values())
+
+
+def option_key(o: AllocOption) -> tuple:
+    """What an option is in the LP's modes, whatever the nano-op's size: what compatibility
+    and the GPU's shares look at (mechanism, share, side, and the table on a partition, else
+    the point)."""
+    return (o.mechanism, o.share, o.side, o.table if o.mechanism == PARTITION else o.point)
 
 
 def op_works(cfg: SearchConfig, batch: BatchInfo) -> dict[str, OpWork]:
@@ -161,8 +167,18 @@ def modes(ops: list[OpWork]) -> list[tuple[tuple[int, ...], tuple[AllocOption, .
     return out
 
 
-def least_period_us(ops: list[OpWork]) -> float:
-    """tau* of the resource LP (module docstring) over `ops`."""
+@dataclass(frozen=True)
+class ModeTime:
+    """One mode of the resource LP's optimum: its ops, their options, its us per layer."""
+
+    ops: tuple[str, ...]
+    options: tuple[AllocOption, ...]
+    us: float
+
+
+def solve_modes(ops: list[OpWork]) -> tuple[float, list[ModeTime]]:
+    """tau* of the resource LP (module docstring) over `ops`, and the modes its optimum runs
+    (those of more than 1e-6 us per layer, longest first)."""
     from ortools.linear_solver import pywraplp
 
     lp = pywraplp.Solver.CreateSolver("GLOP")
@@ -179,7 +195,23 @@ def least_period_us(ops: list[OpWork]) -> float:
     lp.Minimize(tau)
     if lp.Solve() != pywraplp.Solver.OPTIMAL:  # always feasible: every op alone in turn
         raise RuntimeError("the resource ceiling's LP did not solve")
-    return tau.solution_value()
+    used = [ModeTime(tuple(ops[i].op for i in idx), opts, var.solution_value())
+            for var, (idx, opts) in zip(t, found, strict=True) if var.solution_value() > 1e-6]
+    return tau.solution_value(), sorted(used, key=lambda m: -m.us)
+
+
+def least_period_us(ops: list[OpWork]) -> float:
+    """tau* of the resource LP (module docstring) over `ops`."""
+    return solve_modes(ops)[0]
+
+
+def form_ops(cfg: SearchConfig, batch: BatchInfo, forms: dict[str, str],
+             works: dict[str, OpWork] | None = None) -> list[OpWork]:
+    """The ops of the layer under collective `forms` with a non-empty domain at `batch`, in
+    the layer's order (`works`: `op_works` of the batch, when already built)."""
+    works = works if works is not None else op_works(cfg, batch)
+    return [works[o.name] for o in layer_graph(cfg.spec, cfg.tp).active_ops(forms)
+            if o.name in works]
 
 
 def resource_ceiling(cfg: SearchConfig, batch: BatchInfo) -> ResourceCeiling:
@@ -193,8 +225,7 @@ def resource_ceiling(cfg: SearchConfig, batch: BatchInfo) -> ResourceCeiling:
     best: ResourceCeiling | None = None
     for pick in itertools.product(*groups.values()):
         forms = dict(zip(groups, pick, strict=True))
-        period = least_period_us([works[o.name] for o in graph.active_ops(forms)
-                                  if o.name in works])
+        period = least_period_us(form_ops(cfg, batch, forms, works))
         if best is None or seq / period > best.gain:
             best = ResourceCeiling(seq / period, period, seq, forms)
     assert best is not None  # one choice at least (none to make at tp = 1)

@@ -61,19 +61,106 @@ def test_no_pair_worth_more_than_alone_gives_a_ceiling_of_one(synthetic):
     assert resource_ceiling(synthetic, key_batch(synthetic, 256, 512)).gain > 1.05
 
 
+def test_the_lp_optimum_does_every_ops_work_in_modes_that_may_run(synthetic):
+    """`solve_modes` (what bench/analysis/ceiling_modes.py prints) is the ceiling's optimum:
+    its modes fill the period, do each op's least split row time, hold at most one op per
+    stream, each under options that may run at once."""
+    from bench.analysis.ceiling_modes import beside
+
+    batch = key_batch(synthetic, 256, 512)
+    top = resource_ceiling(synthetic, batch)
+    ops = proof.form_ops(synthetic, batch, top.forms)
+    tau, used = proof.solve_modes(ops)
+    assert tau == pytest.approx(top.period_us)
+    assert sum(m.us for m in used) == pytest.approx(tau, rel=1e-6)
+    assert [m.us for m in used] == sorted((m.us for m in used), reverse=True)
+    for o in ops:
+        done = sum(m.us * opt.p for m in used
+                   for op, opt in zip(m.ops, m.options, strict=True) if op == o.op)
+        assert done >= o.work_us * (1 - 1e-6), o.op
+        assert sum(beside(used)[o.op].values()) == pytest.approx(
+            sum(m.us for m in used if o.op in m.ops)), o.op
+    for m in used:
+        assert len(set(m.ops)) == len(m.ops) and proof.fits(m.options), m
+    assert any(len(m.ops) > 1 for m in used)  # the synthetic pairs pay: something overlaps
+
+
+def test_counting_nano_ops_gives_a_ceiling_no_higher_than_the_lp(synthetic):
+    """--nano-ops (bench/analysis/ceiling_modes.py) only adds rows to the LP: its period is
+    at least the LP's, and with whole nano-ops, each at one option, strictly more here."""
+    from bench.analysis.ceiling_modes import nano_op_period
+
+    for d, t in [(256, 512), (128, 256)]:
+        batch = key_batch(synthetic, d, t)
+        top = resource_ceiling(synthetic, batch)
+        period, how = nano_op_period(synthetic, batch, top.forms, 10.0)
+        assert how == "optimal"
+        assert top.period_us * (1 + 1e-4) < period, (d, t)
+
+
 @pytest.mark.slow
 def test_the_ceiling_is_above_what_the_search_finds_and_the_grouped_ceiling(synthetic):
     """The search's pipelines (ops cut anywhere) stay under the ceiling; the LP over row-group
     structures (every op cut at the same rows) is a restriction of it, so it is no higher."""
     from bench.analysis.ceiling import pipeline_ceiling
+    from bench.analysis.ceiling_modes import nano_op_period
 
     for d, t in [(256, 512), (0, 384)]:
-        top = resource_ceiling(synthetic, key_batch(synthetic, d, t)).gain
+        batch = key_batch(synthetic, d, t)
+        ceiling = resource_ceiling(synthetic, batch)
+        top = ceiling.gain
         sched = run_search(replace(key_config(synthetic, d, t), time_limit_s=1.0))
         forward, seq = layer_times_us(sched)
         assert seq / forward <= top + 1e-9, (d, t)
+        # each op's nano-ops counted (bench/analysis/ceiling_modes.py --nano-ops) still bounds
+        # what the search finds, whatever forms it took
+        counted = ceiling.sequential_us / nano_op_period(synthetic, batch, sched.forms, 10.0)[0]
+        assert seq / forward <= counted + 1e-9, (d, t)
         grouped = pipeline_ceiling(synthetic, key_batch(synthetic, d, t), equal_only=True)
         assert grouped.gain <= top + 1e-6, (d, t)
+
+
+def random_allocations(sched, profile, seed):
+    """`sched` with every nano-op at a random option of its size (and no resource
+    dependencies: the replay places them as soon as they fit and may run together)."""
+    import random
+
+    from nanosched.autosearch.durations import FULL_SHARE, alloc_options, op_context
+    from nanosched.schedules.format import Alloc
+
+    rng, b = random.Random(seed), sched.batch
+    ops = []
+    for n in sched.nano_ops:
+        ctx = op_context(n.op, b.decode_context, b.prompt_len)
+        o = rng.choice(alloc_options(profile, n.resource, n.op, n.end - n.start,
+                                     b.dense_batch, ctx))
+        alloc = Alloc(o.share / FULL_SHARE, o.p, o.mechanism.value, o.units, o.impl, o.point,
+                      o.side.value if o.side else "")
+        ops.append(replace(n, alloc=alloc,
+                           deps=tuple(d for d in n.deps if d.kind != "resource")))
+    return replace(sched, nano_ops=tuple(ops))
+
+
+@pytest.mark.slow
+def test_the_ceilings_bound_the_search_pipelines_at_random_allocations(synthetic):
+    """The LP ceiling and the one with nano-ops counted bound the replayed forward of the
+    search's structures under any allocation, not only the solver's."""
+    from bench.analysis.ceiling_modes import nano_op_period
+    from nanosched.autosearch.simulate import sequential_baseline, simulate
+
+    d, t = 256, 512
+    batch = key_batch(synthetic, d, t)
+    ceiling = resource_ceiling(synthetic, batch)
+    sched = run_search(replace(key_config(synthetic, d, t), time_limit_s=1.0))
+    counted = ceiling.sequential_us / nano_op_period(synthetic, batch, sched.forms, 10.0)[0]
+    layers = synthetic.spec.num_layers
+    seq = sequential_baseline(synthetic.spec, 1, synthetic.profile, sched.batch)[0] * layers
+    gains = []
+    for seed in range(20):
+        sim = simulate(random_allocations(sched, synthetic.profile, seed), synthetic.profile)
+        gains.append(seq / (sim.iteration_us - sim.lm_head_us))
+    assert max(gains) <= counted + 1e-9 <= ceiling.gain + 2e-9
+    assert len(set(gains)) > 1  # the allocations differ
 
 
 @pytest.mark.slow

@@ -7,15 +7,14 @@ a pipeline (CPU).
         [--timeline 768]
 
 For each structure of --cuts (rows, several cuts of one structure joined by `/`; default one
-cut at every multiple of 128 from the decode/prompt boundary up to the middle of the batch, and
-the boundary itself): stage I with every op cut there (two nano-batches per cut,
-TokenWeave-style, or more; its issue order and layer offsets, as the search's decode/prompt
-split gets them), stage II's allocation of that structure for --stage2-s (the
-options the resource LP prices), the schedule built and checked as `run_search` builds it, and
-`simulate`'s replay: per layer (steady state) and per forward (fill and drain too) against
-Sequential. The key is posed as the set search poses it (`sets.key_config`). With --timeline
-CUTS, one steady period of that structure's replay: which nano-ops ran when, under which option.
-Writes nothing.
+cut at every multiple of 128 from the decode/prompt boundary D to T - D, or from T - D to D):
+stage I with every op cut there (two nano-batches per cut, TokenWeave-style, or more; its
+issue order and layer offsets, as the search's decode/prompt split gets them), stage II's
+allocation of that structure for --stage2-s (the options the resource LP prices), the schedule
+built and checked as `run_search` builds it, and `simulate`'s replay: per layer (steady state)
+and per forward (fill and drain too) against Sequential. The key is posed as the set search
+poses it (`sets.key_config`). With --timeline CUTS, one steady period of that structure's
+replay: which nano-ops ran when, under which option. Writes nothing.
 """
 
 from __future__ import annotations
@@ -105,10 +104,9 @@ def main() -> None:
     cfg = key_config(cfg, steady.num_decode, steady.dense_batch)
     batch = search_batch(cfg)
     seq_layer, seq_forward = sequential_baseline(cfg.spec, cfg.tp, prof, batch)
-    half = batch.dense_batch // 2 // TOKEN_QUANTUM * TOKEN_QUANTUM
-    specs = args.cuts.split(",") if args.cuts else [str(c) for c in sorted(
-        {batch.num_decode, *range(max(TOKEN_QUANTUM, batch.num_decode), half + 1,
-                                  TOKEN_QUANTUM)} - {0})]
+    lo = max(TOKEN_QUANTUM, min(batch.num_decode, batch.dense_batch - batch.num_decode))
+    specs = args.cuts.split(",") if args.cuts else [
+        str(c) for c in range(lo, batch.dense_batch - lo + 1, TOKEN_QUANTUM)]
     print(f"{prof.identity.gpu_name} tp={prof.tp}: key D={batch.num_decode} T="
           f"{batch.dense_batch} (context {batch.decode_context:.0f}), Sequential layer "
           f"{seq_layer:.1f} us; stage I {args.stage1_s:g} s, stage II {args.stage2_s:g} s, "

@@ -26,7 +26,9 @@ largest ceiling kept, so the rs_ag pipelines are covered too. It drops what a re
 also pays (dependencies: a row's chain of ops runs one after another; a nano-op keeps its
 allocation while its partner ends), so it is loose: the LP over row-group structures
 (`bench/analysis/ceiling.py`) is tighter but covers only pipelines that cut every op at the
-same rows.
+same rows. Most of the slack on the 70B profiles is the order of each row's chain, which an LP
+over modes cannot state (`bench/analysis/ceiling_modes.py` prints the optimum; docs/search.md,
+"Where the ceiling's slack is").
 
 **Proofs** (`no_gain_proof`), strongest first, for an entry the set runs Sequential:
   - `small`: fewer than two 128-row nano-batches; no pipeline exists.

@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.analysis.stage2_gap_curve import stage2_problem
+from bench.analysis.stage2_gap_curve import stage2_problem, steady_key
 from nanosched.autosearch.build import build_schedule
 from nanosched.autosearch.check import check_schedule
 from nanosched.autosearch.cpsat import Limits
 from nanosched.autosearch.opgraph import TokenMix, layer_graph
-from nanosched.autosearch.request import load_named_profile
-from nanosched.autosearch.search import SearchConfig, _tables, search_batch
-from nanosched.autosearch.sets import key_config
+from nanosched.autosearch.search import SearchConfig, _tables
 from nanosched.autosearch.simulate import (
     nano_time_us,
     replay,
@@ -41,7 +39,6 @@ from nanosched.autosearch.stage1_model import Stage1Problem
 from nanosched.autosearch.stage2 import solve_stage2
 from nanosched.constants import TOKEN_QUANTUM
 from nanosched.schedules.format import BatchInfo, Schedule
-from nanosched.workloads import resolve_workload
 
 TIMELINE_LAYERS = 12  # replayed for --timeline; the period shown is layer 6's
 
@@ -97,12 +94,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeline", default=None, help="a structure whose period to print")
     args = ap.parse_args()
-    prof = load_named_profile(args.profile)
-    cfg = SearchConfig(prof.model, prof.tp, prof, resolve_workload(None, 1024, 512),
-                       prof.dense_batch, num_workers=args.workers)
-    steady = search_batch(cfg)
-    cfg = key_config(cfg, steady.num_decode, steady.dense_batch)
-    batch = search_batch(cfg)
+    prof, cfg, batch = steady_key(args.profile, args.workers)
     seq_layer, seq_forward = sequential_baseline(cfg.spec, cfg.tp, prof, batch)
     lo = max(TOKEN_QUANTUM, min(batch.num_decode, batch.dense_batch - batch.num_decode))
     specs = args.cuts.split(",") if args.cuts else [

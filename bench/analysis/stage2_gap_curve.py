@@ -39,6 +39,7 @@ from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.autosearch.stage1 import solve_stage1
 from nanosched.autosearch.stage1_model import Stage1Problem, Structure
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
+from nanosched.profiler.format import Profile
 from nanosched.schedules.format import BatchInfo, StageReport
 from nanosched.schedules.sets import GAP_PROVEN
 from nanosched.workloads import resolve_workload
@@ -77,6 +78,17 @@ def stage2_problem(cfg: SearchConfig, batch: BatchInfo, st: Structure) -> Stage2
         st.orders, st.offsets, precedences(nano_deps(graph, nanos, mix, st.forms)), None)
 
 
+def steady_key(profile: str, workers: int) -> tuple[Profile, SearchConfig, BatchInfo]:
+    """The profile (a FILE or shipped NAME), the search's config at its steady-state key
+    (1024 / 512, the profile's dense batch) and that key's batch."""
+    prof = load_named_profile(profile)
+    cfg = SearchConfig(prof.model, prof.tp, prof, resolve_workload(None, 1024, 512),
+                       prof.dense_batch, num_workers=workers)
+    steady = search_batch(cfg)
+    cfg = key_config(cfg, steady.num_decode, steady.dense_batch)
+    return prof, cfg, search_batch(cfg)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="profile FILE or shipped NAME")
@@ -89,12 +101,7 @@ def main() -> None:
     if args.subsolvers:
         stage2.solve = functools.partial(cpsat.solve,  # type: ignore[attr-defined]
                                          subsolvers=tuple(args.subsolvers.split(",")))
-    prof = load_named_profile(args.profile)
-    cfg = SearchConfig(prof.model, prof.tp, prof, resolve_workload(None, 1024, 512),
-                       prof.dense_batch, num_workers=args.workers)
-    steady = search_batch(cfg)
-    cfg = key_config(cfg, steady.num_decode, steady.dense_batch)
-    batch = search_batch(cfg)
+    prof, cfg, batch = steady_key(args.profile, args.workers)
     seq = sum(sequential_op_times(cfg.spec, cfg.tp, prof, batch).values())
     print(f"{prof.identity.gpu_name} tp={prof.tp}: steady key D={batch.num_decode} "
           f"(context {batch.decode_context:.0f}) "

@@ -30,6 +30,7 @@ import json
 import time
 from collections import defaultdict
 
+from bench.analysis.search_args import add_search_args, search_config
 from nanosched.autosearch.durations import alloc_options, op_context
 from nanosched.autosearch.opgraph import TokenMix, layer_graph
 from nanosched.autosearch.proof import (
@@ -41,7 +42,6 @@ from nanosched.autosearch.proof import (
     resource_ceiling,
     solve_modes,
 )
-from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.search import SearchConfig, search_batch
 from nanosched.autosearch.sets import key_batch
 from nanosched.autosearch.simulate import sequential_op_times
@@ -49,7 +49,6 @@ from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK
 from nanosched.schedules.format import BatchInfo
-from nanosched.workloads import resolve_workload
 
 
 def option_text(o: object) -> str:
@@ -141,11 +140,7 @@ def parse_forms(text: str | None) -> dict[str, str] | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", required=True, help="profile FILE or shipped NAME")
-    ap.add_argument("--dense-batch", default="auto", help="tokens, or auto: the profile's")
-    ap.add_argument("--input-len", type=float, default=1024)
-    ap.add_argument("--output-len", type=float, default=512)
-    ap.add_argument("--workload", default=None, help="a dataset name instead of the lengths")
+    add_search_args(ap)
     ap.add_argument("--key", default=None, help="D:T (default: the steady state's key)")
     ap.add_argument("--forms", default=None, help="e.g. attn=ar,ffn=rs_ag (default: the "
                     "ceiling's)")
@@ -153,11 +148,8 @@ def main() -> None:
                     help="also the MILP with nano-ops counted, at most SECONDS per form")
     ap.add_argument("--json", default=None, help="write the optimum to this file")
     args = ap.parse_args()
-    prof = load_named_profile(args.profile)
-    b = prof.dense_batch if args.dense_batch == "auto" else int(args.dense_batch)
-    workload = resolve_workload(args.workload, None if args.workload else args.input_len,
-                                None if args.workload else args.output_len)
-    cfg = SearchConfig(prof.model, prof.tp, prof, workload, b)
+    cfg = search_config(args)
+    prof = cfg.profile
     steady = search_batch(cfg)
     d, t = (steady.num_decode, steady.dense_batch) if args.key is None else \
         map(int, args.key.split(":"))

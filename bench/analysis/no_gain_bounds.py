@@ -27,28 +27,20 @@ from importlib.metadata import version
 from pathlib import Path
 
 from bench._common import results_dir
+from bench.analysis.search_args import add_search_args, search_config
 from nanosched.autosearch.proof import resource_ceiling
-from nanosched.autosearch.request import load_named_profile
-from nanosched.autosearch.search import SearchConfig, search_batch
+from nanosched.autosearch.search import search_batch
 from nanosched.autosearch.sets import key_batch, overlap_bound
 from nanosched.schedules.sets import set_keys
-from nanosched.workloads import resolve_workload
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", required=True, help="profile FILE or shipped NAME")
-    ap.add_argument("--dense-batch", default="auto", help="tokens, or auto: the profile's")
-    ap.add_argument("--input-len", type=float, default=1024)
-    ap.add_argument("--output-len", type=float, default=512)
-    ap.add_argument("--workload", default=None, help="a dataset name instead of the lengths")
+    add_search_args(ap)
     ap.add_argument("--min-gain", type=float, default=1.05)
     args = ap.parse_args()
-    prof = load_named_profile(args.profile)
-    b = prof.dense_batch if args.dense_batch == "auto" else int(args.dense_batch)
-    workload = resolve_workload(args.workload, None if args.workload else args.input_len,
-                                None if args.workload else args.output_len)
-    cfg = SearchConfig(prof.model, prof.tp, prof, workload, b)
+    cfg = search_config(args)
+    prof, b, workload = cfg.profile, cfg.dense_batch, cfg.workload
     steady = search_batch(cfg)
     rows = []
     start = time.perf_counter()

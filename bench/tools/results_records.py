@@ -104,8 +104,8 @@ def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
            ("schedule", schedule_kind(c.get("schedule"))))
     if c.get("mem_util") not in (None, DEFAULT_MEM_UTIL):  # --gpu-memory-utilization given
         key += (("GPU memory", str(c["mem_util"])),)
-    if collective(data) != DEFAULT_COLLECTIVE:
-        key += (("collective", collective(data)),)
+    if (net := collective(data)) != DEFAULT_COLLECTIVE:
+        key += (("collective", net),)
     summary = ", ".join(f"{run}: {_num(r.get('results', {}).get('tokens_per_s'))} tokens/s"
                         for run, r in bench_runs(data).items())
     return Entry(name, "bench", key, date_of(data, name), summary, data)

@@ -24,8 +24,9 @@ Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
    search with its reason.
 
 Every sequential entry says whether its NO GAIN is proven (`proof.py`): too small, by the
-bound, by the ceiling, by the stages' gaps, or not; a searched key records its ceiling and the
-gaps of the best pipeline found. With `bound` off (`--buckets dense`) the key is searched
+bound, by the ceiling, by the kept structure's bound (stage I's gap and stage II's bound), or
+not; a searched key records its ceiling and the gaps and stage II's bound of the best pipeline
+found. With `bound` off (`--buckets dense`) the key is searched
 whatever its bounds, and the ceiling is computed after the search, for the proof.
 
 The time limit holds for the whole set: once what is left of it would not cover one more key

@@ -44,7 +44,8 @@ KINDS = ("pipeline", "sequential")
 # how a sequential entry's NO GAIN is proven, strongest first (autosearch/proof.py), or not
 PROOFS = ("small", "bound", "ceiling", "gap", "unproven")
 GAP_PROVEN = 0.05  # a stage whose gap is at most this has converged, for the `gap` proof
-OPTIONAL = ("decode_context", "proof", "ceiling", "stage1_gap", "stage2_gap")  # written if set
+# written when set
+OPTIONAL = ("decode_context", "proof", "ceiling", "stage1_gap", "stage2_gap", "structure_bound")
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,13 @@ class SetEntry:
     # at (what fits the cache: `fitting_context`); None in older files
     # Whether a sequential entry's NO GAIN is proven (autosearch/proof.py; None in older files
     # and for pipelines): how (`PROOFS`), the resource ceiling (the most any pipeline the
-    # search can return is predicted to gain here) and the gaps of the stages of the best
-    # pipeline the search found.
+    # search can return is predicted to gain here), the gaps of the stages of the best
+    # pipeline the search found and stage II's bound for its structure as a gain.
     proof: str | None = None
     ceiling: float | None = None
     stage1_gap: float | None = None
     stage2_gap: float | None = None
+    structure_bound: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -315,14 +317,15 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
 
 
 def _check_proof(e: SetEntry, at: str) -> None:
-    """The proof fields of an entry: a known proof, a positive ceiling, gaps in [0, 1]."""
+    """The proof fields of an entry: a known proof, positive gains, gaps in [0, 1]."""
     if e.proof is not None and e.proof not in PROOFS:
         raise ScheduleError(f"{at}: proof must be one of {PROOFS}, got {e.proof!r}")
-    for name, top in (("ceiling", math.inf), ("stage1_gap", 1.0), ("stage2_gap", 1.0)):
+    for name, top in (("ceiling", math.inf), ("structure_bound", math.inf),
+                      ("stage1_gap", 1.0), ("stage2_gap", 1.0)):
         v = getattr(e, name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                               or not 0 <= v <= top or not math.isfinite(v)
-                              or (name == "ceiling" and v <= 0)):
+                              or (top == math.inf and v <= 0)):
             raise ScheduleError(f"{at}: {name} must be a finite number in "
                                 f"{'(0, inf)' if top == math.inf else '[0, 1]'}, got {v!r}")
 

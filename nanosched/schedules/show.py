@@ -69,11 +69,17 @@ def proof_text(e: SetEntry, min_gain: float) -> str:
     gaps = "/".join("-" if g is None else f"{100 * g:.1f}%" for g in (e.stage1_gap,
                                                                       e.stage2_gap))
     ceiling = "?" if e.ceiling is None else f"{e.ceiling:.3f}x"
+    bound = "" if e.structure_bound is None else f"{e.structure_bound:.3f}x"
+    stage1 = "-" if e.stage1_gap is None else f"{100 * e.stage1_gap:.1f}%"
+    structure = (f"stands: stage II's bound {bound} < {min_gain:.2f}x, stage I's gap "
+                 f"{stage1} <= {100 * GAP_PROVEN:.0f}%" if bound else
+                 f"stands: stage I/II gaps {gaps} <= {100 * GAP_PROVEN:.0f}%")  # older sets
     return {"small": "proven: no two nano-batches",
             "bound": "proven by the bound",
             "ceiling": f"proven: ceiling {ceiling} < {min_gain:.2f}x",
-            "gap": f"stands: stage I/II gaps {gaps} <= {100 * GAP_PROVEN:.0f}%",
+            "gap": structure,
             }.get(e.proof, f"NOT proven: ceiling {ceiling} >= {min_gain:.2f}x, "
+                           f"{'stage II bound ' + bound + ', ' if bound else ''}"
                            f"stage I/II gaps {gaps}")
 
 
@@ -99,7 +105,7 @@ def proof_lines(s: ScheduleSet) -> list[str]:
         return ["NO GAIN proofs: not recorded (a set searched before they were)"]
     by = {p: [e for e in seq if e.proof == p] for p in PROOFS}
     labels = {"small": "too small", "bound": "by the bound", "ceiling": "by the ceiling",
-              "gap": "by the stages' gaps"}
+              "gap": "by the kept structure's bound"}
     how = ", ".join(f"{len(by[p])} {label}" for p, label in labels.items() if by[p])
     lines = [f"NO GAIN proven at {len(seq) - len(by['unproven'])} of {len(seq)} sequential "
              f"shapes{': ' + how if how else ''}"]
@@ -107,8 +113,8 @@ def proof_lines(s: ScheduleSet) -> list[str]:
         top = max(by["unproven"], key=lambda e: e.ceiling or 0.0)
         lines.append(f"NOT proven at {len(by['unproven'])}: ceilings up to "
                      f"{top.ceiling or 0:.3f}x (D={top.num_decode}, T={top.num_tokens}) >= "
-                     f"{s.min_gain:.2f}x and the stages' gaps do not settle it, so a longer "
-                     f"search (--time-limit) may still find a pipeline there")
+                     f"{s.min_gain:.2f}x and the kept structure's bound does not settle it, "
+                     f"so a longer search (--time-limit) may still find a pipeline there")
     return lines
 
 

@@ -11,7 +11,7 @@ from search_fixtures import no_pair_gain, small_profile, synthetic_set_config
 from typer.testing import CliRunner
 
 from nanosched.autosearch import proof
-from nanosched.autosearch.proof import resource_ceiling, with_proof
+from nanosched.autosearch.proof import resource_ceiling, structure_gain, with_proof
 from nanosched.autosearch.search import SearchConfig, run_search
 from nanosched.autosearch.sets import SetSearchConfig, key_batch, key_config, search_set
 from nanosched.cli import app
@@ -27,6 +27,7 @@ from nanosched.schedules.sets import (
     load_schedule_set,
     save_schedule_set,
 )
+from nanosched.schedules.show import proof_text
 from nanosched.workloads import fixed
 
 
@@ -184,14 +185,19 @@ def test_a_large_gap_under_a_ceiling_below_min_gain_is_proven(tiny):
     assert (e.proof, e.ceiling, e.stage1_gap, e.stage2_gap) == ("ceiling", 1.02, 0.0, 0.3)
 
 
-def test_a_ceiling_above_min_gain_with_a_large_gap_is_unproven(tiny):
-    assert with_proof(sequential(), with_gaps(tiny, 0.0, 0.3), 1.3, 1.05).proof == "unproven"
+def test_a_ceiling_above_min_gain_with_stage_i_open_is_unproven(tiny):
     assert with_proof(sequential(), with_gaps(tiny, 0.2, 0.01), 1.3, 1.05).proof == "unproven"
     failed = with_proof(sequential(), None, 1.3, 1.05)  # the search found nothing
-    assert (failed.proof, failed.stage1_gap, failed.stage2_gap) == ("unproven", None, None)
+    assert (failed.proof, failed.stage1_gap, failed.stage2_gap, failed.structure_bound) == \
+        ("unproven", None, None, None)
 
 
-def test_small_gaps_prove_it_only_where_the_structure_cannot_reach_min_gain(tiny):
+def test_stage_ii_bound_proves_the_structure_whatever_its_gap(tiny):
+    """The claim is that no allocation of the kept structure reaches min_gain: stage II's
+    bound caps them all, and how far the allocation found is from it does not matter."""
+    e = with_proof(sequential(), with_gaps(tiny, 0.0, 0.3), 1.3, 1.05)
+    assert e.proof == "gap" and e.stage2_gap == 0.3
+    assert e.structure_bound == pytest.approx(structure_gain(tiny)) and e.structure_bound < 1
     assert with_proof(sequential(), tiny, 1.3, 1.05).proof == "gap"
     # stage II's bound prices the structure at 0.66x: a min gain below that is not settled
     assert with_proof(sequential(), tiny, 1.3, 0.5).proof == "unproven"
@@ -238,9 +244,9 @@ def every_proof_set(tiny):
                replace(sequential(128, 256), proof="ceiling", ceiling=1.02, stage1_gap=0.0,
                        stage2_gap=0.3),
                replace(sequential(256, 256), proof="gap", ceiling=1.3, stage1_gap=0.0,
-                       stage2_gap=0.034),
+                       stage2_gap=0.034, structure_bound=0.98),
                replace(sequential(128, 128), proof="unproven", ceiling=1.3, stage1_gap=0.1,
-                       stage2_gap=0.2))
+                       stage2_gap=0.2, structure_bound=1.1))
     return replace(base, entries=entries, min_gain=1.05, source_format=SET_FORMAT)
 
 
@@ -250,17 +256,27 @@ def test_show_prints_each_proof(tiny, tmp_path):
     r = CliRunner().invoke(app, ["show", str(path)])
     assert r.exit_code == 0, r.output
     for text in ("proven: no two nano-batches", "proven by the bound",
-                 "proven: ceiling 1.020x < 1.05x", "stands: stage I/II gaps 0.0%/3.4% <= 5%",
-                 "NOT proven: ceiling 1.300x >= 1.05x, stage I/II gaps 10.0%/20.0%",
+                 "proven: ceiling 1.020x < 1.05x",
+                 "stands: stage II's bound 0.980x < 1.05x, stage I's gap 0.0% <= 5%",
+                 "NOT proven: ceiling 1.300x >= 1.05x, stage II bound 1.100x, stage I/II gaps "
+                 "10.0%/20.0%",
                  "NO GAIN proven at 4 of 5 sequential shapes: 1 too small, 1 by the bound, "
-                 "1 by the ceiling, 1 by the stages' gaps",
+                 "1 by the ceiling, 1 by the kept structure's bound",
                  "NOT proven at 1: ceilings up to 1.300x (D=128, T=128)"):
         assert text in " ".join(r.output.split()), text
 
 
+def test_a_gap_proof_of_an_older_set_shows_its_gaps(tiny):
+    """Sets searched before stage II's bound was recorded proved it by both gaps."""
+    old = replace(sequential(256, 256), proof="gap", ceiling=1.3, stage1_gap=0.0,
+                  stage2_gap=0.034)
+    assert proof_text(old, 1.05) == "stands: stage I/II gaps 0.0%/3.4% <= 5%"
+
+
 def test_proof_fields_are_checked(tiny):
     data = every_proof_set(tiny).to_json()
-    for field, bad in (("proof", "maybe"), ("ceiling", -1.0), ("stage2_gap", 1.5)):
+    for field, bad in (("proof", "maybe"), ("ceiling", -1.0), ("stage2_gap", 1.5),
+                       ("structure_bound", 0.0)):
         broken = json.loads(json.dumps(data))
         broken["entries"][2][field] = bad
         with pytest.raises(ScheduleError, match=f"entries\\[2\\].*{field}"):

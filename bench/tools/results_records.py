@@ -3,7 +3,8 @@
 An experiment is what was asked, not when: for a `nanosched bench` record (`bench-*.json`) the
 model, tp, GPU, workload (input/output lengths or a dataset, arrival rate), number of prompts,
 dense batch, weights, `--graphs`, `--admission`, `--kv-cache-dtype`, `--gpu-memory-utilization`
-and `--collective` (each when not the default) and the kind of
+and `--collective` (each when not the default; an A-B-A merged across processes also the
+Sequential runs' all-reduce where it differs) and the kind of
 `--schedule` (sequential, two_batch, auto or a searched file); for another script's record the
 script, its arguments and the device. Schedules and schedule sets (`*.schedule.json`,
 `*.set.json`) and profiles (`profile-*.json`) are inputs that records name, so they are always
@@ -106,6 +107,8 @@ def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
         key += (("GPU memory", str(c["mem_util"])),)
     if (net := collective(data)) != DEFAULT_COLLECTIVE:
         key += (("collective", net),)
+    if (base := c.get("baseline_collective")) not in (None, net):  # bench/tools/aba_merge.py
+        key += (("Sequential's collective", str(base)),)
     summary = ", ".join(f"{run}: {_num(r.get('results', {}).get('tokens_per_s'))} tokens/s"
                         for run, r in bench_runs(data).items())
     return Entry(name, "bench", key, date_of(data, name), summary, data)

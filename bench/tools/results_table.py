@@ -60,13 +60,16 @@ def _run_graphs(run_name: str, run: dict[str, Any]) -> str:
 
 def readme_key(e: Entry) -> tuple[str, ...]:
     """What the README keeps one record of: (GPU, model, tp with the all-reduce when it is
-    not NCCL's, workload, KV dtype)."""
+    not NCCL's, and the Sequential runs' when it differs, workload, KV dtype)."""
     c = e.data["config"]
     kv = "fp8" if c.get("kv_dtype") == "fp8" else "bf16"
     workload = workload_label(c).replace("in ", "").replace("out ", "")
     tp, net = str(c.get("tp") or 1), _records.collective(e.data)
-    if net != _records.DEFAULT_COLLECTIVE:
-        tp += f" ({net.replace('_', ' ')})"
+    base = c.get("baseline_collective") or net
+    if net != _records.DEFAULT_COLLECTIVE or base != net:
+        vs = f"; Sequential on {base.replace('_', ' ').replace('nccl', 'NCCL')}" \
+            if base != net else ""
+        tp += f" ({net.replace('_', ' ')}{vs})"
     return (gpu_label(e.data.get("environment", {}).get("device")), str(c.get("model")), tp,
             workload, kv)
 

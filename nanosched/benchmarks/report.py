@@ -105,6 +105,27 @@ def ratio_warnings(run: dict[str, Any], base: dict[str, Any]) -> list[str]:
     return out
 
 
+AFTER = "sequential-after"  # --compare: Sequential again after the strategy
+
+
+def run_ratio(runs: dict[str, dict[str, Any]], a: str, b: str) -> dict[str, Any]:
+    """Run `a`'s tokens/s over run `b`'s: over the mean of `b` and the Sequential run after
+    the strategy when `b` is Sequential and that run is there (A-B-A: a drift of the GPU over
+    the runs falls on both sides), with the drift between the two and why it may be noise."""
+    tps = {name: run["results"]["tokens_per_s"] for name, run in runs.items()}
+    warnings = ratio_warnings(runs[a], runs[b])
+    after = AFTER + b.removeprefix("sequential") if b.startswith("sequential") else None
+    if after not in tps:
+        return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b], "warnings": warnings}
+    drift = tps[after] / tps[b]
+    value = tps[a] / ((tps[b] + tps[after]) / 2)
+    if abs(value - 1) <= abs(drift - 1):
+        warnings.append(f"the two Sequential runs differ by {100 * abs(drift - 1):.1f}%, "
+                        f"as much as the strategy differs from them")
+    return {"of": f"{a} / mean({b}, {after})", "tokens_per_s": value,
+            "sequential_drift": drift, "warnings": warnings}
+
+
 def header_lines(out: dict[str, Any], model: str, tp: int, seed: int) -> list[str]:
     """The report's first lines: device, model, batch and weights, then the results table and
     what optimal is where a GEMM peak was measured."""

@@ -20,7 +20,7 @@ import torch
 
 from nanosched.benchmarks.common import environment, measured_gemm_tflops
 from nanosched.benchmarks.full_forward import engine_forward_ms, forward_pages
-from nanosched.benchmarks.report import ratio_warnings
+from nanosched.benchmarks.report import AFTER, run_ratio
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.config import EngineConfig
@@ -150,7 +150,6 @@ class _Run:
     graphs: bool = False
 
 
-AFTER = "sequential-after"  # --compare: Sequential again after the strategy
 
 
 def _runs(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str) -> list[_Run]:
@@ -235,28 +234,18 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
                           admission=replace(eng.admission, gemm_tflops=gemm))
         out["runs"][r.name] = _serve(cfg, run_cfg, model, gemm, r, warm, progress, num_decode,
                                      group)
-    tps = {name: run["results"]["tokens_per_s"] for name, run in out["runs"].items()}
+    done = out["runs"]
 
     def ratio(a: str, b: str) -> dict[str, Any]:
-        warnings = ratio_warnings(out["runs"][a], out["runs"][b])
-        after = AFTER + b.removeprefix("sequential") if b.startswith("sequential") else None
-        if after not in tps:
-            return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b], "warnings": warnings}
-        drift = tps[after] / tps[b]
-        value = tps[a] / ((tps[b] + tps[after]) / 2)
-        if abs(value - 1) <= abs(drift - 1):
-            warnings.append(f"the two Sequential runs differ by {100 * abs(drift - 1):.1f}%, "
-                            f"as much as the strategy differs from them")
-        return {"of": f"{a} / mean({b}, {after})", "tokens_per_s": value,
-                "sequential_drift": drift, "warnings": warnings}
+        return run_ratio(done, a, b)
 
     # each strategy against Sequential in the same graph mode, then graphs against eager
     seq = {False: "sequential", True: "sequential+graphs"}
     out["ratios"] = {r.name: ratio(r.name, seq[r.graphs]) for r in runs
-                     if r.name != seq[r.graphs] and seq[r.graphs] in tps
+                     if r.name != seq[r.graphs] and seq[r.graphs] in done
                      and not r.name.startswith(AFTER)}
     out["ratios"] |= {f"{r.name} vs eager": ratio(r.name, eager) for r in runs
-                      if r.graphs and (eager := r.name.removesuffix("+graphs")) in tps
+                      if r.graphs and (eager := r.name.removesuffix("+graphs")) in done
                       and not r.name.startswith(AFTER)}
     if len(out["ratios"]) == 1:  # the one comparison (kept for older readers)
         out["ratio"] = next(iter(out["ratios"].values()))

@@ -241,3 +241,22 @@ def test_each_collective_is_its_own_experiment_and_row(repo):
     assert "bench-nccl.json" in index and "bench-ce.json" in index  # neither superseded
     assert rt._records.collective({"config": {"collective": "copy_engine"}}) == "copy_engine"
     assert rt._records.collective(nccl) == "nccl"
+
+
+def test_an_aba_against_another_collective_names_both(repo):
+    """bench/tools/aba_merge.py's record (the strategy on the copy engines, Sequential on
+    NCCL) is its own experiment and README row, the Sequential runs' all-reduce named."""
+    two = {"sequential+graphs": {"strategy": "sequential", "graphs": True,
+                                 "results": _results(8_000.0, 30.0)},
+           "two_batch+graphs": {"strategy": "two_batch", "graphs": True,
+                                "results": _results(6_400.0, 24.0)}}
+    tp4 = {"tp": 4, "model": "llama3-70b", "schedule": "two_batch", "collective": "copy_engine"}
+    _write(repo, "bench-ce.json", _bench("2026-11-27T01:00:00+00:00", two, **tp4))
+    _write(repo, "bench-aba.json", _bench("2026-11-27T02:00:00+00:00", two, **tp4,
+                                          baseline_collective="nccl"))
+    assert rt.main([], root=repo, figures=()) == 0
+    rows = _table_rows((repo / "README.md").read_text())
+    assert {r[2] for r in rows if r[1] == "llama3-70b"} == \
+        {"4 (copy engine)", "4 (copy engine; Sequential on NCCL)"}
+    index = (repo / "bench" / "results" / "INDEX.md").read_text()
+    assert "bench-ce.json" in index and "bench-aba.json" in index  # neither superseded

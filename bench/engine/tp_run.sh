@@ -11,6 +11,11 @@
 #                 copy-engine all-reduce                                              ~7 min
 #   overlap-nccl  the same on NCCL's all-reduce                                       ~7 min
 #   overlap-sharegpt  the same as overlap-ce on ShareGPT lengths, 500 prompts         ~4 min
+#   memory      where GPU memory goes between engines of one process (tp_memory.py)  ~3 min
+#   aba ARM     one arm of the 1,000-prompt A-B-A across processes (the three in one process
+#               take over a call's 10 minutes): `aba seq1`, `aba overlap`, `aba seq2`, in
+#               that order on one machine: Sequential on NCCL, two_batch on the copy-engine
+#               all-reduce, Sequential on NCCL; bench/tools/aba_merge.py joins them         ~5 min each
 # as `bench/engine/tp_run.sh SECTION` from the repository root. Records (JSON, named as
 # bench/results/ names them), logs and the GPUs' clock and power (nvidia-smi every second, a
 # .smi.csv beside each record) go to $OUT, else bench/results/. The GPU image has no fastapi /
@@ -75,10 +80,22 @@ overlap-sharegpt)
     bench bench-tp4-2batch-ce-llama3-70b-sharegpt-n500 --model llama3-70b --tp 4 \
         --workload sharegpt --num-prompts 500 --graphs on --schedule two_batch --compare \
         --collective copy_engine ;;
+memory)
+    python bench/engine/tp_memory.py --model llama3-70b --tp 4 --engines 3 --prompts 256 \
+        --json "$OUT/tp_memory-llama3-70b-tp4-$GPU-$DAY.json" 2>&1 | grep -v Warning | tail -n 20 ;;
+aba)
+    N=llama3-70b-in1024-out512-n1000
+    case "${2:-}" in
+    seq1|seq2) bench bench-tp4-aba-$2-nccl-$N --model llama3-70b --tp 4 $W \
+        --schedule sequential --collective nccl ;;
+    overlap) bench bench-tp4-aba-2batch-ce-$N --model llama3-70b --tp 4 $W \
+        --schedule two_batch --collective copy_engine ;;
+    *) echo "usage: bench/engine/tp_run.sh aba seq1|overlap|seq2" >&2; exit 2 ;;
+    esac ;;
 broadcast)
     python bench/engine/tp_broadcast.py --tp 2 --rows 2048
     python bench/engine/tp_broadcast.py --tp 4 --rows 2048 ;;
 *)
-    echo "usage: bench/engine/tp_run.sh 70b|8b|tests|serve|broadcast|overlap-ce|overlap-nccl|overlap-sharegpt" >&2
+    echo "usage: bench/engine/tp_run.sh 70b|8b|tests|serve|broadcast|overlap-ce|overlap-nccl|overlap-sharegpt|memory|aba ARM" >&2
     exit 2 ;;
 esac

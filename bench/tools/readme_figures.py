@@ -39,8 +39,9 @@ FIGURES: tuple[Figure, ...] = (
     # When overlap pays: the resource ceiling of Llama-3-70B tp = 4 on four H100s, steady state
     Figure("1.059×", "llama3-70b-tp4-h100x4-b1152-dense-20261127.set.json",
            ("entries[num_decode=384,num_tokens=1152].ceiling",)),
-    # When overlap pays: two_batch on the copy-engine all-reduce, end to end, A-B-A
-    Figure("0.828×", "bench-tp4-2batch-ce-llama3-70b-in1024-out512-n500-H100-20261127.json",
+    # When overlap pays: two_batch on the copy-engine all-reduce against Sequential on NCCL's,
+    # end to end, A-B-A over three processes (bench/tools/aba_merge.py)
+    Figure("0.752×", "bench-tp4-aba-2batch-ce-llama3-70b-in1024-out512-n1000-H100-20261127.json",
            ("ratios.two_batch+graphs.tokens_per_s",)),
     # Results: an FP8 KV cache against bf16, Sequential, 1,000 prompts of 1024 / 512
     Figure("1.24×", "bench-kv-fp8-llama3-8b-in1024-out512-n1000-H100-bulk-20261126.json",

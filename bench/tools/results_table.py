@@ -67,8 +67,7 @@ def readme_key(e: Entry) -> tuple[str, ...]:
     tp, net = str(c.get("tp") or 1), _records.collective(e.data)
     base = c.get("baseline_collective") or net
     if net != _records.DEFAULT_COLLECTIVE or base != net:
-        vs = f"; Sequential on {base.replace('_', ' ').replace('nccl', 'NCCL')}" \
-            if base != net else ""
+        vs = f"; Seq. {base.replace('_', ' ').replace('nccl', 'NCCL')}" if base != net else ""
         tp += f" ({net.replace('_', ' ')}{vs})"
     return (gpu_label(e.data.get("environment", {}).get("device")), str(c.get("model")), tp,
             workload, kv)

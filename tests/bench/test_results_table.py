@@ -257,6 +257,6 @@ def test_an_aba_against_another_collective_names_both(repo):
     assert rt.main([], root=repo, figures=()) == 0
     rows = _table_rows((repo / "README.md").read_text())
     assert {r[2] for r in rows if r[1] == "llama3-70b"} == \
-        {"4 (copy engine)", "4 (copy engine; Sequential on NCCL)"}
+        {"4 (copy engine)", "4 (copy engine; Seq. NCCL)"}
     index = (repo / "bench" / "results" / "INDEX.md").read_text()
     assert "bench-ce.json" in index and "bench-aba.json" in index  # neither superseded

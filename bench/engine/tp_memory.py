@@ -1,8 +1,11 @@
 """Where GPU memory goes between engines of one process at tp > 1 (`bench --compare` builds
 three): the KV pages each engine agrees on (the least any rank has room for), and rank 0's free
 memory after each engine closes, first as `bench` leaves it (references dropped, the caching
-allocator emptied), then after a garbage collection too: memory that comes back only then was
-held by a reference cycle through the closed engine.
+allocator emptied), then after a garbage collection too (memory that comes back only then was
+held by a reference cycle through the closed engine), then after clearing PyTorch's cuBLAS
+workspaces (one per handle and stream used, 32 MiB each on Hopper, which `empty_cache` keeps:
+memory that comes back only then was a closed engine's streams' workspaces; a private PyTorch
+call, skipped where this torch lacks it).
 
     PYTHONPATH=. python bench/engine/tp_memory.py --model llama3-70b --tp 4 [--engines 3]
         [--prompts 256] [--json OUT.json]
@@ -92,12 +95,19 @@ def main() -> int:
             closed = rank0_memory(device)  # as bench leaves it: references gone, cache emptied
             gc.collect()
             collected = rank0_memory(device)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None and device.type == "cuda":
+                clear()
+            cublas = rank0_memory(device)
             rows.append({"engine": i, "kv_pages": pages, "closed": closed,
-                         "after_gc": collected})
+                         "after_gc": collected,
+                         "after_cublas_clear": cublas if clear is not None else None})
             print(f"engine {i}: {pages} KV pages; rank 0 free after close "
                   f"{closed['free_mib']:.0f} MiB (allocated {closed['allocated_mib']:.0f}), "
                   f"after gc {collected['free_mib']:.0f} MiB (allocated "
-                  f"{collected['allocated_mib']:.0f}); before any engine "
+                  f"{collected['allocated_mib']:.0f}), after clearing cuBLAS workspaces "
+                  f"{cublas['free_mib']:.0f} MiB (allocated {cublas['allocated_mib']:.0f}"
+                  f"{'' if clear else ', not cleared: no such call'}); before any engine "
                   f"{before['free_mib']:.0f} MiB", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -150,8 +150,6 @@ class _Run:
     graphs: bool = False
 
 
-
-
 def _runs(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str) -> list[_Run]:
     """With --compare: Sequential, the strategy --schedule names, Sequential again (A-B-A, so
     a drift of the GPU over the runs, e.g. its clock as it warms under the power cap, falls

@@ -5,3 +5,7 @@ TOKEN_QUANTUM = 128  # dense batches and nano-batch ranges are multiples of this
 PAGE_SIZE = 16  # tokens per page of the paged KV cache (the engine's and the profiler's default)
 KV_DTYPES = ("auto", "fp8")  # KV cache element types: the model's dtype, or e4m3 with scales
 DEFAULT_NUM_SMS = 132  # SMs of an H100 / H200 SXM: the default where no GPU is at hand
+# NVLink multicast stays off on shared multi-GPU hosts: NCCL's NVLS, PyTorch symmetric memory's
+# and NVSHMEM's. Set in the environment before NCCL initialises (spawned ranks inherit it).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}

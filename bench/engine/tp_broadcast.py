@@ -123,8 +123,8 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=5.0)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = ap.parse_args()
+    from nanosched.constants import MULTICAST_OFF
     from nanosched.models.parallel import launch
-    from nanosched.runtime.ranks.group import MULTICAST_OFF
 
     os.environ.update(MULTICAST_OFF)
     cuda = args.device == "cuda"

@@ -40,8 +40,9 @@ import time
 import traceback
 from pathlib import Path
 
-for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-    os.environ[_k] = "0" if _k == "NCCL_NVLS_ENABLE" else "1"
+from nanosched.constants import MULTICAST_OFF
+
+os.environ.update(MULTICAST_OFF)  # before torch and NCCL load
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nanosched.benchmarks.common import environment, synthetic_batch
-from nanosched.constants import PAGE_SIZE
+from nanosched.constants import MULTICAST_OFF, PAGE_SIZE
 from nanosched.errors import ScheduleError
 from nanosched.kernels.impls import network_impl
 from nanosched.models.parallel import TensorParallel, launch
@@ -59,9 +59,6 @@ from nanosched.runtime.scheduler import run_program
 from nanosched.runtime.strategies import Sequential
 from nanosched.schedules.format import Schedule, check_compatible, load_schedule
 
-# NVLink multicast stays off on shared multi-GPU hosts (set before NCCL initialises)
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 STRATEGIES = ("sequential", "replay", "two_batch")
 
 

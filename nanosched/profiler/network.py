@@ -1,17 +1,17 @@
 """Collectives and GEMM x all-reduce pairs on several GPUs (GPU-only; one process each).
 
 `measure_network` spawns `request.world` processes (torch.multiprocessing, spawn), each on its
-own GPU, with NVLink multicast kept off in their environment (`NCCL_ENV`). They time all-reduce,
-reduce-scatter and all-gather of [T, D] bf16 at every token count, on NCCL's default process
-group and on groups whose NCCL config bounds the CTAs (`max_ctas`), and the copy-engine
-all-reduce (kernels/ce_allreduce.py, in a buffer of its own) with its reduction unbounded and
-bounded to each of `request.copy_engine_ctas`; all with the same fixed number of launches so
-that ranks stay in step, queued behind a GPU sleep so the rows are GPU time, not Python launch
-gaps (`_fixed_bench_us`). Then each rank runs a GEMM beside the all-reduce, sustained as the
-memory pairs are: the GEMM looped alone until the clock settled, then beside the collective
-(captured in a CUDA graph and launched the same number of times on every rank,
-`timing.sustained_fixed`) for the settle time and the window, with clock and power sampled;
-rank 0 writes the results as JSON for the parent. A request whose collective rows are known
+own GPU, with NVLink multicast kept off in their environment (`constants.MULTICAST_OFF`). They
+time all-reduce, reduce-scatter and all-gather of [T, D] bf16 at every token count, on NCCL's
+default process group and on groups whose NCCL config bounds the CTAs (`max_ctas`), and the
+copy-engine all-reduce (kernels/ce_allreduce.py, in a buffer of its own) with its reduction
+unbounded and bounded to each of `request.copy_engine_ctas`; all with the same fixed number of
+launches so that ranks stay in step, queued behind a GPU sleep so the rows are GPU time, not
+Python launch gaps (`_fixed_bench_us`). Then each rank runs a GEMM beside the all-reduce,
+sustained as the memory pairs are: the GEMM looped alone until the clock settled, then beside
+the collective (captured in a CUDA graph and launched the same number of times on every rank,
+`timing.sustained_fixed`) for the settle time and the window, with clock and power sampled; rank
+0 writes the results as JSON for the parent. A request whose collective rows are known
 (`times_us`, a later batch of pairs) times only its pairs.
 """
 
@@ -27,14 +27,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from nanosched.constants import MULTICAST_OFF
 from nanosched.errors import ProfileError
 from nanosched.kernels.impls import network_impl
 from nanosched.profiler.backend import NetworkPair, NetworkRequest, NetworkResult, PairTiming
 from nanosched.profiler.network_model import CE_ALL_REDUCE, KINDS
 from nanosched.profiler.plan import PairTask, ProfileSettings
 
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
 WARMUP, ITERS = 3, 20
 TIMEOUT_S = 540
 
@@ -43,7 +42,7 @@ def measure_network(settings: ProfileSettings, request: NetworkRequest, num_sms:
                     rep_ms: float) -> NetworkResult:
     import torch.multiprocessing as mp
 
-    os.environ.update(NCCL_ENV)  # inherited by the spawned workers
+    os.environ.update(MULTICAST_OFF)  # inherited by the spawned workers
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -80,7 +79,7 @@ def measure_network(settings: ProfileSettings, request: NetworkRequest, num_sms:
 
 def _worker(rank: int, world: int, port: int, settings: ProfileSettings,
             request: NetworkRequest, num_sms: int, rep_ms: float, out: str) -> None:
-    os.environ.update(NCCL_ENV)
+    os.environ.update(MULTICAST_OFF)
     try:
         import torch
         import torch.distributed as dist

@@ -12,14 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nanosched.constants import MULTICAST_OFF
 from nanosched.models.parallel import TensorParallel, launch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
-for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                   ("NVSHMEM_DISABLE_NVLS", "1")):  # multicast stays off (shared hosts)
-    os.environ[var] = value
+os.environ.update(MULTICAST_OFF)  # multicast stays off (shared hosts)
 
 RANGES = [(0, 1), (3, 130), (130, 1154), (0, 2048)]
 GRAPH_REPLAYS = 3

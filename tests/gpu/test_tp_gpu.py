@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from nanosched.constants import MULTICAST_OFF
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.checkpoint import load_checkpoint
 from nanosched.models.model import CausalLM
@@ -22,9 +23,7 @@ from nanosched.models.spec import load_spec
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
-for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                   ("NVSHMEM_DISABLE_NVLS", "1")):  # multicast stays off (shared hosts)
-    os.environ[var] = value
+os.environ.update(MULTICAST_OFF)  # multicast stays off (shared hosts)
 
 
 def logits_of(tp: TensorParallel, folder: str, network: str = "nccl") -> list[list[float]]:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanosched.constants import MULTICAST_OFF
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import bind_device
 from nanosched.models.parallel import TensorParallel, free_port
@@ -44,8 +45,6 @@ from nanosched.runtime.ranks.follower import run_worker
 from nanosched.runtime.ranks.messages import EngineLink, OpenEngine, Stop, WorkerSetup
 
 log = logging.getLogger("nanosched.ranks")
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 RANK_DIED_EXIT = 1
 STOP_WAIT_S = 10.0  # how long close() waits for a worker to end after `Stop`
 

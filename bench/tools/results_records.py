@@ -94,6 +94,12 @@ def collective(data: dict[str, Any]) -> str:
     return DEFAULT_COLLECTIVE
 
 
+def sequential_collective(data: dict[str, Any]) -> str:
+    """The all-reduce a bench record's Sequential runs ran: `baseline_collective` where
+    bench/tools/aba_merge.py joined runs of two, else the record's own."""
+    return str(data.get("config", {}).get("baseline_collective") or collective(data))
+
+
 def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
     c, env = data["config"], data.get("environment", {})
     tp = int(c.get("tp") or 1)
@@ -107,8 +113,8 @@ def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
         key += (("GPU memory", str(c["mem_util"])),)
     if (net := collective(data)) != DEFAULT_COLLECTIVE:
         key += (("collective", net),)
-    if (base := c.get("baseline_collective")) not in (None, net):  # bench/tools/aba_merge.py
-        key += (("Sequential's collective", str(base)),)
+    if (base := sequential_collective(data)) != net:
+        key += (("Sequential's collective", base),)
     summary = ", ".join(f"{run}: {_num(r.get('results', {}).get('tokens_per_s'))} tokens/s"
                         for run, r in bench_runs(data).items())
     return Entry(name, "bench", key, date_of(data, name), summary, data)

@@ -65,7 +65,7 @@ def readme_key(e: Entry) -> tuple[str, ...]:
     kv = "fp8" if c.get("kv_dtype") == "fp8" else "bf16"
     workload = workload_label(c).replace("in ", "").replace("out ", "")
     tp, net = str(c.get("tp") or 1), _records.collective(e.data)
-    base = c.get("baseline_collective") or net
+    base = _records.sequential_collective(e.data)
     if net != _records.DEFAULT_COLLECTIVE or base != net:
         vs = f"; Seq. {base.replace('_', ' ').replace('nccl', 'NCCL')}" if base != net else ""
         tp += f" ({net.replace('_', ' ')}{vs})"

@@ -233,16 +233,12 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
         out["runs"][r.name] = _serve(cfg, run_cfg, model, gemm, r, warm, progress, num_decode,
                                      group)
     done = out["runs"]
-
-    def ratio(a: str, b: str) -> dict[str, Any]:
-        return run_ratio(done, a, b)
-
     # each strategy against Sequential in the same graph mode, then graphs against eager
     seq = {False: "sequential", True: "sequential+graphs"}
-    out["ratios"] = {r.name: ratio(r.name, seq[r.graphs]) for r in runs
+    out["ratios"] = {r.name: run_ratio(done, r.name, seq[r.graphs]) for r in runs
                      if r.name != seq[r.graphs] and seq[r.graphs] in done
                      and not r.name.startswith(AFTER)}
-    out["ratios"] |= {f"{r.name} vs eager": ratio(r.name, eager) for r in runs
+    out["ratios"] |= {f"{r.name} vs eager": run_ratio(done, r.name, eager) for r in runs
                       if r.graphs and (eager := r.name.removesuffix("+graphs")) in done
                       and not r.name.startswith(AFTER)}
     if len(out["ratios"]) == 1:  # the one comparison (kept for older readers)

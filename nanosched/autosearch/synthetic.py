@@ -19,7 +19,6 @@ min(1, s / (0.75 N)). The R->P tables follow NanoFlow's Table 3 (R 0.1 -> P_mem 
 from __future__ import annotations
 
 import math
-from datetime import date
 
 from nanosched.autosearch.opgraph import layer_graph
 from nanosched.constants import TOKEN_QUANTUM
@@ -123,8 +122,10 @@ def synthetic_profile(spec: ModelSpec, gpu: GPUSpec, tp: int, dense_batch: int,
              "NanoFlow Table 3 R->P; nothing here was measured",
              f"launch floor {LAUNCH_US} us, GEMM efficiency T/(T+{GEMM_HALF_TOKENS:g})"
              + ("" if gpu.num_sms else f"; SM count unknown, assumed {DEFAULT_SMS}"))
+    # No date: the profile is a function of its arguments, so its digest (which schedules
+    # record) is the same on every day it is made again.
     identity = Identity(f"synthetic-{gpu.name}", num_sms, int(gpu.mem_bytes),
-                        date=date.today().isoformat(), command="synthetic_profile")
+                        command="synthetic_profile")
     return Profile(identity, spec, tp, dense_batch, ceil, tuple(rows),
                    rp=_rp_tables(num_sms), notes=notes)
 

@@ -46,7 +46,8 @@ def show_profile(prof: Profile, echo: Callable[[str], None] = print) -> None:
 
     i, c = prof.identity, prof.ceilings
     kv = "FP8 KV cache (e4m3 + scales)" if prof.kv_dtype == "fp8" else "KV cache in the model dtype"
-    echo(f"{prof.model.name} tp {prof.tp} on {i.gpu_name} ({i.num_sms} SMs), {kv}, {i.date}; "
+    when = i.date or "no date (not measured)"
+    echo(f"{prof.model.name} tp {prof.tp} on {i.gpu_name} ({i.num_sms} SMs), {kv}, {when}; "
          f"torch {i.torch}, CUDA {i.cuda}, triton {i.triton}, driver {i.driver}")
     net = (f", all-reduce {c.allreduce_busbw_gbs:.0f} GB/s bus + {c.allreduce_latency_us:.1f} us"
            f"{' (modelled)' if c.allreduce_modelled else ''}"

@@ -12,14 +12,15 @@ from typing import Any
 import torch
 
 
-def measured_gemm_tflops(device: torch.device) -> float | None:
-    """bf16 GEMM peak at 8192^3 on `device`, measured as the profiler measures its ceiling
-    (`profiler.timing.gemm_peak_tflops`); None on the CPU."""
+def measured_gemm_tflops(device: torch.device, precision: str = "bf16") -> float | None:
+    """GEMM peak at 8192^3 on `device` in `precision` (bf16, or fp8 for FP8 weights), measured
+    as the profiler measures its ceiling (`profiler.timing.gemm_peak_tflops`); None on the
+    CPU."""
     if device.type != "cuda":
         return None
     from nanosched.profiler.timing import gemm_peak_tflops
 
-    return gemm_peak_tflops(device)
+    return gemm_peak_tflops(device, precision)
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -131,12 +131,15 @@ def header_lines(out: dict[str, Any], model: str, tp: int, seed: int) -> list[st
     what optimal is where a GEMM peak was measured."""
     env, conf = out["environment"], out["config"]
     weights_used = "random weights" if conf["weights"] == "random" else conf["weights"]
+    fp8 = " (FP8 W8A8)" if conf.get("quantization") == "fp8" else ""
     lines = [f"{env['device']}: {model} tp={tp}, dense batch {conf['dense_batch']}, "
-             f"{weights_used}" + (f" (seed {seed})" if conf["weights"] == "random" else "")]
+             f"{weights_used}" + (f" (seed {seed})" if conf["weights"] == "random" else "")
+             + fp8]
     lines += results_table({name: run["results"] for name, run in out["runs"].items()})
     optimal = next(iter(out["runs"].values()))["results"].get("optimal_tokens_per_s_per_gpu")
     if optimal:
-        lines.append(f"optimal: {optimal:,.0f} tokens/s per GPU = GEMM peak "
+        lines.append(f"optimal: {optimal:,.0f} tokens/s per GPU = "
+                     f"{out.get('gemm_precision', 'bf16')} GEMM peak "
                      f"{out['gemm_tflops_8192']:.0f} TFLOP/s (8192^3, 50 ms from an idle GPU) / "
                      f"(2 x active parameters)")
     return lines

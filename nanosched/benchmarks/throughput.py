@@ -213,10 +213,12 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
     schedule uses the copy-engine all-reduce (every rank maps its buffers)."""
     eng = cfg.engine
     model = load_model(spec, weights, device, eng.seed, group.tp if group else None,
-                       eng.kernels, copy_engine=copy_engine)
-    gemm = measured_gemm_tflops(device)
+                       eng.kernels, copy_engine=copy_engine, quantization=eng.quantization)
+    precision = "fp8" if model.quantization == "fp8" else "bf16"
+    gemm = measured_gemm_tflops(device, precision)
     record = {k: v for k, v in asdict(cfg).items() if k != "engine"} | \
         {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids", "admission")}
+    record["quantization"] = model.quantization
     adm = eng.admission
     record |= {"weights": weights, "admission": adm.policy, "kv_headroom": adm.headroom,
                "preemption": adm.preemption, "swap_space_gib": adm.swap_space_gib,
@@ -224,7 +226,8 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
     out: dict[str, Any] = {"config": record | {"dense_batch": dense, "graphs": graphs},
                            "environment": environment(device) | {"num_gpus": eng.tp},
                            "model_params": spec.num_params(),
-                           "gemm_tflops_8192": gemm, "runs": {}, "warmup_prompts": warm}
+                           "gemm_tflops_8192": gemm, "gemm_precision": precision,
+                           "runs": {}, "warmup_prompts": warm}
     # every run times its full-batch forward on the same batch: the schedule's mix if any
     num_decode = next((r.info["num_decode"] for r in runs if r.info), None)
     for r in runs:

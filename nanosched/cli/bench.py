@@ -15,6 +15,7 @@ from nanosched.cli.options import (
     KvCacheDtype,
     KvHeadroom,
     Preemption,
+    Quantization,
     SwapSpace,
     admission_config,
     kernel_options,
@@ -66,6 +67,7 @@ def bench(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    quantization: Quantization = "auto",
     gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
@@ -88,6 +90,7 @@ def bench(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype,
+                          quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,

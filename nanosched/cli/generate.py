@@ -12,6 +12,7 @@ from nanosched.cli.options import (
     DecodeAttention,
     GpuMemoryUtilization,
     KvCacheDtype,
+    Quantization,
     Seed,
     kernel_options,
     mem_util_kwargs,
@@ -35,6 +36,7 @@ def generate(
     seed: Seed = 0,
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
     kv_cache_dtype: KvCacheDtype = "auto",
+    quantization: Quantization = "auto",
     gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
@@ -52,6 +54,7 @@ def generate(
             raise ConfigError(f"--prompt-ids must be comma-separated integers, got "
                               f"{prompt_ids!r}") from None
     engine = EngineConfig(model=model, device=device, tp=tp, seed=seed, kv_dtype=kv_cache_dtype,
+                          quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))
     cfg = GenerateConfig(engine, prompt=prompt, prompt_ids=ids, max_tokens=max_tokens,

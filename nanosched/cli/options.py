@@ -48,6 +48,11 @@ def model_option(help: str, default: Any = ...) -> Any:
 
 # the engine's flags (generate, bench, serve)
 KvCacheDtype = Annotated[str, typer.Option("--kv-cache-dtype", help=KV_DTYPE_HELP)]
+QUANTIZATION_HELP = ("Layer weights: auto (the checkpoint's quantization_config; random "
+                     "weights: none), none, or fp8 (e4m3 weights with a scale per output "
+                     "channel, activations with a dynamic scale per token; a bf16 checkpoint "
+                     "is quantized as it loads).")
+Quantization = Annotated[str, typer.Option("--quantization", "-q", help=QUANTIZATION_HELP)]
 DecodeAttention = Annotated[str, typer.Option("--decode-attention", help=DECODE_ATTENTION_HELP)]
 Collective = Annotated[str, typer.Option("--collective", help=(
     "The layers' all-reduce at --tp > 1: nccl, or copy_engine (peer copies on the GPUs' copy "

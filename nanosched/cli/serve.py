@@ -14,6 +14,7 @@ from nanosched.cli.options import (
     KvCacheDtype,
     KvHeadroom,
     Preemption,
+    Quantization,
     Seed,
     SwapSpace,
     admission_config,
@@ -80,6 +81,7 @@ def serve(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    quantization: Quantization = "auto",
     gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
@@ -99,6 +101,7 @@ def serve(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype,
+                          quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))
     run_server(ServeConfig(engine, host=host, port=port, max_queue=max_queue,

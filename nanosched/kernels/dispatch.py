@@ -14,6 +14,7 @@ works on machines without it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -129,31 +130,80 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: tor
         ref.linear(x, w, bias, out)
 
 
+def linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, out: torch.Tensor, opts: KernelOptions,
+               launch: Launch = None) -> None:
+    """out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] (+ bias): the W8A8 GEMM. x [n, K]
+    e4m3 with one scale per row, w [N, K] e4m3 with one per output channel, out [n, N] in the
+    model dtype. On a GPU `torch._scaled_mm` with rowwise scales (CUTLASS on Hopper; launch:
+    a `cublaslt` impl's SM target applies); elsewhere the exact emulation of `reference`."""
+    if x.shape[0] == 0:
+        return
+    if x.device.type != "cuda":
+        ref.linear_fp8(x, x_scale, w, w_scale, bias, out)
+        return
+    args = impls.read_launch(launch)
+    name = _chosen(args, impls.GEMM, lambda: opts.gemm_impl)
+    target = impls.cublaslt_sm_target(impls.sm_target(args), num_sms(x.device)) \
+        if name == "cublaslt" else contextlib.nullcontext()
+    with target:
+        torch._scaled_mm(x, w.t(), scale_a=x_scale.view(-1, 1), scale_b=w_scale.view(1, -1),
+                         bias=bias, out_dtype=out.dtype, use_fast_accum=FP8_FAST_ACCUM, out=out)
+
+
+# Hopper's FP8 MMA accumulates in reduced precision unless CUTLASS promotes the partial sums
+# to fp32 every few K steps; fast accumulation skips that promotion (faster, less exact).
+FP8_FAST_ACCUM = False
+
+
+def quantize_rows(x: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor,
+                  opts: KernelOptions, launch: Launch = None) -> None:
+    """out [n, K] e4m3 and out_scale [n] fp32: x [n, K] with one dynamic scale per row (an FP8
+    GEMM's input that no earlier kernel wrote in e4m3); launch: impl, max_ctas or num_sms."""
+    args = impls.read_launch(launch)
+    if _elementwise(opts, x, args):
+        from nanosched.kernels.elementwise import rows_fp8
+
+        rows_fp8(x, out, out_scale, silu=False,
+                 max_ctas=impls.elementwise_ctas(args, "silu_mul"))
+    else:
+        ref.quantize_rows(x, out, out_scale)
+
+
 def rms_norm_add(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, out: torch.Tensor, residual_out: torch.Tensor,
-                 opts: KernelOptions, launch: Launch = None) -> None:
-    """residual_out = x (+ residual); out = RMSNorm(residual_out) * weight. All [n, D];
+                 opts: KernelOptions, launch: Launch = None,
+                 out_scale: torch.Tensor | None = None) -> None:
+    """residual_out = x (+ residual); out = RMSNorm(residual_out) * weight. All [n, D]; an
+    e4m3 `out` gets each row quantised, its scale in `out_scale` [n] (an FP8 GEMM's input);
     launch: impl, max_ctas or num_sms (impls.elementwise_ctas)."""
     args = impls.read_launch(launch)
     if _elementwise(opts, x, args):
         from nanosched.kernels.elementwise import rms_norm_add as kernel
 
-        kernel(x, residual, weight, eps, out, residual_out,
+        kernel(x, residual, weight, eps, out, residual_out, out_scale,
                max_ctas=impls.elementwise_ctas(args, "rms_norm_add"))
     else:
-        ref.rms_norm_add(x, residual, weight, eps, out, residual_out)
+        ref.rms_norm_add(x, residual, weight, eps, out, residual_out, out_scale)
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, opts: KernelOptions,
-             launch: Launch = None) -> None:
-    """out [n, I] = SiLU(gate_up[:, :I]) * gate_up[:, I:]; launch: impl, max_ctas or num_sms."""
+             launch: Launch = None, out_scale: torch.Tensor | None = None) -> None:
+    """out [n, I] = SiLU(gate_up[:, :I]) * gate_up[:, I:]; an e4m3 `out` gets each row
+    quantised, its scale in `out_scale` [n]; launch: impl, max_ctas or num_sms."""
     args = impls.read_launch(launch)
     if _elementwise(opts, gate_up, args):
-        from nanosched.kernels.elementwise import silu_mul as kernel
+        ctas = impls.elementwise_ctas(args, "silu_mul")
+        if out.dtype == torch.float8_e4m3fn:
+            from nanosched.kernels.elementwise import rows_fp8
 
-        kernel(gate_up, out, max_ctas=impls.elementwise_ctas(args, "silu_mul"))
+            rows_fp8(gate_up, out, out_scale, silu=True, max_ctas=ctas)
+        else:
+            from nanosched.kernels.elementwise import silu_mul as kernel
+
+            kernel(gate_up, out, max_ctas=ctas)
     else:
-        ref.silu_mul(gate_up, out)
+        ref.silu_mul(gate_up, out, out_scale)
 
 
 def rope_append(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,

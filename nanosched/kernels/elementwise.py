@@ -56,9 +56,10 @@ def _load_row(x_ptr, r_ptr, s_x, s_r, row, offs, limit, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_add_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, s_x, s_r, s_o, s_ro, n, dim,
-                         eps, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):
+def _rms_norm_add_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, os_ptr, s_x, s_r, s_o, s_ro,
+                         n, dim, eps, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, FP8: tl.constexpr,
+                         FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
@@ -81,27 +82,36 @@ def _rms_norm_add_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, s_x, s_r, s_o,
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
         y = (xf * rstd).to(x.dtype).to(tl.float32) * w
+        if FP8:  # the row in the model dtype, quantised with its own scale (the GEMM's input)
+            y = y.to(x.dtype).to(tl.float32)
+            sc = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, MIN_SCALE)
+            tl.store(os_ptr + row64, sc)
+            y = y / sc
         tl.store(out_ptr + row64 * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
         if PREFETCH:
             x, r = x_next, r_next
 
 
 def rms_norm_add(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, out: torch.Tensor, residual_out: torch.Tensor, *,
-                 max_ctas: int | None = None, prefetch: bool | None = None) -> None:
-    """Triton twin of `reference.rms_norm_add`; a work item is a row. x etc. [n, D];
-    prefetch None: `PREFETCH`'s."""
+                 eps: float, out: torch.Tensor, residual_out: torch.Tensor,
+                 out_scale: torch.Tensor | None = None, *, max_ctas: int | None = None,
+                 prefetch: bool | None = None) -> None:
+    """Triton twin of `reference.rms_norm_add`; a work item is a row. x etc. [n, D]; an e4m3
+    `out` gets each row quantised with its scale in `out_scale` [n]; prefetch None:
+    `PREFETCH`'s."""
     n, dim = x.shape
     if n == 0:
         return
     has_res = residual is not None
     store_res = has_res or residual_out.data_ptr() != x.data_ptr()
     r = residual if has_res else x
+    fp8 = out.dtype == torch.float8_e4m3fn
     _rms_norm_add_kernel[(num_programs(n, max_ctas),)](
-        x, r, weight, out, residual_out, x.stride(0), r.stride(0), out.stride(0),
-        residual_out.stride(0), n, dim, eps, HAS_RES=has_res, STORE_RES=store_res,
-        BLOCK_D=triton.next_power_of_2(dim), PREFETCH=_prefetch(prefetch, "rms_norm_add"),
-        num_warps=8 if dim >= 4096 else 4)
+        x, r, weight, out, residual_out, out_scale if fp8 else weight, x.stride(0), r.stride(0),
+        out.stride(0), residual_out.stride(0), n, dim, eps, HAS_RES=has_res,
+        STORE_RES=store_res, BLOCK_D=triton.next_power_of_2(dim),
+        PREFETCH=_prefetch(prefetch, "rms_norm_add"), FP8=fp8, FP8_MAX=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE, num_warps=8 if dim >= 4096 else 4)
 
 
 @triton.jit
@@ -152,6 +162,56 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, *, max_ctas: int | None =
     _silu_mul_kernel[(num_programs(n * chunks, max_ctas),)](
         gate_up, out, gate_up.stride(0), out.stride(0), n * chunks, inter, chunks, BLOCK=block,
         PREFETCH=_prefetch(prefetch, "silu_mul"), num_warps=4)
+
+
+@triton.jit
+def _row_chunk(src_ptr, row, offs, inter, SILU: tl.constexpr):
+    """One chunk of a row's value in the model dtype, as fp32: SiLU(gate) * up from a
+    gate_up row (`SILU`), else the row itself."""
+    mask = offs < inter
+    g = tl.load(src_ptr + row + offs, mask=mask, other=0.0)
+    if SILU:
+        u = tl.load(src_ptr + row + inter + offs, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+    return g.to(tl.float32)
+
+
+@triton.jit
+def _rows_fp8_kernel(src_ptr, out_ptr, os_ptr, s_src, s_o, n, inter, SILU: tl.constexpr,
+                     BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Each row's value (`_row_chunk`) quantised to e4m3 with one scale: a pass for the amax,
+    a second that stores (its loads mostly hit L2, which holds the rows in flight)."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    offs0 = tl.arange(0, BLOCK)
+    for r in range(pid, n, step):
+        row = tl.cast(r, tl.int64)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(0, inter, BLOCK):
+            v = _row_chunk(src_ptr, row * s_src, c + offs0, inter, SILU)
+            amax = tl.maximum(amax, tl.abs(v))
+        sc = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+        tl.store(os_ptr + row, sc)
+        for c in range(0, inter, BLOCK):
+            v = _row_chunk(src_ptr, row * s_src, c + offs0, inter, SILU)
+            tl.store(out_ptr + row * s_o + c + offs0, (v / sc).to(out_ptr.dtype.element_ty),
+                     mask=c + offs0 < inter)
+
+
+def rows_fp8(src: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, *, silu: bool,
+             max_ctas: int | None = None) -> None:
+    """out [n, K] e4m3 and out_scale [n] fp32: each row of SiLU(gate) * up (`silu`, src the
+    [n, 2K] gate_up rows) or of src [n, K] itself, quantised with its own scale. Twin of
+    `reference.silu_mul` / `reference.quantize_rows` with an e4m3 out; a work item is a row."""
+    n, inter = out.shape
+    if n == 0:
+        return
+    _rows_fp8_kernel[(num_programs(n, max_ctas),)](
+        src, out, out_scale, src.stride(0), out.stride(0), n, inter, SILU=silu,
+        BLOCK=min(SILU_BLOCK, triton.next_power_of_2(inter)), FP8_MAX=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE, num_warps=8 if inter >= 4096 else 4)
 
 
 @triton.jit

@@ -33,11 +33,41 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         torch.addmm(bias, x, w.t(), out=out)
 
 
+def linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+               w_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] (+ bias): the FP8 GEMM emulated
+    as the GPU computes it (e4m3 products summed in fp32, then the two scales, then rounded to
+    out's dtype). x [n, K] and w [N, K] e4m3, x_scale [n] and w_scale [N] fp32, out [n, N]."""
+    acc = torch.mm(x.float(), w.float().t())  # [n, N] exact products, fp32 sums
+    acc.mul_(x_scale.view(-1, 1)).mul_(w_scale.view(1, -1))
+    if bias is not None:
+        acc.add_(bias.float())
+    out.copy_(acc)
+
+
+def quantize_rows(x: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor) -> None:
+    """out [n, K] e4m3, out_scale [n] fp32 = x [n, K] with one dynamic scale per row (its
+    amax / 448): the activation quantisation of an FP8 GEMM's input."""
+    q, scale = quantize_fp8(x)
+    out.copy_(q)
+    out_scale.copy_(scale)
+
+
+def _write(value: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None) -> None:
+    """out = value, or its e4m3 rows and their scales when out is e4m3 (`quantize_rows`)."""
+    if out.dtype == torch.float8_e4m3fn:
+        quantize_rows(value, out, out_scale)
+    else:
+        out.copy_(value)
+
+
 def rms_norm_add(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, out: torch.Tensor, residual_out: torch.Tensor) -> None:
+                 eps: float, out: torch.Tensor, residual_out: torch.Tensor,
+                 out_scale: torch.Tensor | None = None) -> None:
     """residual_out = x + residual (x alone when residual is None); out = RMSNorm(residual_out).
 
-    x, residual, out, residual_out [n, D]; residual_out may alias residual or x.
+    x, residual, out, residual_out [n, D]; residual_out may alias residual or x. An e4m3 `out`
+    gets the normed rows (in the model dtype) quantised, their scales in `out_scale` [n].
     """
     summed = x if residual is None else x + residual  # [n, D], rounded to the model dtype
     h = summed.float()
@@ -45,13 +75,15 @@ def rms_norm_add(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     normed = weight * h.to(x.dtype)
     if residual_out.data_ptr() != summed.data_ptr():
         residual_out.copy_(summed)
-    out.copy_(normed)
+    _write(normed, out, out_scale)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
-    """out = SiLU(gate) * up, where gate_up [n, 2I] holds gate then up; out [n, I]."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor,
+             out_scale: torch.Tensor | None = None) -> None:
+    """out = SiLU(gate) * up, where gate_up [n, 2I] holds gate then up; out [n, I] (e4m3: the
+    rows quantised, their scales in `out_scale` [n])."""
     inter = out.shape[-1]
-    out.copy_(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+    _write(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], out, out_scale)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

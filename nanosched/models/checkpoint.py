@@ -32,6 +32,7 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.fileio import read_json, special_kind
 from nanosched.models.model import CausalLM
+from nanosched.models.quant import quantize_into
 from nanosched.models.spec import REGISTRY
 
 Range = tuple[int, int] | None
@@ -46,6 +47,7 @@ class Target:
     dest: torch.Tensor
     rows: Range = None
     cols: Range = None
+    scale: torch.Tensor | None = None  # an e4m3 dest's row scales (models/quant.py)
 
 
 class SafetensorsFolder:
@@ -121,16 +123,19 @@ def _targets(model: CausalLM) -> Iterator[Target]:
         yield Target(p + "post_attention_layernorm.weight", (hid,), layer.ffn_norm)
         parts = [("q_proj", s.q_size, 0, qs, q_rows), ("k_proj", s.kv_size, qs, kvs, kv_rows),
                  ("v_proj", s.kv_size, qs + kvs, kvs, kv_rows)]
+        qkv_scale = _scale(layer, "w_qkv")
         for proj, full, at, size, rows in parts:
             yield Target(f"{p}self_attn.{proj}.weight", (full, hid), layer.w_qkv[at:at + size],
-                         rows=rows)
+                         rows=rows, scale=_rows(qkv_scale, at, at + size))
             if layer.b_qkv is not None:
                 yield Target(f"{p}self_attn.{proj}.bias", (full,), layer.b_qkv[at:at + size],
                              rows=rows)
-        yield Target(p + "self_attn.o_proj.weight", (hid, s.q_size), layer.w_o, cols=q_rows)
+        yield Target(p + "self_attn.o_proj.weight", (hid, s.q_size), layer.w_o, cols=q_rows,
+                     scale=_scale(layer, "w_o"))
         if layer.router is None:
             yield from _ffn(p + "mlp.", ("gate_proj", "up_proj", "down_proj"), layer.w_gate_up,
-                            layer.w_down, hid, s.intermediate_size, li, inter)
+                            layer.w_down, hid, s.intermediate_size, li, inter,
+                            _scale(layer, "w_gate_up"), _scale(layer, "w_down"))
             continue
         moe = p + "block_sparse_moe."
         yield Target(moe + "gate.weight", (s.num_experts, hid), layer.router)
@@ -143,11 +148,24 @@ def _targets(model: CausalLM) -> Iterator[Target]:
 
 
 def _ffn(prefix: str, names: tuple[str, str, str], gate_up: torch.Tensor, down: torch.Tensor,
-         hid: int, full: int, local: int, rows: tuple[int, int]) -> Iterator[Target]:
+         hid: int, full: int, local: int, rows: tuple[int, int],
+         gate_up_scale: torch.Tensor | None = None,
+         down_scale: torch.Tensor | None = None) -> Iterator[Target]:
     gate, up, dn = names
-    yield Target(f"{prefix}{gate}.weight", (full, hid), gate_up[:local], rows=rows)
-    yield Target(f"{prefix}{up}.weight", (full, hid), gate_up[local:], rows=rows)
-    yield Target(f"{prefix}{dn}.weight", (hid, full), down, cols=rows)
+    yield Target(f"{prefix}{gate}.weight", (full, hid), gate_up[:local], rows=rows,
+                 scale=_rows(gate_up_scale, 0, local))
+    yield Target(f"{prefix}{up}.weight", (full, hid), gate_up[local:], rows=rows,
+                 scale=_rows(gate_up_scale, local, 2 * local))
+    yield Target(f"{prefix}{dn}.weight", (hid, full), down, cols=rows, scale=down_scale)
+
+
+def _scale(layer: torch.nn.Module, weight: str) -> torch.Tensor | None:
+    """The row scales of `layer`'s e4m3 weight `weight`, None for a model-dtype weight."""
+    return getattr(layer, f"{weight}_scale") if layer.is_fp8(weight) else None
+
+
+def _rows(scale: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if scale is None else scale[start:end]
 
 
 def _ignorable(name: str, model: CausalLM) -> bool:
@@ -182,10 +200,19 @@ def load_weights(model: CausalLM, source: SafetensorsFolder | StateDictSource,
             raise ConfigError(f"{where}: tensor {t.name!r} holds {dtype}, not floating-point "
                               f"weights: the checkpoint is damaged or not this model's")
     for t in targets:
-        t.dest.copy_(source.read(t.name, t.rows, t.cols).to(t.dest.dtype))
-        if not bool(torch.isfinite(t.dest).all()):
-            raise ConfigError(f"{where}: tensor {t.name!r} holds NaN or infinite values: the "
-                              f"checkpoint is damaged (or was saved from a diverged run)")
+        value = source.read(t.name, t.rows, t.cols)
+        if t.scale is not None:  # an e4m3 weight: this slice's rows quantised as they load
+            _check_finite(value, t.name, where)
+            quantize_into(value, t.dest, t.scale)
+        else:
+            t.dest.copy_(value.to(t.dest.dtype))
+            _check_finite(t.dest, t.name, where)
+
+
+def _check_finite(value: torch.Tensor, name: str, where: str) -> None:
+    if not bool(torch.isfinite(value).all()):
+        raise ConfigError(f"{where}: tensor {name!r} holds NaN or infinite values: the "
+                          f"checkpoint is damaged (or was saved from a diverged run)")
 
 
 def load_checkpoint(model: CausalLM, folder: str | Path) -> None:

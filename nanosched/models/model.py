@@ -36,7 +36,7 @@ from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.kernels import dispatch as K
 from nanosched.kernels.dispatch import KernelOptions
-from nanosched.models import op_impls
+from nanosched.models import op_impls, quant
 from nanosched.models.batch import BatchMeta
 from nanosched.models.kvcache import KVCache
 from nanosched.models.ops import layer_ops as op_defs
@@ -55,17 +55,28 @@ class DecoderLayer(nn.Module):
 
     w_qkv [(Hq + 2 Hkv) d, D] rows q | k | v; w_o [D, Hq d]; dense: w_gate_up [2I, D] rows
     gate | up, w_down [D, I]; MoE: router [E, D], w_gate_up [E, 2I, D], w_down [E, D, I].
+    Quantised (`quant.FP8`): each weight named in `fp8_weights` is e4m3 beside its fp32 scale
+    per output row, `{name}_scale` [N] (models/quant.py).
     """
 
     def __init__(self, spec: ModelSpec, local: LocalShapes, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, quantization: str = quant.NONE) -> None:
         super().__init__()
         d, inter = spec.hidden_size, local.intermediate
         kw = {"dtype": dtype, "device": device}
+        self.fp8_weights = quant.fp8_weights(spec, quantization)
+
+        def weight(name: str, *shape: int) -> nn.Parameter:
+            if name not in self.fp8_weights:
+                return _param(*shape, **kw)
+            self.register_parameter(f"{name}_scale", _param(shape[0], dtype=torch.float32,
+                                                            device=device))
+            return _param(*shape, dtype=quant.FP8_DTYPE, device=device)
+
         self.attn_norm = _param(d, **kw)
-        self.w_qkv = _param(local.qkv_size, d, **kw)
+        self.w_qkv = weight("w_qkv", local.qkv_size, d)
         self.b_qkv = _param(local.qkv_size, **kw) if spec.qkv_bias else None
-        self.w_o = _param(d, local.q_size, **kw)
+        self.w_o = weight("w_o", d, local.q_size)
         self.ffn_norm = _param(d, **kw)
         if spec.is_moe:
             self.router = _param(spec.num_experts, d, **kw)
@@ -73,8 +84,12 @@ class DecoderLayer(nn.Module):
             self.w_down = _param(spec.num_experts, d, inter, **kw)
         else:
             self.router = None
-            self.w_gate_up = _param(2 * inter, d, **kw)
-            self.w_down = _param(d, inter, **kw)
+            self.w_gate_up = weight("w_gate_up", 2 * inter, d)
+            self.w_down = weight("w_down", d, inter)
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether weight `name` is e4m3 (its GEMM takes an e4m3 input with row scales)."""
+        return name in self.fp8_weights
 
 
 class CausalLM(nn.Module):
@@ -82,9 +97,10 @@ class CausalLM(nn.Module):
 
     def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 kernels: KernelOptions | None = None) -> None:
+                 kernels: KernelOptions | None = None, quantization: str = quant.NONE) -> None:
         super().__init__()
         self.spec = spec
+        self.quantization = quant.check_quantization(quantization)
         self.tp = tp or TensorParallel()
         self.local = local_shapes(spec, self.tp)
         self.dtype = dtype
@@ -93,7 +109,7 @@ class CausalLM(nn.Module):
         self.scale = spec.head_dim ** -0.5
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = _param(self.local.vocab, spec.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(spec, self.local, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, self.local, dtype, device, quantization)
                                     for _ in range(spec.num_layers))
         self.final_norm = _param(spec.hidden_size, **kw)
         self.lm_head = (self.embed_tokens if spec.tie_word_embeddings
@@ -119,11 +135,20 @@ class CausalLM(nn.Module):
             max_tokens=max_tokens, hidden=s.hidden_size, qkv_size=loc.qkv_size,
             num_heads=loc.num_heads, head_dim=s.head_dim, intermediate=loc.intermediate,
             experts_per_token=k, is_moe=s.is_moe, kv=kv, dtype=self.dtype, device=self.device,
-            reduced=self.tp.symmetric_zeros)
+            reduced=self.tp.symmetric_zeros, fp8=self.quantization == quant.FP8)
 
     def norm_before(self, layer: int) -> torch.Tensor:
         """The RMSNorm weight applied before layer `layer` (the final norm after the last)."""
         return self.layers[layer].attn_norm if layer < len(self.layers) else self.final_norm
+
+    def normed_out(self, ws: Workspace, layer: int, weight: str, start: int,
+                   end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where a norm writes rows [start, end) for the GEMM of `weight` in layer `layer`
+        (past the last layer: the LM head): e4m3 rows and their scales when that weight is
+        e4m3, else the model-dtype `normed` rows."""
+        if layer < len(self.layers) and self.layers[layer].is_fp8(weight):
+            return ws.normed8[start:end], ws.normed_scale[start:end]
+        return ws.normed[start:end], None
 
     def embed(self, ws: Workspace, meta: BatchMeta, start: int, end: int) -> None:
         """Look up ws.token_ids[start:end] into the residual stream and norm it for layer 0."""
@@ -134,8 +159,9 @@ class CausalLM(nn.Module):
         res = ws.residual[start:end]
         torch.mul(h, valid[:, None].to(h.dtype), out=res)
         self.tp.all_reduce(res)
-        K.rms_norm_add(res, None, self.norm_before(0), self.spec.rms_norm_eps,
-                       ws.normed[start:end], res, self.kernels)
+        out, scale = self.normed_out(ws, 0, "w_qkv", start, end)
+        K.rms_norm_add(res, None, self.norm_before(0), self.spec.rms_norm_eps, out, res,
+                       self.kernels, out_scale=scale)
 
     def run_op(self, layer: int, name: str, ws: Workspace, meta: BatchMeta, start: int,
                end: int, launch: dict | None = None) -> None:

@@ -28,7 +28,11 @@ def kqv(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
         launch: Launch) -> None:
     """qkv[s:e] = normed[s:e] @ w_qkv.T (+ bias)."""
     layer = m.layers[i]
-    K.linear(ws.normed[s:e], layer.w_qkv, layer.b_qkv, ws.qkv[s:e], m.kernels, launch)
+    if layer.is_fp8("w_qkv"):
+        K.linear_fp8(ws.normed8[s:e], ws.normed_scale[s:e], layer.w_qkv, layer.w_qkv_scale,
+                     layer.b_qkv, ws.qkv[s:e], m.kernels, launch)
+    else:
+        K.linear(ws.normed[s:e], layer.w_qkv, layer.b_qkv, ws.qkv[s:e], m.kernels, launch)
 
 
 def rope_append(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -67,8 +71,15 @@ def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e:
 
 def o(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
       launch: Launch) -> None:
-    """o_out[s:e] = attn[s:e] @ w_o.T (a partial sum under tp)."""
-    K.linear(ws.attn[s:e].flatten(1), m.layers[i].w_o, None, ws.o_out[s:e], m.kernels, launch)
+    """o_out[s:e] = attn[s:e] @ w_o.T (a partial sum under tp); an e4m3 w_o first quantises
+    the attention rows (their kernels write the model dtype)."""
+    layer = m.layers[i]
+    if layer.is_fp8("w_o"):
+        K.quantize_rows(ws.attn[s:e].flatten(1), ws.attn8[s:e], ws.attn_scale[s:e], m.kernels)
+        K.linear_fp8(ws.attn8[s:e], ws.attn_scale[s:e], layer.w_o, layer.w_o_scale, None,
+                     ws.o_out[s:e], m.kernels, launch)
+    else:
+        K.linear(ws.attn[s:e].flatten(1), layer.w_o, None, ws.o_out[s:e], m.kernels, launch)
 
 
 def ar_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -79,28 +90,44 @@ def ar_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
 
 def add_norm_ffn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
                  launch: Launch) -> None:
-    """residual += o_out; normed = RMSNorm_ffn(residual)."""
+    """residual += o_out; normed = RMSNorm_ffn(residual) (e4m3 + row scales for an e4m3
+    w_gate_up)."""
+    out, scale = m.normed_out(ws, i, "w_gate_up", s, e)
     K.rms_norm_add(ws.o_out[s:e], ws.residual[s:e], m.layers[i].ffn_norm, m.spec.rms_norm_eps,
-                   ws.normed[s:e], ws.residual[s:e], m.kernels, launch)
+                   out, ws.residual[s:e], m.kernels, launch, out_scale=scale)
 
 
 def ug(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
        launch: Launch) -> None:
     """gate_up[s:e] = normed[s:e] @ w_gate_up.T."""
-    K.linear(ws.normed[s:e], m.layers[i].w_gate_up, None, ws.gate_up[s:e], m.kernels, launch)
+    layer = m.layers[i]
+    if layer.is_fp8("w_gate_up"):
+        K.linear_fp8(ws.normed8[s:e], ws.normed_scale[s:e], layer.w_gate_up,
+                     layer.w_gate_up_scale, None, ws.gate_up[s:e], m.kernels, launch)
+    else:
+        K.linear(ws.normed[s:e], layer.w_gate_up, None, ws.gate_up[s:e], m.kernels, launch)
 
 
 def act(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
         launch: Launch) -> None:
-    """act = SiLU(gate) * up on the range's rows (k rows per token for MoE)."""
+    """act = SiLU(gate) * up on the range's rows (k rows per token for MoE); e4m3 + row scales
+    for an e4m3 w_down."""
     rows = ws.rows(s, e)
-    K.silu_mul(ws.gate_up[rows], ws.act[rows], m.kernels, launch)
+    if m.layers[i].is_fp8("w_down"):
+        K.silu_mul(ws.gate_up[rows], ws.act8[rows], m.kernels, launch, out_scale=ws.act_scale[rows])
+    else:
+        K.silu_mul(ws.gate_up[rows], ws.act[rows], m.kernels, launch)
 
 
 def d(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
       launch: Launch) -> None:
     """ffn_out[s:e] = act[s:e] @ w_down.T (a partial sum under tp)."""
-    K.linear(ws.act[s:e], m.layers[i].w_down, None, ws.ffn_out[s:e], m.kernels, launch)
+    layer = m.layers[i]
+    if layer.is_fp8("w_down"):
+        K.linear_fp8(ws.act8[s:e], ws.act_scale[s:e], layer.w_down, layer.w_down_scale, None,
+                     ws.ffn_out[s:e], m.kernels, launch)
+    else:
+        K.linear(ws.act[s:e], layer.w_down, None, ws.ffn_out[s:e], m.kernels, launch)
 
 
 def ar_ffn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
@@ -111,9 +138,12 @@ def ar_ffn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
 
 def add_norm_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
                   launch: Launch) -> None:
-    """residual += ffn_out; normed = the next layer's input RMSNorm (final norm at the end)."""
+    """residual += ffn_out; normed = the next layer's input RMSNorm (final norm at the end, in
+    the model dtype for the LM head; e4m3 + row scales before an e4m3 w_qkv)."""
+    out, scale = m.normed_out(ws, i + 1, "w_qkv", s, e)
     K.rms_norm_add(ws.ffn_out[s:e], ws.residual[s:e], m.norm_before(i + 1),
-                   m.spec.rms_norm_eps, ws.normed[s:e], ws.residual[s:e], m.kernels, launch)
+                   m.spec.rms_norm_eps, out, ws.residual[s:e], m.kernels, launch,
+                   out_scale=scale)
 
 
 OPS: dict[str, Callable[..., None]] = {

@@ -14,6 +14,7 @@ import zlib
 import torch
 
 from nanosched.models.model import CausalLM
+from nanosched.models.quant import FP8_DTYPE, quantize_into
 
 
 def _std(name: str, model: CausalLM) -> float | None:
@@ -38,15 +39,24 @@ def _std(name: str, model: CausalLM) -> float | None:
 
 @torch.no_grad()
 def init_random(model: CausalLM, seed: int = 0) -> None:
-    """Fill every parameter of `model` with seeded random values (see module docstring)."""
-    for name, param in model.named_parameters():
+    """Fill every parameter of `model` with seeded random values (see module docstring). An
+    e4m3 weight draws the same values in fp32, one weight at a time, and is quantised with its
+    row scales (`{name}_scale`): no model-dtype copy of the model is ever held."""
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name.endswith("_scale"):
+            continue  # written with its weight
         std = _std(name, model)
         if std is None:
             param.fill_(1.0)
             continue
         key = zlib.crc32(f"{seed}:{name}:{model.tp.rank}".encode())
         gen = torch.Generator(device=param.device).manual_seed(key)
-        param.normal_(0.0, std, generator=gen)
+        if param.dtype == FP8_DTYPE:
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            quantize_into(values.normal_(0.0, std, generator=gen), param, params[name + "_scale"])
+        else:
+            param.normal_(0.0, std, generator=gen)
     if model.local.vocab * model.tp.size > model.spec.vocab_size:
         _zero_vocab_padding(model)
 

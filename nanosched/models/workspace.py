@@ -39,6 +39,14 @@ class Workspace:
     expert_weights: torch.Tensor | None  # [T k] fp32 MoE: their normalised router weights
     kv: KVCache
     experts_per_token: int = 1
+    # FP8 GEMM inputs (models/quant.py), None in a model without e4m3 weights: e4m3 rows and
+    # one fp32 scale per row of the normed stream (kqv / ug), the attention output (o) and act (d)
+    normed8: torch.Tensor | None = None  # [T, D]
+    normed_scale: torch.Tensor | None = None  # [T]
+    attn8: torch.Tensor | None = None  # [T, Hq d]
+    attn_scale: torch.Tensor | None = None  # [T]
+    act8: torch.Tensor | None = None  # [T, I]
+    act_scale: torch.Tensor | None = None  # [T]
 
     def rows(self, start: int, end: int) -> slice:
         """Rows of the per-(token, expert) buffers that hold tokens [start, end)."""
@@ -49,10 +57,12 @@ def allocate_workspace(*, max_tokens: int, hidden: int, qkv_size: int, num_heads
                        head_dim: int, intermediate: int, experts_per_token: int,
                        is_moe: bool, kv: KVCache, dtype: torch.dtype,
                        device: torch.device | str,
-                       reduced: Callable[..., torch.Tensor] | None = None) -> Workspace:
+                       reduced: Callable[..., torch.Tensor] | None = None,
+                       fp8: bool = False) -> Workspace:
     """Allocate every buffer for up to `max_tokens` tokens (see `CausalLM.new_workspace`);
     `reduced(*shape, dtype=, device=)` allocates the two buffers all-reduces run in (o_out,
-    ffn_out), e.g. `TensorParallel.symmetric_zeros` for the copy-engine all-reduce."""
+    ffn_out), e.g. `TensorParallel.symmetric_zeros` for the copy-engine all-reduce; `fp8` adds
+    the e4m3 GEMM inputs."""
     t, k = max_tokens, experts_per_token
 
     def buf(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
@@ -61,8 +71,13 @@ def allocate_workspace(*, max_tokens: int, hidden: int, qkv_size: int, num_heads
     def shared(*shape: int) -> torch.Tensor:
         return buf(*shape) if reduced is None else reduced(*shape, dtype=dtype, device=device)
 
+    f8 = torch.float8_e4m3fn
+    quant = {} if not fp8 else {
+        "normed8": buf(t, hidden, dt=f8), "normed_scale": buf(t, dt=torch.float32),
+        "attn8": buf(t, num_heads * head_dim, dt=f8), "attn_scale": buf(t, dt=torch.float32),
+        "act8": buf(t, intermediate, dt=f8), "act_scale": buf(t, dt=torch.float32)}
     return Workspace(
-        max_tokens=t, token_ids=buf(t, dt=torch.int64), residual=buf(t, hidden),
+        **quant, max_tokens=t, token_ids=buf(t, dt=torch.int64), residual=buf(t, hidden),
         normed=buf(t, hidden), qkv=buf(t, qkv_size), q=buf(t, num_heads, head_dim),
         attn=buf(t, num_heads, head_dim), o_out=shared(t, hidden),
         gate_up=buf(t * k, 2 * intermediate), act=buf(t * k, intermediate),

@@ -95,8 +95,10 @@ def bench_us(fn: Callable[[], Any], device: torch.device, rep_ms: float = 10.0,
     return 1e3 * statistics.median(a.elapsed_time(b) for a, b in events)
 
 
-def gemm_peak_tflops(device: torch.device) -> float:
-    """bf16 GEMM TFLOP/s at 8192^3: the median of 50 ms of launches, started from an idle GPU.
+def gemm_peak_tflops(device: torch.device, precision: str = "bf16") -> float:
+    """GEMM TFLOP/s at 8192^3: the median of 50 ms of launches, started from an idle GPU; bf16
+    (`torch.mm`) or fp8 (e4m3 operands with row scales, bf16 out: the model's FP8 GEMM,
+    kernels/dispatch.linear_fp8).
 
     This is the peak with the SM clock at its maximum. A longer window reads less (a GEMM loop
     draws the board to its power cap within a few hundred ms and the clock falls: 686-757
@@ -106,9 +108,18 @@ def gemm_peak_tflops(device: torch.device) -> float:
     profile's ceiling."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    fn = lambda: a @ b  # noqa: E731
+    if precision == "fp8":
+        from nanosched.kernels.dispatch import KernelOptions, linear_fp8
+        from nanosched.kernels.reference import quantize_fp8
+
+        (a8, sa), (b8, sb) = quantize_fp8(a), quantize_fp8(b)
+        out = torch.empty_like(a)
+        opts = KernelOptions()
+        fn = lambda: linear_fp8(a8, sa, b8, sb, None, out, opts)  # noqa: E731
     torch.cuda.synchronize(device)
     time.sleep(0.2)  # whatever ran before has let the clock back up
-    t = bench_us(lambda: a @ b, device, rep_ms=50, flush=False)
+    t = bench_us(fn, device, rep_ms=50, flush=False)
     return 2 * 8192 ** 3 / t / 1e6
 
 

@@ -15,6 +15,7 @@ from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.kvcache import check_kv_dtype
+from nanosched.models.quant import check_quantization
 from nanosched.runtime.preempt import AdmissionConfig
 
 GRAPH_MODES = ("off", "on", "layout")  # what an Engine runs; the loader also takes "auto"
@@ -34,7 +35,9 @@ class EngineConfig:
     Running (None and "auto" are resolved by the loader): `dense_batch` tokens per iteration
     (the schedule's, else 2048 on a GPU, 256 on the CPU); `num_pages` KV-cache pages (what
     fits); `kv_dtype` the cache's element type ("auto": the model's; "fp8": e4m3 with scales);
-    `max_context` the longest request (the longest known request, else the model's positions);
+    `quantization` the layer weights' ("auto": the checkpoint's; "fp8": e4m3 weights and
+    activations, quantised as a plain checkpoint loads); `max_context` the longest request
+    (the longest known request, else the model's positions);
     `graphs` off, on (a CUDA graph per batch bucket), layout (bucket layout, run eagerly) or auto
     (on with a GPU); `eos_ids` (the checkpoint's); `async_loop` (on with a
     GPU); `time_forwards` times every forward (it synchronises); `gpu_timeline` records a CUDA
@@ -57,6 +60,7 @@ class EngineConfig:
     num_pages: int | None = None
     page_size: int = PAGE_SIZE
     kv_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3 + scales; models/kvcache.py)
+    quantization: str = "auto"  # auto (the checkpoint's) | none | fp8 (W8A8; models/quant.py)
     max_context: int | None = None
     graphs: str = "off"
     graph_align: int = 32  # decode rows of a graph bucket are a multiple of this
@@ -78,5 +82,6 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
         check_kv_dtype(self.kv_dtype)
+        check_quantization(self.quantization, allow_auto=True)
         if not 0 < self.mem_util <= 1:
             raise ConfigError(f"mem_util must be in (0, 1], got {self.mem_util}")

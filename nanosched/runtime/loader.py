@@ -40,6 +40,7 @@ from nanosched.models.checkpoint import (
 )
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel
+from nanosched.models.quant import resolve_quantization
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.models.weights import init_random
 from nanosched.runtime.choice import (  # noqa: F401 (re-exported: the commands import them here)
@@ -94,16 +95,18 @@ def resolve_weights(model: str, weights: str | None) -> str:
 
 def load_model(spec: ModelSpec, weights: str, device: torch.device, seed: int = 0,
                tp: TensorParallel | None = None, kernels: KernelOptions | None = None,
-               copy_engine: bool = False) -> CausalLM:
+               copy_engine: bool = False, quantization: str = "auto") -> CausalLM:
     """`spec`'s model on `device` (this rank's shards at tp > 1) in `model_dtype(device)`,
-    with seeded random weights (`weights == "random"`) or the checkpoint folder's. At tp > 1
-    with `copy_engine` (or `kernels.network` naming it) the all-reduces' buffers are mapped for
-    the copy-engine all-reduce (collective: every rank loads the same way)."""
+    with seeded random weights (`weights == "random"`) or the checkpoint folder's, its layer
+    weights quantised as `quantization` resolves (models/quant.py). At tp > 1 with
+    `copy_engine` (or `kernels.network` naming it) the all-reduces' buffers are mapped for the
+    copy-engine all-reduce (collective: every rank loads the same way)."""
     kernels = kernels or KernelOptions()
     tp = tp or TensorParallel()
     if copy_engine or network_impl(kernels.network)[0] == "copy_engine":
         tp = tp.with_copy_engine(device)
-    model = CausalLM(spec, tp=tp, dtype=model_dtype(device), device=device, kernels=kernels)
+    model = CausalLM(spec, tp=tp, dtype=model_dtype(device), device=device, kernels=kernels,
+                     quantization=resolve_quantization(quantization, weights))
     if weights == "random":
         init_random(model, seed)
     else:
@@ -262,6 +265,7 @@ def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
     choice = choose_strategy(cfg, spec, device)
     resolve_dense_batch(cfg.dense_batch, choice, device)
     weights = resolve_weights(cfg.model, cfg.weights)
+    resolve_quantization(cfg.quantization, weights)  # refused before any rank starts
     if weights == "random":
         log.info("%s: random weights (seed %d)", cfg.model, cfg.seed)
     group = None
@@ -273,7 +277,7 @@ def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
     try:
         model = load_model(spec, weights, device, cfg.seed,
                            group.tp if group is not None else None, cfg.kernels,
-                           copy_engine=copy_engine)
+                           copy_engine=copy_engine, quantization=cfg.quantization)
         loaded = build_engine(model, cfg, choice, requests=requests, on_token=on_token,
                               ranks=group)
     except BaseException:

@@ -179,7 +179,7 @@ def start_ranks(cfg: EngineConfig, weights: str, device: torch.device,
     writer = ChannelWriter(size - 1)
     port = free_port()
     setup = WorkerSetup(cfg.model, weights, cfg.seed, cfg.kernels, device.type, os.getpid(),
-                        copy_engine)
+                        copy_engine, cfg.quantization)
     procs = []
     for rank in range(1, size):
         p = ctx.Process(target=run_worker, args=(rank, size, port, writer.handle, setup),

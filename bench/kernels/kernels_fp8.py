@@ -1,0 +1,133 @@
+"""GPU: the FP8 (W8A8) path's kernels at Llama-3-8B shapes against their bf16 twins.
+
+Per token count M (256, 1,024, 2,048): each layer GEMM in bf16 (`torch.mm`) and in FP8
+(`kernels.dispatch.linear_fp8`: `torch._scaled_mm`, rowwise scales, with and without fast
+accumulation), with the error of each FP8 variant against the exact emulation; the producers of
+the GEMMs' inputs with a bf16 and an e4m3 output (RMSNorm with residual add, SiLU·mul) and the
+row quantisation before `o`, whose cost is set against `o`'s FP8 GEMM. Every time is the median
+of CUDA-graph replays (20 calls a graph, so a Python call costs nothing), with the NVML clock
+and power read across the GEMM rows. Usage: `PYTHONPATH=. python bench/kernels/kernels_fp8.py`.
+"""
+
+# ruff: noqa: B023  (each lambda is timed at once, inside the loop iteration that made it)
+from __future__ import annotations
+
+import torch
+
+from bench._common import environment, median_ms, print_table, write_result
+from nanosched.kernels import dispatch as K
+from nanosched.kernels import reference as ref
+
+GEMMS = {"kqv": (4096, 6144), "o": (4096, 4096), "ug": (4096, 28672), "d": (14336, 4096)}
+ROWS = (256, 1024, 2048)
+CALLS = 20  # calls per graph
+OPTS = K.KernelOptions()
+BF16 = torch.bfloat16
+
+
+def graph_us(fn) -> float:
+    """Median time of one call of `fn`, from replays of a graph of CALLS calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    return median_ms(g.replay, warmup_ms=50, rep_ms=200) * 1e3 / CALLS
+
+
+def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, device="cuda") * scale).to(BF16)
+
+
+def clock_power() -> tuple[float, float]:
+    return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3
+
+
+def gemm_rows() -> list[dict]:
+    rows = []
+    for m in ROWS:
+        for name, (k, n) in GEMMS.items():
+            x, w = rand(m, k), rand(n, k, scale=k ** -0.5)
+            out = torch.empty(m, n, dtype=BF16, device="cuda")
+            (x8, xs), (w8, ws) = ref.quantize_fp8(x), ref.quantize_fp8(w)
+            want = torch.empty_like(out)
+            ref.linear_fp8(x8, xs, w8, ws, None, want)
+            row = {"op": name, "rows": m,
+                   "bf16_us": graph_us(lambda: torch.mm(x, w.t(), out=out))}
+            for fast in (False, True):
+                K.FP8_FAST_ACCUM = fast
+                key = "fp8_fast_us" if fast else "fp8_us"
+                row[key] = graph_us(lambda: K.linear_fp8(x8, xs, w8, ws, None, out, OPTS))
+                K.linear_fp8(x8, xs, w8, ws, None, out, OPTS)
+                row[key.replace("_us", "_err")] = \
+                    ((out.float() - want.float()).norm() / want.float().norm()).item()
+            K.FP8_FAST_ACCUM = False
+            row["clock_mhz"], row["power_w"] = clock_power()
+            flops = 2 * m * k * n
+            row["bf16_tflops"] = flops / row["bf16_us"] / 1e6
+            row["fp8_tflops"] = flops / row["fp8_us"] / 1e6
+            row["speedup"] = row["bf16_us"] / row["fp8_us"]
+            row["speedup_fast"] = row["bf16_us"] / row["fp8_fast_us"]
+            rows.append(row)
+    return rows
+
+
+def producer_rows(gemms: list[dict]) -> list[dict]:
+    f8 = torch.float8_e4m3fn
+    rows = []
+    for m in ROWS:
+        x, r, w = rand(m, 4096), rand(m, 4096), rand(4096)
+        out, res = torch.empty_like(x), torch.empty_like(x)
+        out8, sc = torch.empty(m, 4096, dtype=f8, device="cuda"), torch.empty(m, device="cuda")
+        gu = rand(m, 2 * 14336)
+        act, act8 = torch.empty(m, 14336, dtype=BF16, device="cuda"), \
+            torch.empty(m, 14336, dtype=f8, device="cuda")
+        o_fp8 = next(g["fp8_us"] for g in gemms if g["op"] == "o" and g["rows"] == m)
+        rows.append({
+            "rows": m,
+            "rms_bf16_us": graph_us(lambda: K.rms_norm_add(x, r, w, 1e-5, out, res, OPTS)),
+            "rms_fp8_us": graph_us(lambda: K.rms_norm_add(x, r, w, 1e-5, out8, res, OPTS,
+                                                          out_scale=sc)),
+            "silu_bf16_us": graph_us(lambda: K.silu_mul(gu, act, OPTS)),
+            "silu_fp8_us": graph_us(lambda: K.silu_mul(gu, act8, OPTS, out_scale=sc)),
+            "quant_o_us": graph_us(lambda: K.quantize_rows(x, out8, sc, OPTS)),
+            "o_fp8_us": o_fp8})
+        rows[-1]["quant_of_o"] = rows[-1]["quant_o_us"] / o_fp8
+    return rows
+
+
+def peaks() -> dict:
+    from nanosched.profiler.timing import gemm_peak_tflops
+
+    dev = torch.device("cuda")
+    return {"bf16_8192_tflops": gemm_peak_tflops(dev), "fp8_8192_tflops":
+            gemm_peak_tflops(dev, "fp8")}
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    gemms = gemm_rows()
+    producers = producer_rows(gemms)
+    peak = peaks()
+    path = write_result("kernels_fp8", {"env": environment(), "gemms": gemms,
+                                        "producers": producers, "peaks": peak})
+    print(f"wrote {path}")
+    print(f"GEMM peak at 8192^3 (50 ms from idle): bf16 {peak['bf16_8192_tflops']:.0f}, "
+          f"fp8 {peak['fp8_8192_tflops']:.0f} TFLOP/s")
+    print_table(gemms, [("op", "op", ""), ("rows", "M", "d"), ("bf16_us", "bf16 us", ".1f"),
+                        ("fp8_us", "fp8 us", ".1f"), ("fp8_fast_us", "fast us", ".1f"),
+                        ("speedup", "x", ".2f"), ("speedup_fast", "x fast", ".2f"),
+                        ("fp8_err", "err", ".1e"), ("fp8_fast_err", "err fast", ".1e"),
+                        ("clock_mhz", "MHz", ".0f"), ("power_w", "W", ".0f")])
+    print_table(producers, [("rows", "M", "d"), ("rms_bf16_us", "rms bf16", ".1f"),
+                            ("rms_fp8_us", "rms fp8", ".1f"), ("silu_bf16_us", "silu bf16", ".1f"),
+                            ("silu_fp8_us", "silu fp8", ".1f"), ("quant_o_us", "quant o", ".1f"),
+                            ("o_fp8_us", "o fp8", ".1f"), ("quant_of_o", "quant/o", ".3f")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Weight quantisation: which layer weights are e4m3 (W8A8 on Hopper), and how they are made.
+
+`fp8`: each layer GEMM's weight [N, K] is e4m3 with one fp32 scale per output row (a per-tensor
+checkpoint scale is the same value on every row), its input e4m3 with one dynamic scale per
+token, written by the kernel that produces it (RMSNorm, SiLU·mul; the attention output by a
+one-pass kernel before `o`), and the product in the model dtype. The embedding, LM head, norms,
+router and (for now) MoE experts stay in the model dtype. `auto` follows the checkpoint's
+`quantization_config` (none for random weights and plain checkpoints).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nanosched.errors import ConfigError
+from nanosched.fileio import read_json
+from nanosched.kernels.reference import quantize_fp8
+from nanosched.models.spec import ModelSpec
+
+AUTO, NONE, FP8 = "auto", "none", "fp8"
+QUANTIZATIONS = (AUTO, NONE, FP8)
+FP8_DTYPE = torch.float8_e4m3fn
+DENSE_WEIGHTS = ("w_qkv", "w_o", "w_gate_up", "w_down")
+ATTENTION_WEIGHTS = ("w_qkv", "w_o")
+
+
+def check_quantization(name: str, allow_auto: bool = False) -> str:
+    """`name` when it is a quantisation the model runs (`auto` too where `allow_auto`)."""
+    allowed = QUANTIZATIONS if allow_auto else (NONE, FP8)
+    if name not in allowed:
+        raise ConfigError(f"--quantization must be one of {', '.join(allowed)}; got {name!r}")
+    return name
+
+
+def fp8_weights(spec: ModelSpec, quantization: str) -> tuple[str, ...]:
+    """The layer weights held in e4m3 under `quantization` (MoE experts stay in the model
+    dtype: their grouped GEMM has no FP8 path yet)."""
+    if check_quantization(quantization) == NONE:
+        return ()
+    return ATTENTION_WEIGHTS if spec.is_moe else DENSE_WEIGHTS
+
+
+@torch.no_grad()
+def quantize_into(w: torch.Tensor, dest: torch.Tensor, scale: torch.Tensor) -> None:
+    """dest [N, K] e4m3 and scale [N] fp32 from the weight rows w [N, K] (any float dtype):
+    one scale per row, its amax on e4m3's largest finite value."""
+    q, s = quantize_fp8(w.to(dest.device))
+    dest.copy_(q)
+    scale.copy_(s)
+
+
+def checkpoint_quantization(folder: str | Path) -> str:
+    """The quantisation a checkpoint folder's config.json declares (`quantization_config`):
+    none without one, fp8 for the FP8 formats loaded here; any other method is refused."""
+    config = Path(folder) / "config.json"
+    data = read_json(config, "config", ConfigError) if config.is_file() else {}
+    qc = data.get("quantization_config") if isinstance(data, dict) else None
+    if qc is None:
+        return NONE
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in CHECKPOINT_METHODS:
+        raise ConfigError(f"config {config}: field 'quantization_config.quant_method' is "
+                          f"{method!r}; nanosched loads {', '.join(CHECKPOINT_METHODS)} "
+                          f"checkpoints (FP8) or unquantised ones")
+    return FP8
+
+
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+
+
+def resolve_quantization(requested: str, weights: str) -> str:
+    """`--quantization` against the weights ('random' or a checkpoint folder): `auto` is the
+    checkpoint's own (none for random weights); fp8 over a plain checkpoint quantises it as it
+    loads; none over an FP8 checkpoint is refused (its weights are e4m3 already)."""
+    check_quantization(requested, allow_auto=True)
+    own = NONE if weights == "random" else checkpoint_quantization(weights)
+    if requested == AUTO:
+        return own
+    if requested == NONE and own == FP8:
+        raise ConfigError(f"checkpoint {weights} is quantised to FP8 (its config.json's "
+                          f"quantization_config); --quantization none cannot serve it: use "
+                          f"--quantization auto or fp8")
+    return requested

@@ -1,0 +1,133 @@
+"""FP8 weights (W8A8) on a GPU at Llama-3-8B shapes: the kernels against the exact emulation of
+`kernels/reference.py`, and a model's forward against bf16 and in a CUDA graph.
+
+Run on a GPU machine: `python -m pytest -m gpu tests/gpu/test_fp8_gpu.py`. The fused producers
+(RMSNorm, SiLU·mul, the row quantisation before `o`) must write the reference's e4m3 rows (the
+dequantised values within 1e-2 relative L2; most elements bit-equal, ties of the rounding aside)
+and scales; `torch._scaled_mm` must match the emulation (fp32 sums of e4m3 products, then the
+two scales) within bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanosched.kernels import dispatch as K
+from nanosched.kernels import reference as ref
+from nanosched.models.spec import REGISTRY
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HID, INTER, Q = 4096, 14336, 4096
+BF16, F8 = torch.bfloat16, torch.float8_e4m3fn
+ROWS = 1000
+OPTS = K.KernelOptions()
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, device="cuda", generator=gen).to(dtype)
+
+
+def poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """An output buffer holding NaN (e4m3's NaN byte 0x7f), so an unwritten element shows."""
+    if dtype == F8:
+        return torch.full(shape, 0x7F, dtype=torch.uint8, device="cuda").view(F8)
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def check_rows(got8: torch.Tensor, got_scale: torch.Tensor, want8: torch.Tensor,
+               want_scale: torch.Tensor) -> None:
+    assert torch.isfinite(got8.float()).all() and torch.isfinite(got_scale).all()
+    assert rel_err(got_scale, want_scale) < 1e-5
+    assert rel_err(ref.dequantize(got8, got_scale), ref.dequantize(want8, want_scale)) < 1e-2
+    assert (got8.view(torch.uint8) == want8.view(torch.uint8)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("bound", [None, 32])
+def test_rms_norm_add_writes_reference_fp8(bound):
+    x, r, w = randn(ROWS, HID, seed=1), randn(ROWS, HID, seed=2), randn(HID, seed=3)
+    out8, scale = poisoned(ROWS, HID, dtype=F8), poisoned(ROWS, dtype=torch.float32)
+    res = poisoned(ROWS, HID, dtype=BF16)
+    want8, want_scale = torch.empty_like(out8), torch.empty_like(scale)
+    want_res = torch.empty_like(res)
+    ref.rms_norm_add(x, r, w, 1e-5, want8, want_res, want_scale)
+    K.rms_norm_add(x, r, w, 1e-5, out8, res, OPTS, {"max_ctas": bound}, out_scale=scale)
+    torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+    check_rows(out8, scale, want8, want_scale)
+
+
+@pytest.mark.parametrize("bound", [None, 64])
+def test_silu_mul_and_row_quantisation_write_reference_fp8(bound):
+    gu = randn(ROWS, 2 * INTER, seed=4)
+    out8, scale = poisoned(ROWS, INTER, dtype=F8), poisoned(ROWS, dtype=torch.float32)
+    want8, want_scale = torch.empty_like(out8), torch.empty_like(scale)
+    ref.silu_mul(gu, want8, want_scale)
+    K.silu_mul(gu, out8, OPTS, {"max_ctas": bound}, out_scale=scale)
+    check_rows(out8, scale, want8, want_scale)
+    a = randn(ROWS, Q, seed=5)
+    a8, a_scale = poisoned(ROWS, Q, dtype=F8), poisoned(ROWS, dtype=torch.float32)
+    ref.quantize_rows(a, want8[:, :Q], want_scale)
+    K.quantize_rows(a, a8, a_scale, OPTS, {"max_ctas": bound})
+    check_rows(a8, a_scale, want8[:, :Q], want_scale)
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_scaled_mm_matches_the_emulation(n, k):
+    x8, xs = ref.quantize_fp8(randn(ROWS, k, seed=6))
+    w8, ws = ref.quantize_fp8(randn(n, k, seed=7) / 64)
+    out, want = poisoned(ROWS, n, dtype=BF16), torch.empty(ROWS, n, dtype=BF16, device="cuda")
+    K.linear_fp8(x8, xs, w8, ws, None, out, OPTS)
+    ref.linear_fp8(x8, xs, w8, ws, None, want)
+    assert rel_err(out, want) < 4e-3  # bf16 rounding of the output, the sums' order
+    bias = randn(n, seed=8)
+    K.linear_fp8(x8[:7], xs[:7], w8, ws, bias, out[:7], OPTS)
+    ref.linear_fp8(x8[:7], xs[:7], w8, ws, bias, want[:7])
+    assert rel_err(out[:7], want[:7]) < 4e-3
+
+
+def _llama(tmp_path, quantization: str):
+    from runtime_helpers import llama3_8b_layers
+
+    from nanosched.models.model import CausalLM
+    from nanosched.models.spec import load_spec
+    from nanosched.models.weights import init_random
+
+    spec = load_spec(llama3_8b_layers(tmp_path / "cfg", num_layers=2))
+    model = CausalLM(spec, dtype=BF16, device="cuda", quantization=quantization)
+    init_random(model, seed=3)
+    return model
+
+
+def _forward(model, ids: torch.Tensor, graph: bool = False) -> torch.Tensor:
+    ws = model.new_workspace(len(ids), 64)
+    meta = ws.kv.plan([(0, len(ids), False)])
+    ws.token_ids[:len(ids)].copy_(ids)
+    if not graph:
+        return model.forward(ws, meta).float()
+    model.forward(ws, meta)  # warm up (Triton compiles outside the capture)
+    ws.kv.release(0)
+    meta = ws.kv.plan([(0, len(ids), False)])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        logits = model.forward(ws, meta)
+    g.replay()
+    return logits.float()
+
+
+def test_fp8_model_against_bf16_and_in_a_graph(tmp_path):
+    fp8, bf16 = _llama(tmp_path, "fp8"), _llama(tmp_path, "none")
+    assert {p.dtype for n, p in fp8.layers[0].named_parameters() if n.startswith("w_")
+            and not n.endswith("_scale")} == {F8}
+    ids = torch.randint(0, REGISTRY["llama3-8b"].vocab_size, (300,), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(9))
+    a, b = _forward(fp8, ids), _forward(bf16, ids)
+    assert rel_err(a, b) < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    torch.testing.assert_close(_forward(fp8, ids, graph=True), a, rtol=0, atol=0)

@@ -31,6 +31,7 @@ import triton.language as tl
 from nanosched.kernels.common import FP8_MAX, FP8_MIN_SCALE
 
 SILU_BLOCK = 2048  # elements of a silu_mul work item (the row's width when narrower)
+ROW_FP8_MAX_BLOCK = 16384  # the widest row an e4m3 producer holds whole (wider: two passes)
 PREFETCH = {"rms_norm_add": True, "silu_mul": True, "rope_append": False}
 
 
@@ -180,24 +181,33 @@ def _row_chunk(src_ptr, row, offs, inter, SILU: tl.constexpr):
 
 @triton.jit
 def _rows_fp8_kernel(src_ptr, out_ptr, os_ptr, s_src, s_o, n, inter, SILU: tl.constexpr,
-                     BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """Each row's value (`_row_chunk`) quantised to e4m3 with one scale: a pass for the amax,
-    a second that stores (its loads mostly hit L2, which holds the rows in flight)."""
+                     BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr,
+                     MIN_SCALE: tl.constexpr):
+    """Each row's value (`_row_chunk`) quantised to e4m3 with one scale. A row that fits one
+    block is read once and held in registers; a longer one in two passes, one for the amax and
+    one that stores (its loads mostly hit L2, which holds the rows in flight)."""
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     offs0 = tl.arange(0, BLOCK)
     for r in range(pid, n, step):
         row = tl.cast(r, tl.int64)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for c in range(0, inter, BLOCK):
-            v = _row_chunk(src_ptr, row * s_src, c + offs0, inter, SILU)
-            amax = tl.maximum(amax, tl.abs(v))
-        sc = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
-        tl.store(os_ptr + row, sc)
-        for c in range(0, inter, BLOCK):
-            v = _row_chunk(src_ptr, row * s_src, c + offs0, inter, SILU)
-            tl.store(out_ptr + row * s_o + c + offs0, (v / sc).to(out_ptr.dtype.element_ty),
-                     mask=c + offs0 < inter)
+        if ONE_PASS:
+            v = _row_chunk(src_ptr, row * s_src, offs0, inter, SILU)
+            sc = tl.maximum(tl.max(tl.abs(v), 0) / FP8_MAX, MIN_SCALE)
+            tl.store(os_ptr + row, sc)
+            tl.store(out_ptr + row * s_o + offs0, (v / sc).to(out_ptr.dtype.element_ty),
+                     mask=offs0 < inter)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for c in range(0, inter, BLOCK):
+                v = _row_chunk(src_ptr, row * s_src, c + offs0, inter, SILU)
+                amax = tl.maximum(amax, tl.abs(v))
+            sc = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+            tl.store(os_ptr + row, sc)
+            for c in range(0, inter, BLOCK):
+                v = _row_chunk(src_ptr, row * s_src, c + offs0, inter, SILU)
+                tl.store(out_ptr + row * s_o + c + offs0,
+                         (v / sc).to(out_ptr.dtype.element_ty), mask=c + offs0 < inter)
 
 
 def rows_fp8(src: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, *, silu: bool,
@@ -208,10 +218,12 @@ def rows_fp8(src: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor, *, s
     n, inter = out.shape
     if n == 0:
         return
+    block = triton.next_power_of_2(inter)
+    block = block if block <= ROW_FP8_MAX_BLOCK else SILU_BLOCK
     _rows_fp8_kernel[(num_programs(n, max_ctas),)](
-        src, out, out_scale, src.stride(0), out.stride(0), n, inter, SILU=silu,
-        BLOCK=min(SILU_BLOCK, triton.next_power_of_2(inter)), FP8_MAX=FP8_MAX,
-        MIN_SCALE=FP8_MIN_SCALE, num_warps=8 if inter >= 4096 else 4)
+        src, out, out_scale, src.stride(0), out.stride(0), n, inter, SILU=silu, BLOCK=block,
+        ONE_PASS=block >= inter, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
+        num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4)
 
 
 @triton.jit

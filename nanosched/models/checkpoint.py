@@ -31,8 +31,9 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.fileio import read_json, special_kind
+from nanosched.models import fp8_checkpoint
 from nanosched.models.model import CausalLM
-from nanosched.models.quant import quantize_into
+from nanosched.models.quant import FP8_DTYPE, quantize_into
 from nanosched.models.spec import REGISTRY
 
 Range = tuple[int, int] | None
@@ -77,6 +78,8 @@ class SafetensorsFolder:
         return dtype in FLOAT_DTYPES, dtype
 
     def read(self, name: str, rows: Range, cols: Range) -> torch.Tensor:
+        if rows is None and cols is None:  # whole (a 0-d scale too, which a slice cannot be)
+            return self._where[name].get_tensor(name)
         sl = self._where[name].get_slice(name)
         if cols is not None:
             r = slice(*rows) if rows else slice(None)
@@ -168,9 +171,10 @@ def _rows(scale: torch.Tensor | None, start: int, end: int) -> torch.Tensor | No
     return None if scale is None else scale[start:end]
 
 
-def _ignorable(name: str, model: CausalLM) -> bool:
+def _ignorable(name: str, model: CausalLM, weights: set[str]) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (
-        name == "lm_head.weight" and model.spec.tie_word_embeddings)
+        name == "lm_head.weight" and model.spec.tie_word_embeddings) or \
+        fp8_checkpoint.is_companion(name, weights)
 
 
 @torch.no_grad()
@@ -185,7 +189,8 @@ def load_weights(model: CausalLM, source: SafetensorsFolder | StateDictSource,
                           f"{model.spec.name!r}" + (f" (and {len(missing) - 1} more)"
                                                     if len(missing) > 1 else ""))
     unexpected = sorted(available - {t.name for t in targets})
-    unexpected = [n for n in unexpected if not _ignorable(n, model)]
+    weights = {t.name for t in targets}
+    unexpected = [n for n in unexpected if not _ignorable(n, model, weights)]
     if unexpected:
         raise ConfigError(f"{where}: unexpected tensor {unexpected[0]!r} (not part of a "
                           f"{model.spec.arch} model with this config)"
@@ -201,6 +206,14 @@ def load_weights(model: CausalLM, source: SafetensorsFolder | StateDictSource,
                               f"weights: the checkpoint is damaged or not this model's")
     for t in targets:
         value = source.read(t.name, t.rows, t.cols)
+        if value.dtype == FP8_DTYPE:  # stored in e4m3: its slice with one scale per row
+            value, scale = fp8_checkpoint.e4m3_rows(source, t.name, value, t.rows, t.cols)
+            _check_finite(value.float(), t.name, where)
+            if t.scale is not None:
+                t.dest.copy_(value)
+                t.scale.copy_(scale)
+                continue
+            value = value.float() * scale[:, None]  # where the model keeps its dtype
         if t.scale is not None:  # an e4m3 weight: this slice's rows quantised as they load
             _check_finite(value, t.name, where)
             quantize_into(value, t.dest, t.scale)

@@ -64,6 +64,9 @@ def checkpoint_quantization(folder: str | Path) -> str:
         raise ConfigError(f"config {config}: field 'quantization_config.quant_method' is "
                           f"{method!r}; nanosched loads {', '.join(CHECKPOINT_METHODS)} "
                           f"checkpoints (FP8) or unquantised ones")
+    from nanosched.models.fp8_checkpoint import check_config
+
+    check_config(qc, f"config {config}")
     return FP8
 
 

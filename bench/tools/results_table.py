@@ -60,9 +60,10 @@ def _run_graphs(run_name: str, run: dict[str, Any]) -> str:
 
 def readme_key(e: Entry) -> tuple[str, ...]:
     """What the README keeps one record of: (GPU, model, tp with the all-reduce when it is
-    not NCCL's, and the Sequential runs' when it differs, workload, KV dtype)."""
+    not NCCL's, and the Sequential runs' when it differs, workload, KV dtype, weights)."""
     c = e.data["config"]
     kv = "fp8" if c.get("kv_dtype") == "fp8" else "bf16"
+    weights = "fp8" if c.get("quantization") == "fp8" else "bf16"
     workload = workload_label(c).replace("in ", "").replace("out ", "")
     tp, net = str(c.get("tp") or 1), _records.collective(e.data)
     base = _records.sequential_collective(e.data)
@@ -70,7 +71,7 @@ def readme_key(e: Entry) -> tuple[str, ...]:
         vs = f"; Seq. {base.replace('_', ' ').replace('nccl', 'NCCL')}" if base != net else ""
         tp += f" ({net.replace('_', ' ')}{vs})"
     return (gpu_label(e.data.get("environment", {}).get("device")), str(c.get("model")), tp,
-            workload, kv)
+            workload, kv, weights)
 
 
 def readme_records(entries: list[Entry]) -> list[Entry]:
@@ -113,9 +114,9 @@ def record_rows(e: Entry, ref: str) -> list[list[str]]:
     others = {n: r for n, r in runs.items() if r.get("strategy") != "sequential"}
     ratios = e.data.get("ratios") if isinstance(e.data.get("ratios"), dict) else {}
     base = seq[0].get("tokens_per_s") if seq else None
-    gpu, model, tp, workload, kv = readme_key(e)
+    gpu, model, tp, workload, kv, weights = readme_key(e)
     c = e.data["config"]
-    head = [gpu, model, tp, workload, kv, f"{c.get('dense_batch'):,}", f"{c.get('num_prompts'):,}",
+    head = [gpu, model, tp, workload, kv, weights, f"{c.get('dense_batch'):,}", f"{c.get('num_prompts'):,}",
             _span([r.get("tokens_per_s") for r in seq], "{:,.0f}"),
             _span([r.get("percent_of_optimal") for r in seq], "{:.1f}%")]
     date = f"[{e.date[:10]}][{ref}]"
@@ -130,7 +131,8 @@ def record_rows(e: Entry, ref: str) -> list[list[str]]:
     return rows
 
 
-HEADER = ["GPU", "model", "tp", "workload", "KV", "batch", "prompts", "Sequential tokens/s",
+HEADER = ["GPU", "model", "tp", "workload", "KV", "weights", "batch", "prompts",
+          "Sequential tokens/s",
           "% of optimal", "strategy", "vs Sequential", "record"]
 
 

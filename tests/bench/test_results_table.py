@@ -93,18 +93,19 @@ def test_the_table_has_the_latest_record_per_gpu_model_tp_workload_and_kv(repo):
     assert readme.startswith("# x\n\nintro\n\n") and readme.endswith("\n\nafter\n")
     assert "old table" not in readme
     rows, links = _table_rows(readme), _links(readme)
-    by = {(r[0], r[2], r[4], r[9]): r for r in rows}
+    by = {(r[0], r[2], r[4], r[10]): r for r in rows}
     assert len(rows) == 4  # c, d, b's replay beside its Sequential, the legacy record
+    assert all(r[5] == "bf16" for r in rows)  # weights: the model's dtype in every record
     h100 = by[("H100", "1", "bf16", "—")]
-    assert h100[5] == "2,048" and h100[7] == "9,000" and h100[8] == "20.0%"
-    assert links[h100[11].split("][")[1].rstrip("]")] == "bench/results/bench-c.json"
-    assert h100[11].startswith("[2026-11-24]")
-    assert by[("H100", "1", "fp8", "—")][7] == "15,000"  # another KV dtype: its own row
+    assert h100[6] == "2,048" and h100[8] == "9,000" and h100[9] == "20.0%"
+    assert links[h100[12].split("][")[1].rstrip("]")] == "bench/results/bench-c.json"
+    assert h100[12].startswith("[2026-11-24]")
+    assert by[("H100", "1", "fp8", "—")][8] == "15,000"  # another KV dtype: its own row
     replay = by[("H200", "1", "bf16", "searched schedule (predicts 1.04×)")]
-    assert replay[3] == "sharegpt" and replay[6] == "600" and replay[7] == "18,000"
-    assert replay[10] == "0.900×"  # 16,200 / 18,000, Sequential of the same record
+    assert replay[3] == "sharegpt" and replay[7] == "600" and replay[8] == "18,000"
+    assert replay[11] == "0.900×"  # 16,200 / 18,000, Sequential of the same record
     legacy = by[("H200", "2", "bf16", "two_batch")]
-    assert legacy[3] == "128 / 16" and legacy[7] == "—" and legacy[10] == "—"
+    assert legacy[3] == "128 / 16" and legacy[8] == "—" and legacy[11] == "—"
     assert "bench-a-new.json" not in readme and "bench-a-old.json" not in readme
     index = (repo / "bench" / "results" / "INDEX.md").read_text()
     assert "bench-a-new.json" in index and "bench-c.json" in index  # two experiments
@@ -126,9 +127,9 @@ def test_a_record_with_several_sequential_runs_and_both_graph_settings(repo):
     data["ratios"] = {"schedule+graphs": {"tokens_per_s": 0.99512}}
     _write(repo, "bench-e.json", data)
     assert rt.main([], root=repo, figures=()) == 0
-    row = next(r for r in _table_rows((repo / "README.md").read_text()) if "set" in r[9])
-    assert row[7] == "20,000-21,000" and row[8] == "40.0-42.0%"  # graph runs only
-    assert row[9] == "set, 143 of 1,309 pipelined" and row[10] == "0.995×"
+    row = next(r for r in _table_rows((repo / "README.md").read_text()) if "set" in r[10])
+    assert row[8] == "20,000-21,000" and row[9] == "40.0-42.0%"  # graph runs only
+    assert row[10] == "set, 143 of 1,309 pipelined" and row[11] == "0.995×"
 
 
 def test_check_fails_until_written_and_archived(repo):
@@ -216,7 +217,7 @@ def test_the_table_keeps_the_newest_records_that_fit_in_ten_rows(repo):
     assert rt.main([], root=repo, figures=()) == 0
     rows = _table_rows((repo / "README.md").read_text())
     assert len(rows) == 10
-    assert {r[7] for r in rows} == {f"1,{i:03d}" for i in range(2, 12)}  # the ten newest
+    assert {r[8] for r in rows} == {f"1,{i:03d}" for i in range(2, 12)}  # the ten newest
     assert "bench-w00.json" not in (repo / "README.md").read_text()
     assert "bench-w00.json" in (repo / "bench" / "results" / "INDEX.md").read_text()
 

@@ -116,7 +116,8 @@ def record_rows(e: Entry, ref: str) -> list[list[str]]:
     base = seq[0].get("tokens_per_s") if seq else None
     gpu, model, tp, workload, kv, weights = readme_key(e)
     c = e.data["config"]
-    head = [gpu, model, tp, workload, kv, weights, f"{c.get('dense_batch'):,}", f"{c.get('num_prompts'):,}",
+    head = [gpu, model, tp, workload, kv, weights, f"{c.get('dense_batch'):,}",
+            f"{c.get('num_prompts'):,}",
             _span([r.get("tokens_per_s") for r in seq], "{:,.0f}"),
             _span([r.get("percent_of_optimal") for r in seq], "{:.1f}%")]
     date = f"[{e.date[:10]}][{ref}]"

@@ -133,7 +133,7 @@ def test_percent_of_optimal_and_its_denominator_are_printed_where_a_gemm_peak_is
     what optimal is (here the peak is given, as no CPU measures one)."""
     from nanosched.benchmarks import throughput
 
-    monkeypatch.setattr(throughput, "measured_gemm_tflops", lambda device: 800.0)
+    monkeypatch.setattr(throughput, "measured_gemm_tflops", lambda device, precision="bf16": 800.0)
     path = tmp_path / "b.json"
     r = CliRunner().invoke(app, ["bench", *TINY, "--json", str(path)])
     assert r.exit_code == 0, r.output

@@ -85,11 +85,14 @@ def test_scaled_mm_matches_the_emulation(n, k):
     out, want = poisoned(ROWS, n, dtype=BF16), torch.empty(ROWS, n, dtype=BF16, device="cuda")
     K.linear_fp8(x8, xs, w8, ws, None, out, OPTS)
     ref.linear_fp8(x8, xs, w8, ws, None, want)
-    assert rel_err(out, want) < 4e-3  # bf16 rounding of the output, the sums' order
+    # fast accumulation (dispatch.FP8_FAST_ACCUM) sums in reduced precision: 2.4-3.7e-3 at
+    # Llama-3-8B's shapes on an H200 (6.9e-4 promoted), a tenth of e4m3's own rounding
+    tol = 1e-2 if K.FP8_FAST_ACCUM else 2e-3
+    assert rel_err(out, want) < tol
     bias = randn(n, seed=8)
     K.linear_fp8(x8[:7], xs[:7], w8, ws, bias, out[:7], OPTS)
     ref.linear_fp8(x8[:7], xs[:7], w8, ws, bias, want[:7])
-    assert rel_err(out[:7], want[:7]) < 4e-3
+    assert rel_err(out[:7], want[:7]) < tol
 
 
 def _llama(tmp_path, quantization: str):

@@ -48,10 +48,17 @@ FIGURES: tuple[Figure, ...] = (
            ("runs.sequential+graphs.results.tokens_per_s",
             "runs.sequential+graphs.results.tokens_per_s"), "ratio", "{:.2f}×",
            "bench-kv-auto-llama3-8b-in1024-out512-n1000-H100-20261126.json"),
-    Figure("1.18×", "bench-kv-fp8-llama3-8b-in1024-out512-n1000-b2048-H200-20261126.json",
+    Figure("1.18×", "archive/bench-kv-fp8-llama3-8b-in1024-out512-n1000-b2048-H200-20261126.json",
            ("runs.sequential+graphs.results.tokens_per_s",
             "runs.sequential+graphs.results.tokens_per_s"), "ratio", "{:.2f}×",
            "archive/bench-kv-auto-llama3-8b-in1024-out512-n1000-b2048-H200-20261126.json"),
+    # Results: FP8 weights (W8A8) against bf16 weights, both on an FP8 KV cache, 1024 / 512
+    Figure("1.35×", "bench-tp1-w8a8-fp8-llama3-8b-in1024-out512-n1000-H200-20261202.json",
+           ("runs.sequential+graphs.results.tokens_per_s",
+            "runs.sequential+graphs.results.tokens_per_s"), "ratio", "{:.2f}×",
+           "bench-tp1-fp8-llama3-8b-in1024-out512-n1000-H200-20261202.json"),
+    Figure("16,505", "bench-tp1-w8a8-fp8-llama3-8b-in1000-out1000-n3000-H200-20261202.json",
+           ("runs.sequential+graphs.results.output_tokens_per_s",), fmt="{:,.0f}"),
     # Limits: a pipeline forced at the H100's steady state, timed by `nanosched verify`
     Figure("0.914×", "llama3-8b-tp1-h100-b1024-hbm-forced-20261126.verified.set.json",
            ("entries[num_decode=384,num_tokens=1024].measured.gain",)),

@@ -17,7 +17,7 @@ import torch
 
 from nanosched.benchmarks.common import bucket_batch, decode_room, fitting_context, synthetic_batch
 from nanosched.runtime.config import EngineConfig
-from nanosched.runtime.scheduler import OpScheduler
+from nanosched.runtime.opsched import OpScheduler
 
 
 def forward_pages(dense: int, num_decode: int, context: int, prompt: int, page: int) -> int:
@@ -39,7 +39,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.graphs import BucketRunner
     from nanosched.runtime.modelprogram import model_program
-    from nanosched.runtime.scheduler import run_program
+    from nanosched.runtime.opsched import run_program
     from nanosched.runtime.strategies import Sequential
 
     page = ws.kv.page_size

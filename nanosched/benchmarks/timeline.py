@@ -55,7 +55,7 @@ from nanosched.runtime.loader import (
     resolve_device,
 )
 from nanosched.runtime.modelprogram import model_program
-from nanosched.runtime.scheduler import run_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.strategies import Sequential
 from nanosched.schedules.format import Schedule, check_compatible, load_schedule
 

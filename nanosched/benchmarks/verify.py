@@ -35,7 +35,7 @@ from nanosched.errors import ConfigError, ScheduleError
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.graphs import BucketRunner
-from nanosched.runtime.scheduler import OpScheduler
+from nanosched.runtime.opsched import OpScheduler
 from nanosched.runtime.strategies import Sequential
 from nanosched.runtime.strategies.replay_set import ReplaySet
 from nanosched.schedules.sets import ScheduleSet

@@ -22,7 +22,7 @@ from nanosched.kernels.impls import network_impl
 from nanosched.models.ops import NETWORK
 from nanosched.models.spec import ModelSpec
 from nanosched.runtime.config import EngineConfig
-from nanosched.runtime.scheduler import OpScheduler
+from nanosched.runtime.opsched import OpScheduler
 
 log = logging.getLogger("nanosched.loader")
 

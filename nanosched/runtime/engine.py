@@ -59,11 +59,11 @@ from nanosched.runtime.device import CudaDevice, SerialDevice
 from nanosched.runtime.graphs import BucketRunner
 from nanosched.runtime.layout import Layout, lay_out
 from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.opsched import OpScheduler, run_program
 from nanosched.runtime.preempt import make_pool
 from nanosched.runtime.program import LaunchConfig
 from nanosched.runtime.requests import Request
 from nanosched.runtime.sampling import sample
-from nanosched.runtime.scheduler import OpScheduler, run_program
 from nanosched.runtime.stats import (  # noqa: F401 (EngineStats, busy_and_idle: re-exported)
     EngineStats,
     ForwardTimer,

@@ -37,8 +37,8 @@ from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import Bucket, BucketMeta
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.opsched import OpScheduler, run_program
 from nanosched.runtime.program import LaunchConfig, Program
-from nanosched.runtime.scheduler import OpScheduler, run_program
 
 
 @dataclass

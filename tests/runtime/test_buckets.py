@@ -15,8 +15,8 @@ from nanosched.runtime.batcher import Batcher
 from nanosched.runtime.device import SerialDevice
 from nanosched.runtime.graphs import BucketRunner
 from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.requests import Request, SamplingParams
-from nanosched.runtime.scheduler import run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import load_schedule

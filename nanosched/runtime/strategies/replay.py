@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from nanosched.errors import ScheduleError
+from nanosched.runtime.opsched import MAIN_STREAM, OpInstance, OpScheduler, SchedContext
 from nanosched.runtime.program import LaunchConfig, Program
-from nanosched.runtime.scheduler import MAIN_STREAM, OpInstance, OpScheduler, SchedContext
 from nanosched.schedules.format import NanoOp as ScheduledOp
 from nanosched.schedules.format import Schedule
 

@@ -14,7 +14,7 @@ import math
 from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.errors import ScheduleError
 from nanosched.models.ops import MEMORY, NETWORK
-from nanosched.runtime.scheduler import MAIN_STREAM, OpScheduler, SchedContext
+from nanosched.runtime.opsched import MAIN_STREAM, OpScheduler, SchedContext
 
 
 def wave_aware_split(num_tokens: int, n_tiles: int, num_sms: int, tile_m: int = 128

@@ -14,8 +14,8 @@ from runtime_helpers import ShuffledDevice
 from nanosched.errors import ScheduleError
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import SerialDevice
+from nanosched.runtime.opsched import OpScheduler, SchedContext, run_program
 from nanosched.runtime.program import Access, Program, ProgramOp
-from nanosched.runtime.scheduler import OpScheduler, SchedContext, run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap, wave_aware_split
 
 PROMPTS = [(0, 3), (3, 10), (10, 16)]  # token ranges of three requests' prompts

@@ -59,7 +59,7 @@ from nanosched.runtime.device import CudaDevice, SerialDevice
 from nanosched.runtime.graphs import BucketRunner
 from nanosched.runtime.layout import Layout, lay_out
 from nanosched.runtime.modelprogram import model_program
-from nanosched.runtime.opsched import OpScheduler, run_program
+from nanosched.runtime.opsched import OpScheduler, pick_strategy, run_program
 from nanosched.runtime.preempt import make_pool
 from nanosched.runtime.program import LaunchConfig
 from nanosched.runtime.requests import Request
@@ -256,9 +256,9 @@ class Engine:
             self.graphs.stats.unbucketed += 1
         meta = BatchMeta.build(seqs, ws.kv.page_size, self.model.device)
         program = model_program(self.model, ws, meta, lay.segments)
-        picked = self.strategy.pick(program, num_decode)
-        run_program(program, picked or self.fallback, self.backend, self.stream_configs)
-        return picked or self.fallback, picked is None
+        strategy, fell_back = pick_strategy(self.strategy, self.fallback, program, num_decode)
+        run_program(program, strategy, self.backend, self.stream_configs)
+        return strategy, fell_back
 
     def follow(self, chunks: list[tuple[int, int, bool]], samples: list[bool]) -> None:
         """A tensor-parallel worker's step: plan the batch rank 0 formed (`chunks` as

@@ -37,7 +37,7 @@ from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import Bucket, BucketMeta
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.modelprogram import model_program
-from nanosched.runtime.opsched import OpScheduler, run_program
+from nanosched.runtime.opsched import OpScheduler, pick_strategy, run_program
 from nanosched.runtime.program import LaunchConfig, Program
 
 
@@ -125,9 +125,9 @@ class BucketRunner:
             kv = self.ws.kv
             meta = BucketMeta(bucket, kv.page_size, kv.scratch_slot, self.model.device)
             program = model_program(self.model, self.ws, meta, bucket_segments(bucket))
-            picked = self.strategy.pick(program, bucket.num_decode)
-            self._entries[bucket] = _Entry(meta, program, picked or self.fallback,
-                                           fell_back=picked is None)
+            strategy, fell_back = pick_strategy(self.strategy, self.fallback, program,
+                                                bucket.num_decode)
+            self._entries[bucket] = _Entry(meta, program, strategy, fell_back=fell_back)
         return self._entries[bucket]
 
     def run(self, entry: _Entry, seqs: Sequence[SeqChunk]) -> None:

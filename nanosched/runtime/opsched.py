@@ -236,6 +236,15 @@ class OpScheduler(ABC):
         """Dispatch every op of every micro-batch through `ctx`."""
 
 
+def pick_strategy(strategy: OpScheduler, fallback: OpScheduler, program: Program,
+                  num_decode: int) -> tuple[OpScheduler, bool]:
+    """The one place a forward's strategy is chosen (the engine's eager batches and every
+    CUDA-graph bucket alike): what `strategy` picks for `program` (its first `num_decode` rows
+    decode rows), else `fallback`; and whether it fell back."""
+    picked = strategy.pick(program, num_decode)
+    return (fallback, True) if picked is None else (picked, False)
+
+
 def run_program(program: Program, strategy: OpScheduler, backend: Backend,
                 stream_configs: dict[str, LaunchConfig] | None = None) -> SchedContext:
     """Run one forward: the strategy dispatches everything, then streams join (also when the

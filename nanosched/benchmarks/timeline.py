@@ -56,10 +56,10 @@ from nanosched.runtime.loader import (
 )
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.opsched import run_program
-from nanosched.runtime.strategies import Sequential
+from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 from nanosched.schedules.format import Schedule, check_compatible, load_schedule
 
-STRATEGIES = ("sequential", "replay", "two_batch")
+STRATEGIES = (Sequential.name, "replay", TwoBatchOverlap.name)
 
 
 @dataclass(frozen=True)
@@ -219,13 +219,14 @@ def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
         network_impl(n)[0] == "copy_engine" for n in networks))
     r = _Rank(tp, cfg, sched, spec, copy_engine=ce)
     streams = open_streams(replay, device)  # green contexts of a replay on CUDA, else None
-    two_batch = choose_strategy(EngineConfig(schedule="two_batch"), spec, device).strategy
+    overlap = choose_strategy(EngineConfig(schedule=TwoBatchOverlap.name), spec,
+                              device).strategy
     plain = CudaDevice if cuda else SerialDevice
     base = r.model.kernels
     runs = [("sequential" if i == 0 else f"sequential[{n}]", Sequential(), plain(), n)
             for i, n in enumerate(networks)]
     runs += [("replay", replay.strategy, streams.device if streams else plain(), base.network),
-             ("two_batch", two_batch, plain(), base.network)]
+             (TwoBatchOverlap.name, overlap, plain(), base.network)]
     out: dict[str, Any] = {"environment": environment(device), "rank": tp.rank, "tp": tp.size,
                            "layers": spec.num_layers, "dense_batch": sched.batch.dense_batch,
                            "results": {}}

@@ -221,6 +221,12 @@ class OpScheduler(ABC):
     name = "strategy"
     pipelined = False  # whether it overlaps ops of a batch (counted apart in the engine's stats)
 
+    @classmethod
+    def for_gpu(cls, num_sms: int) -> OpScheduler:
+        """This strategy as `--schedule NAME` builds it (strategies.NAMED) for a GPU of
+        `num_sms` SMs; a strategy whose settings depend on the GPU overrides it."""
+        return cls()
+
     def accepts(self, program: Program) -> bool:
         """Whether this strategy runs `program`; the engine falls back when it does not."""
         return True

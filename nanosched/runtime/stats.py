@@ -24,7 +24,7 @@ class EngineStats:
     tokens: int = 0  # prompt + decode tokens processed
     prefill_tokens: int = 0  # of which prompt (prefill) tokens
     fallbacks: int = 0  # iterations the strategy had nothing for (its fallback ran them)
-    pipelined: int = 0  # iterations a pipelining strategy ran (a replayed schedule, two_batch)
+    pipelined: int = 0  # iterations a pipelining strategy ran (a replay, two-batch overlap)
     sequential: int = 0  # iterations the strategy ran one op after another (by its decision)
     shapes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (D rows, T rows) run
     batch_sizes: list[int] = field(default_factory=list)

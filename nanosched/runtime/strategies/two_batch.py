@@ -58,6 +58,10 @@ class TwoBatchOverlap(OpScheduler):
         self.num_sms = num_sms
         self.tile_m = tile_m
 
+    @classmethod
+    def for_gpu(cls, num_sms: int) -> TwoBatchOverlap:
+        return cls(num_sms=num_sms)
+
     def schedule(self, ctx: SchedContext) -> None:
         t = ctx.program.num_tokens
         if self.sizes is None and t < 2 * self.tile_m:

@@ -76,6 +76,14 @@ class OpGraph:
                 out[o.group].append(o.form or "")
         return {g: tuple(f) for g, f in out.items()}
 
+    def with_forms(self, allowed: tuple[str, ...]) -> OpGraph:
+        """This graph with only the `allowed` forms of each collective (its other forms' ops
+        and the edges through them or conditioned on them dropped)."""
+        ops = tuple(o for o in self.ops if o.group is None or o.form in allowed)
+        names = {o.name for o in ops}
+        return OpGraph(ops, tuple(e for e in self.edges if e.src in names and e.dst in names
+                                  and (e.cond is None or e.cond[1] in allowed)))
+
     def active_ops(self, forms: dict[str, str]) -> list[GraphOp]:
         return [o for o in self.ops if o.group is None or forms.get(o.group) == o.form]
 

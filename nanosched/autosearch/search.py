@@ -37,7 +37,8 @@ from nanosched.errors import ConfigError, ProfileError, ScheduleError
 from nanosched.models.ops import COMPUTE
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile, check_profile_for
-from nanosched.schedules.format import BatchInfo, Schedule, StageReport
+from nanosched.schedules.format import REPLAYED_FORMS, BatchInfo, Schedule, StageReport
+from nanosched.schedules.validate import FORMS
 from nanosched.workloads import Workload
 
 STAGE1_SHARE = 0.65
@@ -66,6 +67,9 @@ class SearchConfig:
     num_decode: int | None = None  # decode tokens of the batch (default: the workload's mix)
     decode_context: float | None = None  # their mean context (default: the workload's)
     counts: dict[str, int] | None = None  # nano-ops per op to start from (default: 2 each)
+    # collective forms stage I may choose at tp > 1: what the runtime replays unless asked
+    # (`--allow-rs-ag` adds reduce-scatter + all-gather, which a run refuses)
+    forms: tuple[str, ...] = REPLAYED_FORMS
 
 
 def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
@@ -101,6 +105,9 @@ def _check_config(cfg: SearchConfig) -> None:
         raise ConfigError("--time-limit must be > 0, --workers >= 1 and --max-nano-ops >= 2; "
                           f"got {cfg.time_limit_s}, {cfg.num_workers}, {cfg.max_nano_ops}")
     check_profile_for(cfg.profile, cfg.spec, cfg.tp)
+    if not cfg.forms or any(f not in FORMS for f in cfg.forms) or "ar" not in cfg.forms:
+        raise ConfigError(f"collective forms must include 'ar' and be among {FORMS}, got "
+                          f"{cfg.forms}")
 
 
 def _tables(cfg: SearchConfig, graph: OpGraph, batch: BatchInfo, settled: bool = True
@@ -197,7 +204,7 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
     deadline = time.perf_counter() + limit
     batch = search_batch(cfg)
     mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
-    graph = layer_graph(cfg.spec, cfg.tp)
+    graph = layer_graph(cfg.spec, cfg.tp).with_forms(cfg.forms)
     cap = round(cfg.max_period_us * TICKS_PER_US) if cfg.max_period_us else None
     q = batch.dense_batch // TOKEN_QUANTUM
     tables = _tables(cfg, graph, batch)
@@ -294,13 +301,15 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
                     max_nano_ops: int, max_period_us: float | None, out: str | None,
                     echo: Progress, print_table: object, command: str = "",
                     allow_unsettled: bool = False, kv_dtype: str = "auto",
-                    buckets: str = "all", min_gain: float | None = None) -> object:
+                    buckets: str = "all", min_gain: float | None = None,
+                    allow_rs_ag: bool = False) -> object:
     """What `nanosched search` does: resolve, search a schedule set with live progress (every
     batch shape, or with `buckets="dense"` only the steady state's), report, write.
 
     A measured profile whose pairs were timed in bursts is refused (its R->P points overstate
-    overlap under the power cap) unless `allow_unsettled`. Ctrl-C stops the search with
-    KeyboardInterrupt and writes nothing."""
+    overlap under the power cap) unless `allow_unsettled`. Stage I chooses reduce-scatter +
+    all-gather for an all-reduce only with `allow_rs_ag` (the runtime replays neither). Ctrl-C
+    stops the search with KeyboardInterrupt and writes nothing."""
     from nanosched.autosearch.request import resolve
     from nanosched.autosearch.sets import MIN_GAIN, SetSearchConfig, search_set
     from nanosched.autosearch.synthetic import context_grid, synthetic_profile
@@ -347,7 +356,8 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
         prof = synthetic_profile(spec, get_gpu(gpu or "h100"), choice.tp, choice.dense_batch,
                                  context_grid(b.decode_context, b.prompt_len))
     cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, limit, workers,
-                       max_nano_ops, max_period_us, command)
+                       max_nano_ops, max_period_us, command,
+                       forms=FORMS if allow_rs_ag else REPLAYED_FORMS)
     why = measured.unsettled() if measured is not None else None
     if why and not allow_unsettled:
         raise ProfileError(f"profile for {prof.model.name} on {prof.identity.gpu_name}: {why}, "

@@ -48,6 +48,10 @@ def search(
         False, "--allow-unsettled", help="Search on a profile whose co-run pairs were timed in "
         "bursts, before the SM clock settled under the power cap (refused by default: its "
         "R->P points overstate overlap)."),
+    allow_rs_ag: bool = typer.Option(
+        False, "--allow-rs-ag", help="At tp > 1 let the search choose reduce-scatter + "
+        "all-gather for an all-reduce (the runtime replays all-reduce only: bench and serve "
+        "refuse such a set; for studying the search)."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache the schedule "
                                        "will run on: picks (or checks) a profile measured on "
                                        "it ('auto' = the model's dtype, 'fp8')."),
@@ -74,7 +78,7 @@ def search(
                             print_table=print_table,
                             command=" ".join(["nanosched", *sys.argv[1:]]),
                             allow_unsettled=allow_unsettled, kv_dtype=kv_cache_dtype,
-                            buckets=buckets, min_gain=min_gain)
+                            buckets=buckets, min_gain=min_gain, allow_rs_ag=allow_rs_ag)
     except KeyboardInterrupt:
         typer.echo("search interrupted: no schedule written (an earlier file is untouched)",
                    err=True)

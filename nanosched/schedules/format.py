@@ -35,6 +35,9 @@ from nanosched.errors import ScheduleError
 from nanosched.fileio import check_fields, read_json, write_json_atomic
 
 FORMAT = "nanosched.schedule/1"
+# the collective forms the runtime replays (runtime/strategies/replay.py); the search emits only
+# these unless asked for more, and a set with another is refused when it is checked for a run
+REPLAYED_FORMS = ("ar",)
 MODEL_FIELDS = ("name", "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "intermediate_size", "vocab_size", "num_experts",
                 "num_experts_per_tok")

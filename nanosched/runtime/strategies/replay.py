@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from nanosched.errors import ScheduleError
 from nanosched.runtime.opsched import MAIN_STREAM, OpInstance, OpScheduler, SchedContext
 from nanosched.runtime.program import LaunchConfig, Program
+from nanosched.schedules.format import REPLAYED_FORMS, Schedule
 from nanosched.schedules.format import NanoOp as ScheduledOp
-from nanosched.schedules.format import Schedule
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class Replay(OpScheduler):
 
     def __init__(self, schedule: Schedule, num_layers: int, resource_waits: bool = True,
                  rows: tuple[int, int] | None = None) -> None:
-        bad = {g: f for g, f in schedule.forms.items() if f != "ar"}
+        bad = {g: f for g, f in schedule.forms.items() if f not in REPLAYED_FORMS}
         if bad:
             raise ScheduleError(f"schedule uses collective forms {bad}; the runtime replays "
                                 f"all-reduce ('ar') only: search again without reduce-scatter")

@@ -284,7 +284,7 @@ def run(cfg: TimelineConfig, tp: int = 1) -> dict[str, Any]:
 def find_profile(sched: Schedule, arg: str | None = None) -> tuple[Any, str]:
     """The profile a schedule was searched with: `arg` (FILE or shipped NAME), else the shipped
     profile whose digest the schedule records; (None, why) when there is none."""
-    from nanosched.autosearch.request import load_named_profile, shipped_profiles
+    from nanosched.profiler.catalog import load_named_profile, shipped_profiles
     from nanosched.profiler.format import load_profile
 
     if arg:

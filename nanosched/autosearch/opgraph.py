@@ -9,14 +9,7 @@ each group is present.
 Nano-ops. A split gives op A ranges r_A^i = [a_i, a_{i+1}), 0 = a_0 < ... < a_n = B, multiples
 of 128. Nano-op i works on w_A^i = r_A^i ∩ D_A; one with an empty work range does not exist.
 
-Edges. An edge (A → B, δ) says: nano-op j of B in layer l + δ depends on nano-op i of A in
-layer l iff w_A^i ∩ w_B^j ≠ ∅ (δ = 1 is the periodic edge into the next layer's `kqv`). Only
-direct data dependencies are listed; dependencies on earlier ops follow token by token by
-transitivity. An edge with a condition (group, form) holds only when that form is chosen.
-Prompt edges: causal prefill attention of work range [u, v) also needs the K/V of the earlier
-tokens of the same prompt, written by `rope_append`: it depends on every `rope_append`
-nano-op whose work range meets [ps(u), u), ps(u) = n_d + ⌊(u − n_d) / p⌋ p with p the prompt
-length (the prefill part is modelled as prompts of the mean length; p ≥ B − n_d means one).
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

@@ -4,25 +4,10 @@
 so that their collectives pair up): build the tp-sharded `CausalLM` with seeded random weights
 and the strategies' streams through the engine loader (runtime/loader.py), plan the schedule's
 full batch (decode tokens with the workload's context, then prompt chunks;
-the same token ids on every rank), and for Sequential, Replay(schedule) and TwoBatchOverlap:
+the same token ids on every rank), and time Sequential, Replay(schedule) and TwoBatchOverlap
+eagerly, as a CUDA graph and as a per-stream timeline, each checked against Sequential.
 
-- eager: wall time of launch + synchronise, and the CPU time of the launch alone,
-- graph (CUDA only): the forward captured into one CUDA graph (multi-stream capture; at tp > 1
-  the NCCL all-reduces are captured too) and replayed: GPU time with no CPU launch cost,
-- timeline: a span around every launch on its own stream (CUDA events; wall clock on the CPU),
-  giving each stream's busy time,
-- check: the final normed hidden states against Sequential's (bf16 on CUDA: rounding only).
-
-At tp > 1 Sequential runs once per network implementation of `cfg.networks` (NCCL, the
-copy-engine all-reduce, ...: `sequential[<impl>]` beyond the first), the model's default for
-the all-reduces each time; the copy engine's buffers are mapped when one of them or the
-schedule uses it.
-
-Ranks meet at a barrier before every timed region. `run(cfg, tp)` runs `run_rank` directly at
-tp = 1 and in `tp` spawned processes otherwise (`nanosched.models.parallel.launch`: NCCL on
-CUDA, one GPU per rank, gloo on the CPU), with NVLink multicast kept off; rank 0's result
-carries every rank's headline times. `predict(...)` adds the simulator's layer times.
-The CPU path (`device="cpu"`, fp32, eager only) exists for tests.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -203,7 +188,7 @@ def load_checked(cfg: TimelineConfig, tp: int, gpu_name: str | None
 
 
 def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
-    """This rank's measurements of every strategy (see the module docstring)."""
+    """This rank's measurements of every strategy (docs/runtime.md)."""
     cuda = cfg.device == "cuda"
     device = resolve_device(cfg.device, tp.rank)
     sched, full = load_checked(cfg, tp.size, gpu_name(device))

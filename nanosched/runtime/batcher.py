@@ -6,50 +6,7 @@ first come first served) until the batch is full. With `decode_align` > 1 the de
 room rounded up to a multiple of it: the rows a CUDA-graph bucket pads them to
 (models/bucket.py).
 
-Admission by predicted peak KV memory. A decoding request i holds h_i tokens of KV and will
-generate r_i more, one per iteration (decodes never wait), then free everything. Their usage t
-iterations ahead is U(t) = sum_{i: r_i >= t} (h_i + t); it only grows between finishes, so its
-peak is max over t in {0} U {r_i} of U(t), one sort and suffix sums. A request still in its
-prompt may wait for chunks, so it is counted at its own peak P_i = prompt + max_tokens until it
-decodes. The bound sum_prefilling P_i + max_t U(t), plus a page of slack per request for page
-rounding, never grows as requests progress, so admitting a request only when the bound with it
-fits the cache means a run never runs out of KV memory mid-way. A request whose own peak exceeds
-the cache can never run and is rejected.
-
-Admission policies (`AdmissionConfig.policy`, runtime/preempt.py):
-
-- "reserve": the bound above. Never preempts; holds back whenever requests end before
-  max_tokens (an EOS), since it counts each at max_tokens.
-- "predict" (NanoFlow): the same bound with each request's remaining output predicted from the
-  outputs of requests that ended (runtime/predict.py; max_tokens until one has), under the
-  invariant below; a prediction that falls short is caught by preemption.
-- "use" (the default, as in vLLM and SGLang): admit while the pages of the request's whole
-  prefill plus `headroom` (a share of the cache) are free.
-
-Under "use" and "predict" a `KVPool` holds the pages. Invariant after each `form()`: every
-running request holds pages for each position it has written, for its whole prefill (taken at
-admission, so a prompt chunk never needs a page) and for the position its decode writes in this
-batch; planning the batch never runs out. To keep it, `form()` first frees the pages of requests
-whose every token is sampled (the last may be in flight), then gives each decode its page, oldest
-request first; while none is free it preempts the most recently admitted running request that
-holds pages (possibly the decoding request itself, never an older one) and puts it back at the
-head of the queue, victims in their admission order. By recompute the pages are dropped and the
-request prefills prompt + every output it has (`num_recompute`), the last position sampling its
-next, new, token; by swap the pages go to host memory and come back one step before the request
-runs again, so the copy overlaps a forward. Either way no token is lost or produced twice.
-
-Progress: the oldest running request is never preempted (it would have to be alone, and a
-request whose peak does not fit the cache alone is refused by `add`), so it finishes, and first
-come first served makes every request the oldest in turn. A waiting request is admitted only
-with every token it sampled on the host (async loop), never in a step that preempted (that
-would undo the preemption), and with the headroom waived when nothing runs (else a request
-larger than cache - headroom would wait forever).
-
-Async loop: `form()` for batch i+1 runs while batch i is on the device. Requests count their
-in-flight tokens (`num_output`), and a page freed here is next written by batch i+1 or by a
-copy ordered after batch i (runtime/offload.py), so these decisions hold whatever batch i
-brings back; a victim's in-flight token is appended when read back, and ends it there if it is
-its last or an EOS (`retire` then takes it out of the queue).
+More in docs/admission.md, module notes.
 """
 
 from __future__ import annotations
@@ -118,7 +75,7 @@ class BatcherStats:
 
 class Batcher:
     """Forms each iteration's batch and decides admission; knows nothing of the model.
-    `pool` None: the "reserve" policy; else the pool's, "use" or "predict" (module docstring)."""
+    `pool` None: the "reserve" policy; else the pool's, "use" or "predict" (docs/admission.md)."""
 
     def __init__(self, dense_batch: int, kv_capacity_pages: int, page_size: int,
                  max_context: int, decode_align: int = 1, pool: KVPool | None = None) -> None:
@@ -189,7 +146,7 @@ class Batcher:
     # ---- the "use" policy: pages for this step's decodes -----------------------------------
     def _make_room(self) -> bool:
         """Free the pages of requests with every token sampled, then give each decode its page,
-        preempting the newest page holders (module docstring). True if any was preempted."""
+        preempting the newest page holders (docs/admission.md). True if any was preempted."""
         pool = self.pool
         pool.begin_step()
         for r in self.running:

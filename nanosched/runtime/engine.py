@@ -7,37 +7,7 @@ a fallback strategy for batches the main one has nothing for (`OpScheduler.pick`
 set without an entry for the batch's shape); `stats` counts iterations that ran a pipeline, ran
 sequentially by the strategy's decision, and fell back.
 
-Asynchronous loop. With `config.async_loop` the CPU forms and launches batch i+1 before it reads
-back batch i's tokens: a decode whose previous token is still on the device takes it from the
-device tensor of the last iteration, and a request that ended with EOS in batch i is seen one
-iteration late (its extra token is dropped). Without a GPU both loops give the same tokens. A
-step waits for the GPU only there, on batch i's event: every host value it sends goes through
-pinned memory (`kernels.common.host_to_device`) and sampling is told on the host whether any row
-samples at random, since a blocking copy or the truth of a device tensor would wait for the
-forward just launched and leave the GPU idle while the CPU post-processes and forms the next
-batch (tests/gpu/test_graphs_gpu.py checks a replayed step under torch's sync debug mode).
-
-CUDA graphs (`graphs="on"`). Each batch is laid out in a bucket (decode rows rounded up to
-`graph_align`, then prompt chunks; models/bucket.py) and replayed from a CUDA graph captured per
-(strategy, bucket) at the bucket's first batch (runtime/graphs.py); batches no bucket holds run
-eagerly. `graphs="layout"` lays batches out the same way but runs them eagerly (the CPU tests of
-what a graph replays). `stats.graphs` counts captures, replays and padding.
-
-Tensor parallelism (tp > 1). This engine is rank 0's: it schedules and samples alone. Through
-`link` (runtime/ranks/messages.py `EngineLink`) every step's batch goes to the other ranks with
-the journal of the KV pool's page changes; each rank's own `Engine` replays the journal and
-runs `follow`, which plans the same chunks, lays them out in the same bucket and runs the same
-`forward`, which starts with the broadcast of rank 0's token ids; only rank 0 samples
-(design.md, "Serving at tp > 1").
-
-Serving hooks. `on_token(request, token)`, when given, is called once for every token appended
-to a request's output, in order, during post-processing. `abort(request_id)` ends a request
-wherever it is: a waiting one leaves the queue (a swapped-out one's host copy is dropped); a
-running one is retired and its KV pages are freed at once. A token of it still in flight
-(async loop) is dropped when read back, as a token past EOS is. Aborted requests end with
-`finish_reason == "abort"` and are not in `finished`. A request whose logits are not finite
-(NaN or +inf) cannot be sampled: it ends with `finish_reason == "error"` (pages freed, in
-`finished`) while the rest of the batch goes on.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

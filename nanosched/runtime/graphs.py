@@ -5,23 +5,10 @@ batch (its `SeqChunk`s, decode first). Per bucket the runner keeps a `BucketMeta
 `Program` over it, the strategy that runs it (what the engine's strategy `pick`s for the
 bucket's shape: itself, one entry of a schedule set, or None, and then the fallback) and a
 CUDA graph of that program run through the strategy on its streams (a multi-stream capture:
-each stream forks from and joins to the capture stream, as in an eager forward):
+each stream forks from and joins to the capture stream, as in an eager forward). A bucket's
+first batch runs eagerly, then its graph is captured and every later batch replays it.
 
-- first batch of a bucket: the forward runs eagerly over the bucket's metadata (its
-  result is this batch's; the run also compiles kernels and makes every slice the strategy
-  uses), then the metadata is frozen and the graph captured;
-- every later batch: its metadata is written into the bucket's static tensors (two H2D copies)
-  and the graph replays.
-
-A batch no bucket holds (beyond the token or context bound) runs eagerly on its own `BatchMeta`,
-and so does a bucket whose capture failed (`errors` says why). With
-`capture=False` the runner only lays batches out in buckets and runs them eagerly: what a graph
-would replay, testable on the CPU.
-
-Dependencies of prefill attention on the K/V rows written earlier in the batch (which depend on
-where the batch's prompt chunks lie) are declared for the whole prefill part: a prefill nano-op
-reads the K/V rows from the bucket's first prefill row to its own end, so the events captured
-hold for every batch of the bucket.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -9,12 +9,7 @@ A strategy subclasses `OpScheduler` and implements `schedule(ctx)` with three ca
   `replace_func`, the given nano-ops (of any ops) run as that one fused callable; different ops
   without one run one after another.
 
-Readiness. Each micro-batch runs the program's ops in order, so op k of micro-batch i waits for
-op k-1 of i. Micro-batches also depend on each other where an access reaches outside its own
-rows (a span, e.g. prefill attention reading the K/V of its prompt's earlier tokens): op k of i
-is ready only when every earlier op of another micro-batch that writes rows it reads, or reads
-or writes rows it writes, has been dispatched. Within those rules any order is legal; the
-backend adds the cross-stream events.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

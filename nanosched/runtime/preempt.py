@@ -8,11 +8,7 @@ its outputs again) or by swap (its pages to host memory, runtime/offload.py), co
 `PreemptStats`. Which of the two: `--preemption recompute` or `swap` as asked (swap falls back
 to recompute when host memory is full), `auto` by the cost rule `offload.prefer_swap`.
 
-Defaults: policy "use" (never worse than "reserve" in iterations, and far better when requests
-stop before max_tokens, where "reserve" holds back), headroom 0 (a share of the cache held free
-only lowers how many requests run) and preemption by recompute (no host memory, one code path
-on every device; swap's CUDA stream ordering is tested by tests/gpu/test_offload_gpu.py). The
-simulation behind them (`bench/analysis/admission_sim.py`) and its figures are in docs/admission.md.
+More in docs/admission.md, module notes.
 """
 
 from __future__ import annotations

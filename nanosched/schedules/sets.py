@@ -11,17 +11,7 @@ entry records the predicted forward time of the GPU work (`forward_us`, layers o
 head is outside the replayed graph) of what it runs and of Sequential (`sequential_us`), and
 `reason`, the search's words for its decision.
 
-The runtime lays batches out in CUDA-graph buckets on a finer grid (decode rows and rows
-multiples of 32: models/bucket.py). `set_key` maps a bucket to its key: each count to the
-nearest multiple of the quantum, a decode part kept non-empty (and a prefill part) when the
-bucket has one. A pipeline entry replays on the bucket with its nano-batch boundaries moved
-proportionally onto the bucket's rows (runtime/strategies/replay.py `remap_rows`), so keys on
-the quantum grid cover every bucket: a set from `search` has no bucket without an entry.
-
-A `nanosched.schedule/1` file (one schedule, one batch) loads as a set of one entry (its key is
-its own batch); every other bucket then has no entry and runs the engine's fallback.
-
-Pure Python: a server loads sets without OR-Tools.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from nanosched.models.kvcache import KVCache
-from nanosched.runtime.batcher import Batch, BatchEntry, Batcher
 from nanosched.runtime.offload import SwapCost
 from nanosched.runtime.preempt import AdmissionConfig, KVPool
+from nanosched.runtime.request_scheduler import Batch, BatchEntry, RequestScheduler
 from nanosched.runtime.requests import Request
 
 VOCAB = 1000
@@ -56,8 +56,8 @@ class KVSim:
         self.kv = KVCache(1, num_pages, 1, 1, torch.float32, page_size=page_size)
         pool = KVPool(self.kv, admission, cost or sim_cost(True)) \
             if admission.policy != "reserve" else None
-        self.batcher = Batcher(dense_batch, num_pages, page_size, max_context,
-                               decode_align=decode_align, pool=pool)
+        self.batcher = RequestScheduler(dense_batch, num_pages, page_size, max_context,
+                                        decode_align=decode_align, pool=pool)
         self.async_loop, self.check = async_loop, check
         self.stop_at = stop_at or {}  # request id -> output count whose last token is an EOS
         self.sampled: dict[int, list[int]] = {}  # request id -> tokens sampled "on the device"

@@ -1,7 +1,8 @@
 """The serving engine (NanoFlow §4.2.1): `step()` = form batch -> run the scheduler -> post-process.
 
-A fixed dense batch per iteration (decode first, chunked prefill after; see batcher.py, which
-also admits requests and preempts them when KV pages run out, as `config.admission` says). The
+The request scheduler (runtime/request_scheduler.py: admission, preemption, every KV page of a
+request, as `config.admission` says) gives each batch, a fixed dense batch with decode first and
+chunked prefill after, and takes back what it sampled; the engine plans and frees no page. The
 model step goes through a scheduling strategy (`Sequential` by default; any `OpScheduler`), with
 a fallback strategy for batches the main one has nothing for (`OpScheduler.pick`: a schedule
 set without an entry for the batch's shape); `stats` counts iterations that ran a pipeline, ran
@@ -23,7 +24,6 @@ from nanosched.errors import ConfigError
 from nanosched.kernels.common import host_to_device
 from nanosched.models.batch import BatchMeta, SeqChunk
 from nanosched.runtime.backend import Backend
-from nanosched.runtime.batcher import Batch, Batcher
 from nanosched.runtime.config import GRAPH_MODES, EngineConfig
 from nanosched.runtime.device import CudaDevice, SerialDevice
 from nanosched.runtime.graphs import BucketRunner
@@ -32,6 +32,7 @@ from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.opsched import OpScheduler, pick_strategy, run_program
 from nanosched.runtime.preempt import make_pool
 from nanosched.runtime.program import LaunchConfig
+from nanosched.runtime.request_scheduler import Batch, RequestScheduler
 from nanosched.runtime.requests import Request
 from nanosched.runtime.sampling import sample
 from nanosched.runtime.stats import (  # noqa: F401 (EngineStats, busy_and_idle: re-exported)
@@ -85,8 +86,10 @@ class Engine:
         self.link = link
         self.journal: list[tuple] | None = link.journal if link is not None else None
         pool = make_pool(model, self.ws.kv, cfg.admission, self.journal)
-        self.batcher = Batcher(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
-                               decode_align=align, pool=pool)
+        # the request scheduler (`batcher`: the name the server and benchmarks read it by)
+        self.batcher = RequestScheduler(cfg.dense_batch, cfg.num_pages, cfg.page_size,
+                                        max_context, decode_align=align, pool=pool,
+                                        kv=self.ws.kv, journal=self.journal)
         self.strategy = strategy or Sequential()
         self.fallback = fallback or Sequential()
         self.stream_configs = stream_configs
@@ -136,18 +139,12 @@ class Engine:
     def abort(self, request_id: int) -> Request | None:
         """End a waiting or running request and free its KV pages; returns it (None when no
         such request is waiting or running)."""
-        req = self.batcher.remove(request_id)
+        req = self.batcher.abort(request_id)
         if req is None:
             return None
-        self._release(request_id)
         self._pending_row.pop(request_id, None)
         req.finished, req.finish_reason, req.finish_s = True, "abort", self.clock() - self.t0
         return req
-
-    def _release(self, request_id: int) -> None:
-        self.ws.kv.release(request_id)
-        if self.journal is not None:
-            self.journal.append(("release", request_id))
 
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(self, *args)` here and, at tp > 1, on every other rank's engine (work whose
@@ -173,7 +170,7 @@ class Engine:
         samples = [e.samples for e in batch.entries]
         if self.link is not None:  # the other ranks start on this batch while this one lays it
             self.link.step(chunks, samples, num_decode)
-        seqs = ws.kv.plan_chunks(chunks)
+        seqs = self.batcher.plan(chunks)
         lay = self.lay_out(seqs, samples)
         ids, from_device = [0] * lay.num_rows, []
         for e, row in zip(batch.entries, lay.starts, strict=True):
@@ -235,7 +232,7 @@ class Engine:
         `KVCache.plan_chunks` takes them, after rank 0's journaled KV changes were replayed),
         receive its token ids and run the same forward and LM head (whose all-gather every
         rank joins); only rank 0 samples."""
-        seqs = self.ws.kv.plan_chunks(chunks)
+        seqs = self.batcher.plan(chunks)
         lay = self.lay_out(seqs, samples)
         self.forward(seqs, lay, sum(c.is_decode for c in seqs))
         if lay.rows:
@@ -292,32 +289,10 @@ class Engine:
     def _post_process(self, launched: _Launched) -> list[Request]:
         if launched.ready is not None:
             launched.ready.synchronize()
-        now = self.clock() - self.t0
-        ended = []
-        for r, tok in zip(launched.samplers, launched.host.tolist(), strict=True):
-            r.pending -= 1
-            if r.finished:
-                continue  # ended with EOS one iteration ago; this token is past the end
-            if tok < 0:  # its logits were not finite: this request alone ends, in error
-                r.finish_reason, r.finished, r.finish_s = "error", True, now
-                ended.append(r)
-                continue
-            r.output_ids.append(tok)
-            if self.on_token is not None:
-                self.on_token(r, tok)
-            if r.first_token_s is None:
-                r.first_token_s = now
-            if len(r.output_ids) >= r.params.max_tokens:
-                r.finish_reason = "length"
-            elif tok in self.eos_ids and not r.params.ignore_eos:
-                r.finish_reason = "stop"
-            else:
-                continue
-            r.finished, r.finish_s = True, now
-            ended.append(r)
+        ended = self.batcher.update_from_output(launched.samplers, launched.host.tolist(),
+                                                self.clock() - self.t0, self.eos_ids,
+                                                self.on_token)
         for r in ended:
-            self._release(r.request_id)
             self._pending_row.pop(r.request_id, None)
-        self.batcher.retire(ended)
         self.finished += ended
         return ended

@@ -2,11 +2,12 @@
 
 `AdmissionConfig` is what the flags ask for (`--admission`, `--kv-headroom`, `--preemption`,
 `--swap-space`), range-checked with errors that name the flag. `KVPool` is the mechanism under
-the policy of runtime/batcher.py: it reserves a request's prefill pages at admission, the page a
-decode needs, and preempts a request by recompute (free its pages; it prefills its prompt and
-its outputs again) or by swap (its pages to host memory, runtime/offload.py), counting each in
-`PreemptStats`. Which of the two: `--preemption recompute` or `swap` as asked (swap falls back
-to recompute when host memory is full), `auto` by the cost rule `offload.prefer_swap`.
+the policy of runtime/request_scheduler.py: it reserves a request's prefill pages at admission,
+the page a decode needs, and preempts a request by recompute (free its pages; it prefills its
+prompt and its outputs again) or by swap (its pages to host memory, runtime/offload.py),
+counting each in `PreemptStats`. Which of the two: `--preemption recompute` or `swap` as asked
+(swap falls back to recompute when host memory is full), `auto` by the cost rule
+`offload.prefer_swap`.
 
 More in docs/admission.md, module notes.
 """

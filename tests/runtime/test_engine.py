@@ -152,7 +152,7 @@ def test_no_kv_page_leaks_over_10000_steps_with_random_arrivals():
     import random
 
     from nanosched.models.kvcache import KVCache
-    from nanosched.runtime.batcher import Batcher
+    from nanosched.runtime.request_scheduler import RequestScheduler as Batcher
 
     rng = random.Random(5)
     page, pages = 16, 96

@@ -1,10 +1,14 @@
-"""Batch formation (NanoFlow §4.2.1): a fixed dense batch, decode first, chunked prefill after.
+"""The request scheduler: waiting and running requests, admission, preemption and every change
+to the KV pages of a request; the engine asks it for each batch and hands back what the batch
+sampled (`update_from_output`), so the engine itself plans and frees no page.
 
-Each iteration holds at most `dense_batch` tokens: one decode token per running request that has
+Batches (NanoFlow §4.2.1): a fixed dense batch, decode first, chunked prefill after. Each
+iteration holds at most `dense_batch` tokens: one decode token per running request that has
 finished its prompt, then prompt chunks (continuing prefills first, then newly admitted requests,
 first come first served) until the batch is full. With `decode_align` > 1 the decode tokens take
 room rounded up to a multiple of it: the rows a CUDA-graph bucket pads them to
-(models/bucket.py).
+(models/bucket.py). Admission ("use", "reserve", "predict") and preemption by recompute or swap
+go through the page book of runtime/preempt.py (`KVPool`).
 
 More in docs/admission.md, module notes.
 """
@@ -13,11 +17,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nanosched.errors import ConfigError
+from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import round_up
+from nanosched.models.kvcache import KVCache
 from nanosched.runtime.predict import OutputLengths
 from nanosched.runtime.preempt import KVPool, PreemptStats
 from nanosched.runtime.requests import Request
@@ -68,17 +75,21 @@ def peak_kv_tokens(held: list[int], remaining: list[int]) -> int:
 
 
 @dataclass
-class BatcherStats:
+class SchedulerStats:
     batches: int = 0  # non-empty batches formed
     full_batches: int = 0  # of those, batches that left no row of the dense batch unused
 
 
-class Batcher:
-    """Forms each iteration's batch and decides admission; knows nothing of the model.
-    `pool` None: the "reserve" policy; else the pool's, "use" or "predict" (docs/admission.md)."""
+class RequestScheduler:
+    """Forms each iteration's batch, decides admission and preemption; knows nothing of the
+    model. `pool` None: the "reserve" policy; else the pool's, "use" or "predict"
+    (docs/admission.md). `kv`: the cache whose pages `plan`, `update_from_output` and `abort`
+    take and free, each change also appended to `journal` when given (tp > 1: the other
+    ranks replay it); None for the policy alone, its caller planning the batches."""
 
     def __init__(self, dense_batch: int, kv_capacity_pages: int, page_size: int,
-                 max_context: int, decode_align: int = 1, pool: KVPool | None = None) -> None:
+                 max_context: int, decode_align: int = 1, pool: KVPool | None = None,
+                 kv: KVCache | None = None, journal: list[tuple] | None = None) -> None:
         if dense_batch < 1:
             raise ConfigError(f"--dense-batch must be positive, got {dense_batch}")
         if decode_align < 1:
@@ -89,9 +100,11 @@ class Batcher:
         self.page_size = page_size
         self.max_context = max_context
         self.pool = pool
+        self.kv = kv
+        self.journal = journal
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.stats = BatcherStats()
+        self.stats = SchedulerStats()
         self.output_lengths = OutputLengths()  # of ended requests, for "predict"
 
     @property
@@ -239,13 +252,67 @@ class Batcher:
                 return r
         return None
 
+    # ---- the engine's side: pages of the batch, and what it sampled ------------------------
+    def plan(self, chunks: list[tuple[int, int, bool]]) -> list[SeqChunk]:
+        """The batch's chunks (request id, tokens, is decode) planned into the cache: positions,
+        slots and block tables (rank 0's own batch, or at tp > 1 a worker's copy of it)."""
+        return self.kv.plan_chunks(chunks)
+
+    def update_from_output(self, samplers: list[Request], tokens: list[int], now_s: float,
+                           eos_ids: frozenset[int],
+                           on_token: Callable[[Request, int], None] | None = None
+                           ) -> list[Request]:
+        """Hand back a batch's sampled tokens (one per sampling request, in order; -1: its
+        logits were not finite): append each, end a request at max_tokens, at an EOS it does
+        not ignore or in error, free the pages of those that ended and retire them. A token
+        of a request that already ended (the async loop's one past its end) is dropped.
+        Returns the requests that ended."""
+        ended = []
+        for r, tok in zip(samplers, tokens, strict=True):
+            r.pending -= 1
+            if r.finished:
+                continue  # ended with EOS one iteration ago; this token is past the end
+            if tok < 0:  # its logits were not finite: this request alone ends, in error
+                r.finish_reason, r.finished, r.finish_s = "error", True, now_s
+                ended.append(r)
+                continue
+            r.output_ids.append(tok)
+            if on_token is not None:
+                on_token(r, tok)
+            if r.first_token_s is None:
+                r.first_token_s = now_s
+            if len(r.output_ids) >= r.params.max_tokens:
+                r.finish_reason = "length"
+            elif tok in eos_ids and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+            else:
+                continue
+            r.finished, r.finish_s = True, now_s
+            ended.append(r)
+        for r in ended:
+            self._release(r.request_id)
+        self.retire(ended)
+        return ended
+
+    def abort(self, request_id: int) -> Request | None:
+        """Take a waiting or running request out and free its KV pages (None if absent)."""
+        req = self.remove(request_id)
+        if req is not None:
+            self._release(request_id)
+        return req
+
+    def _release(self, request_id: int) -> None:
+        self.kv.release(request_id)
+        if self.journal is not None:
+            self.journal.append(("release", request_id))
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def reset_stats(self) -> None:
         """Count batches and preemptions afresh (after a benchmark's warm-up)."""
-        self.stats = BatcherStats()
+        self.stats = SchedulerStats()
         if self.pool is not None:
             self.pool.stats = PreemptStats()
 

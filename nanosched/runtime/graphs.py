@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from nanosched.errors import ConfigError
 from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import Bucket, BucketMeta
 from nanosched.runtime.backend import Backend
+from nanosched.runtime.config import GRAPH_MODES
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.opsched import OpScheduler, pick_strategy, run_program
 from nanosched.runtime.program import LaunchConfig, Program
@@ -56,6 +58,14 @@ class _Entry:
     graph: Any = None
     error: str | None = None
     fell_back: bool = False  # the engine's strategy had nothing for this bucket
+
+
+def check_graph_mode(mode: str, device: torch.device) -> None:
+    """Refuse a graph mode an engine cannot run: not off, on or layout, or on without CUDA."""
+    if mode not in GRAPH_MODES:
+        raise ConfigError(f"graphs must be 'off', 'on' or 'layout', got {mode!r}")
+    if mode == "on" and device.type != "cuda":
+        raise ConfigError("CUDA graphs need a CUDA model; use graphs='layout' on the CPU")
 
 
 def bucket_segments(bucket: Bucket) -> list[tuple[int, int, bool]]:

@@ -26,7 +26,7 @@ from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import round_up
 from nanosched.models.kvcache import KVCache
 from nanosched.runtime.predict import OutputLengths
-from nanosched.runtime.preempt import KVPool, PreemptStats
+from nanosched.runtime.preempt import KVPool, PreemptStats, make_pool
 from nanosched.runtime.requests import Request
 
 
@@ -106,6 +106,15 @@ class RequestScheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.output_lengths = OutputLengths()  # of ended requests, for "predict"
+
+    @classmethod
+    def for_engine(cls, model: Any, kv: KVCache, cfg: Any, max_context: int, decode_align: int,
+                   journal: list[tuple] | None = None) -> RequestScheduler:
+        """The scheduler of an engine's cache under `cfg` (an `EngineConfig`: dense batch,
+        pages, admission), its page changes journaled at tp > 1."""
+        pool = make_pool(model, kv, cfg.admission, journal)
+        return cls(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
+                   decode_align=decode_align, pool=pool, kv=kv, journal=journal)
 
     @property
     def policy(self) -> str:
@@ -258,6 +267,15 @@ class RequestScheduler:
         slots and block tables (rank 0's own batch, or at tp > 1 a worker's copy of it)."""
         return self.kv.plan_chunks(chunks)
 
+    def launched(self, batch: Batch) -> None:
+        """Advance the requests of a batch just launched: its prompt chunks count as prefilled
+        and each entry that samples has one more token in flight (`pending`)."""
+        for e in batch.entries:
+            if not e.is_decode:
+                e.request.num_prefilled += e.num_tokens
+            if e.samples:
+                e.request.pending += 1
+
     def update_from_output(self, samplers: list[Request], tokens: list[int], now_s: float,
                            eos_ids: frozenset[int],
                            on_token: Callable[[Request, int], None] | None = None
@@ -294,11 +312,14 @@ class RequestScheduler:
         self.retire(ended)
         return ended
 
-    def abort(self, request_id: int) -> Request | None:
-        """Take a waiting or running request out and free its KV pages (None if absent)."""
+    def abort(self, request_id: int, now_s: float = 0.0) -> Request | None:
+        """End a waiting or running request (`finish_reason` "abort" at `now_s`) and free its
+        KV pages; returns it (None when no such request is waiting or running)."""
         req = self.remove(request_id)
-        if req is not None:
-            self._release(request_id)
+        if req is None:
+            return None
+        self._release(request_id)
+        req.finished, req.finish_reason, req.finish_s = True, "abort", now_s
         return req
 
     def _release(self, request_id: int) -> None:

@@ -37,6 +37,25 @@ class EngineStats:
     # and sampling), with the (D rows, T rows) shape it ran at
     forward_marks: list[tuple[tuple[int, int], Any, Any]] = field(default_factory=list)
 
+    def count_forward(self, shape: tuple[int, int], strategy: Any, fell_back: bool,
+                      marks: tuple[Any, Any] | None = None) -> None:
+        """A forward run at `shape` (decode rows, rows) by `strategy`, the fallback or not;
+        with `marks` (gpu_timeline) the CUDA events around it."""
+        self.shapes[shape] += 1
+        if marks is not None:
+            self.forward_marks.append((shape, *marks))
+        self.fallbacks += fell_back
+        if not fell_back:
+            self.pipelined += strategy.pipelined
+            self.sequential += not strategy.pipelined
+
+    def count_batch(self, num_tokens: int, num_prefill: int) -> None:
+        """An iteration of `num_tokens` tokens, `num_prefill` of them prompt tokens."""
+        self.iterations += 1
+        self.tokens += num_tokens
+        self.prefill_tokens += num_prefill
+        self.batch_sizes.append(num_tokens)
+
 
 def busy_and_idle(spans: list[tuple[float, float]]) -> tuple[float, float]:
     """(busy, idle) of a stream over iterations whose work ran from start to end (in order, one

@@ -176,7 +176,7 @@ def test_gpu_busy_and_idle_from_the_iterations_spans():
     """What `bench` reports of the GPU timeline: the work of each iteration, and the gaps in
     which the GPU had finished one and the CPU had not yet queued the next (overlaps, when the
     CPU ran ahead, are not gaps)."""
-    from nanosched.runtime.engine import busy_and_idle
+    from nanosched.runtime.stats import busy_and_idle
 
     assert busy_and_idle([]) == (0.0, 0.0)
     assert busy_and_idle([(0.0, 30.0)]) == (30.0, 0.0)

@@ -1,8 +1,9 @@
 """`Engine.step`'s page and token bookkeeping without a model, to test and compare admission.
 
-`KVSim` drives the real `Batcher`, `KVCache` and (under the "use" policy) `KVPool` with host
-swap the way `Engine.step` does (form -> plan the batch into the cache -> sample -> post-process;
-with `async_loop`, batch i's tokens are read back after batch i+1 is launched), but its "model"
+`KVSim` drives the real `RequestScheduler`, `KVCache` and (under the "use" policy) `KVPool`
+with host swap the way `Engine.step` does (form -> plan the batch into the cache -> sample ->
+post-process; with `async_loop`, batch i's tokens are read back after batch i+1 is launched),
+but its "model"
 writes each token id into the one-element K slot of its position and, with `check`, reads a
 request's whole context back from its pages, compares it with the request's tokens and derives
 the next token from what it read. A page lost, overwritten, swapped back wrong or a prefill

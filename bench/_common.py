@@ -122,7 +122,7 @@ class BatchMix(NamedTuple):
 
 def batch_mix(batch: Any) -> BatchMix:
     """The decode rows, their mean context, the prompt rows and the longest prompt chunk's end
-    of a `runtime.batcher.Batch`."""
+    of a `runtime.request_scheduler.Batch`."""
     dec = [e for e in batch.entries if e.is_decode]
     pre = [e for e in batch.entries if not e.is_decode]
     return BatchMix(len(dec), statistics.fmean(e.start + 1 for e in dec) if dec else 0.0,

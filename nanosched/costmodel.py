@@ -8,18 +8,10 @@ length p and mean output length d, the steady-state batch holds
 
 Per op (summed over L layers, logical tensors counted once across the N GPUs, as NanoFlow's
 Table 2 does): FLOPs F, bytes loaded M (weights + activations in + out), network bytes X
-(ring all-reduce: 2 (N-1) B D S per all-reduce, summed over GPUs). Times use aggregate ceilings:
+(ring all-reduce: 2 (N-1) B D S per all-reduce, summed over GPUs), priced against aggregate
+ceilings; an op's bottleneck is its largest time.
 
-    T_compute = F / (N C),  T_mem = M / (N W),  T_net = X / (N W_net / 2)    (one direction)
-
-and the op's bottleneck is the largest. Whole-iteration quantities:
-
-    T_R = T_mem / T_compute = (C / W) (MemSize / P) / (2 B)                 (Eq. 4)
-    optimal tokens/s/GPU = C / (2 P)                                         (Eq. 5)
-
-with P the parameters a token touches (all of them for dense models; k of E experts for MoE).
-The largest dense batch is the largest multiple of 128 whose per-GPU weights + KV cache
-(n_d c_d tokens) + activations fit `mem_util` of each GPU's memory.
+More in docs/design.md, module notes.
 """
 
 from __future__ import annotations

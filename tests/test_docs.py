@@ -84,3 +84,14 @@ def test_the_code_paths_current_docs_name_exist(name):
     paths = set(re.findall(r"\b((?:bench|tests|nanosched)/[\w/.-]*\w\.(?:py|cu|sh|md))\b", text))
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert paths and not missing, f"{name} names files that are not there: {missing}"
+
+
+def test_bench_readme_maps_every_script():
+    """bench/README.md names every script and module under bench/ (its path below bench/)."""
+    text = (ROOT / "bench" / "README.md").read_text()
+    scripts = sorted(p.relative_to(ROOT / "bench").as_posix()
+                     for p in (ROOT / "bench").rglob("*")
+                     if p.suffix in (".py", ".sh") and p.name != "__init__.py"
+                     and "results" not in p.parts)
+    missing = [s for s in scripts if f"`{s}`" not in text and f"`{Path(s).name}`" not in text]
+    assert scripts and not missing, f"bench/README.md does not name {missing}"

@@ -13,6 +13,7 @@ lazy imports inside functions included) against the rules below.
   runtime's program contract, never on the search, schedules or benchmarks; nothing below it
   (runtime, models, search, schedules) imports it: the runtime takes a frontend model by what
   it offers (`program`), not by its class.
+Within autosearch/ no module imports, even lazily, one that imports it back (`circles`).
 Top-level pure modules (constants, errors, hardware, workloads, costmodel, fileio), the command
 line (`nanosched.cli`) and the benchmark harnesses (`nanosched.benchmarks`, which may import
 both sides) are not restricted. Relative imports are read as the absolute names they stand for.
@@ -37,12 +38,26 @@ KERNELS_MAY_IMPORT = {"kernels", "constants", "errors"}
 ROOT = Path(__file__).resolve().parents[1] / "nanosched"
 
 
-def imported(path: Path, module: str = "") -> set[str]:
+def _nodes(tree: ast.AST, run_time_only: bool):
+    """Every node of `tree`; with `run_time_only`, none under `if TYPE_CHECKING:`."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if run_time_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
+                node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def imported(path: Path, module: str = "", run_time_only: bool = False) -> set[str]:
     """Every module name `path` imports, at any depth of its syntax tree; a relative import
     (`from .x import y`, `from .. import z`) as the absolute name it stands for in `module`,
-    the dotted name of `path` (a package's `__init__` named after the package)."""
+    the dotted name of `path` (a package's `__init__` named after the package). With
+    `run_time_only`, imports under `if TYPE_CHECKING:` (never run) are left out."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in _nodes(ast.parse(path.read_text(encoding="utf-8")), run_time_only):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -81,8 +96,72 @@ def violations(root: Path, package: str = "nanosched") -> list[str]:
     return sorted(set(out))
 
 
+def circles(root: Path, layer: str, package: str = "nanosched") -> list[list[str]]:
+    """The import circles among the modules of `layer` under `root`: each set of modules that
+    reach one another through imports run at any time (lazy ones too; `TYPE_CHECKING` ones
+    never run), found as the strongly connected components of the import graph."""
+    modules = {}
+    for path in sorted((root / layer).rglob("*.py")):
+        parts = path.relative_to(root).parts
+        stem = [] if path.name == "__init__.py" else [path.stem]
+        modules[".".join([package, *parts[:-1], *stem])] = path
+    graph = {}
+    for name, path in modules.items():
+        found = imported(path, name, run_time_only=True)
+        graph[name] = {m for n in found for m in (n, n.rpartition(".")[0])
+                       if m in modules and m != name}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
 def test_the_package_keeps_its_layers():
     assert violations(ROOT) == []
+
+
+def test_the_search_has_no_import_circle():
+    """cli -> the search's command -> sets -> search and proof, never back: each module of
+    autosearch/ builds on the ones below it."""
+    assert circles(ROOT, "autosearch") == []
+
+
+def test_a_planted_circle_is_found_even_through_a_lazy_import(tmp_path):
+    pkg = tmp_path / "nanosched" / "autosearch"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from nanosched.autosearch.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from nanosched.autosearch import c\n")
+    (pkg / "c.py").write_text("from .a import f\n")
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from nanosched.autosearch.e import g\n")
+    (pkg / "e.py").write_text("from nanosched.autosearch.d import h\n")
+    assert circles(tmp_path / "nanosched", "autosearch") == [
+        ["nanosched.autosearch.a", "nanosched.autosearch.b", "nanosched.autosearch.c"]]
 
 
 @pytest.mark.parametrize("layer, line", [

@@ -1,8 +1,9 @@
 """`Engine.step`'s page and token bookkeeping without a model, to test and compare admission.
 
-`KVSim` drives the real `Batcher`, `KVCache` and (under the "use" policy) `KVPool` with host
-swap the way `Engine.step` does (form -> plan the batch into the cache -> sample -> post-process;
-with `async_loop`, batch i's tokens are read back after batch i+1 is launched), but its "model"
+`KVSim` drives the real `RequestScheduler`, `KVCache` and (under the "use" policy) `KVPool`
+with host swap the way `Engine.step` does (form -> plan the batch into the cache -> sample ->
+post-process; with `async_loop`, batch i's tokens are read back after batch i+1 is launched),
+but its "model"
 writes each token id into the one-element K slot of its position and, with `check`, reads a
 request's whole context back from its pages, compares it with the request's tokens and derives
 the next token from what it read. A page lost, overwritten, swapped back wrong or a prefill
@@ -21,9 +22,9 @@ import numpy as np
 import torch
 
 from nanosched.models.kvcache import KVCache
-from nanosched.runtime.batcher import Batch, BatchEntry, Batcher
 from nanosched.runtime.offload import SwapCost
 from nanosched.runtime.preempt import AdmissionConfig, KVPool
+from nanosched.runtime.request_scheduler import Batch, BatchEntry, RequestScheduler
 from nanosched.runtime.requests import Request
 
 VOCAB = 1000
@@ -56,8 +57,8 @@ class KVSim:
         self.kv = KVCache(1, num_pages, 1, 1, torch.float32, page_size=page_size)
         pool = KVPool(self.kv, admission, cost or sim_cost(True)) \
             if admission.policy != "reserve" else None
-        self.batcher = Batcher(dense_batch, num_pages, page_size, max_context,
-                               decode_align=decode_align, pool=pool)
+        self.batcher = RequestScheduler(dense_batch, num_pages, page_size, max_context,
+                                        decode_align=decode_align, pool=pool)
         self.async_loop, self.check = async_loop, check
         self.stop_at = stop_at or {}  # request id -> output count whose last token is an EOS
         self.sampled: dict[int, list[int]] = {}  # request id -> tokens sampled "on the device"

@@ -40,9 +40,9 @@ from pathlib import Path
 
 from bench._common import results_dir
 from bench.analysis.ceiling import pipeline_ceiling
-from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.search import SearchConfig, search_batch
 from nanosched.autosearch.sets import key_batch
+from nanosched.profiler.catalog import load_named_profile
 from nanosched.schedules.sets import load_schedule_set, set_key, set_keys
 from nanosched.workloads import resolve_workload
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.search import SearchConfig
+from nanosched.profiler.catalog import load_named_profile
 from nanosched.workloads import resolve_workload
 
 

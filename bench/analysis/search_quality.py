@@ -86,7 +86,7 @@ def main() -> None:
     cases = [(f"{m}-tp{tp}-{gpu}-b{b}", _profile(m, tp, gpu, b, given), b)
              for m, tp, gpu, b in CASES]
     if not args.no_shipped:
-        from nanosched.autosearch.request import shipped_profiles
+        from nanosched.profiler.catalog import shipped_profiles
 
         files = shipped_profiles()
         for name in SHIPPED:

@@ -26,7 +26,6 @@ from nanosched.autosearch.cpsat import Limits
 from nanosched.autosearch.durations import alloc_options, op_context
 from nanosched.autosearch.opgraph import TokenMix, expand, layer_graph, nano_deps, precedences
 from nanosched.autosearch.proof import structure_proves
-from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.search import (
     BOUNDARY_STAGE1,
     SearchConfig,
@@ -40,6 +39,7 @@ from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.autosearch.stage1 import solve_stage1
 from nanosched.autosearch.stage1_model import Stage1Problem, Structure
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
+from nanosched.profiler.catalog import load_named_profile
 from nanosched.profiler.format import Profile
 from nanosched.schedules.format import BatchInfo, StageReport
 from nanosched.workloads import resolve_workload

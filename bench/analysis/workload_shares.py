@@ -19,11 +19,11 @@ import json
 from datetime import datetime, timezone
 
 from bench._common import ROOT, results_dir
-from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.search import batch_info
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import load_spec
+from nanosched.profiler.catalog import load_named_profile
 from nanosched.profiler.format import load_profile
 from nanosched.workloads import DATASETS, fixed
 

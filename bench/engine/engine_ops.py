@@ -40,9 +40,9 @@ from bench.engine.kernel_trace import (
     cuda_kernels,
     layer_gaps,
 )
-from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.models.spec import load_spec
+from nanosched.profiler.catalog import load_named_profile
 from nanosched.profiler.telemetry import open_telemetry
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.loader import load_engine

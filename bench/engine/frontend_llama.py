@@ -173,7 +173,7 @@ def accuracy(logits: dict[str, torch.Tensor]) -> dict[str, Any]:
 def measure(model: Any, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:
     """Graph, eager and per-op times of Sequential on one bucketed dense batch."""
     from nanosched.runtime.device import TimedCudaDevice
-    from nanosched.runtime.scheduler import run_program
+    from nanosched.runtime.opsched import run_program
     from nanosched.runtime.strategies import Sequential
 
     kb = key_batch(model, args.rows, args.decode, args.context, args.prompt, capture=True)

@@ -41,12 +41,12 @@ import torch
 from bench._common import environment, key_batch, print_table, write_result
 from bench.engine.kernel_trace import attribute, cuda_kernels
 from nanosched.autosearch.durations import op_context
-from nanosched.autosearch.request import load_named_profile
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.kernels.impls import DEFAULT_DECODE
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import load_spec
 from nanosched.profiler import impls, timing
+from nanosched.profiler.catalog import load_named_profile
 from nanosched.profiler.telemetry import open_telemetry
 from nanosched.runtime.loader import load_model
 from nanosched.schedules.format import BatchInfo

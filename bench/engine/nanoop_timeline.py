@@ -49,7 +49,7 @@ from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import Span, TimedCudaDevice
 from nanosched.runtime.loader import load_model, open_streams, replay_choice
 from nanosched.runtime.modelprogram import model_program
-from nanosched.runtime.scheduler import run_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.strategies import Sequential
 from nanosched.schedules.sets import entry_schedule, load_schedule_set
 

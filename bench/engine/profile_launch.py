@@ -18,7 +18,7 @@ from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import CudaDevice
 from nanosched.runtime.loader import load_model
 from nanosched.runtime.modelprogram import model_program
-from nanosched.runtime.scheduler import run_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.strategies import Sequential
 
 

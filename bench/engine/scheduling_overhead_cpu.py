@@ -22,7 +22,7 @@ from nanosched.models.spec import load_spec
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import SerialDevice
 from nanosched.runtime.modelprogram import model_program
-from nanosched.runtime.scheduler import run_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import load_schedule

@@ -2,24 +2,10 @@
 
 `check_schedule(schedule, profile)` raises ScheduleError naming the violated constraint and the
 nano-op. Layer copies repeat every P = `prediction.solver_period_us`; a nano-op x of layer l
-runs over [s_x + l P, s_x + d_x + l P). Checked:
+runs over [s_x + l P, s_x + d_x + l P). Checked, without the solver: structure, dependencies,
+stream order, the layer period, GPU capacity and point consistency, durations, the profile.
 
-  profile       the schedule was made from this profile (digest), for its model and tp
-  structure     ranges cover each op's tokens, orders are permutations, deps exist and cannot
-                deadlock (`validate_structure`)
-  op graph      every active op of the layer has nano-ops; every dependency the op graph
-                implies (ranges intersect; prompt; the periodic edge into the next layer) is listed
-  dependencies  s_y + δ P ≥ s_x + d_x for every listed dependency (x → y, δ)
-  issue order   on each stream the order is by phase s mod P, and layer_offset = ⌊s / P⌋
-  streams       no two nano-ops of one stream overlap, over unrolled layers
-  classes       no two compute (memory, network) nano-ops overlap, over unrolled layers
-  GPU capacity  shares and green-context SMs of nano-ops running at once fit the GPU
-  point consistency
-                nano-ops running at once have compatible allocations (`durations.compatible`):
-                both green_ctx but not both the memory table's other side, or the two sides
-                of one cta_bound / stream_priority point
-  durations     d = t_alone / P_alloc (within one tick), the allocation a point of the profile
-                (and, when the schedule names it, that very point and side)
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

@@ -6,17 +6,7 @@ compute kernel beside it); its duration is t_alone / P with P from the profile's
 and on the whole GPU P = 1 / F, F the profile's settled factor of the op in a forward of the
 batch's rows (its forward table; 1 without one).
 
-Point consistency: an R->P point was measured for one PAIR of kernels under one mechanism, so
-only measured combinations may run at once (`compatible`). Two `green_ctx` options may overlap
-whatever points they come from (disjoint SM partitions), except two memory-bound kernels, both
-the other side of the memory table (attention, elementwise ops: `shares_hbm`): each was
-measured beside a GEMM, never beside another HBM stream. The memory kernel's P on a
-partition depends on the GEMM beside it (on the H200's 48 SMs: 0.59-0.63 beside `ug`, 0.78
-beside `o` or `d` at 640 rows, against the same row), so a memory option on a partition carries
-the P measured beside the fastest GEMM of its split, the GEMM the search runs there
-(`alloc_options`). An option of a non-partition point q (`cta_bound`,
-`stream_priority`: both kernels may use every SM, R is nominal) may overlap only the option of
-the other side of the same point q. A `full` option overlaps nothing.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

@@ -9,14 +9,7 @@ each group is present.
 Nano-ops. A split gives op A ranges r_A^i = [a_i, a_{i+1}), 0 = a_0 < ... < a_n = B, multiples
 of 128. Nano-op i works on w_A^i = r_A^i ∩ D_A; one with an empty work range does not exist.
 
-Edges. An edge (A → B, δ) says: nano-op j of B in layer l + δ depends on nano-op i of A in
-layer l iff w_A^i ∩ w_B^j ≠ ∅ (δ = 1 is the periodic edge into the next layer's `kqv`). Only
-direct data dependencies are listed; dependencies on earlier ops follow token by token by
-transitivity. An edge with a condition (group, form) holds only when that form is chosen.
-Prompt edges: causal prefill attention of work range [u, v) also needs the K/V of the earlier
-tokens of the same prompt, written by `rope_append`: it depends on every `rope_append`
-nano-op whose work range meets [ps(u), u), ps(u) = n_d + ⌊(u − n_d) / p⌋ p with p the prompt
-length (the prefill part is modelled as prompts of the mean length; p ≥ B − n_d means one).
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations
@@ -75,6 +68,14 @@ class OpGraph:
             if o.group and o.form not in out.setdefault(o.group, []):
                 out[o.group].append(o.form or "")
         return {g: tuple(f) for g, f in out.items()}
+
+    def with_forms(self, allowed: tuple[str, ...]) -> OpGraph:
+        """This graph with only the `allowed` forms of each collective (its other forms' ops
+        and the edges through them or conditioned on them dropped)."""
+        ops = tuple(o for o in self.ops if o.group is None or o.form in allowed)
+        names = {o.name for o in ops}
+        return OpGraph(ops, tuple(e for e in self.edges if e.src in names and e.dst in names
+                                  and (e.cond is None or e.cond[1] in allowed)))
 
     def active_ops(self, forms: dict[str, str]) -> list[GraphOp]:
         return [o for o in self.ops if o.group is None or forms.get(o.group) == o.form]

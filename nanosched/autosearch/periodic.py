@@ -9,10 +9,7 @@ least integer τ with starts s_x such that
     φ_first + τ ≥ φ_last + d_last            the stream's next period starts after this one
     0 ≤ φ_x ≤ τ − 1,  s_x + d_x ≤ 2 τ        phases lie in one period; a layer spans ≤ 2 periods
 
-— stage I's constraints once the structure is fixed. For a given τ these are difference
-constraints, feasible iff their graph has no positive cycle (Bellman-Ford on longest paths);
-feasibility is monotone in τ, so a binary search finds the least τ. Used for solver hints, as
-the brute-force reference in tests, and to price structures the search grows.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

@@ -1,49 +1,14 @@
 """Whether a set entry's NO GAIN is proven: the resource ceiling of a batch, and each sequential
 key's proof.
 
-**The resource ceiling** (`resource_ceiling`) is an upper bound on the gain over Sequential of
-every pipeline `run_search` can return at a batch, as `simulate` predicts it (a set entry's
-gain: the forward's L layers, fill and drain included). It is a linear program (GLOP, well under
-a second) over *modes*: at any instant the GPU runs a set of nano-ops, at most one per stream
-(compute: a compute or elementwise op; memory: a memory or elementwise op; network), under
-allocation options that may run at once (`durations.compatible`, green-context shares within
-the GPU), each option with the largest P `durations.alloc_options` gives the op at any nano-op
-size in its domain, every option also alone. Variables: the time t_m each mode runs per layer,
-and tau. Rows: for each op A, sum over modes m holding A of t_m P_{m,A} >= W_A, and
-sum_m t_m <= tau. W_A is the least total row time of the nano-ops of any split the search may
-make (2..max_nano_ops nano-ops over the batch, 1..max_nano_ops over an attention op's part;
-`stage1_bounds.op_min_ticks` in us). Minimise tau; the ceiling is Sequential's layer time / tau.
+`resource_ceiling` is an LP (GLOP) over modes, sets of compatible allocations at most one per
+stream, each op's least split row time to do: Sequential / its least period bounds the predicted
+gain of every pipeline the search can return, both collective forms priced. `with_proof` records
+why a sequential entry's NO GAIN holds: the ceiling below min-gain, stage I within 5% and stage
+II's bound below min-gain, or unproven. So a set says where no pipeline can gain, not only where
+none was found.
 
-Why it bounds every pipeline the search can return: the replay runs each nano-op at
-t_alone / P of its allocation, only beside compatible allocations within the GPU, one nano-op
-per stream; so each instant of a replayed forward is a mode of the LP (or idle), and the
-nano-ops of op A in each of its L layers do at least W_A of row time between them. The forward's
-mode times over L are feasible for the LP with tau = forward / L, so forward >= L tau*, and its
-gain L Sequential / forward <= Sequential / tau*. Nothing here assumes the cuts (ops may be cut
-at different rows), the order, the layer offsets or integer ticks. At tp > 1 every choice of
-collective forms (all-reduce, or reduce-scatter + all-gather, per group) is priced and the
-largest ceiling kept, so the rs_ag pipelines are covered too. It drops what a real pipeline
-also pays (dependencies: a row's chain of ops runs one after another; a nano-op keeps its
-allocation while its partner ends), so it is loose: the LP over row-group structures
-(`bench/analysis/ceiling.py`) is tighter but covers only pipelines that cut every op at the
-same rows. Most of the slack on the 70B profiles is the order of each row's chain, which an LP
-over modes cannot state (`bench/analysis/ceiling_modes.py` prints the optimum; docs/search.md,
-"Where the ceiling's slack is").
-
-**Proofs** (`no_gain_proof`), strongest first, for an entry the set runs Sequential:
-  - `small`: fewer than two 128-row nano-batches; no pipeline exists.
-  - `bound`: `sets.overlap_bound` below min_gain (decided without a solve).
-  - `ceiling`: the resource ceiling below min_gain.
-  - `gap`: stage I ended within `GAP_PROVEN` of its bound on the kept pipeline's structure,
-    and stage II's bound for that structure, as a gain (Sequential's period / bound), is below
-    min_gain: no allocation of the structure the search kept reaches min_gain, and that
-    structure is within 5% of stage I's bound for its problem (its nano-op counts; for the
-    decode/prompt split, its cuts). Stage II's own gap plays no part: it says how far the
-    allocation found is from the best, while the claim is about the best, which the bound
-    alone caps. Weaker than the two above: stage I prices without interference, so a
-    structure it ranks lower may allocate better, and the replay may run a little faster than
-    the solver's period that stage II bounds.
-  - `unproven`: none of these; the entry says the ceiling and the gaps.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations
@@ -181,7 +146,7 @@ class ModeTime:
 
 
 def solve_modes(ops: list[OpWork]) -> tuple[float, list[ModeTime]]:
-    """tau* of the resource LP (module docstring) over `ops`, and the modes its optimum runs
+    """tau* of the resource LP (docs/search.md) over `ops`, and the modes its optimum runs
     (those of more than 1e-6 us per layer, longest first)."""
     from ortools.linear_solver import pywraplp
 
@@ -205,7 +170,7 @@ def solve_modes(ops: list[OpWork]) -> tuple[float, list[ModeTime]]:
 
 
 def least_period_us(ops: list[OpWork]) -> float:
-    """tau* of the resource LP (module docstring) over `ops`."""
+    """tau* of the resource LP (docs/search.md) over `ops`."""
     return solve_modes(ops)[0]
 
 
@@ -220,7 +185,7 @@ def form_ops(cfg: SearchConfig, batch: BatchInfo, forms: dict[str, str],
 
 def resource_ceiling(cfg: SearchConfig, batch: BatchInfo) -> ResourceCeiling:
     """The resource ceiling of `batch` under `cfg`, over every choice of collective forms
-    (module docstring)."""
+    (docs/search.md)."""
     spec, tp = cfg.spec, cfg.tp
     seq = sum(sequential_op_times(spec, tp, cfg.profile, batch).values())
     graph = layer_graph(spec, tp)
@@ -255,15 +220,15 @@ def structure_gain(sched: Schedule) -> float | None:
 
 def structure_proves(stage1_gap: float | None, bound_gain: float | None,
                      min_gain: float) -> bool:
-    """The `gap` proof (module docstring): stage I within `GAP_PROVEN` of its bound, and
+    """The `gap` proof (docs/search.md): stage I within `GAP_PROVEN` of its bound, and
     stage II's bound for the kept structure, as a gain, below min_gain."""
     return stage1_gap is not None and stage1_gap <= GAP_PROVEN \
         and bound_gain is not None and bound_gain < min_gain
 
 
 def no_gain_proof(sched: Schedule | None, ceiling: float | None, min_gain: float) -> str:
-    """`ceiling`, `gap` or `unproven` for a searched key the set runs Sequential (module
-    docstring); `sched`: the best pipeline its search found (None: it found none)."""
+    """`ceiling`, `gap` or `unproven` for a searched key the set runs Sequential (docs/search.md);
+    `sched`: the best pipeline its search found (None: it found none)."""
     if ceiling is not None and ceiling < min_gain:
         return "ceiling"
     if sched is not None and structure_proves(stage_gaps(sched)[0], structure_gain(sched),

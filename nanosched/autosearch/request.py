@@ -1,45 +1,96 @@
-"""Turn `nanosched search` flags into a SearchConfig: profile, tp and dense batch choices.
+"""`nanosched search` as data: `SearchRequest` (its flags, checked once by `check`) and
+`resolve`, which turns a request's profile, tp and dense batch into a `Choice`.
 
-Profile: `--profile FILE` or the NAME of a shipped profile (`nanosched/profiler/profiles/`);
-without one, the shipped profile closest to the request — same model required, then same tp,
-then same GPU, then the largest measured batch, then the fullest grid (most co-run pairs) — and
-failing that a synthetic profile for `--gpu`, announced loudly. A profile of another GPU than
-the `--gpu` asked for is never picked (the search runs on a synthetic profile of the GPU asked
-for, and says which shipped ones exist); without `--gpu` the GPU assumed is `DEFAULT_GPU`, and a
-profile of another GPU is used only with a message that says so. A profile is measured on one KV
-cache dtype (`kv_dtype`); only profiles of the requested `--kv-cache-dtype` are picked or
-accepted, and FP8 needs a measured one (the synthetic profile models a cache in the model's
-dtype). tp: `--tp`, else the profile's, else the smallest power of two that leaves room for the
-dense batch's KV cache.
-Dense batch: `auto` is the largest multiple of 128 that fits (costmodel.max_dense_batch),
-capped at 2048 and at the profile's largest batch.
+Profile: `--profile FILE` or a shipped NAME, else the closest shipped profile
+(profiler/catalog.py `pick_shipped`), else a synthetic one for `--gpu`, announced loudly. A
+profile of another GPU than the one asked for is never picked; without `--gpu` the GPU assumed
+is `DEFAULT_GPU`, and another GPU's profile is used only with a message that says so. Only
+profiles of the requested `--kv-cache-dtype` are picked or accepted (FP8 needs a measured one).
+tp: `--tp`, else the profile's, else the smallest power of two that leaves room for the dense
+batch's KV cache. Dense batch: `auto` is the largest multiple of 128 that fits
+(costmodel.max_dense_batch), capped at 2048 and at the profile's largest batch.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-from collections.abc import Callable
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
+from nanosched.autosearch.sets import MIN_GAIN
 from nanosched.costmodel import (
     DEFAULT_MAX_DENSE_BATCH,
     TOKEN_QUANTUM,
     choose_tp,
     max_dense_batch,
 )
-from nanosched.errors import ConfigError, NanoschedError, ProfileError
-from nanosched.hardware import get_gpu, measured_gpu, prior_for
+from nanosched.errors import ConfigError, ProfileError
+from nanosched.hardware import get_gpu, measured_gpu
 from nanosched.models.spec import ModelSpec
-from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for, load_profile
+from nanosched.profiler.catalog import load_named_profile, pick_shipped
+from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for
 from nanosched.workloads import Workload
 
-T = TypeVar("T")
+BUCKETS = ("all", "dense")
+DEFAULT_TIME_LIMIT = {"all": 240.0, "dense": 60.0}
 
-SHIPPED = Path(__file__).resolve().parent.parent / "profiler" / "profiles"
-_PACKAGE_DATA = SHIPPED  # the installed profiles, whatever SHIPPED is pointed at
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """What `nanosched search` was asked, flag by flag (None: the default the flag names).
+
+    `buckets`: "all" (every batch shape) or "dense" (the steady state's only); `allow_rs_ag`
+    lets stage I choose reduce-scatter + all-gather (the runtime replays all-reduce only);
+    `allow_unsettled` searches a profile whose pairs were timed in bursts; `command` is the
+    command line recorded in the set."""
+
+    model: str | None = None
+    tp: int | None = None
+    profile: str | None = None
+    gpu: str | None = None
+    workload: str | None = None
+    input_len: float | None = None
+    output_len: float | None = None
+    dense_batch: str = "auto"
+    time_limit: float | None = None
+    workers: int = 2
+    max_nano_ops: int = 4
+    max_period_us: float | None = None
+    out: str | None = None
+    command: str = ""
+    allow_unsettled: bool = False
+    allow_rs_ag: bool = False
+    kv_dtype: str = "auto"
+    buckets: str = "all"
+    min_gain: float | None = None
+
+    @property
+    def limit_s(self) -> float:
+        """The whole search's seconds: `time_limit`, else the default for `buckets`."""
+        return DEFAULT_TIME_LIMIT[self.buckets] if self.time_limit is None else self.time_limit
+
+    @property
+    def gain(self) -> float:
+        return MIN_GAIN if self.min_gain is None else self.min_gain
+
+    def check(self) -> None:
+        """Refuse a flag out of range, naming it (before anything is read or searched)."""
+        if self.buckets not in BUCKETS:
+            raise ConfigError(f"--buckets must be one of {', '.join(BUCKETS)}, got "
+                              f"{self.buckets!r}")
+        if not self.gain >= 1.0:
+            raise ConfigError(f"--min-gain must be at least 1.0, got {self.gain}")
+        if not 0 < self.limit_s < math.inf:
+            raise ConfigError(f"--time-limit must be a finite number of seconds > 0, got "
+                              f"{self.limit_s}")
+        if self.workers < 1 or self.max_nano_ops < 2:
+            raise ConfigError("--workers must be >= 1 and --max-nano-ops >= 2; "
+                              f"got {self.workers}, {self.max_nano_ops}")
+        if self.max_period_us is not None and not 0 < self.max_period_us < math.inf:
+            raise ConfigError(f"--max-period-us must be a finite number of microseconds > 0, "
+                              f"got {self.max_period_us}")
+
+
 DEFAULT_GPU = "h100"  # the GPU assumed without --gpu (the CLI passes the GPU present, if any)
 SYNTHETIC_BANNER = ("*** SYNTHETIC PROFILE: no measured profile for this request; kernel times "
                     "are a roofline model and NanoFlow's Table 3, NOT measurements. Run "
@@ -56,122 +107,6 @@ class Choice:
     messages: list[str] = field(default_factory=list)
 
 
-def shipped_profiles(folder: Path | None = None) -> dict[str, Path]:
-    folder = folder or SHIPPED
-    return {p.stem: p for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
-
-
-def _read(path: Path) -> Profile | None:
-    try:
-        return _load(path)
-    except (NanoschedError, json.JSONDecodeError):
-        return None
-
-
-def _stamp(path: Path) -> tuple[int, int] | None:
-    """(mtime, size) of a profile installed with the package, else None (not cached)."""
-    if path.parent != _PACKAGE_DATA:
-        return None
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
-
-
-def _once_if_installed(read: Callable[[Path], T]) -> Callable[[Path], T]:
-    """`read`, its result kept per process for a profile installed with the package (every
-    search ranks them all and reads the one it picks: 0.1-0.3 s each) and read again only if the
-    file changed; any other path is read every time. Profiles are immutable, so callers may share
-    one."""
-    cached = functools.lru_cache(maxsize=32)(lambda path, _stamp: read(path))
-
-    def get(path: Path) -> T:
-        stamp = _stamp(path)
-        return read(path) if stamp is None else cached(path, stamp)
-    get.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
-    return get
-
-
-# `load_profile` is looked up at each call, so that a test may wrap it
-_load = _once_if_installed(lambda path: load_profile(path))
-
-
-@dataclass(frozen=True)
-class _Head:
-    """What `pick_shipped` ranks a profile by, read without building its rows."""
-
-    model: str
-    tp: int
-    gpu_name: str
-    kv_dtype: str
-    dense_batch: int
-    pairs: int  # co-run pairs measured: a full grid has more than a --quick one
-
-
-def _read_head(path: Path) -> _Head | None:
-    try:
-        d = json.loads(path.read_bytes())
-        return _Head(d["model"]["name"], d["tp"], d["identity"]["gpu_name"],
-                     d.get("kv_dtype") or "auto", d["dense_batch"], len(d.get("pairs") or ()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-_head = _once_if_installed(_read_head)
-
-
-def gpu_key(name: str) -> str:
-    """The prior a GPU or device name stands for ("NVIDIA H100 80GB HBM3" -> "h100")."""
-    prior = prior_for(name)
-    return prior.name if prior is not None else name.lower()
-
-
-def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
-                 folder: Path | None = None, kv_dtype: str = "auto",
-                 assumed: bool = False) -> tuple[Profile | None, str]:
-    """The shipped profile closest to the request, with the reason; (None, why) if none fits.
-
-    A profile measured on another GPU than `gpu` is returned only when `gpu` was `assumed`
-    (not asked for), and the reason says so; else (None, the GPUs that have one)."""
-    paths = shipped_profiles(folder)
-    found = [(name, head) for name, path in paths.items()
-             if (head := _head(path)) is not None and head.model == spec.name
-             and head.kv_dtype == kv_dtype]
-    if not found:
-        kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
-        return None, f"no shipped profile for {spec.name}{kv}"
-
-    def same_gpu(head: _Head) -> bool:
-        return gpu is None or gpu_key(head.gpu_name) == gpu_key(gpu)
-
-    def rank(item: tuple[str, _Head]) -> tuple[bool, bool, int, int]:
-        head = item[1]
-        return (tp is None or head.tp == tp, same_gpu(head), head.dense_batch, head.pairs)
-
-    name, head = max(found, key=rank)
-    if tp is not None and head.tp != tp:
-        tps = sorted({h.tp for _, h in found})
-        return None, f"shipped profiles for {spec.name} are for tp {tps}, not {tp}"
-    prof = _read(paths[name])  # only the one picked is read whole
-    if prof is None:
-        return None, f"shipped profile {name!r} does not load (a damaged install?)"
-    if not same_gpu(head):
-        gpus = ", ".join(sorted({h.gpu_name for _, h in found}))
-        if not assumed:
-            return None, (f"no shipped profile for {spec.name} on {gpu} (shipped ones are "
-                          f"measured on {gpus}: pass --gpu {gpu_key(prof.identity.gpu_name)} "
-                          f"or --profile {name} to search on one)")
-        return prof, (f"shipped profile {name!r}: same model{' and tp' if tp else ''}, "
-                      f"measured on {prof.identity.gpu_name}, NOT the {gpu} assumed without "
-                      f"--gpu: the schedule is for that GPU (tp {prof.tp}, batches up to "
-                      f"{prof.dense_batch}); pass --gpu {gpu} for a synthetic {gpu} profile")
-    why = (f"shipped profile {name!r}: same model{' and tp' if tp else ''}"
-           f"{', same GPU' if gpu else ''} ({prof.identity.gpu_name}, "
-           f"tp {prof.tp}, batches up to {prof.dense_batch})")
-    return prof, why
-
-
 def check_rp_tables(prof: Profile, where: str) -> None:
     """Refuse a profile without R->P points for a class its layer overlaps (memory; network
     at tp > 1): the search would have nothing to price overlap with and say NO GAIN for it."""
@@ -180,18 +115,6 @@ def check_rp_tables(prof: Profile, where: str) -> None:
             raise ProfileError(f"{where} has an empty R->P table for class {cls!r}: nothing "
                                f"to price overlap with; derive it from the profile's pairs "
                                f"(`nanosched profile rederive`) or measure them again")
-
-
-def load_named_profile(arg: str, folder: Path | None = None) -> Profile:
-    """`--profile FILE` or the name of a shipped profile."""
-    path = Path(arg)
-    if path.suffix == ".json" or path.exists():
-        return load_profile(path)
-    names = shipped_profiles(folder)
-    if arg not in names:
-        raise ConfigError(f"--profile {arg!r} is neither a file nor a shipped profile; shipped: "
-                          f"{', '.join(names) or 'none'}")
-    return _load(names[arg])
 
 
 def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: str | None,

@@ -1,4 +1,4 @@
-"""The search entry point: stage I (growing nano-op counts near compute bubbles), stage II,
+"""The search of one batch: stage I (growing nano-op counts near compute bubbles), stage II,
 the schedule, and the independent check. `run_search(SearchConfig)` returns a checked Schedule.
 
 Nano-op counts start at 2 per op. After each stage I solve, the largest gap on the compute
@@ -33,11 +33,12 @@ from nanosched.autosearch.stage1 import solve_stage1
 from nanosched.autosearch.stage1_model import Stage1Problem, Structure
 from nanosched.autosearch.stage2 import Stage2Problem, solve_stage2
 from nanosched.constants import TOKEN_QUANTUM
-from nanosched.errors import ConfigError, ProfileError, ScheduleError
+from nanosched.errors import ConfigError, ScheduleError
 from nanosched.models.ops import COMPUTE
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile, check_profile_for
-from nanosched.schedules.format import BatchInfo, Schedule, StageReport
+from nanosched.schedules.format import REPLAYED_FORMS, BatchInfo, Schedule, StageReport
+from nanosched.schedules.validate import FORMS
 from nanosched.workloads import Workload
 
 STAGE1_SHARE = 0.65
@@ -66,6 +67,9 @@ class SearchConfig:
     num_decode: int | None = None  # decode tokens of the batch (default: the workload's mix)
     decode_context: float | None = None  # their mean context (default: the workload's)
     counts: dict[str, int] | None = None  # nano-ops per op to start from (default: 2 each)
+    # collective forms stage I may choose at tp > 1: what the runtime replays unless asked
+    # (`--allow-rs-ag` adds reduce-scatter + all-gather, which a run refuses)
+    forms: tuple[str, ...] = REPLAYED_FORMS
 
 
 def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
@@ -101,6 +105,9 @@ def _check_config(cfg: SearchConfig) -> None:
         raise ConfigError("--time-limit must be > 0, --workers >= 1 and --max-nano-ops >= 2; "
                           f"got {cfg.time_limit_s}, {cfg.num_workers}, {cfg.max_nano_ops}")
     check_profile_for(cfg.profile, cfg.spec, cfg.tp)
+    if not cfg.forms or any(f not in FORMS for f in cfg.forms) or "ar" not in cfg.forms:
+        raise ConfigError(f"collective forms must include 'ar' and be among {FORMS}, got "
+                          f"{cfg.forms}")
 
 
 def _tables(cfg: SearchConfig, graph: OpGraph, batch: BatchInfo, settled: bool = True
@@ -197,7 +204,7 @@ def run_search(cfg: SearchConfig, progress: Progress | None = None) -> Schedule:
     deadline = time.perf_counter() + limit
     batch = search_batch(cfg)
     mix = TokenMix(batch.dense_batch, batch.num_decode, batch.prompt_len)
-    graph = layer_graph(cfg.spec, cfg.tp)
+    graph = layer_graph(cfg.spec, cfg.tp).with_forms(cfg.forms)
     cap = round(cfg.max_period_us * TICKS_PER_US) if cfg.max_period_us else None
     q = batch.dense_batch // TOKEN_QUANTUM
     tables = _tables(cfg, graph, batch)
@@ -265,141 +272,3 @@ def _no_solution(stage: str, rep: StageReport) -> str:
            if rep.status == "INFEASIBLE" else
            f"no solution within the time limit of {rep.time_limit_s:g} s (raise --time-limit)")
     return f"search found no schedule: {stage} ended {rep.status}: {why}; no file written"
-
-
-def default_out(spec: ModelSpec, tp: int, gpu: str, workload: Workload, batch: int) -> str:
-    """e.g. `llama3-70b_tp8_h100_in1024-out512_b2048.schedule.json`."""
-    gpu_key = gpu.lower().removeprefix("synthetic-").replace(" ", "-")
-    return f"{spec.name}_tp{tp}_{gpu_key}_{workload.name}_b{batch}.schedule.json"
-
-
-BUCKETS = ("all", "dense")
-DEFAULT_TIME_LIMIT = {"all": 240.0, "dense": 60.0}
-
-
-def profile_model(profile: str | None) -> object:
-    """The model a measured profile was taken for (`search` without --model: a model the
-    registry does not know, such as a frontend model's)."""
-    from nanosched.autosearch.request import load_named_profile
-
-    if profile is None:
-        raise ConfigError("nanosched search needs --model, or --profile FILE to take the model "
-                          "it was measured for")
-    return load_named_profile(profile, None).model
-
-
-def search_and_save(*, model: str | None, tp: int | None, profile: str | None, gpu: str | None,
-                    workload: str | None, input_len: float | None, output_len: float | None,
-                    dense_batch: str, time_limit: float | None, workers: int,
-                    max_nano_ops: int, max_period_us: float | None, out: str | None,
-                    echo: Progress, print_table: object, command: str = "",
-                    allow_unsettled: bool = False, kv_dtype: str = "auto",
-                    buckets: str = "all", min_gain: float | None = None) -> object:
-    """What `nanosched search` does: resolve, search a schedule set with live progress (every
-    batch shape, or with `buckets="dense"` only the steady state's), report, write.
-
-    A measured profile whose pairs were timed in bursts is refused (its R->P points overstate
-    overlap under the power cap) unless `allow_unsettled`. Ctrl-C stops the search with
-    KeyboardInterrupt and writes nothing."""
-    from nanosched.autosearch.request import resolve
-    from nanosched.autosearch.sets import MIN_GAIN, SetSearchConfig, search_set
-    from nanosched.autosearch.synthetic import context_grid, synthetic_profile
-    from nanosched.fileio import check_output_file
-    from nanosched.hardware import get_gpu
-    from nanosched.models.spec import load_spec
-    from nanosched.schedules.sets import save_schedule_set
-    from nanosched.schedules.show import (
-        PIPELINE_COLUMNS,
-        SET_COLUMNS,
-        pipeline_rows,
-        proof_text,
-        set_rows,
-        set_summary_lines,
-        summary_lines,
-    )
-    from nanosched.workloads import resolve_workload
-
-    if buckets not in BUCKETS:
-        raise ConfigError(f"--buckets must be one of {', '.join(BUCKETS)}, got {buckets!r}")
-    limit = DEFAULT_TIME_LIMIT[buckets] if time_limit is None else time_limit
-    gain = MIN_GAIN if min_gain is None else min_gain
-    if not gain >= 1.0:
-        raise ConfigError(f"--min-gain must be at least 1.0, got {gain}")
-    if not 0 < limit < math.inf:
-        raise ConfigError(f"--time-limit must be a finite number of seconds > 0, got {limit}")
-    if workers < 1 or max_nano_ops < 2:
-        raise ConfigError("--workers must be >= 1 and --max-nano-ops >= 2; "
-                          f"got {workers}, {max_nano_ops}")
-    if max_period_us is not None and not 0 < max_period_us < math.inf:
-        raise ConfigError(f"--max-period-us must be a finite number of microseconds > 0, got "
-                          f"{max_period_us}")
-    if out is not None:
-        check_output_file(out, "--out", make_parent=False)
-    spec = load_spec(model) if model is not None else profile_model(profile)
-    wl = resolve_workload(workload, input_len, output_len)
-    choice = resolve(spec, tp, profile, gpu, wl, dense_batch, kv_dtype=kv_dtype)
-    for msg in choice.messages:
-        echo(msg)
-    prof = choice.profile
-    measured = prof
-    if prof is None:
-        b = batch_info(wl, choice.dense_batch)
-        prof = synthetic_profile(spec, get_gpu(gpu or "h100"), choice.tp, choice.dense_batch,
-                                 context_grid(b.decode_context, b.prompt_len))
-    cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, limit, workers,
-                       max_nano_ops, max_period_us, command)
-    why = measured.unsettled() if measured is not None else None
-    if why and not allow_unsettled:
-        raise ProfileError(f"profile for {prof.model.name} on {prof.identity.gpu_name}: {why}, "
-                           f"so its R->P points overstate what overlap gives on a serving GPU; "
-                           f"re-measure it with `nanosched profile` (pairs are timed sustained), "
-                           f"or pass --allow-unsettled to search on it anyway")
-    if why:
-        echo(f"WARNING: {why}; searching on it because of --allow-unsettled")
-    path = out or default_out(spec, choice.tp, prof.identity.gpu_name, wl, choice.dense_batch)
-    if out is None:
-        check_output_file(path, "--out", make_parent=False)
-    steady = search_batch(cfg)
-    keys = ((steady.num_decode, steady.dense_batch),) if buckets == "dense" else None
-    what = "the steady-state batch" if keys else "every batch shape (bounds first)"
-    echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, {what}, "
-         f"{limit:g} s, {workers} workers")
-    started = time.perf_counter()
-
-    def on_decided(decided: list, to_search: int, n: int) -> None:
-        if keys is not None:
-            return
-        how = [r.how for r in decided]
-        echo(f"[{len(decided)}/{n}] decided without a search: {how.count('small')} too small "
-             f"for two nano-batches, {how.count('bounded') + how.count('ceiling')} bounded "
-             f"below {gain:.2f}x ({how.count('bounded')} by the bound, "
-             f"{how.count('ceiling')} by the ceiling); "
-             f"searching {to_search}, the steady state's D={steady.num_decode} "
-             f"T={steady.dense_batch} first ({time.perf_counter() - started:.0f} s)")
-
-    def on_key(r: object, i: int, n: int) -> None:
-        e = r.entry  # type: ignore[attr-defined]
-        if r.how in ("small", "bounded", "ceiling") and keys is None:  # type: ignore
-            return
-        elapsed = time.perf_counter() - started
-        proof = proof_text(e, gain)
-        echo(f"[{i}/{n}] D={e.num_decode} T={e.num_tokens}: {e.kind}, {e.reason}"
-             f"{'; NO GAIN ' + proof if proof else ''} "
-             f"({r.wall_s:.1f} s; {elapsed:.0f} of {limit:g} s)")  # type: ignore[attr-defined]
-
-    sset = search_set(SetSearchConfig(cfg, gain, keys, bound=keys is None),
-                      echo if keys else None, on_key, on_decided)
-    full = sset.full
-    if full is not None and full.schedule is not None:
-        print_table(pipeline_rows(full.schedule), PIPELINE_COLUMNS)  # type: ignore[operator]
-        for line in summary_lines(full.schedule):
-            echo(line)
-    if keys is None:
-        print_table(set_rows(sset), SET_COLUMNS)  # type: ignore[operator]
-    for line in set_summary_lines(sset):
-        echo(line)
-    if choice.profile is None:
-        echo("WARNING: predicted from a SYNTHETIC profile, not measurements")
-    save_schedule_set(sset, path)
-    echo(f"schedule set written to {path}")
-    return sset

@@ -1,42 +1,11 @@
 """Search a schedule set (`nanosched.schedule/2`): one decision per batch shape the engine runs.
 
 Keys are every (D decode, T tokens) on the 128-token grid up to the dense batch
-(`schedules.sets.set_keys`). Each key is decided in one of three ways, cheapest first:
+(`schedules.sets.set_keys`). Each key is decided in one of three ways, cheapest first: too
+small for two nano-batches, bounded below `min_gain` (by `overlap_bound` or the resource
+ceiling of proof.py), or searched by `run_search`. `search_set` returns the `ScheduleSet`.
 
-1. **too small**: T < 256 cannot hold two nano-batches: `sequential`.
-2. **bounded**: no schedule of any structure can reach `min_gain`: `sequential`, without a
-   solve, by the cheaper of two bounds: `overlap_bound`, else the resource ceiling
-   (`proof.resource_ceiling`, an LP per key: tighter, a tenth of a second). The bound
-   (`overlap_bound`) prices each op at its cheapest split in the search's
-   space (its fewest ticks over 2..max_nano_ops nano-ops covering the batch, or 1..max_nano_ops
-   covering an attention op's part, `stage1_bounds.op_min_ticks`; each at the lower of its rows and
-   its settled time in the forward, `Profile.settled_factor`), so the period is at least the
-   busiest class's load, and at least the whole layer's load over the largest P sum the profile
-   measured for a pair (P_compute + P_other of its R->P points, folded or per shape: at tp = 1
-   two streams run at once, and nothing runs faster than alone, so per unit of time at most
-   that much work gets done). Sequential time / that period bounds every schedule's predicted gain.
-3. **searched**: `run_search` at (D, T) with its share of the time left (the steady state's key
-   first, with a fifth of it; at most 60 s a key; a search of one key gets it all); kept as
-   `pipeline` when it predicts at least `min_gain`, else `sequential` with the gain it found in
-   `reason`
-   (the steady state's entry keeps that pipeline, not run, so `show` can draw it). A failed
-   search makes its key `sequential`, except at the steady state's key, where it stops the
-   search with its reason.
-
-Every sequential entry says whether its NO GAIN is proven (`proof.py`): too small, by the
-bound, by the ceiling, by the kept structure's bound (stage I's gap and stage II's bound), or
-not; a searched key records its ceiling and the gaps and stage II's bound of the best pipeline
-found. With `bound` off (`--buckets dense`) the key is searched
-whatever its bounds, and the ceiling is computed after the search, for the proof.
-
-The time limit holds for the whole set: once what is left of it would not cover one more key
-(`MIN_KEY_S` plus what keys have taken beyond their solver budget), the keys not yet searched
-run Sequential, marked `unsearched` (nearest the steady state are searched first). A
-deterministic search (tests) gives every key its fixed share instead.
-
-Keys are searched from the steady state's shape (the workload's mix at the dense batch) outwards
-(breadth first over D ± 128, T ± 128), each starting from the nano-op counts of the nearest key
-searched before it, so that the growth trials one key paid for are not paid again next door.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations
@@ -140,7 +109,7 @@ def max_p_sum(cfg: SearchConfig) -> float:
 
 def overlap_bound(cfg: SearchConfig, batch: BatchInfo) -> float:
     """An upper bound of the gain over Sequential that any schedule at `batch` can be
-    predicted (module docstring, 2.)."""
+    predicted (docs/search.md, 2.)."""
     from nanosched.autosearch.opgraph import TokenMix, layer_graph
     from nanosched.autosearch.search import _tables
     from nanosched.autosearch.stage1_bounds import class_loads, op_min_ticks
@@ -286,7 +255,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
         rest = len(order) - i
         if i > 0 and not base.deterministic and \
                 deadline - time.perf_counter() < MIN_KEY_S + over:
-            for j, late in enumerate(order[i:]):  # the set's time is spent (module docstring)
+            for j, late in enumerate(order[i:]):  # the set's time is spent (docs/search.md)
                 results[late] = _unsearched(late, sequential[late], ceilings[late], cfg.min_gain)
                 if on_key:
                     on_key(results[late], done + j + 1, n)

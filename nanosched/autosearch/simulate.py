@@ -8,15 +8,10 @@ consistency, `durations.compatible`: only pairs the profile measured run togethe
 as possible, never at the solver's placement.
 Durations come from the profile: t_alone(op, work tokens, context) / P of its allocation
 (on the whole GPU P = 1 / F, the op's settled factor in a forward of the batch's rows).
-Over L layers:
+Over L layers it reports the steady period, one forward's iteration and tokens/s per GPU, and
+prices the sequential baseline.
 
-    period      = (finish(L − 1) − finish(⌊L/2⌋ − 1)) / (L − ⌊L/2⌋)     steady state
-    iteration   = finish(L − 1) + t_lm_head                             one forward pass
-    tokens/s    = B / iteration / tp                                    per GPU
-
-The sequential baseline runs every op of the layer once over the whole batch, one after
-another on the full GPU (all-reduce form), each at its row times the profile's settled factor
-(`Profile.settled_factor`), L times, plus the LM head (at its row).
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

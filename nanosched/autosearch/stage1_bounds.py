@@ -1,41 +1,11 @@
 r"""Stage I's lower bounds and redundant constraints (see `stage1_model` for the model).
 
-Redundant constraints (implied by the model's; they give the LP and propagation a bound):
-  op work:                   Σ_i d_{A,i} ≥ m_A, m_A the least total time of the op's present
-                             nano-ops covering D_A (n_A pieces of ≥ 1 quantum when D_A is the
-                             batch, 1 to n_A pieces otherwise; dynamic programme over t_A)
-  stream loads:              τ ≥ Σ_x L_{x,σ} per stream σ, L_{x,σ} = d_x if q_{x,σ} else 0
-                             (over two unrolled layers a stream is busy Σ L_{x,σ} per period)
-  constant bound:            τ ≥ LB = max(M_C, M_M, M_N, ⌈(M_C + M_M + M_O) / 2⌉), M_c = Σ m_A
-                             over ops of class c (`other` ops run on compute or memory; a
-                             collective group adds its cheapest form): τ's initial domain
-  lanes:                     the first (last) token lies in nano-op 0 (n_A − 1) of every op
-                             whose domain holds it, so for an edge (A → B, δ) between such
-                             nano-ops x, y: s_y + δ τ ≥ e_x without a literal; a collective
-                             group G between A and B (A → G → B): s_y + δ τ ≥ e_x + Σ_G L_G,
-                             L_G = d_G if p_G else 0 (one form is present)
-  token cycles:              for every quantum j, the nano-ops holding j (one per op whose
-                             domain holds j; of a collective group the present form's) lie on
-                             the layer's cycle of data edges, so Σ_A D_{A,j} ≤ τ with
-                             D_{A,j} ≥ d_{A,i} when c_{A,i} ≤ j < c_{A,i+1} (and A's form is
-                             present). Proof: x_A(j) and x_B(j) share token j, so every data
-                             edge (A → B, δ) between ops holding j is a dependency
-                             s_B(j) + δ τ ≥ e_A(j); summing them around the cycle (total
-                             shift 1; `token_cycle_ops` checks the cycle for every choice of
-                             forms) gives Σ d ≤ τ, and D ≥ d only loosens it. The lane rows
-                             are this for j = 0 and Q − 1 with precedences; the middle quanta
-                             matter when ops are cut at different points (e.g. decode
-                             attention cut at 384 tokens and o at 1024).
-Relaxation R (solved first, its bound becomes τ's lower bound): the same cuts, durations,
-forms, stream literals, e_x ≤ 2τ, op-work, stream-load, lane and token-cycle rows, without
-the interval no-overlaps, the reified dependencies and the translation row. Every constraint
-of R is a constraint of stage I's model (lane and token-cycle rows are implied by the
-dependencies, as said above), so R's optimum, and any bound CP-SAT proves for it, is ≤ the
-optimum of stage I.
-Unlike the constant bound LB, R ties each op's nano-op durations to one set of cuts, so the
-first and last token's lane cycles (Σ of their nano-ops' durations ≤ τ, one periodic edge)
-and the loads are priced on the same split, so R's bound is at least LB and often above it.
-R is small (no scheduling) and quick to solve.
+Least split times of an op (`op_min_ticks`) and their sums per class (`class_loads`) give the
+period's constant bound (`period_lower_bound`); op work, stream loads, lanes and token cycles
+are rows implied by the model that give its LP relaxation and propagation a bound, so CP-SAT
+proves optimality (or a small gap) instead of only finding incumbents.
+
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

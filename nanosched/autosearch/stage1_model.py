@@ -10,28 +10,7 @@ presence p_x ⇔ (w_x ≥ 1 ∧ form of A chosen); duration d_x = t_A(w_x) (elem
 start s_x ≥ 0, end e_x = s_x + d_x; stream literal q_{x,σ} for σ ∈ streams(A), Σ_σ q_{x,σ} = p_x.
 Per collective group g: exactly one form literal f_{g,φ}.
 
-Constraints
-  no-overlap per stream σ:   intervals [s_x, e_x) with q_{x,σ} pairwise disjoint (one class
-                             per stream, so same-class nano-ops never overlap)
-  periodicity:               layer l runs at s_x + l τ; e_x ≤ 2 τ (a layer spans at most two
-                             periods), so the no-overlap above is imposed on the union of two
-                             unrolled layers {[s_x, e_x)} ∪ {[s_x + τ, e_x + τ)}: every pair of
-                             layers that can meet in the steady state. Nano-op x is issued in
-                             period ⌊s_x / τ⌋ after its layer's (its layer offset), at phase
-                             s_x mod τ on its stream.
-  dependencies (A → B, δ):   for x ∈ A, y ∈ B a literal a_{xy}: a_{xy} ⇒ s_y + δ τ ≥ e_x, and
-                             a_{xy} ∨ ¬p_x ∨ ¬p_y ∨ ¬f_cond ∨ (we_x ≤ ws_y) ∨ (we_y ≤ ws_x)
-                             (prompt edges: the range [ps(ws_y), ws_y) in place of [ws_y, we_y))
-Redundant constraints: `stage1_bounds` (op work, stream loads, the constant bound, lanes,
-token cycles), added by `build_cp_model`.
-Symmetry and search:
-  translation:               some present nano-op starts at 0 (shifting all starts changes no
-                             constraint but s ≥ 0)
-  horizon:                   τ ≤ the period of a heuristic structure (even splits, all-reduce
-                             forms, simple orders, `periodic.min_period`), which also hints
-                             every cut, form, stream and start; s_x, e_x ≤ 2 τ_max
-Objective: minimise τ.
-Solving: `stage1.solve_stage1`.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

@@ -8,89 +8,7 @@ point: share r_j in per-mille, performance P_j), literal o_{x,j}, Σ_j o_{x,j} =
 
 Time in ticks of 1 us; s_x start of layer 0's copy, e_x = s_x + d_x, phase φ_x = s_x − k_x τ.
 
-Constraints
-  dependencies (x → y, δ):   s_y + δ τ ≥ e_x
-  stream order (kept):       φ_b ≥ φ_a + d_a for consecutive a, b; φ_first + τ ≥ φ_last + d_last
-  phases:                    0 ≤ φ_x ≤ τ − 1;  e_x ≤ 2 τ
-  capacity:                  cumulative over the union of two unrolled layers of the optional
-                             intervals [s_x + lτ, s_x + lτ + ⌈t_x / P_j⌉) with demand r_j and
-                             presence o_{x,j}, l ∈ {0, 1}: Σ r ≤ 1000 at every instant
-  HBM:                       the optional intervals of options that are the other side of the
-                             memory table on a partition (attention, elementwise ops) never
-                             overlap, over both unrolled layers (`durations.hbm_stream`: two
-                             HBM streams were never measured beside each other)
-  energy (redundant):        Σ_{x,j} o_{x,j} r_j ⌈t_x / P_j⌉ ≤ 1000 τ
-  effective energy (redundant, only with non-partition options): a non-partition option of
-                             point q runs beside nothing but q's other side (point
-                             consistency below: two options of one side of q are incompatible),
-                             so at any instant the running set is one full option, green
-                             options (Σ r ≤ 1000) or one pair of q's two sides. Any split
-                             e_{q,c} + e_{q,o} = 1000 of the GPU between q's sides is therefore
-                             a valid demand: three more rows Σ o_{x,j} ⌊e_j ⌈t_x / P_j⌉⌋ ≤ 1000 τ
-                             (green and full options keep e_j = r_j) with the fair split
-                             e_{q,σ} = 1000 P_{q,σ} / (P_{q,c} + P_{q,o}) (a unit of alone-time
-                             work costs the same GPU time on either side) and the extremes
-                             e_{q,c} ∈ {1000, 0}. The nominal R of a cta_bound /
-                             stream_priority point says nothing of the GPU its side occupies
-                             (e.g. a compute side at R = 0.03 with P = 0.62), so the nominal
-                             row alone leaves the bound far below any schedule.
-  exclusive sets (redundant): a set S of (nano-op, option) pairs no two of which can run at
-                             once gives Σ_{(x,j) ∈ S} o_{x,j} ⌈t_x / P_j⌉ ≤ τ. Proof: in the
-                             steady state nano-op x occupies an arc of length d_x ≤ τ of the
-                             circle R / τZ (phase φ_x); arcs of options that never run at once
-                             (over all layers; the two unrolled layers cover every pair that
-                             can meet, as e ≤ 2τ) are disjoint, so their lengths sum to ≤ τ.
-                             Sets used: for a pivot stream σ and a share level h of σ's
-                             options, σ's options with r ≥ h and the other streams' options
-                             with r ≥ 1001 − h (≥ 501 when two or more other streams have
-                             nano-ops): pairs across σ and another stream exceed 1000 (the
-                             capacity forbids them), pairs of two other streams too, pairs of
-                             one stream follow its order. With point consistency, the
-                             non-partition options may instead be, for each non-partition
-                             point p, all those of ONE side σ_p of p (r > 0), the side chosen
-                             per point: two such options on different streams are never
-                             compatible (different points, or one point's same side), and
-                             against full (share 1000) or green_ctx options they are
-                             incompatible too. Rows for σ_p = compute for all p, = other for
-                             all p, and for each point q: σ_q = s, σ_p = the other side for
-                             p ≠ q (s ∈ {compute, other}): the mixed rows pair, e.g., an
-                             all-reduce's slow cta_bound side with every other point's
-                             compute side. Sets that are subsets of another are dropped.
-                             These rows lift the bound of the relaxation without capacity
-                             and A_xy no-overlaps above what the energy rows give.
-  point consistency:         only measured combinations run at once (durations.compatible).
-      Per nano-op: F_x = o_{x,full}, G_x = Σ_{j green_ctx} o_{x,j}, and for each option j of a
-      non-partition point q_j (cta_bound, stream_priority) on side σ_j ∈ {compute, other}:
-      N_x = Σ_{j non-partition} o_{x,j}. Two options i (of x) and j (of y) are compatible iff
-      both are green_ctx, or q_i = q_j and σ_i ≠ σ_j. For each pair x, y on different streams
-      where one has a non-partition option and the other a non-full one, a literal A_xy
-      ("apart") with
-          A_xy ≥ N_x + G_y − 1,     A_xy ≥ G_x + N_y − 1,
-          A_xy ≥ o_{x,i} + N_y − o_{y,ī} − 1     for every non-partition option i of x,
-      where ī is y's option of the other side of the same point q_i (0 when y has none): so
-      every incompatible non-full combination forces A_xy. Under A_xy the two copies of x and
-      of y may not meet:
-          A_xy ⇒ (e_x + aτ ≤ s_y + bτ) ∨ (e_y + bτ ≤ s_x + aτ)     for (a, b) ∈ {0, 1}²,
-      posted as one no-overlap over the four optional intervals [s_x + aτ, e_x + aτ),
-      [s_y + bτ, e_y + bτ) present iff A_xy (x's own copies never meet: d_x ≤ τ by the
-      stream load). Full options need nothing here: their share 1000 already keeps them
-      alone. Skipped when no nano-op has a non-partition option, and for pairs of one stream.
-Objective: minimise τ.
-
-Solving: hinted with the all-sequential placement (everything on the full GPU, one nano-op at
-a time in phase order; always feasible). With point consistency a warm start first solves the
-problem restricted to full and green_ctx options (no A_xy literals and no exclusive-set rows,
-a much easier model) for
-`GREEN_SHARE` of the time; its answer is feasible for the whole problem (green options force
-no A_xy) and becomes the whole problem's complete hint. The whole problem gets the rest of the
-time (all of it: a warm start that proves its problem optimal early hands its unused time on)
-and gives the reported incumbent, bound and gap (the restricted bound is no bound of the
-whole problem); if the whole problem finds nothing in its time (too short to load it), the
-warm start's answer is returned with its own bound and a note saying so, and if no solve found
-anything, the all-sequential hint itself (status HINT, with `lower_bound`'s bound). The warm
-start is needed because from the sequential hint alone CP-SAT's LNS rarely finds an
-improvement: every improvement needs two nano-ops to change option together and many starts
-to move.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations
@@ -228,7 +146,7 @@ def build_cp_model(prob: Stage2Problem, rows: bool = True) -> tuple[Any, Stage2V
 
 def _add_point_consistency(m: Any, prob: Stage2Problem, v: Stage2Vars
                            ) -> dict[tuple[str, str], Any]:
-    """A_xy literals and their no-overlaps (see the module docstring); {} when not needed."""
+    """A_xy literals and their no-overlaps (docs/search.md); {} when not needed."""
     npj = {x: [j for j, o in enumerate(prob.options[x]) if o.paired] for x in prob.alone}
     if not any(npj.values()):
         return {}
@@ -283,7 +201,7 @@ def _add_point_consistency(m: Any, prob: Stage2Problem, v: Stage2Vars
 
 
 def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
-    """The exclusive sets of the module docstring, as (nano-op, option index) lists: for a
+    """The exclusive sets of docs/search.md, as (nano-op, option index) lists: for a
     pivot stream σ and a share level h of its options, the full and green_ctx options of σ
     with share ≥ h and those of the other streams with share ≥ h' = 1001 − h (at least 501
     when two or more other streams have nano-ops), plus either the non-partition options
@@ -331,7 +249,7 @@ def exclusive_sets(prob: Stage2Problem) -> list[list[tuple[str, int]]]:
 
 
 def _fair_energies(prob: Stage2Problem, v: Stage2Vars) -> list[list[Any]]:
-    """The energy rows with effective shares of non-partition options (module docstring):
+    """The energy rows with effective shares of non-partition options (docs/search.md):
     a non-partition option only ever runs beside the other side of its own point, so any
     split e_c + e_o = 1000 of the GPU between the two sides is a valid demand. Rows for the
     fair split e_σ = 1000 P_σ / (P_c + P_o) (each unit of work costs the same GPU time

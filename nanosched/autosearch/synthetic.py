@@ -7,13 +7,7 @@ token count T (128, 256, ..., dense batch), on one of the tp GPUs:
     t(T) = max(F / (tp C), M / (tp W)) + t_launch                 memory- and other-class ops
     t(T) = t_lat + X / (tp W_bus)                                 network ops
 
-with F, M, X the FLOPs, bytes and network bytes of `costmodel.op_demands`, C the GEMM peak
-at the model's shapes, eff(T) = T / (T + 64) the GEMM efficiency that falls at small token
-counts, W the copy bandwidth and W_bus the all-reduce bus bandwidth. On an SM partition of s of
-the GPU's N SMs a compute op takes t N / (0.97 s) and a memory op is slowed by
-min(1, s / (0.75 N)). The R->P tables follow NanoFlow's Table 3 (R 0.1 -> P_mem 0.2, 0.2 -> 0.3,
-0.4 -> 0.8 as Figure 6 reports, 0.8 -> 0.85, 0.9 -> 0.95; network 0.1 -> 0.3, 0.2 -> 0.5,
-0.8 -> 0.9, 0.9 -> 1.0), with P_compute = 1 - R - 0.02.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

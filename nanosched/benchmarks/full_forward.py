@@ -17,7 +17,7 @@ import torch
 
 from nanosched.benchmarks.common import bucket_batch, decode_room, fitting_context, synthetic_batch
 from nanosched.runtime.config import EngineConfig
-from nanosched.runtime.scheduler import OpScheduler
+from nanosched.runtime.opsched import OpScheduler
 
 
 def forward_pages(dense: int, num_decode: int, context: int, prompt: int, page: int) -> int:
@@ -39,7 +39,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.graphs import BucketRunner
     from nanosched.runtime.modelprogram import model_program
-    from nanosched.runtime.scheduler import run_program
+    from nanosched.runtime.opsched import pick_strategy, run_program
     from nanosched.runtime.strategies import Sequential
 
     page = ws.kv.page_size
@@ -57,7 +57,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
             meta, segments, ids = synthetic_batch(ws, dense, num_decode, context, prompt,
                                                   first_id)
             program = model_program(model, ws, meta, segments)
-            run = strategy.pick(program, num_decode) or Sequential()
+            run, _ = pick_strategy(strategy, Sequential(), program, num_decode)
             _line_up(tp, model.device)
             t0 = time.perf_counter()
             run_program(program, run, Backend(device))

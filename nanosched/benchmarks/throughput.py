@@ -255,7 +255,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
     """Serve `warm` untimed requests, then the timed ones, on one engine (so graphs captured in
     the warm-up are replayed in the run, as a server captures before it serves); then time a
     full-batch forward with `num_decode` decode tokens (a third of the batch when None)."""
-    from nanosched.runtime.engine import EngineStats
+    from nanosched.runtime.stats import EngineStats
 
     spec, seed = model.spec, run_cfg.seed
     reqs = make_requests(cfg.workload, cfg.input_len, cfg.output_len, cfg.num_prompts,

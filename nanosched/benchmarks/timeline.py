@@ -4,25 +4,10 @@
 so that their collectives pair up): build the tp-sharded `CausalLM` with seeded random weights
 and the strategies' streams through the engine loader (runtime/loader.py), plan the schedule's
 full batch (decode tokens with the workload's context, then prompt chunks;
-the same token ids on every rank), and for Sequential, Replay(schedule) and TwoBatchOverlap:
+the same token ids on every rank), and time Sequential, Replay(schedule) and TwoBatchOverlap
+eagerly, as a CUDA graph and as a per-stream timeline, each checked against Sequential.
 
-- eager: wall time of launch + synchronise, and the CPU time of the launch alone,
-- graph (CUDA only): the forward captured into one CUDA graph (multi-stream capture; at tp > 1
-  the NCCL all-reduces are captured too) and replayed: GPU time with no CPU launch cost,
-- timeline: a span around every launch on its own stream (CUDA events; wall clock on the CPU),
-  giving each stream's busy time,
-- check: the final normed hidden states against Sequential's (bf16 on CUDA: rounding only).
-
-At tp > 1 Sequential runs once per network implementation of `cfg.networks` (NCCL, the
-copy-engine all-reduce, ...: `sequential[<impl>]` beyond the first), the model's default for
-the all-reduces each time; the copy engine's buffers are mapped when one of them or the
-schedule uses it.
-
-Ranks meet at a barrier before every timed region. `run(cfg, tp)` runs `run_rank` directly at
-tp = 1 and in `tp` spawned processes otherwise (`nanosched.models.parallel.launch`: NCCL on
-CUDA, one GPU per rank, gloo on the CPU), with NVLink multicast kept off; rank 0's result
-carries every rank's headline times. `predict(...)` adds the simulator's layer times.
-The CPU path (`device="cpu"`, fp32, eager only) exists for tests.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -55,11 +40,11 @@ from nanosched.runtime.loader import (
     resolve_device,
 )
 from nanosched.runtime.modelprogram import model_program
-from nanosched.runtime.scheduler import run_program
-from nanosched.runtime.strategies import Sequential
+from nanosched.runtime.opsched import run_program
+from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 from nanosched.schedules.format import Schedule, check_compatible, load_schedule
 
-STRATEGIES = ("sequential", "replay", "two_batch")
+STRATEGIES = (Sequential.name, "replay", TwoBatchOverlap.name)
 
 
 @dataclass(frozen=True)
@@ -203,7 +188,7 @@ def load_checked(cfg: TimelineConfig, tp: int, gpu_name: str | None
 
 
 def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
-    """This rank's measurements of every strategy (see the module docstring)."""
+    """This rank's measurements of every strategy (docs/runtime.md)."""
     cuda = cfg.device == "cuda"
     device = resolve_device(cfg.device, tp.rank)
     sched, full = load_checked(cfg, tp.size, gpu_name(device))
@@ -219,13 +204,14 @@ def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
         network_impl(n)[0] == "copy_engine" for n in networks))
     r = _Rank(tp, cfg, sched, spec, copy_engine=ce)
     streams = open_streams(replay, device)  # green contexts of a replay on CUDA, else None
-    two_batch = choose_strategy(EngineConfig(schedule="two_batch"), spec, device).strategy
+    overlap = choose_strategy(EngineConfig(schedule=TwoBatchOverlap.name), spec,
+                              device).strategy
     plain = CudaDevice if cuda else SerialDevice
     base = r.model.kernels
     runs = [("sequential" if i == 0 else f"sequential[{n}]", Sequential(), plain(), n)
             for i, n in enumerate(networks)]
     runs += [("replay", replay.strategy, streams.device if streams else plain(), base.network),
-             ("two_batch", two_batch, plain(), base.network)]
+             (TwoBatchOverlap.name, overlap, plain(), base.network)]
     out: dict[str, Any] = {"environment": environment(device), "rank": tp.rank, "tp": tp.size,
                            "layers": spec.num_layers, "dense_batch": sched.batch.dense_batch,
                            "results": {}}
@@ -283,7 +269,7 @@ def run(cfg: TimelineConfig, tp: int = 1) -> dict[str, Any]:
 def find_profile(sched: Schedule, arg: str | None = None) -> tuple[Any, str]:
     """The profile a schedule was searched with: `arg` (FILE or shipped NAME), else the shipped
     profile whose digest the schedule records; (None, why) when there is none."""
-    from nanosched.autosearch.request import load_named_profile, shipped_profiles
+    from nanosched.profiler.catalog import load_named_profile, shipped_profiles
     from nanosched.profiler.format import load_profile
 
     if arg:

@@ -1,20 +1,13 @@
 """`nanosched verify`: time a schedule set's pipelines against Sequential on this GPU, and keep
 only those that win here.
 
-The search predicts each entry from the profile; the replay can still lose what the prediction
-gave it (launch order, SM partitions, the clock under the power cap: docs/findings.md). For
-every pipeline entry, at its key's shape (D decode rows of T, the workload's contexts; the
-decode context shortened where D requests of it do not fit in the GPU's memory), this
-lays out one batch, captures a CUDA graph of it run by Sequential and by the entry, and replays
-each back to back through the profiler's `sustained_run` (the pairs' method): `settle_s`
-untimed (so the SM clock settles under the power cap, as while serving), then `window_s`
-timed, with the mean SM clock and board power over the window (NVML). The two strategies
-alternate `rounds` times and the median of each is kept, so a drift of the clock shows in
-both. An entry whose measured gain is below the set's `min_gain` becomes `sequential`, with
-the measurement in its reason; every checked entry records it in `measured`. The result is
-written as a new set (atomically).
+Each pipeline entry is laid out at its key's shape, captured as a CUDA graph run by Sequential
+and by the entry, and replayed back to back with the SM clock settled under the power cap,
+alternating rounds (medians kept); an entry below the set's `min_gain` becomes `sequential`
+with the measurement in its reason. The prediction can lose to launch order, SM partitions and
+the clock, so a set is kept only where it wins on the GPU. On the CPU: the logic, eagerly.
 
-On the CPU (tests) the same runs are eager, timed by the host clock: the logic, not a figure.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ from nanosched.errors import ConfigError, ScheduleError
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.graphs import BucketRunner
-from nanosched.runtime.scheduler import OpScheduler
+from nanosched.runtime.opsched import OpScheduler
 from nanosched.runtime.strategies import Sequential
 from nanosched.runtime.strategies.replay_set import ReplaySet
 from nanosched.schedules.sets import ScheduleSet

@@ -40,10 +40,11 @@ def bench(
     num_prompts: int = typer.Option(100, "--num-prompts", help="Number of requests."),
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
                                            "(default 2048 on a GPU, 256 on the CPU)."),
-    schedule: str = typer.Option("sequential", "--schedule", help="'sequential', "
-                                 "'two_batch' (TokenWeave-style overlap), 'auto' (a matching "
-                                 "shipped schedule, else Sequential) or a schedule JSON file "
-                                 "from `nanosched search`."),
+    schedule: str = typer.Option("sequential", "--schedule", help="A strategy by name "
+                                 "('sequential', or the TokenWeave-style two-batch overlap; "
+                                 "nanosched.runtime.strategies.NAMED lists them), 'auto' (a "
+                                 "matching shipped schedule, else Sequential) or a schedule "
+                                 "JSON file from `nanosched search`."),
     compare: bool = typer.Option(False, "--compare", help="Run Sequential first on the same "
                                  "requests in this process and report the ratio."),
     force: bool = typer.Option(False, "--force", help="Replay a schedule made for another "

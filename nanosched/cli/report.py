@@ -1,8 +1,5 @@
-"""What the commands print besides their library's own lines: aligned text tables and the
-report of `nanosched analyze`.
-
-`print_table` is also handed to the search, which prints its pipeline table through it.
-"""
+"""What the commands print besides their library's own lines: aligned text tables, the
+report of `nanosched analyze` and that of a finished search (`print_search_report`)."""
 
 from __future__ import annotations
 
@@ -40,6 +37,32 @@ def print_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]])
                              for i, (c, w) in enumerate(zip(r, widths, strict=True))))
         if n == 0:
             typer.echo("  ".join("-" * w for w in widths))
+
+
+def print_search_report(sset: Any, dense_only: bool, synthetic: bool) -> None:
+    """What `nanosched search` found: the steady state's pipeline table and prediction, the
+    table of every entry (unless only the steady state was searched), the set's summary, and a
+    warning when its profile was synthetic."""
+    from nanosched.schedules.show import (
+        PIPELINE_COLUMNS,
+        SET_COLUMNS,
+        pipeline_rows,
+        set_rows,
+        set_summary_lines,
+        summary_lines,
+    )
+
+    full = sset.full
+    if full is not None and full.schedule is not None:
+        print_table(pipeline_rows(full.schedule), PIPELINE_COLUMNS)
+        for line in summary_lines(full.schedule):
+            typer.echo(line)
+    if not dense_only:
+        print_table(set_rows(sset), SET_COLUMNS)
+    for line in set_summary_lines(sset):
+        typer.echo(line)
+    if synthetic:
+        typer.echo("WARNING: predicted from a SYNTHETIC profile, not measurements")
 
 
 def print_analysis(a: Any) -> None:

@@ -10,7 +10,7 @@ import typer
 
 from nanosched.cli.common import default_gpu, literal, require_matplotlib, sigterm_as_interrupt
 from nanosched.cli.options import MeanInputLen, MeanOutputLen, Workload, model_option
-from nanosched.cli.report import VERIFY_COLUMNS, print_table
+from nanosched.cli.report import VERIFY_COLUMNS, print_search_report, print_table
 
 
 def search(
@@ -48,6 +48,10 @@ def search(
         False, "--allow-unsettled", help="Search on a profile whose co-run pairs were timed in "
         "bursts, before the SM clock settled under the power cap (refused by default: its "
         "R->P points overstate overlap)."),
+    allow_rs_ag: bool = typer.Option(
+        False, "--allow-rs-ag", help="At tp > 1 let the search choose reduce-scatter + "
+        "all-gather for an all-reduce (the runtime replays all-reduce only: bench and serve "
+        "refuse such a set; for studying the search)."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache the schedule "
                                        "will run on: picks (or checks) a profile measured on "
                                        "it ('auto' = the model's dtype, 'fp8')."),
@@ -61,24 +65,26 @@ def search(
     issued in period l), tokens, predicted start and duration, share R of the GPU and the
     performance P it keeps there, the allocation (mechanism:SMs or CTAs) and dependencies.
     Ctrl-C or SIGTERM stops the search and writes nothing (exit 130)."""
-    from nanosched.autosearch.search import search_and_save
+    from nanosched.autosearch.command import search_command
+    from nanosched.autosearch.request import SearchRequest
 
+    req = SearchRequest(model=model, tp=tp, profile=profile,
+                        gpu=default_gpu(gpu, assume=False), workload=workload,
+                        input_len=input_len, output_len=output_len, dense_batch=dense_batch,
+                        time_limit=time_limit, workers=workers, max_nano_ops=max_nano_ops,
+                        max_period_us=max_period_us, out=out,
+                        command=" ".join(["nanosched", *sys.argv[1:]]),
+                        allow_unsettled=allow_unsettled, allow_rs_ag=allow_rs_ag,
+                        kv_dtype=kv_cache_dtype, buckets=buckets, min_gain=min_gain)
     try:
         with sigterm_as_interrupt():
-            search_and_save(model=model, tp=tp, profile=profile,
-                            gpu=default_gpu(gpu, assume=False), workload=workload,
-                            input_len=input_len, output_len=output_len,
-                            dense_batch=dense_batch, time_limit=time_limit,
-                            workers=workers, max_nano_ops=max_nano_ops,
-                            max_period_us=max_period_us, out=out, echo=typer.echo,
-                            print_table=print_table,
-                            command=" ".join(["nanosched", *sys.argv[1:]]),
-                            allow_unsettled=allow_unsettled, kv_dtype=kv_cache_dtype,
-                            buckets=buckets, min_gain=min_gain)
+            done = search_command(req, typer.echo)
     except KeyboardInterrupt:
         typer.echo("search interrupted: no schedule written (an earlier file is untouched)",
                    err=True)
         raise typer.Exit(code=130) from None
+    print_search_report(done.sset, dense_only=done.dense_only, synthetic=done.synthetic)
+    typer.echo(f"schedule set written to {done.path}")
 
 
 def verify(

@@ -33,9 +33,10 @@ def serve(
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: one process per GPU, "
                            "started by this command (this one schedules)."),
     schedule: str = typer.Option("auto", "--schedule", help="'auto' (a matching shipped "
-                                 "schedule, else Sequential), 'sequential', 'two_batch', or a "
-                                 "schedule JSON file (refused if made for another model, tp "
-                                 "or GPU)."),
+                                 "schedule, else Sequential), a strategy by name ('sequential', "
+                                 "the two-batch overlap: nanosched.runtime.strategies.NAMED), "
+                                 "or a schedule JSON file (refused if made for another model, "
+                                 "tp or GPU)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8000, "--port", help="Port to bind."),
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "

@@ -1,23 +1,11 @@
 """How long the parts of a profile take, so a run can stop at a time limit and be resumed.
 
-Pure Python. A GPU lent for at most so many minutes per command (10 on the project's device
-machines) takes a full grid in parts: `nanosched profile --time-limit S` measures until the
-next piece would not fit in the S seconds since the command started, saves the partial file
-and stops (exit 75); `--resume --time-limit S` goes on, and the call that finishes writes the
-profile. The estimates only decide where to stop, so they are generous:
-- a kernel row: well under a second, but the first of an op may compile its kernels
-  (`ROW_MARGIN_S` kept free);
-- a looped piece (pair, alone reference, forward layer): `pair_settle_ms + pair_window_ms`;
-  a memory pair may first need both sides' alone references, so three of them;
-- the network step runs in batches of GEMM x all-reduce pairs, each batch one start of the
-  ranks (`NETWORK_START_S`: spawning them, NCCL's groups, the copy engine's mapped buffers),
-  the collective rows in the first batch (`COLLECTIVE_S` each), each new GEMM shape's alone
-  run, and each pair: its collective is launched as many times as fill the window at its own
-  alone rate, so beside a GEMM it lasts the window / its P; `PAIR_P` is below the lowest P
-  against its own row the 4xH100 quick profile measured (NCCL unbounded 0.26, bounded 0.46,
-  copy engine 0.57: pairs of 1.3 to 5 s).
-A batch holds at most `MAX_BATCH_S` of estimated work, under the workers' own timeout, and at
-least `MIN_BATCH_PAIRS` pairs (or all that are left): fewer would not pay for the start.
+Pure Python. `--time-limit S` measures until the next piece would not fit in the S seconds
+since the command started, saves the partial file and stops (exit 75); `--resume` goes on. So
+a full grid is taken in parts on a GPU lent for minutes per command. The estimates (rows,
+looped pieces, network batches) only decide where to stop, so they are generous.
+
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations

@@ -1,61 +1,13 @@
 """The profile contract, `nanosched.profile/1`: one JSON file per GPU x model x tp.
 
 Pure Python: the search reads profiles on machines without a GPU. The profiler writes them.
+A profile holds the GPU's identity, the model and tp, the KV dtype its attention rows ran on,
+the measured ceilings, the kernel rows (op, tokens, context, SMs, mechanism, implementation ->
+time), the co-run pairs and the R->P tables derived from them, and optionally the forward table
+(each op's settled factor in a forward). Loading checks every field and names what is wrong
+(profiler/validate.py); `check_profile_for` refuses a profile of another model or tp.
 
-Contents
-- `identity`: GPU name, SM count, memory, driver, CUDA, torch, triton, date, command line.
-- `model` (ModelSpec JSON) and `tp`; `dense_batch`, the largest token count measured;
-  `kv_dtype`, the KV cache the attention and rope_append rows ran on ("fp8": e4m3 with scales;
-  absent = "auto", the model's dtype). A schedule searched on it runs only on that cache.
-- `ceilings`: measured bf16 GEMM TFLOP/s (at 8192^3 and at the model's shapes), HBM copy GB/s,
-  all-reduce bus GB/s and latency (tp > 1; `modelled` when derived rather than measured).
-- `kernels`: rows (op, tokens, context, sms, mechanism, impl) -> time_us, every measurement kept;
-  `best` marks the fastest row per (op, tokens, context, sms).
-  Network ops: `ar_attn`, `ar_ffn` (all-reduce of [T, D]) and, for schedules that split an
-  all-reduce, `rs_attn`, `rs_ffn` (reduce-scatter [T, D] -> [T/tp, D]) and `ag_attn`, `ag_ffn`
-  (all-gather [T/tp, D] -> [T, D]); `tokens` is T. Their `sms` is the NCCL CTA bound
-  (`cta_bound`, impl `nccl_ctasN`) or all SMs (`full`, impl `nccl`). Rows for more GPUs than
-  were visible are derived from the measured two-GPU bus bandwidth and latency with NCCL's ring
-  formulas and marked `modelled`; a note says so.
-- `pairs`: raw co-run measurements of a compute kernel beside a memory or network kernel.
-  `compute_alone_us`/`other_alone_us` are each op's best time alone on the whole GPU (of any
-  implementation), so P = alone / co-run is normalised to the op's best, as in NanoFlow section
-  4.1.1. `other_impl` names the memory kernel that ran (the one fastest alone at the pair's
-  placement; absent: the runtime's default), and R->P points carry it, so a schedule launches
-  the attention kernel that was measured there.
-  Under a power cap the SM clock depends on what ran in the last few hundred milliseconds, so
-  a pair (and the alone times it is normalised to) is measured as serving meets it: each
-  kernel looped for `settle_ms` until the clock has settled, then timed over `window_ms`
-  (about one period of the power controller's ripple; bench/hardware/power_settle.py measures both).
-  `clock_mhz`/`power_w` are the mean SM clock and board power over the co-run window,
-  `*_alone_clock_mhz` over the alone windows. Kernel rows record the clock and power of their
-  own short timing. `unsettled()` says why a profile's pairs cannot be trusted as sustained
-  figures (the search refuses such a profile).
-- `rp`: the R->P table per non-compute class, folded over the profiled shapes. R is the share of
-  the GPU given to the non-compute kernel: its partition's SMs / all SMs (`green_ctx`), its CTAs
-  / all SMs (`cta_bound`, one CTA per SM), or NanoFlow's GEMM-centric proxy 1 - P_compute where
-  nothing bounds it (`stream_priority`). `p_other` is its performance normalised to running
-  alone, `p_compute` the compute kernel's (measured, not assumed 1 - R), each against the
-  profile's kernel row of that op and shape (not the pair's own, sustained alone time), so that
-  row / P is the time the kernel took in the pair (profiler/interference.py says why). Each
-  point says how it was realised (mechanism, SMs or CTAs of each side, the compute
-  implementation), so a schedule that picks the point can be run as measured. `std_rel` is the
-  spread of `p_other` across shapes (NanoFlow found one table fits within 5%).
-- `rp_shapes`: per-shape R->P points (`compute_op`, `tokens` and `context` set), kept when one
-  table does not fit every shape; `rp_points(cls, compute_op, tokens)` prefers them.
-- `forward` (optional): a Sequential layer of the fastest full-GPU rows (the workload's mix at
-  half and all of the dense batch, decode only at a quarter of it), looped for `settle_ms`
-  until the clock settled under the power cap, then timed over `window_ms`; one row per op
-  and layer (`batch_tokens`, `num_decode`): the op's median span inside the
-  layer (`time_us`) beside the kernel row it ran as (`row_us`), with the layer's clock and
-  power. Kernel rows are short flushed bursts at the clock of an idle GPU; inside a serving
-  forward a GEMM runs slower where the board sits at its cap and an elementwise op faster where
-  it reads what the op before it left in L2. `settled_factor(op, T)` = time_us / row_us (F) is
-  what the search multiplies a row by for an op alone on the whole GPU inside a forward of T
-  rows; pairs need no factor (their P are against the rows, measured settled).
-
-Lookups never extrapolate: a token count or context outside the measured range is a
-ProfileError naming the missing row. Contexts between measured ones interpolate linearly.
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations
@@ -184,7 +136,7 @@ class RPPoint:
 
 @dataclass(frozen=True)
 class ForwardRow:
-    """One op of a Sequential layer looped until the clock settled (module docstring)."""
+    """One op of a Sequential layer looped until the clock settled (docs/profiler.md)."""
 
     op: str
     batch_tokens: int  # rows of the layer (T)
@@ -311,7 +263,7 @@ class Profile:
 
     def settled_factor(self, op: str, batch_tokens: int) -> float:
         """F: how much longer than its row `op` runs alone on the whole GPU inside a forward of
-        `batch_tokens` rows (module docstring, `forward`); linear in T between the measured
+        `batch_tokens` rows (docs/profiler.md, `forward`); linear in T between the measured
         layer sizes (the mean of the layers of one size), the nearest one's outside them; 1
         where the profile has no forward row of `op` (profiles without a forward table, network
         ops)."""

@@ -6,15 +6,7 @@ launch dict the runtime would pass for the row (`launch_of`): `{"impl", "num_sms
 GPU or a green-context partition, `{"impl", "max_ctas"}` for `cta_bound`. So a schedule that
 names a row's implementation is launched exactly as it was measured.
 
-An `Impl` says which SM-allocation mechanisms it supports and how to set it up:
-`kernel(call: OpCall) -> Kernel`, where `OpCall` gives the model, tp, op, tokens, context, the
-SMs (or CTAs, for `cta_bound`) it may use, the GPU's SM count and a `ScratchSpace` of cached random
-tensors; `Kernel.fn()` launches the op once on the current stream, inside `Kernel.scope()`
-(global settings around the timing loop, if any). setup allocates; fn only launches.
-The implementations live in `impls_kernels.py`; set `quick=False` on variants that `--quick`
-may leave out.
-
-torch is imported here (it is installed everywhere); triton and torch.cuda only inside setup.
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """The registered implementations: the model's kernels, launched through nanosched.kernels.dispatch.
 
-Each setup builds the op's inputs and outputs at the row's shape in the workspace (outputs are
-named `y_<op>`, `y_norm`, `q_rope`, ...) and returns a `Kernel` whose fn calls the dispatch
-function the model's op calls, with the runtime's launch dict (impls.launch_of).
-Names (nanosched/kernels/impls.py):
-- kqv, o, ug, d: `cublas`, `cublaslt` (SM target = the SMs given), `triton_persistent_128x128`
-  and `triton_persistent_128x256` (NUM_SMS = the SMs given).
-- attn_decode: `triton_pipelined`, `triton_paged` and `torch` over a paged cache of T requests
-  of context C (page size 16, pages in random order). The grid bound is the row's CTAs for
-  `cta_bound`, and otherwise the configuration's programs per SM of the partition (the
-  dispatcher's rule for `num_sms`, the same at run time). Split-K is left to the kernel's
-  planner (enough work items for two per CTA: small T at long context splits), which is what
-  the runtime launches when a schedule gives no `num_splits`.
-- attn_prefill: `triton` (kernels/prefill_attn.py, device segment metadata built in setup) and
-  `torch` (gather + SDPA per segment) over a paged cache (page size 16, pages in random order).
-  A row (T, p) is T tokens cut from prompts of p = `context` tokens, so the causal mean context
-  is (p + 1) / 2 as the cost model keys it: T >= p: fresh prompts of p tokens (the last one
-  shorter when p does not divide T); T < p: the middle T-token chunk of one p-token prompt, which
-  continues a cached prefix of (p - T) // 2 tokens (timing a fresh T-token prompt instead would
-  underprice the chunk, which reads its prefix).
-- experts_ug, experts_d: `triton` (grouped GEMM; bounded to the SMs given when they are fewer
-  than the GPU's outside a partition, impls.grouped_programs) and `torch` (loop over experts),
-  over the T·k rows, uniform routing (row i → expert i mod E; routing itself not timed).
-- rope_append, add_norm_ffn, add_norm_attn, act: `triton` (persistent grid bounded by the SMs
-  given: `num_sms` times the kernel's programs per SM, impls.elementwise_ctas; or by the row's
-  CTAs for `cta_bound`, as a schedule bounds them beside a GEMM) and `torch`.
+Each setup builds the op's inputs and outputs at the row's shape and returns a `Kernel` that
+calls the dispatch function the model's op calls, with the runtime's launch dict
+(`impls.launch_of`), so a row times exactly what a replay launches. Names are those of
+nanosched/kernels/impls.py (GEMMs: cuBLAS, cuBLASLt with an SM target, persistent Triton;
+attention: the paged Triton kernels and torch; elementwise and grouped GEMM families).
+
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations
@@ -141,7 +123,7 @@ def _decode(call: OpCall, launch: Launch) -> Kernel:
 
 def prefill_rows(tokens: int, prompt: int) -> list[Segment]:
     """(start, end, first_pos) of a prefill row: T tokens cut from prompts of `prompt` tokens
-    (module docstring)."""
+    (docs/profiler.md)."""
     if tokens < prompt:
         return [(0, tokens, (prompt - tokens) // 2)]
     return [(s, min(s + prompt, tokens), 0) for s in range(0, tokens, prompt)]

@@ -8,14 +8,7 @@ P_compute, and `std_rel` = standard deviation / mean of P_other. The folded poin
 again, giving one table per class. `fit` is the largest `std_rel` of the table; NanoFlow found
 within 5%. Where the fit is worse than `FIT_LIMIT`, the per-shape Pareto points are kept too.
 
-A point's P is normalised to the profile's kernel row of that op and shape (`alone`: the fastest
-time alone on the whole GPU, which the search divides by P), not to the pair's own alone time:
-so t_row / P is the time the kernel took in the pair. The two alone times differ. A pair's alone
-times are looped until the clock settles under the power cap, so a GEMM's is 12-15% slower
-than its row (median over the shipped H100 and H200 profiles' pairs; the attention's within 2%).
-P against the pair's alone time, divided into the row, predicted every paired GEMM that much
-faster than it ran. The pair rows keep both times (`PairRow.p_compute` is the P against the
-pair's own alone time: the interference itself, which `profile show` prints).
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations
@@ -49,8 +42,8 @@ def _p(value: float) -> float:
 
 
 def pair_ps(pair: PairRow, alone: AloneTime | None = None) -> tuple[float, float]:
-    """(P_compute, P_other) of a pair against the `alone` times of its shapes (module
-    docstring), each side against the pair's own alone time where `alone` has no row."""
+    """(P_compute, P_other) of a pair against the `alone` times of its shapes (docs/profiler.md),
+    each side against the pair's own alone time where `alone` has no row."""
     tc = alone(pair.compute_op, pair.tokens, 0) if alone else None
     to = alone(pair.other_op, pair.tokens, pair.context) if alone else None
     return (tc / pair.compute_us if tc else pair.p_compute,
@@ -101,7 +94,7 @@ class RPTable:
 
 def derive_rp(pairs: Iterable[PairRow], num_sms: int, alone: AloneTime | None = None
               ) -> RPTable:
-    """The R->P table of one class from its raw pairs, P against `alone` (module docstring;
+    """The R->P table of one class from its raw pairs, P against `alone` (docs/profiler.md;
     None: against each pair's own alone times)."""
     shapes: dict[tuple[str, int, int], list[RPPoint]] = defaultdict(list)
     for pair in pairs:

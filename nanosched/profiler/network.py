@@ -1,18 +1,12 @@
 """Collectives and GEMM x all-reduce pairs on several GPUs (GPU-only; one process each).
 
-`measure_network` spawns `request.world` processes (torch.multiprocessing, spawn), each on its
-own GPU, with NVLink multicast kept off in their environment (`constants.MULTICAST_OFF`). They
-time all-reduce, reduce-scatter and all-gather of [T, D] bf16 at every token count, on NCCL's
-default process group and on groups whose NCCL config bounds the CTAs (`max_ctas`), and the
-copy-engine all-reduce (kernels/ce_allreduce.py, in a buffer of its own) with its reduction
-unbounded and bounded to each of `request.copy_engine_ctas`; all with the same fixed number of
-launches so that ranks stay in step, queued behind a GPU sleep so the rows are GPU time, not
-Python launch gaps (`_fixed_bench_us`). Then each rank runs a GEMM beside the all-reduce,
-sustained as the memory pairs are: the GEMM looped alone until the clock settled, then beside
-the collective (captured in a CUDA graph and launched the same number of times on every rank,
-`timing.sustained_fixed`) for the settle time and the window, with clock and power sampled; rank
-0 writes the results as JSON for the parent. A request whose collective rows are known
-(`times_us`, a later batch of pairs) times only its pairs.
+`measure_network` spawns one process per GPU (NVLink multicast off) that time all-reduce,
+reduce-scatter and all-gather at every token count on NCCL, on CTA-bounded NCCL groups and the
+copy-engine all-reduce, then a GEMM beside the all-reduce, sustained as the memory pairs are.
+Every rank launches the same fixed number of times, so the ranks stay in step; rank 0 writes
+the results for the parent.
+
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations
@@ -223,7 +217,7 @@ _ALONE: dict[tuple[str, int], tuple[float, float | None]] = {}  # (op, tokens) -
 def _pair(settings: ProfileSettings, task: PairTask, net: _Net,
           times: dict[tuple[str, int, int], float], num_sms: int,
           tele: Any) -> dict[str, Any]:
-    """The GEMM of `task` beside its all-reduce, sustained (module docstring). Alone: cuBLAS
+    """The GEMM of `task` beside its all-reduce, sustained (docs/profiler.md). Alone: cuBLAS
     on all SMs looped until the clock settled (as the memory pairs), and the collective's row;
     every rank launches the collective the same number of times (its row is agreed)."""
     import torch

@@ -9,14 +9,7 @@ NCCL's own tuning model (latency = base + steps x per-hop):
     reduce-scatter (ring):   t =   (N-1)/N * S / B + a0 +   (N-1) h
     all-gather (ring):       t =   (N-1)/N * S / B + a0 +   (N-1) h
 
-Measurements on one GPU count give B and a0 + steps h, not a0 and h apart; h is taken from
-NCCL's tuning table (ring, LL128 over NVLink: 1.9 us per step, `NVLINK_HOP_US`) and a0 is what
-remains of the fitted intercept. (Treating the whole two-GPU intercept as per-step latency, as a
-pure ring formula does, would price a 2 MB all-reduce on 8 H200s at 145 us, about 3x NCCL's own
-tuning model there.)
-
-`fit_ring` finds B and a0 by least squares from measurements on `world` GPUs at several sizes;
-`ring_time_us` evaluates the formula at another N. Rows made this way are marked `modelled`.
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations

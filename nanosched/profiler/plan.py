@@ -5,28 +5,7 @@ partitions the GPU granted and the implementations available, `kernel_tasks` lis
 (op, tokens, context, sms, mechanism, impl) row and `pair_tasks` every co-run pair. A task's
 `key` is the key of the row it produces, so a resumed run measures only the missing keys.
 
-Grids (full / --quick):
-- tokens: 128 .. dense batch in steps of 128 (both).
-- contexts of `attn_decode`: p/2, p, p + d/2, p + d  /  p/2, p + d  (mean KV context);
-  `attn_prefill`: prompt lengths p/2, p, 2p  /  p (chunks of T tokens cut from such prompts).
-- SM partitions: the GPU split into a small side of 16, 32, 48, 64 SMs and the rest  /  32;
-  every op is measured on every granted side and on all SMs.
-- CTA bounds of memory and elementwise kernels (`cta_bound`): 8, 16, 32, 48, 64, 96, 128  /
-  16, 64.
-- NCCL CTA bounds of network kernels: 2, 4, 8, 16, 32  /  2, 8.
-- compute x network pairs, at each pair shape and each of its GEMMs at 1,024 and 2,048 rows
-  (where the grid reaches): NCCL beside the GEMM on all SMs; NCCL at each CTA bound and the
-  copy engine at each of `COPY_ENGINE_CTAS`, beside the GEMM told to leave those SMs.
-- compute x memory pairs, at each pair shape (every GEMM at a quarter, half and all of the dense
-  batch / two shapes): plain prioritised streams; each granted partition, the GEMM on the rest
-  and the memory kernel on the small side; and the memory kernel bounded to as many CTAs as a
-  small side has SMs, the GEMM told to leave them free. The GEMM of each placement is the
-  implementation fastest alone there (kernel table), since each pair is timed for
-  `pair_settle_ms` + `pair_window_ms` (the clock settled under the power cap) and so costs
-  seconds, not milliseconds.
-- forward: a Sequential layer at half the dense batch and at the dense batch at the
-  workload's steady mix, and a decode-only one at a quarter (both grids), each op the
-  implementation fastest alone on all SMs, looped as the pairs are (`layer_tasks`).
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations

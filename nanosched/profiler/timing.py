@@ -11,20 +11,7 @@ launches several kernels from Python (prefill attention: a few per prompt) is ti
 work, not by the CPU's launch gaps between its kernels (a CUDA graph or a runtime that runs
 ahead of the GPU has none).
 
-`co_run_us(a, b)`: both streams are held behind a `torch.cuda._sleep` on the launching stream
-while every launch is queued (so the CPU never starves a stream), then released together; the
-sleep covers twice what the warm-up launches cost the CPU (a Python-launched NCCL collective
-costs tens of us). Each
-stream loops its kernel enough times to cover `window_ms` and records an event after every
-launch. Only launches that start and end while both streams are busy count: their median span is
-each kernel's co-run time. This times each kernel's own span, not the pair's makespan.
-
-`sustained_run(work)` loops kernels on their streams until the clock settles under the power
-cap and times them over a window; `sustained_sequence(fns)` does the same for a sequence of
-kernels on one stream (a layer), an event after each, so every kernel's span inside the
-sequence is timed. `sustained_fixed(loop, fixed, n)` is the form for collectives, whose ranks
-must launch the same number: `fixed` is launched exactly `n` times (every rank passes the same
-n) while `loop` runs beside it for as long as `fixed` does.
+More in docs/profiler.md, module notes.
 """
 
 from __future__ import annotations

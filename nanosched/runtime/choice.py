@@ -1,12 +1,13 @@
 """Which strategy an engine runs: `--schedule` resolved to a `StrategyChoice`.
 
-`choose_strategy` turns sequential, two_batch (TokenWeave's wave-aware split at the GPU's SM
-count), auto (the shipped schedule that matches this model, tp and GPU and predicts a gain,
-else Sequential, logged with the reason) or a schedule FILE (a set or a single schedule,
-checked with `check_set_compatible` before any weight loads; `force` replays it anyway) into
-the strategy object and the schedule it replays; `named_choice` rebuilds a choice from its name
-(a tensor-parallel worker builds the strategy rank 0 chose); `open_streams` opens the CUDA
-streams and green-context partitions a replay names.
+`choose_strategy` turns a registered strategy's name (`strategies.NAMED`, built for the GPU's
+SM count: Sequential, TokenWeave's wave-aware two-batch split), auto (the shipped schedule that
+matches this model, tp and GPU and predicts a gain, else Sequential, logged with the reason) or
+a schedule FILE (a set or a single schedule, checked with `check_set_compatible` before any
+weight loads; `force` replays it anyway) into the strategy object and the schedule it replays;
+`named_choice` rebuilds a choice from its name (a tensor-parallel worker builds the strategy
+rank 0 chose); `open_streams` opens the CUDA streams and green-context partitions a replay
+names.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from nanosched.kernels.impls import network_impl
 from nanosched.models.ops import NETWORK
 from nanosched.models.spec import ModelSpec
 from nanosched.runtime.config import EngineConfig
-from nanosched.runtime.scheduler import OpScheduler
+from nanosched.runtime.opsched import OpScheduler
 
 log = logging.getLogger("nanosched.loader")
 
@@ -38,7 +39,7 @@ class StrategyChoice:
     single schedule) it replays, if any."""
 
     strategy: OpScheduler
-    name: str  # sequential | two_batch | replay:<file>
+    name: str  # a name in strategies.NAMED | replay:<file>
     schedule: Any = None  # schedules.sets.ScheduleSet (engines) or schedules.format.Schedule
     forced_past: list[str] = field(default_factory=list)  # mismatches `force` let through
 
@@ -63,12 +64,12 @@ class StrategyChoice:
 
 
 def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> StrategyChoice:
-    """The strategy of `cfg.schedule` (sequential | two_batch | auto | FILE): a schedule set
+    """The strategy of `cfg.schedule` (a name in strategies.NAMED | auto | FILE): a schedule set
     (or a single schedule, as a set of one entry) checked against this model, tp, GPU and KV
     cache dtype (refused unless `cfg.force`), replayed by `ReplaySet`."""
-    from nanosched.runtime.strategies import Sequential
+    from nanosched.runtime.strategies import NAMED, Sequential
 
-    if cfg.schedule in ("sequential", "two_batch"):
+    if cfg.schedule in NAMED:
         return named_choice(cfg.schedule, None, spec, device)
     from nanosched.schedules.sets import check_set_compatible, load_schedule_set
 
@@ -91,17 +92,15 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
 
 def named_choice(name: str, schedule: Any, spec: ModelSpec,
                  device: torch.device) -> StrategyChoice:
-    """The choice `StrategyChoice.name` names (sequential, two_batch at the GPU's SM count, or
-    replay:<where> of `schedule`, a set already checked): how a tensor-parallel worker builds
-    the strategy rank 0 chose."""
-    from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
+    """The choice `StrategyChoice.name` names (a registered strategy, built for the GPU's SM
+    count, or replay:<where> of `schedule`, a set already checked): how a tensor-parallel
+    worker builds the strategy rank 0 chose."""
+    from nanosched.runtime.strategies import NAMED
 
-    if name == "sequential":
-        return StrategyChoice(Sequential(), "sequential")
-    if name == "two_batch":
+    if name in NAMED:
         sms = torch.cuda.get_device_properties(device).multi_processor_count \
             if device.type == "cuda" else DEFAULT_NUM_SMS
-        return StrategyChoice(TwoBatchOverlap(num_sms=sms), "two_batch")
+        return StrategyChoice(NAMED[name].for_gpu(sms), name)
     return set_choice(schedule, name.removeprefix("replay:"), spec)
 
 

@@ -1,43 +1,14 @@
 """The serving engine (NanoFlow §4.2.1): `step()` = form batch -> run the scheduler -> post-process.
 
-A fixed dense batch per iteration (decode first, chunked prefill after; see batcher.py, which
-also admits requests and preempts them when KV pages run out, as `config.admission` says). The
+The request scheduler (runtime/request_scheduler.py: admission, preemption, every KV page of a
+request, as `config.admission` says) gives each batch, a fixed dense batch with decode first and
+chunked prefill after, and takes back what it sampled; the engine plans and frees no page. The
 model step goes through a scheduling strategy (`Sequential` by default; any `OpScheduler`), with
 a fallback strategy for batches the main one has nothing for (`OpScheduler.pick`: a schedule
 set without an entry for the batch's shape); `stats` counts iterations that ran a pipeline, ran
 sequentially by the strategy's decision, and fell back.
 
-Asynchronous loop. With `config.async_loop` the CPU forms and launches batch i+1 before it reads
-back batch i's tokens: a decode whose previous token is still on the device takes it from the
-device tensor of the last iteration, and a request that ended with EOS in batch i is seen one
-iteration late (its extra token is dropped). Without a GPU both loops give the same tokens. A
-step waits for the GPU only there, on batch i's event: every host value it sends goes through
-pinned memory (`kernels.common.host_to_device`) and sampling is told on the host whether any row
-samples at random, since a blocking copy or the truth of a device tensor would wait for the
-forward just launched and leave the GPU idle while the CPU post-processes and forms the next
-batch (tests/gpu/test_graphs_gpu.py checks a replayed step under torch's sync debug mode).
-
-CUDA graphs (`graphs="on"`). Each batch is laid out in a bucket (decode rows rounded up to
-`graph_align`, then prompt chunks; models/bucket.py) and replayed from a CUDA graph captured per
-(strategy, bucket) at the bucket's first batch (runtime/graphs.py); batches no bucket holds run
-eagerly. `graphs="layout"` lays batches out the same way but runs them eagerly (the CPU tests of
-what a graph replays). `stats.graphs` counts captures, replays and padding.
-
-Tensor parallelism (tp > 1). This engine is rank 0's: it schedules and samples alone. Through
-`link` (runtime/ranks/messages.py `EngineLink`) every step's batch goes to the other ranks with
-the journal of the KV pool's page changes; each rank's own `Engine` replays the journal and
-runs `follow`, which plans the same chunks, lays them out in the same bucket and runs the same
-`forward`, which starts with the broadcast of rank 0's token ids; only rank 0 samples
-(design.md, "Serving at tp > 1").
-
-Serving hooks. `on_token(request, token)`, when given, is called once for every token appended
-to a request's output, in order, during post-processing. `abort(request_id)` ends a request
-wherever it is: a waiting one leaves the queue (a swapped-out one's host copy is dropped); a
-running one is retired and its KV pages are freed at once. A token of it still in flight
-(async loop) is dropped when read back, as a token past EOS is. Aborted requests end with
-`finish_reason == "abort"` and are not in `finished`. A request whose logits are not finite
-(NaN or +inf) cannot be sampled: it ends with `finish_reason == "error"` (pages freed, in
-`finished`) while the rest of the batch goes on.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -53,24 +24,17 @@ from nanosched.errors import ConfigError
 from nanosched.kernels.common import host_to_device
 from nanosched.models.batch import BatchMeta, SeqChunk
 from nanosched.runtime.backend import Backend
-from nanosched.runtime.batcher import Batch, Batcher
-from nanosched.runtime.config import GRAPH_MODES, EngineConfig
+from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.device import CudaDevice, SerialDevice
-from nanosched.runtime.graphs import BucketRunner
-from nanosched.runtime.layout import Layout, lay_out
+from nanosched.runtime.graphs import BucketRunner, check_graph_mode
+from nanosched.runtime.layout import Layout, lay_out, write_token_ids
 from nanosched.runtime.modelprogram import model_program
-from nanosched.runtime.preempt import make_pool
+from nanosched.runtime.opsched import OpScheduler, pick_strategy, run_program
 from nanosched.runtime.program import LaunchConfig
+from nanosched.runtime.request_scheduler import Batch, RequestScheduler
 from nanosched.runtime.requests import Request
-from nanosched.runtime.sampling import sample
-from nanosched.runtime.scheduler import OpScheduler, run_program
-from nanosched.runtime.stats import (  # noqa: F401 (EngineStats, busy_and_idle: re-exported)
-    EngineStats,
-    ForwardTimer,
-    busy_and_idle,
-    forward_ms_by_shape,
-    timeline_report,
-)
+from nanosched.runtime.sampling import sample, to_host
+from nanosched.runtime.stats import EngineStats, ForwardTimer, forward_ms_by_shape, timeline_report
 from nanosched.runtime.strategies import Sequential
 
 
@@ -99,10 +63,7 @@ class Engine:
         if cfg.dense_batch is None or cfg.num_pages is None:
             raise ConfigError("EngineConfig.dense_batch and num_pages must be set (the loader "
                               "resolves them: nanosched.runtime.loader.load_engine)")
-        if cfg.graphs not in GRAPH_MODES:
-            raise ConfigError(f"graphs must be 'off', 'on' or 'layout', got {cfg.graphs!r}")
-        if cfg.graphs == "on" and model.device.type != "cuda":
-            raise ConfigError("CUDA graphs need a CUDA model; use graphs='layout' on the CPU")
+        check_graph_mode(cfg.graphs, model.device)
         self.config = cfg
         self.model = model
         self.is_cuda = model.device.type == "cuda"
@@ -113,15 +74,14 @@ class Engine:
         # at tp > 1 on rank 0: the other ranks' end of this engine (runtime/ranks/group.py);
         # every change to the KV pages is journaled for them
         self.link = link
-        self.journal: list[tuple] | None = link.journal if link is not None else None
-        pool = make_pool(model, self.ws.kv, cfg.admission, self.journal)
-        self.batcher = Batcher(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
-                               decode_align=align, pool=pool)
+        journal = link.journal if link is not None else None
+        # the request scheduler (`batcher`: the name the server and benchmarks read it by)
+        self.batcher = RequestScheduler.for_engine(model, self.ws.kv, cfg, max_context, align,
+                                                   journal)
         self.strategy = strategy or Sequential()
         self.fallback = fallback or Sequential()
         self.stream_configs = stream_configs
         self.backend = Backend(device or (CudaDevice() if self.is_cuda else SerialDevice()))
-        self.time_forwards = cfg.time_forwards
         self.gpu_timeline = cfg.gpu_timeline and self.is_cuda
         self.on_token = on_token
         self.eos_ids = frozenset(cfg.eos_ids or ())
@@ -129,13 +89,11 @@ class Engine:
         # default: asynchronous on a GPU; on the CPU it runs the same code with no overlap
         self.async_loop = self.is_cuda if cfg.async_loop is None else cfg.async_loop
         self.stats = EngineStats()
-        self.graphs: BucketRunner | None = None
-        if cfg.graphs != "off":
-            self.graphs = BucketRunner(model, self.ws, self.backend, self.strategy,
-                                       fallback=self.fallback, align=align,
-                                       max_pages=-(-max_context // cfg.page_size),
-                                       capture=cfg.graphs == "on", stream_configs=stream_configs)
-            self.stats.graphs = self.graphs.stats
+        self.graphs = None if cfg.graphs == "off" else BucketRunner(
+            model, self.ws, self.backend, self.strategy, fallback=self.fallback, align=align,
+            max_pages=-(-max_context // cfg.page_size), capture=cfg.graphs == "on",
+            stream_configs=stream_configs)
+        self.stats.graphs = self.graphs.stats if self.graphs else None
         self._in_flight: _Launched | None = None
         self._pending_row: dict[int, int] = {}  # request id -> row in the in-flight tokens
         self.finished: list[Request] = []
@@ -166,18 +124,8 @@ class Engine:
     def abort(self, request_id: int) -> Request | None:
         """End a waiting or running request and free its KV pages; returns it (None when no
         such request is waiting or running)."""
-        req = self.batcher.remove(request_id)
-        if req is None:
-            return None
-        self._release(request_id)
         self._pending_row.pop(request_id, None)
-        req.finished, req.finish_reason, req.finish_s = True, "abort", self.clock() - self.t0
-        return req
-
-    def _release(self, request_id: int) -> None:
-        self.ws.kv.release(request_id)
-        if self.journal is not None:
-            self.journal.append(("release", request_id))
+        return self.batcher.abort(request_id, self.clock() - self.t0)
 
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(self, *args)` here and, at tp > 1, on every other rank's engine (work whose
@@ -196,40 +144,23 @@ class Engine:
 
     # ---- run the scheduler -----------------------------------------------------------------
     def _run(self, batch: Batch) -> _Launched:
-        ws, dev = self.ws, self.model.device
+        ws = self.ws
         start = self._gpu_mark()
         num_decode = batch.num_decode
         chunks = [(e.request.request_id, e.num_tokens, e.is_decode) for e in batch.entries]
         samples = [e.samples for e in batch.entries]
         if self.link is not None:  # the other ranks start on this batch while this one lays it
             self.link.step(chunks, samples, num_decode)
-        seqs = ws.kv.plan_chunks(chunks)
+        seqs = self.batcher.plan(chunks)
         lay = self.lay_out(seqs, samples)
-        ids, from_device = [0] * lay.num_rows, []
-        for e, row in zip(batch.entries, lay.starts, strict=True):
-            r = e.request
-            if e.is_decode and r.pending:
-                from_device.append((row, self._pending_row[r.request_id]))
-            elif e.is_decode:
-                ids[row] = r.output_ids[-1]
-            else:
-                ids[row:row + e.num_tokens] = r.prefill_ids(e.start, e.num_tokens)
-        ws.token_ids[:lay.num_rows].copy_(host_to_device(ids, torch.int64, dev))
-        if from_device:
-            dst, src = zip(*from_device, strict=True)
-            ws.token_ids.index_copy_(0, host_to_device(dst, torch.int64, dev),
-                                     self._in_flight.tokens[host_to_device(src, torch.int64, dev)])
-        timer = ForwardTimer(self.is_cuda) if self.time_forwards else None
+        write_token_ids(ws.token_ids, batch.entries, lay, self._pending_row,
+                        self._in_flight.tokens if self._in_flight is not None else None)
+        timer = ForwardTimer(self.is_cuda) if self.config.time_forwards else None
         forward_start = self._gpu_mark()
         strategy, fell_back = self.forward(seqs, lay, num_decode)
-        shape = (lay.prefill_row, lay.num_rows)  # the bucket's rows, else the batch's
-        self.stats.shapes[shape] += 1
-        if forward_start is not None:
-            self.stats.forward_marks.append((shape, forward_start, self._gpu_mark()))
-        self.stats.fallbacks += fell_back
-        if not fell_back:
-            self.stats.pipelined += strategy.pipelined
-            self.stats.sequential += not strategy.pipelined
+        marks = None if forward_start is None else (forward_start, self._gpu_mark())
+        # the bucket's rows, else the batch's
+        self.stats.count_forward((lay.prefill_row, lay.num_rows), strategy, fell_back, marks)
         if timer:
             self.stats.forward_ms.append((strategy.name, timer.stop()))
         launched = self._sample(batch, lay.rows)
@@ -256,16 +187,14 @@ class Engine:
             self.graphs.stats.unbucketed += 1
         meta = BatchMeta.build(seqs, ws.kv.page_size, self.model.device)
         program = model_program(self.model, ws, meta, lay.segments)
-        picked = self.strategy.pick(program, num_decode)
-        run_program(program, picked or self.fallback, self.backend, self.stream_configs)
-        return picked or self.fallback, picked is None
+        strategy, fell_back = pick_strategy(self.strategy, self.fallback, program, num_decode)
+        run_program(program, strategy, self.backend, self.stream_configs)
+        return strategy, fell_back
 
     def follow(self, chunks: list[tuple[int, int, bool]], samples: list[bool]) -> None:
-        """A tensor-parallel worker's step: plan the batch rank 0 formed (`chunks` as
-        `KVCache.plan_chunks` takes them, after rank 0's journaled KV changes were replayed),
-        receive its token ids and run the same forward and LM head (whose all-gather every
-        rank joins); only rank 0 samples."""
-        seqs = self.ws.kv.plan_chunks(chunks)
+        """A tensor-parallel worker's step: plan rank 0's batch (its journaled KV changes
+        replayed), run the same forward and LM head (whose all-gather every rank joins)."""
+        seqs = self.batcher.plan(chunks)
         lay = self.lay_out(seqs, samples)
         self.forward(seqs, lay, sum(c.is_decode for c in seqs))
         if lay.rows:
@@ -292,23 +221,10 @@ class Engine:
             tokens = marked.clamp_min(0)  # what a decode on the device may read as its input
         else:  # every entry is a prompt chunk that does not end its prompt
             tokens = marked = torch.empty(0, dtype=torch.int64, device=dev)
-        for e in batch.entries:
-            if not e.is_decode:
-                e.request.num_prefilled += e.num_tokens
-        for i, r in enumerate(samplers):
-            r.pending += 1
-            self._pending_row[r.request_id] = i
-        self.stats.iterations += 1
-        self.stats.tokens += batch.num_tokens
-        self.stats.prefill_tokens += batch.num_prefill
-        self.stats.batch_sizes.append(batch.num_tokens)
-        if not self.is_cuda:
-            return _Launched(samplers, tokens, marked, None)
-        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(marked, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return _Launched(samplers, tokens, host, event)
+        self.batcher.launched(batch)
+        self._pending_row.update((r.request_id, i) for i, r in enumerate(samplers))
+        self.stats.count_batch(batch.num_tokens, batch.num_prefill)
+        return _Launched(samplers, tokens, *to_host(marked))
 
     def gpu_timeline_report(self) -> dict[str, float] | None:
         """With `gpu_timeline`: runtime/stats.py `timeline_report` of this engine's stats."""
@@ -322,32 +238,10 @@ class Engine:
     def _post_process(self, launched: _Launched) -> list[Request]:
         if launched.ready is not None:
             launched.ready.synchronize()
-        now = self.clock() - self.t0
-        ended = []
-        for r, tok in zip(launched.samplers, launched.host.tolist(), strict=True):
-            r.pending -= 1
-            if r.finished:
-                continue  # ended with EOS one iteration ago; this token is past the end
-            if tok < 0:  # its logits were not finite: this request alone ends, in error
-                r.finish_reason, r.finished, r.finish_s = "error", True, now
-                ended.append(r)
-                continue
-            r.output_ids.append(tok)
-            if self.on_token is not None:
-                self.on_token(r, tok)
-            if r.first_token_s is None:
-                r.first_token_s = now
-            if len(r.output_ids) >= r.params.max_tokens:
-                r.finish_reason = "length"
-            elif tok in self.eos_ids and not r.params.ignore_eos:
-                r.finish_reason = "stop"
-            else:
-                continue
-            r.finished, r.finish_s = True, now
-            ended.append(r)
+        ended = self.batcher.update_from_output(launched.samplers, launched.host.tolist(),
+                                                self.clock() - self.t0, self.eos_ids,
+                                                self.on_token)
         for r in ended:
-            self._release(r.request_id)
             self._pending_row.pop(r.request_id, None)
-        self.batcher.retire(ended)
         self.finished += ended
         return ended

@@ -5,23 +5,10 @@ batch (its `SeqChunk`s, decode first). Per bucket the runner keeps a `BucketMeta
 `Program` over it, the strategy that runs it (what the engine's strategy `pick`s for the
 bucket's shape: itself, one entry of a schedule set, or None, and then the fallback) and a
 CUDA graph of that program run through the strategy on its streams (a multi-stream capture:
-each stream forks from and joins to the capture stream, as in an eager forward):
+each stream forks from and joins to the capture stream, as in an eager forward). A bucket's
+first batch runs eagerly, then its graph is captured and every later batch replays it.
 
-- first batch of a bucket: the forward runs eagerly over the bucket's metadata (its
-  result is this batch's; the run also compiles kernels and makes every slice the strategy
-  uses), then the metadata is frozen and the graph captured;
-- every later batch: its metadata is written into the bucket's static tensors (two H2D copies)
-  and the graph replays.
-
-A batch no bucket holds (beyond the token or context bound) runs eagerly on its own `BatchMeta`,
-and so does a bucket whose capture failed (`errors` says why). With
-`capture=False` the runner only lays batches out in buckets and runs them eagerly: what a graph
-would replay, testable on the CPU.
-
-Dependencies of prefill attention on the K/V rows written earlier in the batch (which depend on
-where the batch's prompt chunks lie) are declared for the whole prefill part: a prefill nano-op
-reads the K/V rows from the bucket's first prefill row to its own end, so the events captured
-hold for every batch of the bucket.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -33,12 +20,14 @@ from typing import Any
 
 import torch
 
+from nanosched.errors import ConfigError
 from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import Bucket, BucketMeta
 from nanosched.runtime.backend import Backend
+from nanosched.runtime.config import GRAPH_MODES
 from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.opsched import OpScheduler, pick_strategy, run_program
 from nanosched.runtime.program import LaunchConfig, Program
-from nanosched.runtime.scheduler import OpScheduler, run_program
 
 
 @dataclass
@@ -69,6 +58,14 @@ class _Entry:
     graph: Any = None
     error: str | None = None
     fell_back: bool = False  # the engine's strategy had nothing for this bucket
+
+
+def check_graph_mode(mode: str, device: torch.device) -> None:
+    """Refuse a graph mode an engine cannot run: not off, on or layout, or on without CUDA."""
+    if mode not in GRAPH_MODES:
+        raise ConfigError(f"graphs must be 'off', 'on' or 'layout', got {mode!r}")
+    if mode == "on" and device.type != "cuda":
+        raise ConfigError("CUDA graphs need a CUDA model; use graphs='layout' on the CPU")
 
 
 def bucket_segments(bucket: Bucket) -> list[tuple[int, int, bool]]:
@@ -125,9 +122,9 @@ class BucketRunner:
             kv = self.ws.kv
             meta = BucketMeta(bucket, kv.page_size, kv.scratch_slot, self.model.device)
             program = model_program(self.model, self.ws, meta, bucket_segments(bucket))
-            picked = self.strategy.pick(program, bucket.num_decode)
-            self._entries[bucket] = _Entry(meta, program, picked or self.fallback,
-                                           fell_back=picked is None)
+            strategy, fell_back = pick_strategy(self.strategy, self.fallback, program,
+                                                bucket.num_decode)
+            self._entries[bucket] = _Entry(meta, program, strategy, fell_back=fell_back)
         return self._entries[bucket]
 
     def run(self, entry: _Entry, seqs: Sequence[SeqChunk]) -> None:

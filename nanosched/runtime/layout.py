@@ -4,14 +4,18 @@ Decode chunks come first, one row each; with a CUDA-graph bucket (models/bucket.
 chunks start at the bucket's first prefill row (the decode rows are padded up to it) and the
 forward runs the bucket's rows, else they follow the decode rows and the forward runs the
 batch's. Every rank of a tensor-parallel engine computes the same layout from the same chunks:
-rank 0 to place the token ids, the others to run the same forward.
+rank 0 to place the token ids (`write_token_ids`), the others to run the same forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from nanosched.kernels.common import host_to_device
 from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import Bucket
 
@@ -42,3 +46,26 @@ def lay_out(seqs: Sequence[SeqChunk], samples: Sequence[bool], bucket: Bucket | 
             rows.append(end - 1)
         row = end
     return Layout(bucket, num_rows, prefill_row, starts, rows, segments)
+
+
+def write_token_ids(token_ids: torch.Tensor, entries: Sequence[Any], lay: Layout,
+                    in_flight_row: dict[int, int], in_flight: torch.Tensor | None) -> None:
+    """Write a batch's input token ids into its rows of `token_ids` (the workspace's): a
+    prompt chunk's from its prompt, a decode's from its last output, or, while that token is
+    still in flight on the device (async loop), from row `in_flight_row[id]` of `in_flight`.
+    Host values go through pinned memory, so nothing waits for the forward in flight."""
+    dev = token_ids.device
+    ids, from_device = [0] * lay.num_rows, []
+    for e, row in zip(entries, lay.starts, strict=True):
+        r = e.request
+        if e.is_decode and r.pending:
+            from_device.append((row, in_flight_row[r.request_id]))
+        elif e.is_decode:
+            ids[row] = r.output_ids[-1]
+        else:
+            ids[row:row + e.num_tokens] = r.prefill_ids(e.start, e.num_tokens)
+    token_ids[:lay.num_rows].copy_(host_to_device(ids, torch.int64, dev))
+    if from_device:
+        dst, src = zip(*from_device, strict=True)
+        token_ids.index_copy_(0, host_to_device(dst, torch.int64, dev),
+                              in_flight[host_to_device(src, torch.int64, dev)])

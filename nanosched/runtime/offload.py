@@ -5,20 +5,7 @@
 KV dtype and any scales move the same way. Host bytes in use never exceed `capacity_bytes`;
 `fits` says whether a request would (the caller recomputes it instead when it does not).
 
-Ordering on CUDA (the compute stream is the engine thread's current stream: every forward forks
-from it and joins it, runtime/device.py):
-- swap-out: a side stream waits for an event recorded on the compute stream (every forward
-  already launched, which may still write the request's pages), gathers the pages and copies
-  them into pinned host memory; the compute stream then waits for the copy before it runs
-  anything else, since the freed pages go to other requests in the very next forward;
-- swap-in: new pages are allocated, the side stream waits for the compute stream (their last
-  owner's forwards), copies host → device and records an event; `begin_step()` makes the
-  compute stream wait for it before the next forward. The batcher resumes a swapped request
-  one step before it runs again (batcher.py), so the copy overlaps the forward launched between.
-On the CPU the same calls copy at once (plain tensors, no events): the tested path.
-
-`prefer_swap` is the cost rule that chooses swap or recompute for a request (pure; see its
-docstring).
+More in docs/admission.md, module notes.
 """
 
 from __future__ import annotations
@@ -98,7 +85,7 @@ class _Swapped:
 
 
 class HostSwap:
-    """Host copies of swapped-out requests' KV pages (see the module docstring)."""
+    """Host copies of swapped-out requests' KV pages (docs/admission.md)."""
 
     def __init__(self, kv: KVCache, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

@@ -1,8 +1,8 @@
 """Expected remaining output of a running request, from the outputs of requests that ended.
 
 NanoFlow (§4.2.1) admits by the peak KV memory predicted from the expected decode length. The
-"predict" admission policy (runtime/batcher.py) needs, for a request that has generated n tokens
-and may generate up to m, how many more it will: the empirical conditional mean
+"predict" admission policy (runtime/request_scheduler.py) needs, for a request that has
+generated n tokens and may generate up to m, how many more it will: the empirical conditional mean
 E[L - n | L > n] over the output lengths L of the last `window` requests that ended, capped at
 m - n. It is exact when every request generates the same length (a benchmark: L = max_tokens
 gives max_tokens - n, the "reserve" bound), right for memoryless lengths (a constant), and falls

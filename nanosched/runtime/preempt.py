@@ -2,17 +2,14 @@
 
 `AdmissionConfig` is what the flags ask for (`--admission`, `--kv-headroom`, `--preemption`,
 `--swap-space`), range-checked with errors that name the flag. `KVPool` is the mechanism under
-the policy of runtime/batcher.py: it reserves a request's prefill pages at admission, the page a
-decode needs, and preempts a request by recompute (free its pages; it prefills its prompt and
-its outputs again) or by swap (its pages to host memory, runtime/offload.py), counting each in
-`PreemptStats`. Which of the two: `--preemption recompute` or `swap` as asked (swap falls back
-to recompute when host memory is full), `auto` by the cost rule `offload.prefer_swap`.
+the policy of runtime/request_scheduler.py: it reserves a request's prefill pages at admission,
+the page a decode needs, and preempts a request by recompute (free its pages; it prefills its
+prompt and its outputs again) or by swap (its pages to host memory, runtime/offload.py),
+counting each in `PreemptStats`. Which of the two: `--preemption recompute` or `swap` as asked
+(swap falls back to recompute when host memory is full), `auto` by the cost rule
+`offload.prefer_swap`.
 
-Defaults: policy "use" (never worse than "reserve" in iterations, and far better when requests
-stop before max_tokens, where "reserve" holds back), headroom 0 (a share of the cache held free
-only lowers how many requests run) and preemption by recompute (no host memory, one code path
-on every device; swap's CUDA stream ordering is tested by tests/gpu/test_offload_gpu.py). The
-simulation behind them (`bench/analysis/admission_sim.py`) and its figures are in docs/admission.md.
+More in docs/admission.md, module notes.
 """
 
 from __future__ import annotations

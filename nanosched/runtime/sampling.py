@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -39,3 +41,16 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     pick = (sorted_p / noise).argmax(dim=-1)  # [N]
     drawn = order.gather(1, pick.unsqueeze(1)).squeeze(1)
     return torch.where(bad, -1, torch.where(is_random, drawn, greedy))
+
+
+def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """`tokens` on their way to the host: on a GPU a pinned copy queued after them and an
+    event that says when it has landed (read it after `event.synchronize()`); on the CPU the
+    tokens themselves and None."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event

@@ -24,7 +24,7 @@ class EngineStats:
     tokens: int = 0  # prompt + decode tokens processed
     prefill_tokens: int = 0  # of which prompt (prefill) tokens
     fallbacks: int = 0  # iterations the strategy had nothing for (its fallback ran them)
-    pipelined: int = 0  # iterations a pipelining strategy ran (a replayed schedule, two_batch)
+    pipelined: int = 0  # iterations a pipelining strategy ran (a replay, two-batch overlap)
     sequential: int = 0  # iterations the strategy ran one op after another (by its decision)
     shapes: Counter[tuple[int, int]] = field(default_factory=Counter)  # (D rows, T rows) run
     batch_sizes: list[int] = field(default_factory=list)
@@ -36,6 +36,25 @@ class EngineStats:
     # and around each forward (its batch's metadata writes and the layers, not the LM head
     # and sampling), with the (D rows, T rows) shape it ran at
     forward_marks: list[tuple[tuple[int, int], Any, Any]] = field(default_factory=list)
+
+    def count_forward(self, shape: tuple[int, int], strategy: Any, fell_back: bool,
+                      marks: tuple[Any, Any] | None = None) -> None:
+        """A forward run at `shape` (decode rows, rows) by `strategy`, the fallback or not;
+        with `marks` (gpu_timeline) the CUDA events around it."""
+        self.shapes[shape] += 1
+        if marks is not None:
+            self.forward_marks.append((shape, *marks))
+        self.fallbacks += fell_back
+        if not fell_back:
+            self.pipelined += strategy.pipelined
+            self.sequential += not strategy.pipelined
+
+    def count_batch(self, num_tokens: int, num_prefill: int) -> None:
+        """An iteration of `num_tokens` tokens, `num_prefill` of them prompt tokens."""
+        self.iterations += 1
+        self.tokens += num_tokens
+        self.prefill_tokens += num_prefill
+        self.batch_sizes.append(num_tokens)
 
 
 def busy_and_idle(spans: list[tuple[float, float]]) -> tuple[float, float]:

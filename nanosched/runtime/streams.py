@@ -7,12 +7,7 @@ the rest on the other, so the two nano-ops that the profile measured side by sid
 split run on the same pair here. A `@prio` stream gets the highest CUDA priority, as the
 profile's `stream_priority` rows did. GPU-only module (`partition_sides` is plain Python).
 
-Two schedule streams never share a side of a split. The search allocates shares, not SM sets:
-`compute@gc64` beside `memory@gc64` means 64 SMs each, side by side; were both put on the
-64-SM side, the compute nano-op would queue behind the attention on one CUDA stream
-(docs/runtime.md has the measured cost). So the non-compute
-streams claim their sides first and a stream whose side is taken by another stream runs on the
-complement (68 SMs here: a few more than asked, never shared).
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

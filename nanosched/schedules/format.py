@@ -1,26 +1,13 @@
 """The schedule contract, `nanosched.schedule/1`: one JSON file the runtime replays.
 
-Pure Python: a server loads schedules without OR-Tools. Contents (docs/design.md, "The schedule"):
-- `model` (name + the numbers that matter) and `tp`; `gpu` (name, SM count); `profile_digest`;
-  `kv_dtype`, the KV cache of the profile it was searched on ("auto" when absent): the runtime
-  replays it only on that cache, whose attention times it was built from.
-- `batch`: dense batch B and its mix: `num_decode` decode tokens first ([0, n_d)), then prefill
-  tokens ([n_d, B)) as prompts of `prompt_len`; the mean KV contexts.
-- `ranges`: per op its nano-batch work ranges [start, end) in tokens; they cover the op's domain
-  ([0, B), or the decode / prefill part for `attn_decode` / `attn_prefill`) without overlap.
-- `forms`: the collective form chosen per group (`ar`, or `rs_ag` = reduce-scatter + all-gather).
-- `streams`: name, resource class, the mechanisms and SM / CTA counts its nano-ops use.
-- `nano_ops`: id `op.index`, its range, stream, issue `order` on that stream within a period,
-  `layer_offset` k (in period p the stream issues this nano-op of layer p - k, so layer l + 1's
-  first nano-ops can overlap layer l's last), `deps` (id, layer shift: 1 = previous layer,
-  0 = same, -1 = next layer (resource deps only); kind data / prompt / resource; a nano-op of
-  layer l waits for nano-op `id` of layer l - shift), the allocation (share of the GPU, P,
-  mechanism, SMs or CTAs, implementation, the R->P point and side it comes from: only two sides
-  of one cta_bound / stream_priority point, or green_ctx allocations, may run at once),
-  predicted `start_us` and `duration_us` of layer 0, whose copies repeat every
-  `prediction.solver_period_us` (start_us // period = layer_offset).
-- `prediction`: layer period, iteration time, tokens/s per GPU, the optimal tokens/s per GPU,
-  the sequential baseline; `stages`: solver status, objective, bound, gap, wall time per stage.
+Pure Python: a server loads schedules without OR-Tools. It holds the model, tp, GPU, profile
+digest and KV dtype it was searched for, the batch and its mix, per op its nano-batch ranges,
+the collective forms, the streams, and per nano-op its stream, issue order, layer offset,
+dependencies, allocation and predicted start and duration, plus the prediction and each
+stage's report. Loading and saving validate it (schedules/validate.py); `check_compatible`
+refuses one made for another model, tp, GPU or KV dtype unless forced.
+
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations
@@ -35,6 +22,9 @@ from nanosched.errors import ScheduleError
 from nanosched.fileio import check_fields, read_json, write_json_atomic
 
 FORMAT = "nanosched.schedule/1"
+# the collective forms the runtime replays (runtime/strategies/replay.py); the search emits only
+# these unless asked for more, and a set with another is refused when it is checked for a run
+REPLAYED_FORMS = ("ar",)
 MODEL_FIELDS = ("name", "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "intermediate_size", "vocab_size", "num_experts",
                 "num_experts_per_tok")

@@ -11,17 +11,7 @@ entry records the predicted forward time of the GPU work (`forward_us`, layers o
 head is outside the replayed graph) of what it runs and of Sequential (`sequential_us`), and
 `reason`, the search's words for its decision.
 
-The runtime lays batches out in CUDA-graph buckets on a finer grid (decode rows and rows
-multiples of 32: models/bucket.py). `set_key` maps a bucket to its key: each count to the
-nearest multiple of the quantum, a decode part kept non-empty (and a prefill part) when the
-bucket has one. A pipeline entry replays on the bucket with its nano-batch boundaries moved
-proportionally onto the bucket's rows (runtime/strategies/replay.py `remap_rows`), so keys on
-the quantum grid cover every bucket: a set from `search` has no bucket without an entry.
-
-A `nanosched.schedule/1` file (one schedule, one batch) loads as a set of one entry (its key is
-its own batch); every other bucket then has no entry and runs the engine's fallback.
-
-Pure Python: a server loads sets without OR-Tools.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
 from nanosched.fileio import check_fields, read_json, write_json_atomic
 from nanosched.schedules.format import FORMAT as SINGLE_FORMAT
-from nanosched.schedules.format import Schedule, check_compatible
+from nanosched.schedules.format import REPLAYED_FORMS, Schedule, check_compatible
 
 SET_FORMAT = "nanosched.schedule/2"
 KINDS = ("pipeline", "sequential")
@@ -428,5 +418,23 @@ def save_schedule_set(s: ScheduleSet, path: str | os.PathLike[str]) -> None:
 
 def check_set_compatible(s: ScheduleSet, model_spec: Any, tp: int, gpu_name: str,
                          force: bool = False, kv_dtype: str = "auto") -> list[str]:
-    """`format.check_compatible` for a set (the same fields, the same messages)."""
-    return check_compatible(s, model_spec, tp, gpu_name, force, kv_dtype)  # type: ignore[arg-type]
+    """`format.check_compatible` for a set (the same fields, the same messages), and
+    `check_replayable` (which `force` does not waive: such an entry would run Sequential)."""
+    reasons = check_compatible(s, model_spec, tp, gpu_name, force, kv_dtype)  # type: ignore
+    check_replayable(s)
+    return reasons
+
+
+def check_replayable(s: ScheduleSet) -> None:
+    """Refuse a set with a pipeline whose collective form the runtime cannot replay (only
+    `REPLAYED_FORMS`), naming its key, group and form."""
+    for e in s.pipelines:
+        if e.schedule is None:
+            continue
+        bad = {g: f for g, f in e.schedule.forms.items() if f not in REPLAYED_FORMS}
+        if bad:
+            g, f = next(iter(bad.items()))
+            raise ScheduleError(f"schedule set entry D={e.num_decode} T={e.num_tokens}: "
+                                f"collective form {f!r} of group {g!r} cannot be replayed "
+                                f"(the runtime replays {', '.join(map(repr, REPLAYED_FORMS))} "
+                                f"only); search again without --allow-rs-ag")

@@ -67,3 +67,12 @@ def test_bad_splits_are_refused():
         expand(g, split, TokenMix(512, 128, 512), {})
     with pytest.raises(ConfigError, match="cannot split 256 tokens into 3"):
         even_split(256, 3)
+
+
+def test_with_forms_keeps_only_the_allowed_collective_forms():
+    g = layer_graph(load_spec("llama3-70b"), 8)
+    ar = g.with_forms(("ar",))
+    assert ar.groups() == {"attn": ("ar",), "ffn": ("ar",)}
+    assert not {o.name for o in ar.ops} & {"rs_attn", "ag_attn", "rs_ffn", "ag_ffn"}
+    assert set(ar.edges) == set(g.active_edges(AR))  # the all-reduce layer, nothing else
+    assert g.with_forms(("ar", "rs_ag")) == g

@@ -175,7 +175,7 @@ def test_a_gemm_nano_op_is_priced_on_its_own_measured_shape():
     green-context points (nearest measured token count), not the folded curve; other ops and
     a call without the op keep the folded table."""
     from nanosched.autosearch.durations import shape_points
-    from nanosched.autosearch.request import load_named_profile
+    from nanosched.profiler.catalog import load_named_profile
 
     prof = load_named_profile("llama3-8b-tp1-h100")
     folded = {o.units: o.p for o in alloc_options(prof, "compute") if o.mechanism == "green_ctx"}

@@ -39,3 +39,32 @@ def test_search_keeps_the_faster_structure(steady_h100, monkeypatch):
     monkeypatch.setattr(search, "boundary_cuts", lambda graph, mix: None)
     alone = run_search(steady_h100)
     assert both.prediction.iteration_us < alone.prediction.iteration_us
+
+
+def test_stage_one_chooses_reduce_scatter_only_when_asked(monkeypatch):
+    """At tp > 1 stage I is given the all-reduce form alone (what the runtime replays) unless
+    the config allows both; an unknown or all-reduce-less choice is refused."""
+    import dataclasses
+
+    from search_fixtures import small_profile
+
+    from nanosched.errors import ConfigError, ScheduleError
+    from nanosched.schedules.validate import FORMS
+
+    seen = []
+
+    def record(prob, limits, progress):
+        seen.append(prob.graph.groups())
+        raise ScheduleError("recorded")
+
+    monkeypatch.setattr(search, "solve_stage1", record)
+    cfg = SearchConfig(load_spec("llama3-8b"), 2, small_profile(2, 256), fixed(512, 512), 256,
+                       time_limit_s=1.0, deterministic=True)
+    for forms in (cfg.forms, FORMS):
+        with pytest.raises(ScheduleError, match="recorded"):
+            run_search(dataclasses.replace(cfg, forms=forms))
+    assert seen == [{"attn": ("ar",), "ffn": ("ar",)},
+                    {"attn": ("ar", "rs_ag"), "ffn": ("ar", "rs_ag")}]
+    for bad in ((), ("rs_ag",), ("ar", "broadcast")):
+        with pytest.raises(ConfigError, match="collective forms must include 'ar'"):
+            run_search(dataclasses.replace(cfg, forms=bad))

@@ -39,7 +39,7 @@ def test_profile_errors_name_the_input(tmp_path):
 def test_profile_rederive_rewrites_the_rp_tables(tmp_path):
     """A profile whose R->P points were derived by another rule gets them again from its pairs
     and kernel rows; a current one is left as it is; a missing file is named."""
-    from nanosched.autosearch.request import shipped_profiles
+    from nanosched.profiler.catalog import shipped_profiles
 
     shipped = json.loads(shipped_profiles()["llama3-8b-tp1-h100"].read_text())
     old = {**shipped, "rp": {"memory": shipped["rp"]["memory"][:1]}, "rp_shapes": {}}

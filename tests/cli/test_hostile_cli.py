@@ -63,9 +63,10 @@ def test_search_reads_one_profile_and_says_what_it_decided_before_it_solves(monk
                                                                            tmp_path):
     """The issue's search printed nothing for 48 s: it read every shipped profile whole, and
     said nothing of the batch shapes it decided without a solve."""
-    import nanosched.autosearch.request as request
     import nanosched.autosearch.sets as sets
-    from nanosched.autosearch.search import search_and_save
+    import nanosched.profiler.catalog as request
+    from nanosched.autosearch.command import search_command
+    from nanosched.autosearch.request import SearchRequest
 
     read, lines = [], []
     real = request.load_profile
@@ -77,11 +78,12 @@ def test_search_reads_one_profile_and_says_what_it_decided_before_it_solves(monk
 
     monkeypatch.setattr(sets, "run_search", first_solve)
     with pytest.raises(KeyboardInterrupt):
-        search_and_save(model="llama3-8b", tp=None, profile=None, gpu="h100", workload=None,
-                        input_len=None, output_len=None, dense_batch="auto", time_limit=60,
-                        workers=1, max_nano_ops=4, max_period_us=None,
-                        out=str(tmp_path / "s.json"), echo=lines.append,
-                        print_table=lambda *_: None, buckets="all")
+        search_command(SearchRequest(model="llama3-8b", tp=None, profile=None, gpu="h100",
+                                     workload=None, input_len=None, output_len=None,
+                                     dense_batch="auto", time_limit=60, workers=1,
+                                     max_nano_ops=4, max_period_us=None,
+                                     out=str(tmp_path / "s.json"), buckets="all"),
+                       echo=lines.append)
     assert [Path(p).name for p in read] == ["llama3-8b-tp1-h100.json"]
     assert lines[-2].startswith("searching llama3-8b")
     assert lines[-1].startswith("[23/44] decided without a search: 2 too small for two "

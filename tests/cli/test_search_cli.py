@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from nanosched.autosearch import request
 from nanosched.cli import app
 from nanosched.models.spec import load_spec
+from nanosched.profiler import catalog
 from nanosched.profiler.format import save_profile
 from nanosched.workloads import fixed
 
@@ -72,7 +73,7 @@ def test_search_refuses_an_output_path_it_cannot_write_before_searching(tmp_path
 
 
 def test_a_profile_with_pairs_timed_in_bursts_is_refused_unless_allowed(tmp_path):
-    prof = request.load_named_profile("llama3-8b-tp1-h100")
+    prof = catalog.load_named_profile("llama3-8b-tp1-h100")
     assert prof.unsettled() is None
     burst = tmp_path / "burst.json"
     save_profile(replace(prof, pairs=tuple(replace(p, settle_ms=0.0, window_ms=3.0)
@@ -148,7 +149,7 @@ def test_shipped_profile_closest_to_the_request_is_chosen(tmp_path, monkeypatch)
                              folder=tmp_path)
     assert choice.profile is None and request.SYNTHETIC_BANNER in choice.messages
     assert choice.tp == 4 or choice.tp == 8
-    monkeypatch.setattr(request, "SHIPPED", tmp_path)
+    monkeypatch.setattr(catalog, "SHIPPED", tmp_path)
     args = [a if a != "1024" else "512" for a in SMALL]  # the fixture profiles 512 / 512
     r = run("search", *args, "--profile", "llama3-8b-tp1", "--out", str(tmp_path / "s.json"))
     assert r.exit_code == 0, r.output

@@ -21,7 +21,7 @@ from nanosched.frontend import FrontendModel, Rules, SplitFunc, SplitModule, mar
 from nanosched.frontend.hf import attention_forward
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import SerialDevice
-from nanosched.runtime.scheduler import run_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
 D, HEADS, VOCAB = 32, 4, 64

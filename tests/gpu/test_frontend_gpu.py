@@ -24,7 +24,7 @@ from nanosched.frontend.hf import llama_rules, use_nanosched
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import CudaDevice
 from nanosched.runtime.graphs import BucketRunner
-from nanosched.runtime.scheduler import run_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
 pytestmark = [pytest.mark.gpu,

@@ -10,8 +10,8 @@ from nanosched.models.weights import init_random
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import CudaDevice
 from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.requests import make_requests
-from nanosched.runtime.scheduler import run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 
 pytestmark = pytest.mark.gpu

@@ -84,7 +84,7 @@ def run_mixed(fm, strategy, decode_steps: int = 3):
     decode tokens), then greedy decode steps; returns (sequences, logits of every token)."""
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.device import SerialDevice
-    from nanosched.runtime.scheduler import run_program
+    from nanosched.runtime.opsched import run_program
 
     ws = fm.new_workspace(max_tokens=32, num_pages=16)
     seqs = {r: list(p) for r, p in PROMPTS.items()}
@@ -149,7 +149,7 @@ def plain_forward(fm, ws, chunks, ids):
     last row."""
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.device import CudaDevice, SerialDevice
-    from nanosched.runtime.scheduler import run_program
+    from nanosched.runtime.opsched import run_program
     from nanosched.runtime.strategies import Sequential
 
     meta = ws.kv.plan(chunks)

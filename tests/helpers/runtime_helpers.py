@@ -88,7 +88,7 @@ def batch_logits(model, strategy, device, n_decode, total=256):
 
     from nanosched.runtime.backend import Backend
     from nanosched.runtime.modelprogram import model_program
-    from nanosched.runtime.scheduler import run_program
+    from nanosched.runtime.opsched import run_program
 
     ws = model.new_workspace(max_tokens=total, num_pages=600)
     g = torch.Generator().manual_seed(0)

@@ -156,8 +156,8 @@ def test_p_is_normalised_to_the_kernel_rows():
 def test_shipped_profiles_follow_the_derivation(name):
     """The shipped profiles' R->P tables are what `rederive_rp` gives from their pairs and
     rows, and a paired GEMM's row / P is its time in the pair (within the fold's spread)."""
-    from nanosched.autosearch.request import shipped_profiles
     from nanosched.profiler.build import rederive_rp
+    from nanosched.profiler.catalog import shipped_profiles
     from nanosched.profiler.format import load_profile
 
     prof = load_profile(shipped_profiles()[name])

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from nanosched.errors import ConfigError
-from nanosched.runtime.batcher import Batcher, peak_kv_tokens
+from nanosched.runtime.request_scheduler import RequestScheduler as Batcher
+from nanosched.runtime.request_scheduler import peak_kv_tokens
 from nanosched.runtime.requests import Request, SamplingParams
 
 

@@ -152,7 +152,7 @@ def test_no_kv_page_leaks_over_10000_steps_with_random_arrivals():
     import random
 
     from nanosched.models.kvcache import KVCache
-    from nanosched.runtime.batcher import Batcher
+    from nanosched.runtime.request_scheduler import RequestScheduler as Batcher
 
     rng = random.Random(5)
     page, pages = 16, 96
@@ -176,7 +176,7 @@ def test_gpu_busy_and_idle_from_the_iterations_spans():
     """What `bench` reports of the GPU timeline: the work of each iteration, and the gaps in
     which the GPU had finished one and the CPU had not yet queued the next (overlaps, when the
     CPU ran ahead, are not gaps)."""
-    from nanosched.runtime.engine import busy_and_idle
+    from nanosched.runtime.stats import busy_and_idle
 
     assert busy_and_idle([]) == (0.0, 0.0)
     assert busy_and_idle([(0.0, 30.0)]) == (30.0, 0.0)

@@ -80,6 +80,32 @@ def test_schedule_strategies(config_only):
     assert forced.name == f"replay:{SCHEDULE}"
 
 
+def test_a_strategy_is_its_registry_entry(config_only, monkeypatch):
+    """`--schedule NAME` builds whatever strategies.NAMED registers under NAME, for the GPU's
+    SM count, and a tensor-parallel worker rebuilds it from its name alone."""
+    from nanosched.runtime import choice, strategies
+
+    spec, cpu = load_spec(config_only), torch.device("cpu")
+    assert set(strategies.NAMED) == {"sequential", TwoBatchOverlap.name}
+
+    class Halves(TwoBatchOverlap):
+        name = "halves"
+
+        @classmethod
+        def for_gpu(cls, num_sms):
+            return cls(num_sms=num_sms // 2)
+
+    monkeypatch.setitem(strategies.NAMED, Halves.name, Halves)
+    picked = loader.choose_strategy(EngineConfig(schedule="halves"), spec, cpu)
+    assert isinstance(picked.strategy, Halves) and picked.name == "halves"
+    assert picked.strategy.num_sms == DEFAULT_NUM_SMS // 2 and picked.schedule is None
+    again = choice.named_choice(picked.name, None, spec, cpu)
+    assert isinstance(again.strategy, Halves) and again.name == "halves"
+    monkeypatch.delitem(strategies.NAMED, Halves.name)
+    with pytest.raises(ScheduleError, match="schedule halves does not exist"):  # a file name now
+        loader.choose_strategy(EngineConfig(schedule="halves"), spec, cpu)
+
+
 def test_a_mismatched_schedule_is_refused_before_the_weights_load(config_only, monkeypatch):
     def no_weights(*a, **k):
         raise AssertionError("weights loaded before the schedule was checked")

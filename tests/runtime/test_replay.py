@@ -12,8 +12,8 @@ from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.device import SerialDevice
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.modelprogram import model_program
+from nanosched.runtime.opsched import run_program
 from nanosched.runtime.requests import Request, SamplingParams
-from nanosched.runtime.scheduler import run_program
 from nanosched.runtime.strategies import Sequential
 from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import load_schedule

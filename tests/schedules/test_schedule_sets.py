@@ -21,6 +21,7 @@ from nanosched.schedules.sets import (
     SET_FORMAT,
     ScheduleSet,
     SetEntry,
+    check_set_compatible,
     entry_schedule,
     from_single,
     layer_times_us,
@@ -354,6 +355,21 @@ def test_verify_refuses_a_tp_set_with_pipelines_and_names_bench(tmp_path):
                                  "--device", "cpu"])
     assert r.exit_code == 2, r.output
     assert "tp = 2" in r.output and "nanosched bench --model llama3-70b --tp 2" in r.output
+
+
+def test_a_set_with_a_form_the_runtime_cannot_replay_is_refused_even_forced():
+    from nanosched.models.spec import load_spec
+
+    src = ROOT / "bench" / "results" / "llama3-70b-tp2-h200-b896.schedule.json"  # pipelined
+    sset, spec = load_schedule_set(src), load_spec("llama3-70b")
+    assert check_set_compatible(sset, spec, 2, "cpu", force=True)  # the GPU differs: forced
+    pipe = sset.pipelines[-1]
+    bad = replace(pipe, schedule=replace(pipe.schedule, forms={"attn": "ar", "ffn": "rs_ag"}))
+    rs = replace(sset, entries=tuple(bad if e is pipe else e for e in sset.entries))
+    with pytest.raises(ScheduleError, match=f"entry D={pipe.num_decode} T={pipe.num_tokens}: "
+                                            "collective form 'rs_ag' of group 'ffn' cannot be "
+                                            "replayed"):
+        check_set_compatible(rs, spec, 2, "cpu", force=True)
 
 
 def test_the_set_predicts_a_bucket_between_its_keys(single):

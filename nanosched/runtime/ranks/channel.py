@@ -1,20 +1,13 @@
 """One writer, many readers over shared memory: how rank 0 sends the other tensor-parallel ranks
 what each iteration runs.
 
-As vLLM's `MessageQueue` (distributed/device_communicators/shm_broadcast.py): a ring of fixed
-slots in one shared-memory block, filled by the writer and read by every reader in the same
-order; a slot is written again only once every reader has read it. Unlike vLLM's readers, which
-spin on flags in the block, waiting here is on process-shared POSIX semaphores kept in the same
-block (`sem_init(pshared=1)` through ctypes, Linux): per reader one that counts the slots written
-for it and one that counts the slots it has handed back. So an idle rank sleeps in the kernel
-and wakes when rank 0 posts (no CPU burnt between iterations, which matters where several ranks
-share few cores), a full ring blocks the writer the same way, and the semaphore operations
-order the slot's bytes between processes (sem_post / sem_wait are barriers). Nothing is named
-but the block, which rank 0 unlinks once every reader has attached (`unlink`): a rank that dies
-leaves nothing behind.
+As vLLM's `MessageQueue`: a ring of fixed slots in one shared-memory block, written by rank 0 and
+read by every reader in order, a slot written again only once every reader read it. Waiting is
+on process-shared POSIX semaphores in the block (ctypes), not spins, so an idle rank sleeps; a
+message is pickled over as many slots as it needs. The block is unlinked once every reader
+attached, so a rank that dies leaves nothing behind.
 
-A message is pickled (protocol 5) and spread over as many consecutive slots as it needs: each
-slot's header holds its payload's length and whether the next slot continues it.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -3,19 +3,10 @@
 `run_worker` is the spawned process's entry (runtime/ranks/group.py starts it). It ties its life
 to rank 0's (PR_SET_PDEATHSIG, and a parent check while it waits), ignores SIGINT and SIGTERM
 (rank 0 stops it), joins the process group, loads its shards of the model, then follows rank
-0's messages (runtime/ranks/messages.py) until `Stop`:
+0's messages (runtime/ranks/messages.py) until `Stop`: it builds the engines rank 0 opens,
+replays each step's KV journal and runs the same forward, runs calls, and closes.
 
-- `OpenEngine`: build the same engine (`loader.build_engine` on the resolved config: the same
-  dense batch, context bound, graph buckets and strategy; the KV pages agreed with every rank);
-- `Step`: replay the journal of KV changes on its own cache and host copies, plan the batch,
-  receive its token ids from rank 0 and run the same forward in the same CUDA graphs, and the
-  LM head's all-gather (`Engine.follow`); nothing waits for the GPU, so while the GPU runs one
-  iteration this process is already queueing the next, as rank 0 is;
-- `Call`: the journal, then `fn(engine, *args)`; `CloseEngine`: release that engine.
-
-At `Stop` it releases the engines left (their graphs hold the communicator) and leaves the
-group; if leaving has not ended after `LEAVE_DUMP_S`, the Python stacks of the process go to
-stderr, so the server's log shows where a rank that rank 0 then kills was waiting.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -62,7 +53,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def run_worker(rank: int, size: int, port: int, handle: ChannelHandle,
                setup: WorkerSetup) -> None:
-    """A worker process's whole life (module docstring)."""
+    """A worker process's whole life (docs/runtime.md)."""
     _die_with_parent(setup.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -7,15 +7,7 @@ rank 0's messages), joins the process group with them (NCCL on CUDA, gloo on the
 returns the `RankGroup`. Rank 0 owns the scheduler; each engine it builds at tp > 1 sends its
 steps through the group's channel (runtime/ranks/messages.py `EngineLink`).
 
-Failure. A watchdog thread waits on the workers' process sentinels: when one exits while the
-group is open (killed, out of memory, an exception), it prints which rank died and how, kills
-the other workers and ends this process with exit code 1 at once, since rank 0 may be blocked
-in a collective that the dead rank will never join (no timeout would end it sooner than
-NCCL's minutes). Workers end with rank 0: each asks the kernel for SIGKILL when its parent
-dies (PR_SET_PDEATHSIG) and also checks its parent while it waits for a message, so no worker
-outlives rank 0 holding a GPU. Workers ignore SIGINT and SIGTERM (a Ctrl-C reaches the whole
-process group): rank 0 decides when to stop, and `close()` sends every worker `Stop` after the
-last engine's work, so a server drained by SIGTERM drains every rank.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -66,7 +58,7 @@ def describe_exit(code: int | None) -> str:
 
 
 class RankGroup:
-    """Rank 0's handle on the group (module docstring); `tp` is rank 0's `TensorParallel`."""
+    """Rank 0's handle on the group (docs/runtime.md); `tp` is rank 0's `TensorParallel`."""
 
     def __init__(self, size: int, procs: list[Any], writer: ChannelWriter) -> None:
         self.size, self.procs, self.writer = size, procs, writer
@@ -166,7 +158,7 @@ class RankGroup:
 
 def start_ranks(cfg: EngineConfig, weights: str, device: torch.device,
                 copy_engine: bool = False) -> RankGroup:
-    """Start `cfg.tp` ranks (module docstring); this process is rank 0 on `device`;
+    """Start `cfg.tp` ranks (docs/runtime.md); this process is rank 0 on `device`;
     `copy_engine`: every rank maps the copy-engine all-reduce's buffers (a schedule uses it)."""
     size = cfg.tp
     if cfg.model is None:

@@ -41,7 +41,7 @@ class WorkerSetup:
 class OpenEngine:
     key: int
     config: EngineConfig  # resolved by rank 0 (dense batch, pages, context bound, graphs)
-    strategy: str  # StrategyChoice.name: sequential | two_batch | replay:<where>
+    strategy: str  # StrategyChoice.name: a name in strategies.NAMED | replay:<where>
     schedule: Any  # the schedule set a replay runs (None otherwise)
 
 

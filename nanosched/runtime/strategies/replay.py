@@ -1,24 +1,13 @@
 """`Replay(schedule)`: run a searched `nanosched.schedule/1` through the scheduling API.
 
-The batch is split at every boundary of every op's nano-batch ranges; a scheduled nano-op is
-the merged execution of the micro-batches its range covers (one launch, no copy). Layer l's
-copy of nano-op n is issued in period l + layer_offset at its predicted start; start_us already
-lies in [k τ, (k + 1) τ) for layer offset k, so the CPU walks all (layer, nano-op) pairs in order
-of l * period + start_us (per stream, the schedule's issue order) and dispatches each as soon
-as its micro-batches reach it; ties or rounding that would dispatch an op early are resolved by
-taking the next one in that order that is ready. Data dependencies become events in the backend;
-the schedule's `resource` dependencies (kernels the solver kept apart to respect SM capacity)
-become `after=` waits. Attention ops cover only the decode (or prefill) part of the batch in the
-schedule; their other micro-batches run, as cheap no-ops, right after the op's last scheduled
-nano-op. The stream of a nano-op is its schedule stream plus its SM mechanism (`@gc<SMs>` for a
-green-context partition, `@prio` for a prioritised stream); its launch config carries the
-implementation, SM target or CTA bound the profile measured.
+The batch is split at every boundary of the schedule's nano-batch ranges; a nano-op is the
+merged launch of the micro-batches its range covers. The CPU walks (layer, nano-op) pairs in
+order of layer x period + predicted start and dispatches each when ready; data dependencies
+become events, `resource` dependencies `after=` waits, and each nano-op runs on its stream and
+SM mechanism with the launch config the profile measured. Given `rows=(D, T)` it replays on a
+bucket near its key, each boundary moved within its decode or prefill part (`remap_rows`).
 
-A schedule replays on a batch of its own shape, or, given `rows=(D, T)`, on a bucket of D decode
-rows out of T (an entry of a schedule set replayed on the buckets near its key): every
-nano-batch boundary is moved proportionally within its part of the batch (`remap_rows`), decode
-boundaries onto [0, D], prefill boundaries onto [D, T], so each nano-op keeps its share of its
-part and the decode/prefill boundary stays where the batch has it.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -26,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from nanosched.errors import ScheduleError
+from nanosched.runtime.opsched import MAIN_STREAM, OpInstance, OpScheduler, SchedContext
 from nanosched.runtime.program import LaunchConfig, Program
-from nanosched.runtime.scheduler import MAIN_STREAM, OpInstance, OpScheduler, SchedContext
+from nanosched.schedules.format import REPLAYED_FORMS, Schedule
 from nanosched.schedules.format import NanoOp as ScheduledOp
-from nanosched.schedules.format import Schedule
 
 
 @dataclass(frozen=True)
@@ -120,7 +109,7 @@ class Replay(OpScheduler):
 
     def __init__(self, schedule: Schedule, num_layers: int, resource_waits: bool = True,
                  rows: tuple[int, int] | None = None) -> None:
-        bad = {g: f for g, f in schedule.forms.items() if f != "ar"}
+        bad = {g: f for g, f in schedule.forms.items() if f not in REPLAYED_FORMS}
         if bad:
             raise ScheduleError(f"schedule uses collective forms {bad}; the runtime replays "
                                 f"all-reduce ('ar') only: search again without reduce-scatter")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 
 from nanosched.errors import ScheduleError
+from nanosched.runtime.opsched import OpScheduler, SchedContext
 from nanosched.runtime.program import Program
-from nanosched.runtime.scheduler import OpScheduler, SchedContext
 from nanosched.runtime.strategies.replay import Replay, stream_key
 from nanosched.runtime.strategies.sequential import Sequential
 from nanosched.schedules.sets import ScheduleSet

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanosched.runtime.scheduler import OpScheduler, SchedContext
+from nanosched.runtime.opsched import OpScheduler, SchedContext
 
 
 class Sequential(OpScheduler):

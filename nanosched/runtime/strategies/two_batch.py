@@ -14,7 +14,7 @@ import math
 from nanosched.constants import DEFAULT_NUM_SMS
 from nanosched.errors import ScheduleError
 from nanosched.models.ops import MEMORY, NETWORK
-from nanosched.runtime.scheduler import MAIN_STREAM, OpScheduler, SchedContext
+from nanosched.runtime.opsched import MAIN_STREAM, OpScheduler, SchedContext
 
 
 def wave_aware_split(num_tokens: int, n_tiles: int, num_sms: int, tile_m: int = 128
@@ -57,6 +57,10 @@ class TwoBatchOverlap(OpScheduler):
         self.n_tiles = n_tiles
         self.num_sms = num_sms
         self.tile_m = tile_m
+
+    @classmethod
+    def for_gpu(cls, num_sms: int) -> TwoBatchOverlap:
+        return cls(num_sms=num_sms)
 
     def schedule(self, ctx: SchedContext) -> None:
         t = ctx.program.num_tokens

@@ -9,12 +9,7 @@ A strategy subclasses `OpScheduler` and implements `schedule(ctx)` with three ca
   `replace_func`, the given nano-ops (of any ops) run as that one fused callable; different ops
   without one run one after another.
 
-Readiness. Each micro-batch runs the program's ops in order, so op k of micro-batch i waits for
-op k-1 of i. Micro-batches also depend on each other where an access reaches outside its own
-rows (a span, e.g. prefill attention reading the K/V of its prompt's earlier tokens): op k of i
-is ready only when every earlier op of another micro-batch that writes rows it reads, or reads
-or writes rows it writes, has been dispatched. Within those rules any order is legal; the
-backend adds the cross-stream events.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -221,6 +216,12 @@ class OpScheduler(ABC):
     name = "strategy"
     pipelined = False  # whether it overlaps ops of a batch (counted apart in the engine's stats)
 
+    @classmethod
+    def for_gpu(cls, num_sms: int) -> OpScheduler:
+        """This strategy as `--schedule NAME` builds it (strategies.NAMED) for a GPU of
+        `num_sms` SMs; a strategy whose settings depend on the GPU overrides it."""
+        return cls()
+
     def accepts(self, program: Program) -> bool:
         """Whether this strategy runs `program`; the engine falls back when it does not."""
         return True
@@ -234,6 +235,15 @@ class OpScheduler(ABC):
     @abstractmethod
     def schedule(self, ctx: SchedContext) -> None:
         """Dispatch every op of every micro-batch through `ctx`."""
+
+
+def pick_strategy(strategy: OpScheduler, fallback: OpScheduler, program: Program,
+                  num_decode: int) -> tuple[OpScheduler, bool]:
+    """The one place a forward's strategy is chosen (the engine's eager batches and every
+    CUDA-graph bucket alike): what `strategy` picks for `program` (its first `num_decode` rows
+    decode rows), else `fallback`; and whether it fell back."""
+    picked = strategy.pick(program, num_decode)
+    return (fallback, True) if picked is None else (picked, False)
 
 
 def run_program(program: Program, strategy: OpScheduler, backend: Backend,

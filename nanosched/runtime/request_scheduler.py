@@ -1,68 +1,32 @@
-"""Batch formation (NanoFlow §4.2.1): a fixed dense batch, decode first, chunked prefill after.
+"""The request scheduler: waiting and running requests, admission, preemption and every change
+to the KV pages of a request; the engine asks it for each batch and hands back what the batch
+sampled (`update_from_output`), so the engine itself plans and frees no page.
 
-Each iteration holds at most `dense_batch` tokens: one decode token per running request that has
+Batches (NanoFlow §4.2.1): a fixed dense batch, decode first, chunked prefill after. Each
+iteration holds at most `dense_batch` tokens: one decode token per running request that has
 finished its prompt, then prompt chunks (continuing prefills first, then newly admitted requests,
 first come first served) until the batch is full. With `decode_align` > 1 the decode tokens take
 room rounded up to a multiple of it: the rows a CUDA-graph bucket pads them to
-(models/bucket.py).
+(models/bucket.py). Admission ("use", "reserve", "predict") and preemption by recompute or swap
+go through the page book of runtime/preempt.py (`KVPool`).
 
-Admission by predicted peak KV memory. A decoding request i holds h_i tokens of KV and will
-generate r_i more, one per iteration (decodes never wait), then free everything. Their usage t
-iterations ahead is U(t) = sum_{i: r_i >= t} (h_i + t); it only grows between finishes, so its
-peak is max over t in {0} U {r_i} of U(t), one sort and suffix sums. A request still in its
-prompt may wait for chunks, so it is counted at its own peak P_i = prompt + max_tokens until it
-decodes. The bound sum_prefilling P_i + max_t U(t), plus a page of slack per request for page
-rounding, never grows as requests progress, so admitting a request only when the bound with it
-fits the cache means a run never runs out of KV memory mid-way. A request whose own peak exceeds
-the cache can never run and is rejected.
-
-Admission policies (`AdmissionConfig.policy`, runtime/preempt.py):
-
-- "reserve": the bound above. Never preempts; holds back whenever requests end before
-  max_tokens (an EOS), since it counts each at max_tokens.
-- "predict" (NanoFlow): the same bound with each request's remaining output predicted from the
-  outputs of requests that ended (runtime/predict.py; max_tokens until one has), under the
-  invariant below; a prediction that falls short is caught by preemption.
-- "use" (the default, as in vLLM and SGLang): admit while the pages of the request's whole
-  prefill plus `headroom` (a share of the cache) are free.
-
-Under "use" and "predict" a `KVPool` holds the pages. Invariant after each `form()`: every
-running request holds pages for each position it has written, for its whole prefill (taken at
-admission, so a prompt chunk never needs a page) and for the position its decode writes in this
-batch; planning the batch never runs out. To keep it, `form()` first frees the pages of requests
-whose every token is sampled (the last may be in flight), then gives each decode its page, oldest
-request first; while none is free it preempts the most recently admitted running request that
-holds pages (possibly the decoding request itself, never an older one) and puts it back at the
-head of the queue, victims in their admission order. By recompute the pages are dropped and the
-request prefills prompt + every output it has (`num_recompute`), the last position sampling its
-next, new, token; by swap the pages go to host memory and come back one step before the request
-runs again, so the copy overlaps a forward. Either way no token is lost or produced twice.
-
-Progress: the oldest running request is never preempted (it would have to be alone, and a
-request whose peak does not fit the cache alone is refused by `add`), so it finishes, and first
-come first served makes every request the oldest in turn. A waiting request is admitted only
-with every token it sampled on the host (async loop), never in a step that preempted (that
-would undo the preemption), and with the headroom waived when nothing runs (else a request
-larger than cache - headroom would wait forever).
-
-Async loop: `form()` for batch i+1 runs while batch i is on the device. Requests count their
-in-flight tokens (`num_output`), and a page freed here is next written by batch i+1 or by a
-copy ordered after batch i (runtime/offload.py), so these decisions hold whatever batch i
-brings back; a victim's in-flight token is appended when read back, and ends it there if it is
-its last or an EOS (`retire` then takes it out of the queue).
+More in docs/admission.md, module notes.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nanosched.errors import ConfigError
+from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import round_up
+from nanosched.models.kvcache import KVCache
 from nanosched.runtime.predict import OutputLengths
-from nanosched.runtime.preempt import KVPool, PreemptStats
+from nanosched.runtime.preempt import KVPool, PreemptStats, make_pool
 from nanosched.runtime.requests import Request
 
 
@@ -111,17 +75,21 @@ def peak_kv_tokens(held: list[int], remaining: list[int]) -> int:
 
 
 @dataclass
-class BatcherStats:
+class SchedulerStats:
     batches: int = 0  # non-empty batches formed
     full_batches: int = 0  # of those, batches that left no row of the dense batch unused
 
 
-class Batcher:
-    """Forms each iteration's batch and decides admission; knows nothing of the model.
-    `pool` None: the "reserve" policy; else the pool's, "use" or "predict" (module docstring)."""
+class RequestScheduler:
+    """Forms each iteration's batch, decides admission and preemption; knows nothing of the
+    model. `pool` None: the "reserve" policy; else the pool's, "use" or "predict"
+    (docs/admission.md). `kv`: the cache whose pages `plan`, `update_from_output` and `abort`
+    take and free, each change also appended to `journal` when given (tp > 1: the other
+    ranks replay it); None for the policy alone, its caller planning the batches."""
 
     def __init__(self, dense_batch: int, kv_capacity_pages: int, page_size: int,
-                 max_context: int, decode_align: int = 1, pool: KVPool | None = None) -> None:
+                 max_context: int, decode_align: int = 1, pool: KVPool | None = None,
+                 kv: KVCache | None = None, journal: list[tuple] | None = None) -> None:
         if dense_batch < 1:
             raise ConfigError(f"--dense-batch must be positive, got {dense_batch}")
         if decode_align < 1:
@@ -132,10 +100,21 @@ class Batcher:
         self.page_size = page_size
         self.max_context = max_context
         self.pool = pool
+        self.kv = kv
+        self.journal = journal
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.stats = BatcherStats()
+        self.stats = SchedulerStats()
         self.output_lengths = OutputLengths()  # of ended requests, for "predict"
+
+    @classmethod
+    def for_engine(cls, model: Any, kv: KVCache, cfg: Any, max_context: int, decode_align: int,
+                   journal: list[tuple] | None = None) -> RequestScheduler:
+        """The scheduler of an engine's cache under `cfg` (an `EngineConfig`: dense batch,
+        pages, admission), its page changes journaled at tp > 1."""
+        pool = make_pool(model, kv, cfg.admission, journal)
+        return cls(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
+                   decode_align=decode_align, pool=pool, kv=kv, journal=journal)
 
     @property
     def policy(self) -> str:
@@ -189,7 +168,7 @@ class Batcher:
     # ---- the "use" policy: pages for this step's decodes -----------------------------------
     def _make_room(self) -> bool:
         """Free the pages of requests with every token sampled, then give each decode its page,
-        preempting the newest page holders (module docstring). True if any was preempted."""
+        preempting the newest page holders (docs/admission.md). True if any was preempted."""
         pool = self.pool
         pool.begin_step()
         for r in self.running:
@@ -282,13 +261,79 @@ class Batcher:
                 return r
         return None
 
+    # ---- the engine's side: pages of the batch, and what it sampled ------------------------
+    def plan(self, chunks: list[tuple[int, int, bool]]) -> list[SeqChunk]:
+        """The batch's chunks (request id, tokens, is decode) planned into the cache: positions,
+        slots and block tables (rank 0's own batch, or at tp > 1 a worker's copy of it)."""
+        return self.kv.plan_chunks(chunks)
+
+    def launched(self, batch: Batch) -> None:
+        """Advance the requests of a batch just launched: its prompt chunks count as prefilled
+        and each entry that samples has one more token in flight (`pending`)."""
+        for e in batch.entries:
+            if not e.is_decode:
+                e.request.num_prefilled += e.num_tokens
+            if e.samples:
+                e.request.pending += 1
+
+    def update_from_output(self, samplers: list[Request], tokens: list[int], now_s: float,
+                           eos_ids: frozenset[int],
+                           on_token: Callable[[Request, int], None] | None = None
+                           ) -> list[Request]:
+        """Hand back a batch's sampled tokens (one per sampling request, in order; -1: its
+        logits were not finite): append each, end a request at max_tokens, at an EOS it does
+        not ignore or in error, free the pages of those that ended and retire them. A token
+        of a request that already ended (the async loop's one past its end) is dropped.
+        Returns the requests that ended."""
+        ended = []
+        for r, tok in zip(samplers, tokens, strict=True):
+            r.pending -= 1
+            if r.finished:
+                continue  # ended with EOS one iteration ago; this token is past the end
+            if tok < 0:  # its logits were not finite: this request alone ends, in error
+                r.finish_reason, r.finished, r.finish_s = "error", True, now_s
+                ended.append(r)
+                continue
+            r.output_ids.append(tok)
+            if on_token is not None:
+                on_token(r, tok)
+            if r.first_token_s is None:
+                r.first_token_s = now_s
+            if len(r.output_ids) >= r.params.max_tokens:
+                r.finish_reason = "length"
+            elif tok in eos_ids and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+            else:
+                continue
+            r.finished, r.finish_s = True, now_s
+            ended.append(r)
+        for r in ended:
+            self._release(r.request_id)
+        self.retire(ended)
+        return ended
+
+    def abort(self, request_id: int, now_s: float = 0.0) -> Request | None:
+        """End a waiting or running request (`finish_reason` "abort" at `now_s`) and free its
+        KV pages; returns it (None when no such request is waiting or running)."""
+        req = self.remove(request_id)
+        if req is None:
+            return None
+        self._release(request_id)
+        req.finished, req.finish_reason, req.finish_s = True, "abort", now_s
+        return req
+
+    def _release(self, request_id: int) -> None:
+        self.kv.release(request_id)
+        if self.journal is not None:
+            self.journal.append(("release", request_id))
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def reset_stats(self) -> None:
         """Count batches and preemptions afresh (after a benchmark's warm-up)."""
-        self.stats = BatcherStats()
+        self.stats = SchedulerStats()
         if self.pool is not None:
             self.pool.stats = PreemptStats()
 

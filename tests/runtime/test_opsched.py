@@ -14,8 +14,8 @@ from runtime_helpers import ShuffledDevice
 from nanosched.errors import ScheduleError
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.device import SerialDevice
+from nanosched.runtime.opsched import OpScheduler, SchedContext, pick_strategy, run_program
 from nanosched.runtime.program import Access, Program, ProgramOp
-from nanosched.runtime.scheduler import OpScheduler, SchedContext, run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap, wave_aware_split
 
 PROMPTS = [(0, 3), (3, 10), (10, 16)]  # token ranges of three requests' prompts
@@ -190,3 +190,17 @@ def test_launch_labels_name_layer_op_and_rows_for_devices_that_want_them():
     ctx.execute([ctx.get_ready_ops(i)[0] for i in range(3)])  # one merged launch
     assert dev.labels[-1][1] == "L0.proj[0:4]+L0.proj[4:8]+L0.proj[8:16]"
     assert not Backend(SerialDevice()).wants_labels
+
+
+def test_pick_strategy_falls_back_only_where_the_strategy_refuses():
+    class Picky(Sequential):
+        name = "picky"
+
+        def accepts(self, program):
+            return program.num_tokens > 8
+
+    big, _ = toy_program(T=16)
+    small, _ = toy_program(T=8)
+    picky, fallback = Picky(), Sequential()
+    assert pick_strategy(picky, fallback, big, 0) == (picky, False)
+    assert pick_strategy(picky, fallback, small, 0) == (fallback, True)

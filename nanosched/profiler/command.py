@@ -49,6 +49,7 @@ class ProfileConfig:
     progress: bool = True
     fake: bool = False  # a simulated GPU (fake.FakeBackend): a dry run of the whole flow
     kv_dtype: str = "auto"  # the KV cache the attention rows read (auto | fp8)
+    quantization: str = "none"  # the layer weights the GEMM rows run on (none | fp8)
     spec: ModelSpec | None = None  # the model's shapes when `model` names no registered one
     registry: Any = None  # the implementations measured (a frontend model's; default: impls)
     time_limit: float | None = None  # seconds from `started`: stop and save before it
@@ -92,6 +93,10 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     starts: a folder, a missing parent or an unwritable place fails now, not after the run."""
     spec = cfg.spec or load_spec(cfg.model)
     spec.check_tp(cfg.tp)
+    if cfg.quantization == "fp8" and cfg.registry is not None:
+        raise ConfigError("--quantization fp8 times nanosched's FP8 layer GEMMs; a --frontend "
+                          "model's ops run as its own code does: profile it without "
+                          "--quantization")
     if cfg.time_limit is not None and not cfg.time_limit > 0:
         raise ConfigError(f"--time-limit must be a positive number of seconds, got "
                           f"{cfg.time_limit:g}")
@@ -102,7 +107,7 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     dense = cfg.dense_batch or dense_batch_for(spec, cfg.tp, cfg.workload,
                                                identity.memory_bytes)
     settings = ProfileSettings(spec, cfg.tp, cfg.workload, dense, cfg.quick,
-                               kv_dtype=cfg.kv_dtype)
+                               kv_dtype=cfg.kv_dtype, quantization=cfg.quantization)
     out = cfg.out or default_out(cfg.model, cfg.tp, cfg.quick)
     opts = RunOptions(out=out, resume=cfg.resume, progress=cfg.progress,
                       command="nanosched " + shlex.join(sys.argv[1:]), log=log,
@@ -111,7 +116,8 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     log(f"profiling {spec.name} tp {cfg.tp} on {identity.gpu_name} ({identity.num_sms} SMs): "
         f"dense batch {dense}, workload p={cfg.workload.input_len:g} "
         f"d={cfg.workload.output_len:g}{', quick grid' if cfg.quick else ''}"
-        f"{', FP8 KV cache' if cfg.kv_dtype == 'fp8' else ''} -> {out}")
+        f"{', FP8 KV cache' if cfg.kv_dtype == 'fp8' else ''}"
+        f"{', FP8 weights (W8A8)' if cfg.quantization == 'fp8' else ''} -> {out}")
     return run_profile(settings, backend, opts)
 
 
@@ -138,7 +144,7 @@ def add_forward(path: Path, gpu: int, workload: Workload, out: Path | None = Non
                                f"this GPU is {here!r}: its forward table must be measured on "
                                f"the GPU its rows were")
         settings = ProfileSettings(prof.model, prof.tp, workload, prof.dense_batch,
-                                   kv_dtype=prof.kv_dtype)
+                                   kv_dtype=prof.kv_dtype, quantization=prof.quantization)
         num_sms = prof.identity.num_sms
         full = {}
         for k in prof.kernels:

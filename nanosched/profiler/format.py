@@ -7,7 +7,12 @@ Contents
 - `model` (ModelSpec JSON) and `tp`; `dense_batch`, the largest token count measured;
   `kv_dtype`, the KV cache the attention and rope_append rows ran on ("fp8": e4m3 with scales;
   absent = "auto", the model's dtype). A schedule searched on it runs only on that cache.
-- `ceilings`: measured bf16 GEMM TFLOP/s (at 8192^3 and at the model's shapes), HBM copy GB/s,
+  `quantization`, the layer weights its GEMM rows and pairs ran on ("fp8": W8A8, e4m3 weights
+  with a scale per output row and e4m3 inputs with one per token, `o` timed with the kernel
+  that quantises its input; absent = "none"). A schedule searched on it runs only on those.
+- `ceilings`: measured GEMM TFLOP/s in the profile's precision (bf16; the e4m3 GEMM of
+  kernels/dispatch.linear_fp8 when `quantization` is fp8), at 8192^3 and at the model's
+  shapes, HBM copy GB/s,
   all-reduce bus GB/s and latency (tp > 1; `modelled` when derived rather than measured).
 - `kernels`: rows (op, tokens, context, sms, mechanism, impl) -> time_us, every measurement kept;
   `best` marks the fastest row per (op, tokens, context, sms).
@@ -218,6 +223,7 @@ class Profile:
     rp_shapes: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
     kv_dtype: str = "auto"
     forward: tuple[ForwardRow, ...] = ()
+    quantization: str = "none"  # the layer weights the GEMM rows ran on (none | fp8)
 
     # ---- lookups ---------------------------------------------------------------------------
     def unsettled(self) -> str | None:
@@ -361,6 +367,8 @@ class Profile:
             data["kv_dtype"] = self.kv_dtype
         if self.forward:  # likewise
             data["forward"] = [_row(r) for r in self.forward]
+        if self.quantization != "none":  # likewise
+            data["quantization"] = self.quantization
         return data
 
     def digest(self) -> str:
@@ -395,6 +403,7 @@ class Profile:
                        for c in _get(data, "rp_shapes", dict, where, required=False) or {}},
             kv_dtype=_get(data, "kv_dtype", str, where, required=False) or "auto",
             forward=tuple(_build_list(ForwardRow, data, "forward", where, required=False)),
+            quantization=_get(data, "quantization", str, where, required=False) or "none",
         )
         validate(prof, where)
         return prof
@@ -453,9 +462,11 @@ def validate(prof: Profile, where: str = "profile") -> None:
 
 
 def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | None = None,
-                      where: str = "profile", kv_dtype: str | None = None) -> None:
-    """Raise ProfileError unless `prof` was made for `model` at `tp` (on `gpu_name` and for a
-    `kv_dtype` KV cache, where given) and its kernel table has every op of that model's layer.
+                      where: str = "profile", kv_dtype: str | None = None,
+                      quantization: str | None = None) -> None:
+    """Raise ProfileError unless `prof` was made for `model` at `tp` (on `gpu_name`, for a
+    `kv_dtype` KV cache and `quantization` weights, where given) and its kernel table has every
+    op of that model's layer.
 
     The one compatibility check of a profile: the search's request, its config and the
     schedule checker all ask it, so a mismatch reads the same wherever it is caught."""
@@ -478,6 +489,11 @@ def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | 
         raise ProfileError(f"{where} was measured on a {prof.kv_dtype!r} KV cache, not "
                            f"--kv-cache-dtype {kv_dtype}: pass --kv-cache-dtype {prof.kv_dtype} "
                            f"or another profile")
+    if quantization is not None and prof.quantization != quantization:
+        raise ProfileError(f"{where} was measured on {prof.quantization!r} weights, not "
+                           f"--quantization {quantization}: pass --quantization "
+                           f"{prof.quantization} or a profile measured with --quantization "
+                           f"{quantization}")
     have = {k.op for k in prof.kernels}
     missing = [op.name for op in layer_ops(model, tp) if op.name not in have]
     if missing:

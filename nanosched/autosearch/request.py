@@ -9,8 +9,11 @@ for, and says which shipped ones exist); without `--gpu` the GPU assumed is `DEF
 profile of another GPU is used only with a message that says so. A profile is measured on one KV
 cache dtype (`kv_dtype`); only profiles of the requested `--kv-cache-dtype` are picked or
 accepted, and FP8 needs a measured one (the synthetic profile models a cache in the model's
-dtype). tp: `--tp`, else the profile's, else the smallest power of two that leaves room for the
-dense batch's KV cache.
+dtype). Likewise a profile is measured on one weight quantization (`quantization`, none or
+fp8): only profiles of the requested `--quantization` are picked or accepted; without a
+measured fp8 one the synthetic profile prices FP8 GEMMs (autosearch/synthetic.py).
+tp: `--tp`, else the profile's, else the smallest power of two that leaves room for the
+dense batch's KV cache (and its weights: `--quantization`'s).
 Dense batch: `auto` is the largest multiple of 128 that fits (costmodel.max_dense_batch),
 capped at 2048 and at the profile's largest batch.
 """
@@ -28,6 +31,7 @@ from nanosched.costmodel import (
     DEFAULT_MAX_DENSE_BATCH,
     TOKEN_QUANTUM,
     choose_tp,
+    fp8_gemm,
     max_dense_batch,
 )
 from nanosched.errors import ConfigError, NanoschedError, ProfileError
@@ -107,13 +111,15 @@ class _Head:
     kv_dtype: str
     dense_batch: int
     pairs: int  # co-run pairs measured: a full grid has more than a --quick one
+    quantization: str = "none"
 
 
 def _read_head(path: Path) -> _Head | None:
     try:
         d = json.loads(path.read_bytes())
         return _Head(d["model"]["name"], d["tp"], d["identity"]["gpu_name"],
-                     d.get("kv_dtype") or "auto", d["dense_batch"], len(d.get("pairs") or ()))
+                     d.get("kv_dtype") or "auto", d["dense_batch"], len(d.get("pairs") or ()),
+                     d.get("quantization") or "none")
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -129,7 +135,8 @@ def gpu_key(name: str) -> str:
 
 def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
                  folder: Path | None = None, kv_dtype: str = "auto",
-                 assumed: bool = False) -> tuple[Profile | None, str]:
+                 assumed: bool = False, quantization: str = "none"
+                 ) -> tuple[Profile | None, str]:
     """The shipped profile closest to the request, with the reason; (None, why) if none fits.
 
     A profile measured on another GPU than `gpu` is returned only when `gpu` was `assumed`
@@ -137,9 +144,10 @@ def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
     paths = shipped_profiles(folder)
     found = [(name, head) for name, path in paths.items()
              if (head := _head(path)) is not None and head.model == spec.name
-             and head.kv_dtype == kv_dtype]
+             and head.kv_dtype == kv_dtype and head.quantization == quantization]
     if not found:
         kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
+        kv += "" if quantization == "none" else f" with {quantization} weights"
         return None, f"no shipped profile for {spec.name}{kv}"
 
     def same_gpu(head: _Head) -> bool:
@@ -196,9 +204,10 @@ def load_named_profile(arg: str, folder: Path | None = None) -> Profile:
 
 def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: str | None,
             workload: Workload, dense_batch: str, folder: Path | None = None,
-            kv_dtype: str = "auto") -> Choice:
+            kv_dtype: str = "auto", quantization: str = "none") -> Choice:
     """Decide tp, profile (None means: build a synthetic one) and dense batch."""
     gpu = get_gpu(gpu_name or DEFAULT_GPU)
+    fp8_gemm("kqv", quantization)  # an unknown --quantization is refused here
     msgs: list[str] = []
     if dense_batch != "auto" and not dense_batch.isdigit():
         raise ConfigError(f"--dense-batch must be a number of tokens or 'auto', got "
@@ -210,30 +219,36 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
     if profile_arg:
         prof: Profile | None = load_named_profile(profile_arg, folder)
         check_profile_for(prof, spec, tp or prof.tp, where=f"--profile {profile_arg}",
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, quantization=quantization)
         check_rp_tables(prof, f"--profile {profile_arg}")
         msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")
     else:
         prof, why = pick_shipped(spec, tp, gpu_name or DEFAULT_GPU, folder, kv_dtype,
-                                 assumed=gpu_name is None)
+                                 assumed=gpu_name is None, quantization=quantization)
         if prof is None and kv_dtype != "auto":
+            more = "" if quantization == "none" else f" --quantization {quantization}"
             raise ConfigError(f"{why}: measure one with `nanosched profile --model {spec.name} "
-                              f"--kv-cache-dtype {kv_dtype}` and pass it with --profile")
+                              f"--kv-cache-dtype {kv_dtype}{more}` and pass it with --profile")
         msgs.append(f"profile: {why}")
         if gpu_name is None:
             msgs.append(f"gpu: {DEFAULT_GPU} assumed (no --gpu given and no GPU here)")
     if tp is None:
-        tp = prof.tp if prof else choose_tp(spec, gpu, workload, target, max_tp=8)
+        tp = prof.tp if prof else choose_tp(spec, gpu, workload, target, max_tp=8,
+                                            quantization=quantization)
         msgs.append(f"tp: {tp} (" + ("the profile's" if prof else
                     f"smallest that fits a {target}-token batch's KV cache") + ")")
     spec.check_tp(tp)
     if prof is None:
         msgs.append(SYNTHETIC_BANNER)
+        if quantization == "fp8":
+            msgs.append("synthetic profile of FP8 weights (W8A8): the layer GEMMs priced on "
+                        "e4m3 bytes at the FP8 GEMM's rate (autosearch/synthetic.py), NOT "
+                        "measured: `nanosched profile --quantization fp8` measures them")
     elif gpu_name is None:  # size the batch for the profiled GPU, not a default prior
         gpu = measured_gpu(prof.identity.gpu_name, prof.identity.memory_bytes,
                            prof.ceilings.gemm_tflops_model, prof.ceilings.copy_gbs)
     if dense_batch == "auto":
-        fit = max_dense_batch(spec, gpu, tp, workload)
+        fit = max_dense_batch(spec, gpu, tp, workload, quantization=quantization)
         b = min(fit, DEFAULT_MAX_DENSE_BATCH, prof.dense_batch if prof else fit)
         b = b // TOKEN_QUANTUM * TOKEN_QUANTUM
         msgs.append(f"dense batch: {b} (auto: fits {fit} tokens, capped at "

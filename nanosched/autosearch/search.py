@@ -294,7 +294,8 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
                     max_nano_ops: int, max_period_us: float | None, out: str | None,
                     echo: Progress, print_table: object, command: str = "",
                     allow_unsettled: bool = False, kv_dtype: str = "auto",
-                    buckets: str = "all", min_gain: float | None = None) -> object:
+                    buckets: str = "all", min_gain: float | None = None,
+                    quantization: str = "none") -> object:
     """What `nanosched search` does: resolve, search a schedule set with live progress (every
     batch shape, or with `buckets="dense"` only the steady state's), report, write.
 
@@ -337,7 +338,8 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
         check_output_file(out, "--out", make_parent=False)
     spec = load_spec(model) if model is not None else profile_model(profile)
     wl = resolve_workload(workload, input_len, output_len)
-    choice = resolve(spec, tp, profile, gpu, wl, dense_batch, kv_dtype=kv_dtype)
+    choice = resolve(spec, tp, profile, gpu, wl, dense_batch, kv_dtype=kv_dtype,
+                     quantization=quantization)
     for msg in choice.messages:
         echo(msg)
     prof = choice.profile
@@ -345,7 +347,7 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
     if prof is None:
         b = batch_info(wl, choice.dense_batch)
         prof = synthetic_profile(spec, get_gpu(gpu or "h100"), choice.tp, choice.dense_batch,
-                                 context_grid(b.decode_context, b.prompt_len))
+                                 context_grid(b.decode_context, b.prompt_len), quantization)
     cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, limit, workers,
                        max_nano_ops, max_period_us, command)
     why = measured.unsettled() if measured is not None else None

@@ -51,6 +51,11 @@ def search(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache the schedule "
                                        "will run on: picks (or checks) a profile measured on "
                                        "it ('auto' = the model's dtype, 'fp8')."),
+    quantization: str = typer.Option("none", "--quantization", help="Layer weights the "
+                                     "schedule will run on: picks (or checks) a profile "
+                                     "measured on them ('none', or 'fp8': W8A8, `nanosched "
+                                     "profile --quantization fp8`); without one, a synthetic "
+                                     "profile of FP8 GEMMs."),
 ) -> None:
     """Search nano-batch pipelines (two-stage CP-SAT) and write them as a schedule set.
 
@@ -74,7 +79,7 @@ def search(
                             print_table=print_table,
                             command=" ".join(["nanosched", *sys.argv[1:]]),
                             allow_unsettled=allow_unsettled, kv_dtype=kv_cache_dtype,
-                            buckets=buckets, min_gain=min_gain)
+                            buckets=buckets, min_gain=min_gain, quantization=quantization)
     except KeyboardInterrupt:
         typer.echo("search interrupted: no schedule written (an earlier file is untouched)",
                    err=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanosched.constants import DEFAULT_NUM_SMS
+from nanosched.costmodel import FP8_GEMM_SPEEDUP
 from nanosched.kernels.impls import network_impl
 from nanosched.models.ops import MEMORY
 from nanosched.profiler import impls
@@ -47,10 +48,6 @@ LAYER_SLOWDOWN, LAYER_L2 = 0.08, 0.15
 FAKE_SECONDS = {"row": 0.05, "looped": 1.3, "network": 30.0, "network_pair": 2.0}
 IMPL_SPEED = {"cublas": 1.0, "cublaslt": 0.97, "triton_persistent_128x128": 0.93,
               "triton_persistent_128x256": 0.95}  # GEMMs; other ops follow bandwidth
-# the W8A8 GEMM's rate over the bf16 one at large batches: on an H200 the FP8 GEMM of
-# kernels/dispatch.linear_fp8 ran 1.65-1.71x torch.mm's at 1,024-2,048 rows and 1.15-1.69x at
-# 256 (bench/kernels/kernels_fp8.py, as issue 46 reports it); the lower end of the large ones
-FP8_GEMM_SPEEDUP = 1.65
 
 
 def interference(task: PairTask, num_sms: int) -> tuple[float, float]:

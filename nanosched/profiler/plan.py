@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from nanosched.constants import KV_DTYPES, QUANTIZATIONS, TOKEN_QUANTUM
+from nanosched.constants import FP8_GEMM_OPS, KV_DTYPES, QUANTIZATIONS, TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import MEMORY, NETWORK, layer_ops
 from nanosched.models.spec import ModelSpec
@@ -54,10 +54,8 @@ NCCL_CTAS_QUICK = (2, 8)
 COPY_ENGINE_CTAS = (8, 16)
 PAIR_COMPUTE_OPS = GEMM_OPS  # the compute kernels co-run with memory and network kernels
 NETWORK_PAIR_LARGE = (1024, 2048)  # GEMM rows also paired with the network ops
-# the GEMMs whose weights --quantization fp8 makes e4m3 (models/quant.fp8_weights: MoE experts
-# stay in the model dtype), and the implementations of that W8A8 GEMM (kernels/dispatch
-# .linear_fp8: torch._scaled_mm, `cublaslt` with its SM target; no persistent Triton FP8 GEMM)
-FP8_GEMM_OPS = ("kqv", "o", "ug", "d")
+# the implementations of the W8A8 GEMM of FP8_GEMM_OPS (kernels/dispatch.linear_fp8:
+# torch._scaled_mm, `cublaslt` with its SM target; there is no persistent Triton FP8 GEMM)
 FP8_GEMM_IMPLS = ("cublas", "cublaslt")
 
 

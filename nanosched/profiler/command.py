@@ -61,10 +61,11 @@ def default_out(model: str, tp: int, quick: bool) -> Path:
 
 
 def dense_batch_for(spec: ModelSpec | str, tp: int, workload: Workload,
-                    memory_bytes: int) -> int:
+                    memory_bytes: int, quantization: str = "none") -> int:
     spec = load_spec(spec) if isinstance(spec, str) else spec
     gpu = GPUSpec("measured", "", 0, memory_bytes / GIB, 1.0, 1.0, 1.0)
-    return min(max_dense_batch(spec, gpu, tp, workload), DEFAULT_MAX_DENSE_BATCH)
+    return min(max_dense_batch(spec, gpu, tp, workload, quantization=quantization),
+               DEFAULT_MAX_DENSE_BATCH)
 
 
 def make_backend(cfg: ProfileConfig) -> ProfilerBackend:
@@ -105,7 +106,7 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     backend = make_backend(cfg)
     identity = backend.identity("")
     dense = cfg.dense_batch or dense_batch_for(spec, cfg.tp, cfg.workload,
-                                               identity.memory_bytes)
+                                               identity.memory_bytes, cfg.quantization)
     settings = ProfileSettings(spec, cfg.tp, cfg.workload, dense, cfg.quick,
                                kv_dtype=cfg.kv_dtype, quantization=cfg.quantization)
     out = cfg.out or default_out(cfg.model, cfg.tp, cfg.quick)

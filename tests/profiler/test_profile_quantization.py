@@ -160,4 +160,37 @@ def test_cli_profiles_fp8_on_the_fake_gpu_and_show_prints_it(tmp_path):
     assert "FP8 weights (W8A8" in lines[0] and lines[1].startswith("ceilings: FP8 GEMM")
     bad = CliRunner().invoke(app, ["profile", "--fake-gpu", "--model", "llama3-8b",
                                    "--quantization", "int8", "--out", str(tmp_path / "x.json")])
-    assert bad.exit_code != 0 and "--quantization 'int8' is not one of" in bad.output
+    assert bad.exit_code != 0 and "--quantization must be one of none, fp8; got 'int8'" in bad.output
+
+
+def test_an_fp8_layers_gemms_read_the_e4m3_rows_the_op_before_wrote():
+    """The forward table's layer under fp8: kqv and ug read the norm's e4m3 rows and scales,
+    d reads act's, o quantises the attention output (impls.layer_kernels' aliases)."""
+    from nanosched.models.ops import layer_ops
+
+    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
+    calls = [(call(TINY, op.name, ws), "cublas" if op.name in WEIGHTS else "torch")
+             for op in layer_ops(TINY)]
+    kernels = impls.layer_kernels(calls)
+    for kern in kernels:
+        kern.fn()
+    c = ws.cache
+    f8 = torch.float8_e4m3fn
+    assert ws.tensor("x8_kqv", (32, 64), dtype=f8).data_ptr() == c["y_norm8"].data_ptr()
+    assert ws.tensor("xs_ug", (32,), dtype=torch.float32).data_ptr() == \
+        c["y_norm_scale"].data_ptr()
+    assert ws.tensor("x8_d", (32, 96), dtype=f8).data_ptr() == c["act_out8"].data_ptr()
+    assert ws.tensor("x_o", (32, 64)).data_ptr() == c["y_decode"].data_ptr()
+    kernels[0].fn()  # kqv again, on the e4m3 rows the norm at the end of the layer wrote
+    want = torch.empty_like(c["y_kqv"][:24])
+    ref.linear_fp8(c["y_norm8"][:24], c["y_norm_scale"][:24], c["w8_kqv"], c["ws_kqv"], None,
+                   want)
+    torch.testing.assert_close(c["y_kqv"][:24], want)
+
+
+def test_the_default_dense_batch_counts_the_e4m3_weights():
+    from nanosched.profiler.command import dense_batch_for
+
+    wl = fixed(1024, 512)
+    small = 28 << 30  # llama3-8b's bf16 weights fill most of it: fp8 leaves room for more
+    assert dense_batch_for(SPEC, 1, wl, small, "fp8") > dense_batch_for(SPEC, 1, wl, small)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nanosched.constants import TOKEN_QUANTUM
+from nanosched.constants import FP8_GEMM_OPS, QUANTIZATIONS, TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.hardware import GPUSpec
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
@@ -27,6 +27,31 @@ from nanosched.models.spec import ModelSpec
 from nanosched.workloads import Workload
 
 DEFAULT_MAX_DENSE_BATCH = 2048  # `auto` caps here: NanoFlow's best for 70B on 8 GPUs
+# the W8A8 GEMM's rate over the bf16 GEMM's at large batches: on an H200 the FP8 GEMM of
+# kernels/dispatch.linear_fp8 ran 1.65-1.71x torch.mm's at 1,024-2,048 rows and 1.15-1.69x at
+# 256 (bench/kernels/kernels_fp8.py, as issue 46 reports it), not the datasheet's 2x; the
+# low end of the large batches
+FP8_GEMM_SPEEDUP = 1.65
+
+
+def fp8_gemm(name: str, quantization: str) -> bool:
+    """Whether op `name` is an e4m3 GEMM under `quantization` (none | fp8)."""
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got "
+                          f"{quantization!r}")
+    return quantization == "fp8" and name in FP8_GEMM_OPS
+
+
+def weight_bytes(spec: ModelSpec, quantization: str = "none") -> float:
+    """Bytes of all the model's weights: the model dtype's, the layer GEMM weights at a byte
+    an element under fp8 (kqv, o and, for dense models, ug and d)."""
+    total = spec.num_params() * spec.dtype_bytes
+    if not fp8_gemm("kqv", quantization):
+        return total
+    D, q = spec.hidden_size, spec.q_size
+    per_layer = D * (q + 2 * spec.kv_size) + q * D + \
+        (0 if spec.is_moe else 3 * D * spec.intermediate_size)
+    return total - spec.num_layers * per_layer * (spec.dtype_bytes - 1)
 
 
 @dataclass(frozen=True)
@@ -76,13 +101,16 @@ def nano_mix(tokens: int, num_decode: float, decode_context: float,
                     num_decode)
 
 
-def op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str) -> tuple[float, float, float]:
+def op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str,
+               quantization: str = "none") -> tuple[float, float, float]:
     """(FLOPs, bytes loaded, network bytes) of op `name` for one layer, logical tensors.
 
     `mix` may be a whole dense batch or one nano-batch (`nano_mix`): the formulas hold for any
     token count. `rs_*`/`ag_*` (reduce-scatter, all-gather) each move half an all-reduce's bytes.
+    Under `quantization` fp8 a layer GEMM's weight and input are e4m3 (module docstring).
     """
     B, D, S = mix.dense_batch, spec.hidden_size, spec.dtype_bytes
+    s8 = 1 if fp8_gemm(name, quantization) else S  # bytes of a GEMM weight / input element
     q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
     qkv = q + 2 * kv
     e, k = max(spec.num_experts, 1), max(spec.num_experts_per_tok, 1)
@@ -90,8 +118,8 @@ def op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str) -> tuple[floa
     weights_touched = min(e, t_exp)  # experts whose weights a MoE GEMM loads
     n_d, n_p = mix.num_decode, mix.num_prefill
     if name == "kqv":
-        w = D * qkv + (qkv if spec.qkv_bias else 0)
-        return 2 * B * D * qkv, (w + B * D + B * qkv) * S, 0.0
+        bias = (qkv if spec.qkv_bias else 0) * S
+        return 2 * B * D * qkv, (D * qkv + B * D) * s8 + bias + B * qkv * S, 0.0
     if name == "rope_append":
         return 6 * B * (q + kv), 2 * B * qkv * S, 0.0
     if name == "attn_decode":
@@ -101,7 +129,7 @@ def op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str) -> tuple[floa
         return (4 * spec.num_heads * spec.head_dim * n_p * mix.prefill_context,
                 n_p * (2 * q + 2 * kv) * S, 0.0)
     if name == "o":
-        return 2 * B * q * D, (q * D + B * q + B * D) * S, 0.0
+        return 2 * B * q * D, (q * D + B * q) * s8 + B * D * S, 0.0
     if name in ("ar_attn", "ar_ffn"):
         sent = 2 * (tp - 1) * B * D * S
         return (tp - 1) * B * D, sent, sent
@@ -112,31 +140,35 @@ def op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str) -> tuple[floa
         return 5 * B * D, (4 * B * D + D) * S, 0.0
     if name in ("ug", "experts_ug"):
         router = 2 * B * D * spec.num_experts if spec.is_moe else 0
-        w = weights_touched * D * 2 * inter + D * spec.num_experts
-        return 2 * t_exp * D * 2 * inter + router, (w + B * D + t_exp * 2 * inter) * S, 0.0
+        w = weights_touched * D * 2 * inter
+        return 2 * t_exp * D * 2 * inter + router, (w + B * D) * s8 + (
+            D * spec.num_experts + t_exp * 2 * inter) * S, 0.0
     if name == "act":
         return 4 * t_exp * inter, 3 * t_exp * inter * S, 0.0
     if name in ("d", "experts_d"):
         w = weights_touched * inter * D
-        return 2 * t_exp * inter * D, (w + t_exp * inter + B * D) * S, 0.0
+        return 2 * t_exp * inter * D, (w + t_exp * inter) * s8 + B * D * S, 0.0
     raise ConfigError(f"cost model has no formula for op {name!r}")
 
 
 def _timed(name: str, resource: str, flops: float, mem: float, net: float, gpu: GPUSpec,
-           tp: int) -> OpCost:
+           tp: int, speedup: float = 1.0) -> OpCost:
     return OpCost(name, resource, flops, mem, net,
-                  flops / (tp * gpu.compute_gflops * 1e9),
+                  flops / (tp * gpu.compute_gflops * speedup * 1e9),
                   mem / (tp * gpu.mem_bw_gbs * 1e9),
                   net / (tp * gpu.net_bw_one_way_gbs * 1e9) if net else 0.0)
 
 
-def op_costs(spec: ModelSpec, gpu: GPUSpec, tp: int, mix: BatchMix) -> list[OpCost]:
-    """Every op of the layer, times L, then the LM head over the sampled tokens."""
+def op_costs(spec: ModelSpec, gpu: GPUSpec, tp: int, mix: BatchMix,
+             quantization: str = "none") -> list[OpCost]:
+    """Every op of the layer, times L, then the LM head over the sampled tokens (fp8: the
+    layer GEMMs e4m3, at FP8_GEMM_SPEEDUP times the GPU's GEMM peak)."""
     costs = []
     for op in layer_ops(spec, tp):
-        f, m, x = op_demands(spec, tp, mix, op.name)
+        f, m, x = op_demands(spec, tp, mix, op.name, quantization)
         L = spec.num_layers
-        costs.append(_timed(op.name, op.resource, f * L, m * L, x * L, gpu, tp))
+        speedup = FP8_GEMM_SPEEDUP if fp8_gemm(op.name, quantization) else 1.0
+        costs.append(_timed(op.name, op.resource, f * L, m * L, x * L, gpu, tp, speedup))
     sampled = mix.num_sampled
     V, D, S = spec.vocab_size, spec.hidden_size, spec.dtype_bytes
     costs.append(_timed("lm_head", COMPUTE, 2 * sampled * D * V,
@@ -152,21 +184,23 @@ def activation_bytes_per_gpu(spec: ModelSpec, tp: int, dense_batch: int) -> floa
 
 
 def kv_capacity_tokens(spec: ModelSpec, tp: int, memory_bytes: float, dense_batch: int,
-                       mem_util: float = 0.85, kv_dtype: str = "auto") -> float:
-    """KV-cache tokens one GPU of `memory_bytes` holds beside its weights and the working
-    activations of a `dense_batch` forward (the engine's default `mem_util`), in a cache of
-    `kv_dtype` ("fp8" holds about twice the tokens of a bf16 one)."""
-    budget = (mem_util * memory_bytes - spec.num_params() * spec.dtype_bytes / tp
+                       mem_util: float = 0.85, kv_dtype: str = "auto",
+                       quantization: str = "none") -> float:
+    """KV-cache tokens one GPU of `memory_bytes` holds beside its weights (`quantization`'s)
+    and the working activations of a `dense_batch` forward (the engine's default `mem_util`),
+    in a cache of `kv_dtype` ("fp8" holds about twice the tokens of a bf16 one)."""
+    budget = (mem_util * memory_bytes - weight_bytes(spec, quantization) / tp
               - activation_bytes_per_gpu(spec, tp, dense_batch))
     return max(0.0, budget / spec.kv_bytes_per_token(tp, kv_dtype=kv_dtype))
 
 
 def max_dense_batch(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
-                    mem_util: float = 0.9) -> int:
-    """Largest multiple of 128 tokens whose weights, KV cache and activations fit each GPU."""
+                    mem_util: float = 0.9, quantization: str = "none") -> int:
+    """Largest multiple of 128 tokens whose weights (`quantization`'s), KV cache and
+    activations fit each GPU."""
     if not 0 < mem_util <= 1:
         raise ConfigError(f"--mem-util must be in (0, 1], got {mem_util}")
-    budget = mem_util * gpu.mem_bytes - spec.num_params() * spec.dtype_bytes / tp
+    budget = mem_util * gpu.mem_bytes - weight_bytes(spec, quantization) / tp
     kv_per_batch_token = (workload.decode_fraction *
                           (workload.input_len + workload.output_len / 2) *
                           spec.kv_bytes_per_token(tp))
@@ -179,7 +213,7 @@ def max_dense_batch(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
 
 
 def choose_tp(spec: ModelSpec, gpu: GPUSpec, workload: Workload, dense_batch: int | None = None,
-              mem_util: float = 0.9, max_tp: int = 64) -> int:
+              mem_util: float = 0.9, max_tp: int = 64, quantization: str = "none") -> int:
     """Smallest tp whose GPUs hold the weights and the KV cache of the dense batch.
 
     The dense batch defaults to 2048 tokens (NanoFlow's for 70B models).
@@ -191,7 +225,7 @@ def choose_tp(spec: ModelSpec, gpu: GPUSpec, workload: Workload, dense_batch: in
             continue
         tried.append(tp)
         try:
-            if max_dense_batch(spec, gpu, tp, workload, mem_util) >= target:
+            if max_dense_batch(spec, gpu, tp, workload, mem_util, quantization) >= target:
                 return tp
         except ConfigError:
             continue
@@ -271,4 +305,4 @@ def analyze(spec: ModelSpec, gpu: GPUSpec, tp: int, workload: Workload,
 
 __all__ = ["Analysis", "BatchMix", "OpCost", "analyze", "batch_mix", "choose_tp",
            "max_dense_batch", "nano_mix", "op_costs", "op_demands",
-           "optimal_tokens_per_s_per_gpu"]
+           "optimal_tokens_per_s_per_gpu", "FP8_GEMM_SPEEDUP", "fp8_gemm", "weight_bytes"]

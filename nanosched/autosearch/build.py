@@ -150,4 +150,5 @@ def _assemble(spec: ModelSpec, tp: int, profile: Profile, nanos: list[NanoOpDef]
                     profile.digest(), batch, ranges, dict(structure.forms), streams,
                     tuple(ops), pred, stages,
                     datetime.now(timezone.utc).isoformat(timespec="seconds"), command,
-                    profile.notes[:1], kv_dtype=profile.kv_dtype)
+                    profile.notes[:1], kv_dtype=profile.kv_dtype,
+                    quantization=profile.quantization)

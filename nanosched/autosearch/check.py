@@ -60,7 +60,8 @@ def _check_profile(s: Schedule, profile: Profile) -> None:
                     f"against {profile.digest()}")
     try:
         spec = replace(profile.model, **{k: s.model.get(k) for k in MODEL_FIELDS})
-        check_profile_for(profile, spec, s.tp, kv_dtype=s.kv_dtype)
+        check_profile_for(profile, spec, s.tp, kv_dtype=s.kv_dtype,
+                          quantization=s.quantization)
     except (ConfigError, ProfileError) as exc:  # a model no spec can have, or another one
         raise _fail("profile", "schedule", str(exc)) from None
 

@@ -65,7 +65,7 @@ def search_command(req: SearchRequest, echo: Progress) -> SearchOutcome:
     spec = load_spec(req.model) if req.model is not None else profile_model(req.profile)
     wl = resolve_workload(req.workload, req.input_len, req.output_len)
     choice = resolve(spec, req.tp, req.profile, req.gpu, wl, req.dense_batch,
-                     kv_dtype=req.kv_dtype)
+                     kv_dtype=req.kv_dtype, quantization=req.quantization)
     for msg in choice.messages:
         echo(msg)
     prof = choice.profile
@@ -73,7 +73,8 @@ def search_command(req: SearchRequest, echo: Progress) -> SearchOutcome:
     if prof is None:
         b = batch_info(wl, choice.dense_batch)
         prof = synthetic_profile(spec, get_gpu(req.gpu or "h100"), choice.tp,
-                                 choice.dense_batch, context_grid(b.decode_context, b.prompt_len))
+                                 choice.dense_batch, context_grid(b.decode_context, b.prompt_len),
+                                 req.quantization)
     cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, limit, req.workers,
                        req.max_nano_ops, req.max_period_us, req.command,
                        forms=FORMS if req.allow_rs_ag else REPLAYED_FORMS)

@@ -5,7 +5,9 @@ Profile: `--profile FILE` or a shipped NAME, else the closest shipped profile
 (profiler/catalog.py `pick_shipped`), else a synthetic one for `--gpu`, announced loudly. A
 profile of another GPU than the one asked for is never picked; without `--gpu` the GPU assumed
 is `DEFAULT_GPU`, and another GPU's profile is used only with a message that says so. Only
-profiles of the requested `--kv-cache-dtype` are picked or accepted (FP8 needs a measured one).
+profiles of the requested `--kv-cache-dtype` are picked or accepted (FP8 needs a measured one),
+and only of the requested `--quantization` (without a measured fp8 one the synthetic profile
+prices FP8 GEMMs).
 tp: `--tp`, else the profile's, else the smallest power of two that leaves room for the dense
 batch's KV cache. Dense batch: `auto` is the largest multiple of 128 that fits
 (costmodel.max_dense_batch), capped at 2048 and at the profile's largest batch.
@@ -22,6 +24,7 @@ from nanosched.costmodel import (
     DEFAULT_MAX_DENSE_BATCH,
     TOKEN_QUANTUM,
     choose_tp,
+    fp8_gemm,
     max_dense_batch,
 )
 from nanosched.errors import ConfigError, ProfileError
@@ -61,6 +64,7 @@ class SearchRequest:
     allow_unsettled: bool = False
     allow_rs_ag: bool = False
     kv_dtype: str = "auto"
+    quantization: str = "none"  # the layer weights the schedule runs on (none | fp8)
     buckets: str = "all"
     min_gain: float | None = None
 
@@ -119,9 +123,10 @@ def check_rp_tables(prof: Profile, where: str) -> None:
 
 def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: str | None,
             workload: Workload, dense_batch: str, folder: Path | None = None,
-            kv_dtype: str = "auto") -> Choice:
+            kv_dtype: str = "auto", quantization: str = "none") -> Choice:
     """Decide tp, profile (None means: build a synthetic one) and dense batch."""
     gpu = get_gpu(gpu_name or DEFAULT_GPU)
+    fp8_gemm("kqv", quantization)  # an unknown --quantization is refused here
     msgs: list[str] = []
     if dense_batch != "auto" and not dense_batch.isdigit():
         raise ConfigError(f"--dense-batch must be a number of tokens or 'auto', got "
@@ -133,30 +138,36 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
     if profile_arg:
         prof: Profile | None = load_named_profile(profile_arg, folder)
         check_profile_for(prof, spec, tp or prof.tp, where=f"--profile {profile_arg}",
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, quantization=quantization)
         check_rp_tables(prof, f"--profile {profile_arg}")
         msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")
     else:
         prof, why = pick_shipped(spec, tp, gpu_name or DEFAULT_GPU, folder, kv_dtype,
-                                 assumed=gpu_name is None)
+                                 assumed=gpu_name is None, quantization=quantization)
         if prof is None and kv_dtype != "auto":
+            more = "" if quantization == "none" else f" --quantization {quantization}"
             raise ConfigError(f"{why}: measure one with `nanosched profile --model {spec.name} "
-                              f"--kv-cache-dtype {kv_dtype}` and pass it with --profile")
+                              f"--kv-cache-dtype {kv_dtype}{more}` and pass it with --profile")
         msgs.append(f"profile: {why}")
         if gpu_name is None:
             msgs.append(f"gpu: {DEFAULT_GPU} assumed (no --gpu given and no GPU here)")
     if tp is None:
-        tp = prof.tp if prof else choose_tp(spec, gpu, workload, target, max_tp=8)
+        tp = prof.tp if prof else choose_tp(spec, gpu, workload, target, max_tp=8,
+                                            quantization=quantization)
         msgs.append(f"tp: {tp} (" + ("the profile's" if prof else
                     f"smallest that fits a {target}-token batch's KV cache") + ")")
     spec.check_tp(tp)
     if prof is None:
         msgs.append(SYNTHETIC_BANNER)
+        if quantization == "fp8":
+            msgs.append("synthetic profile of FP8 weights (W8A8): the layer GEMMs priced on "
+                        "e4m3 bytes at the FP8 GEMM's rate (autosearch/synthetic.py), NOT "
+                        "measured: `nanosched profile --quantization fp8` measures them")
     elif gpu_name is None:  # size the batch for the profiled GPU, not a default prior
         gpu = measured_gpu(prof.identity.gpu_name, prof.identity.memory_bytes,
                            prof.ceilings.gemm_tflops_model, prof.ceilings.copy_gbs)
     if dense_batch == "auto":
-        fit = max_dense_batch(spec, gpu, tp, workload)
+        fit = max_dense_batch(spec, gpu, tp, workload, quantization=quantization)
         b = min(fit, DEFAULT_MAX_DENSE_BATCH, prof.dense_batch if prof else fit)
         b = b // TOKEN_QUANTUM * TOKEN_QUANTUM
         msgs.append(f"dense batch: {b} (auto: fits {fit} tokens, capped at "

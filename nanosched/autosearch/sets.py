@@ -83,7 +83,8 @@ def context_notes(cfg: SearchConfig) -> dict[str, float]:
             "least": float(min((r.context for r in cfg.profile.kernels
                                 if r.op == "attn_decode" and r.context), default=1)),
             "kv_capacity_tokens": kv_capacity_tokens(cfg.spec, cfg.tp, mem, cfg.dense_batch,
-                                                     kv_dtype=cfg.profile.kv_dtype)
+                                                     kv_dtype=cfg.profile.kv_dtype,
+                                                     quantization=cfg.profile.quantization)
             if mem else 0.0}
 
 
@@ -311,4 +312,5 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
          "failed": how.count("failed"), "unsearched": how.count("unsearched"),
          "max_p_sum": round(max_p_sum(base), 4),
          "steady_key": list(start), "contexts": context_notes(base)},
-        datetime.now(timezone.utc).isoformat(timespec="seconds"), base.command)
+        datetime.now(timezone.utc).isoformat(timespec="seconds"), base.command,
+        quantization=prof.quantization)

@@ -196,8 +196,8 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
 def run_verify(path: str, out: str, device: str = "auto", cfg: VerifyConfig = VerifyConfig(),
                echo: Callable[[str], None] = print) -> tuple[ScheduleSet, list[dict[str, Any]]]:
     """What `nanosched verify` does: load the set (checked against this GPU), build its model
-    with random weights, measure its pipelines at the contexts each was searched at, write the
-    verified set to `out`."""
+    with random weights (quantised as the set's profile was), measure its pipelines at the
+    contexts each was searched at, write the verified set to `out`."""
     from nanosched.fileio import check_output_file
     from nanosched.models.spec import load_spec
     from nanosched.runtime.loader import gpu_name, kv_pages, load_model, resolve_device
@@ -212,7 +212,7 @@ def run_verify(path: str, out: str, device: str = "auto", cfg: VerifyConfig = Ve
     dev = resolve_device(device)
     spec = load_spec(sset.model["name"])
     check_set_compatible(sset, spec, sset.tp, gpu_name(dev), force=dev.type != "cuda",
-                         kv_dtype=sset.kv_dtype)
+                         kv_dtype=sset.kv_dtype, quantization=sset.quantization)
     pipes = [e for e in sset.entries if e.kind == "pipeline" and e.schedule is not None]
     if not pipes:
         echo("the set runs no pipeline: nothing to verify; written unchanged")
@@ -222,7 +222,7 @@ def run_verify(path: str, out: str, device: str = "auto", cfg: VerifyConfig = Ve
         raise ConfigError(f"verify times pipelines on one GPU; this set is for tp = {sset.tp}: "
                           f"time it end to end with `nanosched bench --model "
                           f"{sset.model['name']} --tp {sset.tp} --schedule {path} --compare`")
-    model = load_model(spec, "random", dev)
+    model = load_model(spec, "random", dev, quantization=sset.quantization)
     from nanosched.benchmarks.throughput import forward_pages
 
     ctx = max(int(e.schedule.batch.decode_context) for e in pipes)  # type: ignore[union-attr]

@@ -63,6 +63,13 @@ def profile(
                                        "and rope_append rows run on: 'auto' (the model's dtype) "
                                        "or 'fp8'. A schedule searched on the profile runs only "
                                        "on that cache (serve/bench --kv-cache-dtype)."),
+    quantization: str = typer.Option("none", "--quantization", help="Layer weights the GEMM "
+                                     "rows and co-run pairs run on: 'none' (the model dtype) "
+                                     "or 'fp8' (W8A8: e4m3 weights with a scale per output "
+                                     "row, e4m3 inputs with one per token; `o` timed with the "
+                                     "kernel that quantises its input). A schedule searched "
+                                     "on the profile runs only on those weights "
+                                     "(serve/bench --quantization)."),
     frontend: str | None = typer.Option(None, "--frontend", help="FILE.py:FUNCTION: measure "
                                         "the ops of the frontend model FUNCTION(device) builds "
                                         "(an unmodified torch model partitioned by rules, "
@@ -95,7 +102,8 @@ def profile(
                           "--frontend FILE.py:FUNCTION")
     cfg = ProfileConfig(index, model, tp, resolve_workload(workload, input_len, output_len),
                         out, quick, resume, dense_batch, not no_progress, fake_gpu,
-                        kv_dtype=kv_cache_dtype, spec=spec, registry=registry,
+                        kv_dtype=kv_cache_dtype, quantization=quantization, spec=spec,
+                        registry=registry,
                         time_limit=time_limit, started=started)
     try:
         with sigterm_as_interrupt():

@@ -55,6 +55,11 @@ def search(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="KV cache the schedule "
                                        "will run on: picks (or checks) a profile measured on "
                                        "it ('auto' = the model's dtype, 'fp8')."),
+    quantization: str = typer.Option("none", "--quantization", help="Layer weights the "
+                                     "schedule will run on: picks (or checks) a profile "
+                                     "measured on them ('none', or 'fp8': W8A8, `nanosched "
+                                     "profile --quantization fp8`); without one, a synthetic "
+                                     "profile of FP8 GEMMs."),
 ) -> None:
     """Search nano-batch pipelines (two-stage CP-SAT) and write them as a schedule set.
 
@@ -75,7 +80,8 @@ def search(
                         max_period_us=max_period_us, out=out,
                         command=" ".join(["nanosched", *sys.argv[1:]]),
                         allow_unsettled=allow_unsettled, allow_rs_ag=allow_rs_ag,
-                        kv_dtype=kv_cache_dtype, buckets=buckets, min_gain=min_gain)
+                        kv_dtype=kv_cache_dtype, buckets=buckets, min_gain=min_gain,
+                        quantization=quantization)
     try:
         with sigterm_as_interrupt():
             done = search_command(req, typer.echo)

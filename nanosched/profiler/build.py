@@ -223,7 +223,7 @@ def build_profile(settings: ProfileSettings, state: RunState) -> Profile:
     bare = Profile(identity=state.identity, model=settings.model, tp=settings.tp,
                    dense_batch=settings.dense_batch, ceilings=ceilings, kernels=tuple(kernels),
                    pairs=tuple(state.pairs.values()), rp={}, notes=(),
-                   kv_dtype=settings.kv_dtype,
+                   kv_dtype=settings.kv_dtype, quantization=settings.quantization,
                    forward=tuple(r for rows in state.forward.values() for r in rows))
     prof = with_rp(bare, state.note)
     if state.skipped:

@@ -1,9 +1,9 @@
 """The profiles shipped with the package (`nanosched/profiler/profiles/`): listed, picked for a
 request, and loaded by name.
 
-`pick_shipped` returns the shipped profile closest to a request: same model and KV cache dtype
-required, then same tp, then same GPU, then the largest measured batch, then the fullest grid
-(most co-run pairs); it ranks the files by their headers and reads only the one it picks whole.
+`pick_shipped` returns the shipped profile closest to a request: same model, KV cache dtype and
+weight quantization required, then same tp, then same GPU, then the largest measured batch,
+then the fullest grid (most co-run pairs); it ranks the files by their headers and reads only the one it picks whole.
 A profile of another GPU than the one asked for is returned only when that GPU was assumed, with
 a reason that says so. `load_named_profile` reads `--profile FILE` or a shipped NAME. Installed
 profiles and their headers are read once per process (profiles are immutable).
@@ -80,13 +80,15 @@ class _Head:
     kv_dtype: str
     dense_batch: int
     pairs: int  # co-run pairs measured: a full grid has more than a --quick one
+    quantization: str = "none"
 
 
 def _read_head(path: Path) -> _Head | None:
     try:
         d = json.loads(path.read_bytes())
         return _Head(d["model"]["name"], d["tp"], d["identity"]["gpu_name"],
-                     d.get("kv_dtype") or "auto", d["dense_batch"], len(d.get("pairs") or ()))
+                     d.get("kv_dtype") or "auto", d["dense_batch"], len(d.get("pairs") or ()),
+                     d.get("quantization") or "none")
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -102,7 +104,8 @@ def gpu_key(name: str) -> str:
 
 def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
                  folder: Path | None = None, kv_dtype: str = "auto",
-                 assumed: bool = False) -> tuple[Profile | None, str]:
+                 assumed: bool = False, quantization: str = "none"
+                 ) -> tuple[Profile | None, str]:
     """The shipped profile closest to the request, with the reason; (None, why) if none fits.
 
     A profile measured on another GPU than `gpu` is returned only when `gpu` was `assumed`
@@ -110,9 +113,10 @@ def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
     paths = shipped_profiles(folder)
     found = [(name, head) for name, path in paths.items()
              if (head := _head(path)) is not None and head.model == spec.name
-             and head.kv_dtype == kv_dtype]
+             and head.kv_dtype == kv_dtype and head.quantization == quantization]
     if not found:
         kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
+        kv += "" if quantization == "none" else f" with {quantization} weights"
         return None, f"no shipped profile for {spec.name}{kv}"
 
     def same_gpu(head: _Head) -> bool:

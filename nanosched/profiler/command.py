@@ -49,6 +49,7 @@ class ProfileConfig:
     progress: bool = True
     fake: bool = False  # a simulated GPU (fake.FakeBackend): a dry run of the whole flow
     kv_dtype: str = "auto"  # the KV cache the attention rows read (auto | fp8)
+    quantization: str = "none"  # the layer weights the GEMM rows run on (none | fp8)
     spec: ModelSpec | None = None  # the model's shapes when `model` names no registered one
     registry: Any = None  # the implementations measured (a frontend model's; default: impls)
     time_limit: float | None = None  # seconds from `started`: stop and save before it
@@ -60,10 +61,11 @@ def default_out(model: str, tp: int, quick: bool) -> Path:
 
 
 def dense_batch_for(spec: ModelSpec | str, tp: int, workload: Workload,
-                    memory_bytes: int) -> int:
+                    memory_bytes: int, quantization: str = "none") -> int:
     spec = load_spec(spec) if isinstance(spec, str) else spec
     gpu = GPUSpec("measured", "", 0, memory_bytes / GIB, 1.0, 1.0, 1.0)
-    return min(max_dense_batch(spec, gpu, tp, workload), DEFAULT_MAX_DENSE_BATCH)
+    return min(max_dense_batch(spec, gpu, tp, workload, quantization=quantization),
+               DEFAULT_MAX_DENSE_BATCH)
 
 
 def make_backend(cfg: ProfileConfig) -> ProfilerBackend:
@@ -92,6 +94,10 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     starts: a folder, a missing parent or an unwritable place fails now, not after the run."""
     spec = cfg.spec or load_spec(cfg.model)
     spec.check_tp(cfg.tp)
+    if cfg.quantization == "fp8" and cfg.registry is not None:
+        raise ConfigError("--quantization fp8 times nanosched's FP8 layer GEMMs; a --frontend "
+                          "model's ops run as its own code does: profile it without "
+                          "--quantization")
     if cfg.time_limit is not None and not cfg.time_limit > 0:
         raise ConfigError(f"--time-limit must be a positive number of seconds, got "
                           f"{cfg.time_limit:g}")
@@ -100,9 +106,9 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     backend = make_backend(cfg)
     identity = backend.identity("")
     dense = cfg.dense_batch or dense_batch_for(spec, cfg.tp, cfg.workload,
-                                               identity.memory_bytes)
+                                               identity.memory_bytes, cfg.quantization)
     settings = ProfileSettings(spec, cfg.tp, cfg.workload, dense, cfg.quick,
-                               kv_dtype=cfg.kv_dtype)
+                               kv_dtype=cfg.kv_dtype, quantization=cfg.quantization)
     out = cfg.out or default_out(cfg.model, cfg.tp, cfg.quick)
     opts = RunOptions(out=out, resume=cfg.resume, progress=cfg.progress,
                       command="nanosched " + shlex.join(sys.argv[1:]), log=log,
@@ -111,7 +117,8 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     log(f"profiling {spec.name} tp {cfg.tp} on {identity.gpu_name} ({identity.num_sms} SMs): "
         f"dense batch {dense}, workload p={cfg.workload.input_len:g} "
         f"d={cfg.workload.output_len:g}{', quick grid' if cfg.quick else ''}"
-        f"{', FP8 KV cache' if cfg.kv_dtype == 'fp8' else ''} -> {out}")
+        f"{', FP8 KV cache' if cfg.kv_dtype == 'fp8' else ''}"
+        f"{', FP8 weights (W8A8)' if cfg.quantization == 'fp8' else ''} -> {out}")
     return run_profile(settings, backend, opts)
 
 
@@ -138,7 +145,7 @@ def add_forward(path: Path, gpu: int, workload: Workload, out: Path | None = Non
                                f"this GPU is {here!r}: its forward table must be measured on "
                                f"the GPU its rows were")
         settings = ProfileSettings(prof.model, prof.tp, workload, prof.dense_batch,
-                                   kv_dtype=prof.kv_dtype)
+                                   kv_dtype=prof.kv_dtype, quantization=prof.quantization)
         num_sms = prof.identity.num_sms
         full = {}
         for k in prof.kernels:

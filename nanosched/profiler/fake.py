@@ -4,7 +4,10 @@ Kernel times follow a roofline (`peak_tflops`, `hbm_gbs`) scaled by the SMs or C
 pairs follow a fixed interference model (`interference`), collectives NCCL's ring formula.
 Short timings report the maximum clock, sustained ones (alone or paired) a clock held down by
 the power cap (`SUSTAINED_CLOCK`), with kernel times longer by the same ratio; inside a looped
-layer GEMMs run slower and the other ops faster, more so the larger the layer. It
+layer GEMMs run slower and the other ops faster, more so the larger the layer. Under
+quantization fp8 the layer GEMMs (plan.FP8_GEMM_OPS) run `FP8_GEMM_SPEEDUP` times the bf16 rate
+and read e4m3 weights and inputs (a byte each), `o` after a row-quantisation pass over its
+input, and the GEMM ceilings are the FP8 GEMM's. It
 uses the real implementation registry's names, so a fake profile has the rows a real one has.
 `interrupt_after` raises KeyboardInterrupt at that kernel measurement, as Ctrl-C would.
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanosched.constants import DEFAULT_NUM_SMS
+from nanosched.costmodel import FP8_GEMM_SPEEDUP
 from nanosched.kernels.impls import network_impl
 from nanosched.models.ops import MEMORY
 from nanosched.profiler import impls
@@ -30,13 +34,14 @@ from nanosched.profiler.backend import (
 from nanosched.profiler.format import Ceilings, Identity
 from nanosched.profiler.network_model import CE_ALL_REDUCE, KINDS, ring_time_us
 from nanosched.profiler.plan import (
+    FP8_GEMM_OPS,
     ImplInfo,
     KernelTask,
     LayerTask,
     PairTask,
     ProfileSettings,
 )
-from nanosched.profiler.shapes import GEMM_OPS, gemm_flops, op_bytes
+from nanosched.profiler.shapes import GEMM_OPS, gemm_dims, gemm_flops, op_bytes
 
 MAX_CLOCK, SUSTAINED_CLOCK, POWER_LIMIT = 1980.0, 1500.0, 700.0
 LAYER_SLOWDOWN, LAYER_L2 = 0.08, 0.15
@@ -96,7 +101,8 @@ class FakeBackend:
         return (self.registry or impls).available(ops)
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
-        return Ceilings(self.peak_tflops * 1.05, self.peak_tflops, self.hbm_gbs)
+        peak = self.peak_tflops * (FP8_GEMM_SPEEDUP if settings.quantization == "fp8" else 1.0)
+        return Ceilings(peak * 1.05, peak, self.hbm_gbs)
 
     def reference_us(self) -> float:
         self.reference_calls += 1
@@ -121,11 +127,20 @@ class FakeBackend:
         if task.mechanism == "cta_bound":
             share = min(1.0, task.sms / 96)  # bandwidth needs CTAs in flight
         spec, tp = settings.model, settings.tp
+        fp8 = settings.quantization == "fp8" and task.op in FP8_GEMM_OPS
         flops = gemm_flops(spec, tp, task.op, task.tokens) if task.op in GEMM_OPS else 0.0
-        t_c = flops / (self.peak_tflops * 1e6 * share * IMPL_SPEED.get(task.impl, 1.0))
-        t_m = op_bytes(spec, tp, task.op, task.tokens, task.context) / (
-            self.hbm_gbs * 1e3 * min(1.0, 1.5 * share))
-        return 3.0 + max(t_c, t_m)
+        rate = self.peak_tflops * (FP8_GEMM_SPEEDUP if fp8 else 1.0)
+        t_c = flops / (rate * 1e6 * share * IMPL_SPEED.get(task.impl, 1.0))
+        moved = op_bytes(spec, tp, task.op, task.tokens, task.context)
+        bw = self.hbm_gbs * 1e3 * min(1.0, 1.5 * share)
+        if not fp8:
+            return 3.0 + max(t_c, moved / bw)
+        k, n = gemm_dims(spec, tp, task.op)
+        moved -= (spec.dtype_bytes - 1) * (k * n + task.tokens * k)  # e4m3 weights and inputs
+        t = 3.0 + max(t_c, moved / bw)
+        if task.op == "o":  # its input rows quantised first: read in the model dtype, write e4m3
+            t += 3.0 + task.tokens * k * (spec.dtype_bytes + 1) / bw
+        return t
 
     def time_pair(self, settings: ProfileSettings, task: PairTask,
                   alone_us: tuple[float, float]) -> PairTiming:

@@ -170,6 +170,7 @@ class Profile:
     rp_shapes: dict[str, tuple[RPPoint, ...]] = field(default_factory=dict)
     kv_dtype: str = "auto"
     forward: tuple[ForwardRow, ...] = ()
+    quantization: str = "none"  # the layer weights the GEMM rows ran on (none | fp8)
 
     # ---- lookups ---------------------------------------------------------------------------
     def unsettled(self) -> str | None:
@@ -313,6 +314,8 @@ class Profile:
             data["kv_dtype"] = self.kv_dtype
         if self.forward:  # likewise
             data["forward"] = [_row(r) for r in self.forward]
+        if self.quantization != "none":  # likewise
+            data["quantization"] = self.quantization
         return data
 
     def digest(self) -> str:
@@ -347,6 +350,7 @@ class Profile:
                        for c in _get(data, "rp_shapes", dict, where, required=False) or {}},
             kv_dtype=_get(data, "kv_dtype", str, where, required=False) or "auto",
             forward=tuple(_build_list(ForwardRow, data, "forward", where, required=False)),
+            quantization=_get(data, "quantization", str, where, required=False) or "none",
         )
         validate(prof, where)
         return prof
@@ -405,9 +409,11 @@ def validate(prof: Profile, where: str = "profile") -> None:
 
 
 def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | None = None,
-                      where: str = "profile", kv_dtype: str | None = None) -> None:
-    """Raise ProfileError unless `prof` was made for `model` at `tp` (on `gpu_name` and for a
-    `kv_dtype` KV cache, where given) and its kernel table has every op of that model's layer.
+                      where: str = "profile", kv_dtype: str | None = None,
+                      quantization: str | None = None) -> None:
+    """Raise ProfileError unless `prof` was made for `model` at `tp` (on `gpu_name`, for a
+    `kv_dtype` KV cache and `quantization` weights, where given) and its kernel table has every
+    op of that model's layer.
 
     The one compatibility check of a profile: the search's request, its config and the
     schedule checker all ask it, so a mismatch reads the same wherever it is caught."""
@@ -430,6 +436,11 @@ def check_profile_for(prof: Profile, model: ModelSpec, tp: int, gpu_name: str | 
         raise ProfileError(f"{where} was measured on a {prof.kv_dtype!r} KV cache, not "
                            f"--kv-cache-dtype {kv_dtype}: pass --kv-cache-dtype {prof.kv_dtype} "
                            f"or another profile")
+    if quantization is not None and prof.quantization != quantization:
+        raise ProfileError(f"{where} was measured on {prof.quantization!r} weights, not "
+                           f"--quantization {quantization}: pass --quantization "
+                           f"{prof.quantization} or a profile measured with --quantization "
+                           f"{quantization}")
     have = {k.op for k in prof.kernels}
     missing = [op.name for op in layer_ops(model, tp) if op.name not in have]
     if missing:

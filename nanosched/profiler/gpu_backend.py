@@ -156,7 +156,8 @@ class GPUBackend:
               mechanism: str, ws: impls.ScratchSpace | None = None) -> impls.OpCall:
         self.max_tokens = max(self.max_tokens, settings.dense_batch)
         return impls.OpCall(settings.model, settings.tp, op, tokens, context, sms, mechanism,
-                            self.num_sms, ws or self.ws, settings.dense_batch, settings.kv_dtype)
+                            self.num_sms, ws or self.ws, settings.dense_batch, settings.kv_dtype,
+                            settings.quantization)
 
     def _kernel(self, settings: ProfileSettings, op: str, impl: str, tokens: int, context: int,
                 sms: int, mechanism: str) -> impls.Kernel:
@@ -178,8 +179,9 @@ class GPUBackend:
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
         ws = impls.ScratchSpace(self.device)
-        peak = timing.gemm_peak_tflops(self.device)
-        flops = us = 0.0
+        peak = timing.gemm_peak_tflops(self.device, "fp8" if settings.quantization == "fp8"
+                                       else "bf16")
+        flops = us = 0.0  # under fp8 the model's FP8 GEMMs (`o` with its input's quantisation)
         for op in ("kqv", "o") if settings.model.is_moe else ("kqv", "o", "ug", "d"):
             k, n = gemm_dims(settings.model, settings.tp, op)
             kern = self._kernel(settings, op, "cublas", settings.dense_batch, 0, self.num_sms,

@@ -80,6 +80,7 @@ class OpCall:
     ws: ScratchSpace
     max_tokens: int = 0  # largest token count of the run: inputs are sliced from one buffer
     kv_dtype: str = "auto"  # KV cache of the attention ops and rope_append (ProfileSettings)
+    quantization: str = "none"  # layer weights of the GEMMs and their input kernels (likewise)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from nanosched.constants import PAGE_SIZE
 from nanosched.kernels import dispatch
 from nanosched.kernels.common import PrefillSegments, Segment
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
+from nanosched.models.quant import FP8_DTYPE, fp8_weights
 from nanosched.profiler.backend import Unsupported
 from nanosched.profiler.impls import (
     Impl,
@@ -35,7 +36,13 @@ SM_MECHANISMS = ("full", "green_ctx")
 # input -> the output of the op before it in a layer (a forward table's layer reads these, so
 # its ops find in L2 what a forward's find; the two norms share their names and read `o`'s)
 LAYER_FLOW = {"x_kqv": "y_norm", "qkv_rope": "y_kqv", "q_decode": "q_rope", "x_o": "y_decode",
-              "x_norm": "y_o", "x_ug": "y_norm", "gate_up": "y_ug", "x_d": "act_out"}
+              "x_norm": "y_o", "x_ug": "y_norm", "gate_up": "y_ug", "x_d": "act_out",
+              # the e4m3 inputs of FP8 GEMMs and their row scales (quantization fp8)
+              "x8_kqv": "y_norm8", "xs_kqv": "y_norm_scale", "x8_ug": "y_norm8",
+              "xs_ug": "y_norm_scale", "x8_d": "act_out8", "xs_d": "act_scale"}
+# the weight each op's GEMM multiplies, or (norms, act) writes the input of
+WEIGHT_OF = {"kqv": "w_qkv", "o": "w_o", "ug": "w_gate_up", "d": "w_down",
+             "add_norm_attn": "w_qkv", "add_norm_ffn": "w_gate_up", "act": "w_down"}
 OPTS = dispatch.KernelOptions()  # every launch names its impl; this is never consulted
 Launch = dict[str, Any]
 
@@ -44,13 +51,55 @@ def _rows(call: OpCall) -> int:
     return max(call.max_tokens, call.tokens)
 
 
+def _fp8(call: OpCall) -> bool:
+    """Whether `call`'s GEMM (or the GEMM whose input it writes) is e4m3 under its
+    quantization, as in the model (models/quant.fp8_weights)."""
+    return WEIGHT_OF.get(call.op) in fp8_weights(call.spec, call.quantization)
+
+
+def _scales(call: OpCall, name: str, rows: int) -> torch.Tensor:
+    """Positive fp32 row scales [rows] (values of the size real ones have)."""
+    return call.ws.tensor(name, (rows,), scale=0.01, dtype=torch.float32).abs_()
+
+
 def _linear(call: OpCall, launch: Launch) -> Kernel:
+    if _fp8(call):
+        return _linear_fp8(call, launch)
     k, n = gemm_dims(call.spec, call.tp, call.op)
     x = call.ws.tensor("x_" + call.op, (_rows(call), k))[:call.tokens]  # [T, K]
     w = call.ws.tensor("w_" + call.op, (n, k), scale=k ** -0.5)  # [N, K]
     bias = call.ws.tensor("b_kqv", (n,)) if call.op == "kqv" and call.spec.qkv_bias else None
     out = call.ws.tensor("y_" + call.op, (_rows(call), n))[:call.tokens]  # [T, N]
     return Kernel(lambda: dispatch.linear(x, w, bias, out, OPTS, launch))
+
+
+def _linear_fp8(call: OpCall, launch: Launch) -> Kernel:
+    """The W8A8 GEMM of the model's FP8 layer (models/op_impls.py), `o` with the quantisation
+    of its input rows before it."""
+    from nanosched.profiler.plan import FP8_GEMM_IMPLS
+
+    if launch["impl"] not in FP8_GEMM_IMPLS:
+        raise Unsupported(f"{call.op}/{launch['impl']}: no FP8 GEMM of that implementation "
+                          f"(FP8 GEMMs: {', '.join(FP8_GEMM_IMPLS)})")
+    k, n = gemm_dims(call.spec, call.tp, call.op)
+    rows, t = _rows(call), call.tokens
+    x8 = call.ws.tensor("x8_" + call.op, (rows, k), dtype=FP8_DTYPE)[:t]  # [T, K] e4m3
+    xs = _scales(call, "xs_" + call.op, rows)[:t]
+    w8 = call.ws.tensor("w8_" + call.op, (n, k), dtype=FP8_DTYPE)  # [N, K] e4m3
+    w_scale = _scales(call, "ws_" + call.op, n)
+    bias = call.ws.tensor("b_kqv", (n,)) if call.op == "kqv" and call.spec.qkv_bias else None
+    out = call.ws.tensor("y_" + call.op, (rows, n))[:t]  # [T, N] in the model dtype
+
+    def gemm() -> None:
+        dispatch.linear_fp8(x8, xs, w8, w_scale, bias, out, OPTS, launch)
+    if call.op != "o":
+        return Kernel(gemm)
+    x = call.ws.tensor("x_o", (rows, k))[:t]  # the attention rows, in the model dtype
+
+    def quantize_and_gemm() -> None:
+        dispatch.quantize_rows(x, x8, xs, OPTS)
+        gemm()
+    return Kernel(quantize_and_gemm)
 
 
 def _grouped(call: OpCall, launch: Launch) -> Kernel:
@@ -163,9 +212,14 @@ def _add_norm(call: OpCall, launch: Launch) -> Kernel:
     x = call.ws.tensor("x_norm", (rows, dim))[:t]
     res = call.ws.tensor("res_norm", (rows, dim))[:t]
     weight = call.ws.tensor("w_norm", (dim,))
-    out = call.ws.tensor("y_norm", (rows, dim))[:t]
     res_out = call.ws.tensor("res_out_norm", (rows, dim))[:t]  # not in place: values stay put
     eps = call.spec.rms_norm_eps
+    if _fp8(call):  # the e4m3 input of the FP8 GEMM after it, with its row scales
+        out = call.ws.tensor("y_norm8", (rows, dim), dtype=FP8_DTYPE)[:t]
+        scale = _scales(call, "y_norm_scale", rows)[:t]
+        return Kernel(lambda: dispatch.rms_norm_add(x, res, weight, eps, out, res_out, OPTS,
+                                                    launch, out_scale=scale))
+    out = call.ws.tensor("y_norm", (rows, dim))[:t]
     return Kernel(lambda: dispatch.rms_norm_add(x, res, weight, eps, out, res_out, OPTS,
                                                 launch))
 
@@ -175,6 +229,10 @@ def _act(call: OpCall, launch: Launch) -> Kernel:
     ug = "experts_ug" if call.spec.is_moe else "ug"
     rows, most = gemm_rows(call.spec, ug, call.tokens), gemm_rows(call.spec, ug, _rows(call))
     gate_up = call.ws.tensor("gate_up", (most, 2 * inter))[:rows]
+    if _fp8(call):  # e4m3 rows and their scales for the FP8 `d`
+        out8 = call.ws.tensor("act_out8", (most, inter), dtype=FP8_DTYPE)[:rows]
+        scale = _scales(call, "act_scale", most)[:rows]
+        return Kernel(lambda: dispatch.silu_mul(gate_up, out8, OPTS, launch, out_scale=scale))
     out = call.ws.tensor("act_out", (most, inter))[:rows]
     return Kernel(lambda: dispatch.silu_mul(gate_up, out, OPTS, launch))
 

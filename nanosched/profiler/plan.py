@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from nanosched.constants import KV_DTYPES, TOKEN_QUANTUM
+from nanosched.constants import FP8_GEMM_OPS, KV_DTYPES, QUANTIZATIONS, TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models.ops import MEMORY, NETWORK, layer_ops
 from nanosched.models.spec import ModelSpec
@@ -33,6 +33,9 @@ NCCL_CTAS_QUICK = (2, 8)
 COPY_ENGINE_CTAS = (8, 16)
 PAIR_COMPUTE_OPS = GEMM_OPS  # the compute kernels co-run with memory and network kernels
 NETWORK_PAIR_LARGE = (1024, 2048)  # GEMM rows also paired with the network ops
+# the implementations of the W8A8 GEMM of FP8_GEMM_OPS (kernels/dispatch.linear_fp8:
+# torch._scaled_mm, `cublaslt` with its SM target; there is no persistent Triton FP8 GEMM)
+FP8_GEMM_IMPLS = ("cublas", "cublaslt")
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,17 @@ class ProfileSettings:
     pair_settle_ms: float = 300.0  # the clock settles in about 200 ms (hardware/power_settle.py)
     pair_window_ms: float = 1000.0  # about one period of the power controller's ripple
     kv_dtype: str = "auto"  # the KV cache the attention rows read and rope_append writes
+    # the layer weights (models/quant.py): fp8 times the W8A8 GEMMs and the kernels that write
+    # their e4m3 inputs, as the model built with --quantization fp8 runs them
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         self.model.check_tp(self.tp)
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-cache-dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization {self.quantization!r} is not one of "
+                              f"{QUANTIZATIONS}")
         if not (self.pair_settle_ms >= 0 and self.pair_window_ms > 0):
             raise ConfigError(f"pair settle ({self.pair_settle_ms} ms) must be >= 0 and pair "
                               f"window ({self.pair_window_ms} ms) > 0")
@@ -108,7 +117,7 @@ class ProfileSettings:
         return {"model": self.model.name, "tp": self.tp, "workload": self.workload.to_json(),
                 "dense_batch": self.dense_batch, "quick": self.quick,
                 "pair_settle_ms": self.pair_settle_ms, "pair_window_ms": self.pair_window_ms,
-                "kv_dtype": self.kv_dtype}
+                "kv_dtype": self.kv_dtype, "quantization": self.quantization}
 
 
 @dataclass(frozen=True)
@@ -164,6 +173,21 @@ def op_contexts(settings: ProfileSettings, op: str) -> list[int]:
     if op == "attn_prefill":
         return settings.prefill_contexts()
     return [0]
+
+
+def quantized_impls(settings: ProfileSettings, impls: dict[str, list[ImplInfo]]
+                    ) -> tuple[dict[str, list[ImplInfo]], list[str]]:
+    """`impls` less the GEMM implementations that have no FP8 kernel, under quantization fp8
+    (unchanged otherwise), and a note for each left out."""
+    if settings.quantization != "fp8":
+        return impls, []
+    out, notes = {}, []
+    for op, infos in impls.items():
+        keep = [i for i in infos if op not in FP8_GEMM_OPS or i.name in FP8_GEMM_IMPLS]
+        notes += [f"{op}/{i.name} not measured: no FP8 GEMM of that implementation "
+                  f"(--quantization fp8)" for i in infos if i not in keep]
+        out[op] = keep
+    return out, notes
 
 
 def kernel_tasks(settings: ProfileSettings, num_sms: int, partitions: list[tuple[int, int]],

@@ -45,6 +45,7 @@ from nanosched.profiler.plan import (
     layer_sizes,
     layer_tasks,
     memory_pair_tasks,
+    quantized_impls,
 )
 from nanosched.profiler.state import RunState, load_state, partial_path
 
@@ -113,6 +114,8 @@ def _measure(loop: Loop) -> None:
         loop.warn(f"GPU busy: {reason}; timings will be slower than on an idle GPU")
     state.partitions = backend.make_partitions(settings.partition_requests())
     impls, impl_notes = backend.implementations()
+    impls, fp8_notes = quantized_impls(settings, impls)
+    impl_notes = [*impl_notes, *fp8_notes]
     for text in impl_notes:
         state.note(text)
     if state.ceilings is None:

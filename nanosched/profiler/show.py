@@ -46,13 +46,17 @@ def show_profile(prof: Profile, echo: Callable[[str], None] = print) -> None:
 
     i, c = prof.identity, prof.ceilings
     kv = "FP8 KV cache (e4m3 + scales)" if prof.kv_dtype == "fp8" else "KV cache in the model dtype"
+    weights = ("FP8 weights (W8A8: e4m3 weights and inputs with row scales)"
+               if prof.quantization == "fp8" else "weights in the model dtype")
     when = i.date or "no date (not measured)"
-    echo(f"{prof.model.name} tp {prof.tp} on {i.gpu_name} ({i.num_sms} SMs), {kv}, {when}; "
+    echo(f"{prof.model.name} tp {prof.tp} on {i.gpu_name} ({i.num_sms} SMs), {kv}, {weights}, "
+         f"{when}; "
          f"torch {i.torch}, CUDA {i.cuda}, triton {i.triton}, driver {i.driver}")
     net = (f", all-reduce {c.allreduce_busbw_gbs:.0f} GB/s bus + {c.allreduce_latency_us:.1f} us"
            f"{' (modelled)' if c.allreduce_modelled else ''}"
            if c.allreduce_busbw_gbs is not None and c.allreduce_latency_us is not None else "")
-    echo(f"ceilings: GEMM {c.gemm_tflops_8192:.0f} TFLOP/s at 8192^3, "
+    precision = "FP8 " if prof.quantization == "fp8" else ""
+    echo(f"ceilings: {precision}GEMM {c.gemm_tflops_8192:.0f} TFLOP/s at 8192^3, "
          f"{c.gemm_tflops_model:.0f} at the model's shapes; copy {c.copy_gbs:.0f} GB/s{net}")
     f = _frames(prof)
     with pd.option_context("display.width", 200, "display.max_columns", 40,

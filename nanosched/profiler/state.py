@@ -117,9 +117,10 @@ def _check_same(data: dict[str, Any], settings: ProfileSettings, identity: Ident
                 path: Path) -> None:
     mine = settings.to_json()
     theirs = data.get("settings") or {}
-    theirs = {"kv_dtype": "auto", **theirs}  # runs before FP8 caches measured bf16 ones
+    # runs before FP8 caches measured bf16 ones, runs before FP8 weights unquantised ones
+    theirs = {"kv_dtype": "auto", "quantization": "none", **theirs}
     for key in ("model", "tp", "dense_batch", "quick", "workload", "pair_settle_ms",
-                "pair_window_ms", "kv_dtype"):
+                "pair_window_ms", "kv_dtype", "quantization"):
         if theirs.get(key) != mine[key]:
             raise ProfileError(f"--resume: {path} was made with {key}={theirs.get(key)!r}, this "
                                f"run has {key}={mine[key]!r}; use the same flags or delete it")

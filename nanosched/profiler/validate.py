@@ -13,6 +13,7 @@ tp, so a hand-edited or foreign row is named rather than searched on.
 
 from __future__ import annotations
 
+from nanosched.constants import QUANTIZATIONS
 from nanosched.errors import ConfigError, ProfileError
 from nanosched.models.ops import COLLECTIVE_FORMS, layer_ops
 from nanosched.models.spec import ModelSpec
@@ -44,6 +45,9 @@ def validate_profile(prof: Profile, where: str = "profile") -> None:
     except ConfigError as exc:
         raise ProfileError(f"{where}: tp: {exc}") from None
     _check_ceilings(prof.ceilings, where)
+    if prof.quantization not in QUANTIZATIONS:
+        raise ProfileError(f"{where}: quantization must be one of {QUANTIZATIONS}, got "
+                           f"{prof.quantization!r}")
     if not prof.kernels:
         raise ProfileError(f"{where}: kernel table is empty")
     ops = profile_ops(prof.model, prof.tp)

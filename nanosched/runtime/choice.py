@@ -4,10 +4,10 @@
 SM count: Sequential, TokenWeave's wave-aware two-batch split), auto (the shipped schedule that
 matches this model, tp and GPU and predicts a gain, else Sequential, logged with the reason) or
 a schedule FILE (a set or a single schedule, checked with `check_set_compatible` before any
-weight loads; `force` replays it anyway) into the strategy object and the schedule it replays;
-`named_choice` rebuilds a choice from its name (a tensor-parallel worker builds the strategy
-rank 0 chose); `open_streams` opens the CUDA streams and green-context partitions a replay
-names.
+weight loads, against the KV cache dtype and the weights' quantization too; `force` replays it
+anyway) into the strategy object and the schedule it replays; `named_choice` rebuilds a choice
+from its name (a tensor-parallel worker builds the strategy rank 0 chose); `open_streams` opens
+the CUDA streams and green-context partitions a replay names.
 """
 
 from __future__ import annotations
@@ -63,10 +63,25 @@ class StrategyChoice:
         return s.dense_batch if hasattr(s, "entries") else s.batch.dense_batch
 
 
+def engine_quantization(cfg: EngineConfig) -> str:
+    """The layer weights the engine of `cfg` will run (none | fp8): `cfg.quantization`, its
+    `auto` resolved against the weights (models/quant.resolve_quantization; none without a
+    model), before any weight loads."""
+    from nanosched.models.quant import AUTO, NONE, resolve_quantization
+
+    if cfg.quantization != AUTO:
+        return resolve_quantization(cfg.quantization, "random")
+    if cfg.model is None:
+        return NONE
+    from nanosched.runtime.loader import resolve_weights
+
+    return resolve_quantization(cfg.quantization, resolve_weights(cfg.model, cfg.weights))
+
+
 def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> StrategyChoice:
     """The strategy of `cfg.schedule` (a name in strategies.NAMED | auto | FILE): a schedule set
-    (or a single schedule, as a set of one entry) checked against this model, tp, GPU and KV
-    cache dtype (refused unless `cfg.force`), replayed by `ReplaySet`."""
+    (or a single schedule, as a set of one entry) checked against this model, tp, GPU, KV
+    cache dtype and weight quantization (refused unless `cfg.force`), replayed by `ReplaySet`."""
     from nanosched.runtime.strategies import NAMED, Sequential
 
     if cfg.schedule in NAMED:
@@ -76,7 +91,8 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
     if cfg.schedule == "auto":
         from nanosched.schedules.shipped import pick_shipped
 
-        pick = pick_shipped(spec, cfg.tp, gpu_name(device), kv_dtype=cfg.kv_dtype)
+        pick = pick_shipped(spec, cfg.tp, gpu_name(device), kv_dtype=cfg.kv_dtype,
+                            quantization=engine_quantization(cfg))
         if pick.schedule is None:
             log.info("--schedule auto: running Sequential: %s", pick.reason)
             return StrategyChoice(Sequential(), "sequential")
@@ -85,7 +101,8 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
     else:
         sset, where = load_schedule_set(cfg.schedule), cfg.schedule
         forced = check_set_compatible(sset, spec, cfg.tp, gpu_name(device), force=cfg.force,
-                                      kv_dtype=cfg.kv_dtype)
+                                      kv_dtype=cfg.kv_dtype,
+                                      quantization=engine_quantization(cfg))
         log.info("replaying schedule %s", where)
     return set_choice(sset, where, spec, forced)
 

@@ -132,6 +132,7 @@ class Schedule:
     command: str = ""
     notes: tuple[str, ...] = ()
     kv_dtype: str = "auto"
+    quantization: str = "none"  # written only when not none (module docstring)
 
     def nano_op(self, id_: str) -> NanoOp:
         for n in self.nano_ops:
@@ -141,7 +142,10 @@ class Schedule:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (lists, not tuples): equal to what a file read back gives."""
-        return json.loads(json.dumps({"format": FORMAT, **asdict(self)}))
+        data = {"format": FORMAT, **asdict(self)}
+        if self.quantization == "none":  # older files keep their bytes and digests
+            del data["quantization"]
+        return json.loads(json.dumps(data))
 
     @classmethod
     def from_json(cls, data: Any, where: str = "schedule") -> Schedule:
@@ -212,9 +216,10 @@ def model_info(spec: Any) -> dict[str, Any]:
 
 
 def check_compatible(schedule: Schedule, model_spec: Any, tp: int, gpu_name: str,
-                     force: bool = False, kv_dtype: str = "auto") -> list[str]:
-    """Refuse a schedule made for another model, tp, GPU or KV cache dtype; with `force`, return
-    the reasons."""
+                     force: bool = False, kv_dtype: str = "auto",
+                     quantization: str = "none") -> list[str]:
+    """Refuse a schedule made for another model, tp, GPU, KV cache dtype or weight
+    quantization; with `force`, return the reasons."""
     reasons = []
     want = model_info(model_spec)
     diff = [k for k in MODEL_FIELDS if schedule.model.get(k) != want[k]]
@@ -230,6 +235,10 @@ def check_compatible(schedule: Schedule, model_spec: Any, tp: int, gpu_name: str
     if schedule.kv_dtype != kv_dtype:
         reasons.append(f"KV cache: schedule was searched on a {schedule.kv_dtype!r} profile, "
                        f"running --kv-cache-dtype {kv_dtype}")
+    if schedule.quantization != quantization:
+        reasons.append(f"quantization: schedule was searched on a profile of "
+                       f"{schedule.quantization!r} weights, running --quantization "
+                       f"{quantization}")
     if reasons and not force:
         raise ScheduleError("schedule does not match this setup: " + "; ".join(reasons)
                             + " (search a schedule for it, or force)")

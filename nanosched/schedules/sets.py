@@ -102,6 +102,7 @@ class ScheduleSet:
     created: str = ""
     command: str = ""
     source_format: str = SET_FORMAT  # the format of the file it came from (not written)
+    quantization: str = "none"  # the profile's layer weights (written only when not none)
 
     def entry(self, num_decode: int, num_tokens: int) -> SetEntry | None:
         """The entry of the bucket with `num_decode` decode rows of `num_tokens` rows (its
@@ -199,7 +200,8 @@ class ScheduleSet:
                 "dense_batch": self.dense_batch, "quantum": TOKEN_QUANTUM,
                 "workload": self.workload, "min_gain": self.min_gain,
                 "search": self.search, "created": self.created, "command": self.command,
-                "entries": [e.to_json() for e in self.entries]}
+                "entries": [e.to_json() for e in self.entries]} | (
+                    {} if self.quantization == "none" else {"quantization": self.quantization})
 
     @classmethod
     def from_json(cls, data: Any, where: str = "schedule set") -> ScheduleSet:
@@ -300,10 +302,11 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
             if (sb.num_decode, sb.dense_batch) != e.key:
                 raise ScheduleError(f"{at}: its schedule is for {sb.num_decode} decode of "
                                     f"{sb.dense_batch} tokens")
-            if (e.schedule.tp, e.schedule.profile_digest, e.schedule.kv_dtype) != \
-                    (s.tp, s.profile_digest, s.kv_dtype):
-                raise ScheduleError(f"{at}: its schedule's tp, profile or KV dtype differs "
-                                    f"from the set's")
+            if (e.schedule.tp, e.schedule.profile_digest, e.schedule.kv_dtype,
+                    e.schedule.quantization) != (s.tp, s.profile_digest, s.kv_dtype,
+                                                 s.quantization):
+                raise ScheduleError(f"{at}: its schedule's tp, profile, KV dtype or "
+                                    f"quantization differs from the set's")
 
 
 def _check_proof(e: SetEntry, at: str) -> None:
@@ -399,7 +402,7 @@ def from_single(s: Schedule) -> ScheduleSet:
                      sequential, "a single schedule", s)
     return ScheduleSet(s.model, s.tp, s.gpu_name, s.num_sms, s.profile_digest,
                        s.batch.dense_batch, (entry,), s.kv_dtype, s.batch.workload, 1.0, None,
-                       s.created, s.command, SINGLE_FORMAT)
+                       s.created, s.command, SINGLE_FORMAT, s.quantization)
 
 
 def load_schedule_set(path: str | os.PathLike[str]) -> ScheduleSet:
@@ -417,10 +420,12 @@ def save_schedule_set(s: ScheduleSet, path: str | os.PathLike[str]) -> None:
 
 
 def check_set_compatible(s: ScheduleSet, model_spec: Any, tp: int, gpu_name: str,
-                         force: bool = False, kv_dtype: str = "auto") -> list[str]:
+                         force: bool = False, kv_dtype: str = "auto",
+                         quantization: str = "none") -> list[str]:
     """`format.check_compatible` for a set (the same fields, the same messages), and
     `check_replayable` (which `force` does not waive: such an entry would run Sequential)."""
-    reasons = check_compatible(s, model_spec, tp, gpu_name, force, kv_dtype)  # type: ignore
+    reasons = check_compatible(s, model_spec, tp, gpu_name, force, kv_dtype,  # type: ignore
+                               quantization)
     check_replayable(s)
     return reasons
 

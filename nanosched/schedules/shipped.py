@@ -39,9 +39,9 @@ def shipped_schedules(folder: Path = SHIPPED_DIR) -> list[Path]:
 
 
 def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR,
-                 kv_dtype: str = "auto") -> Pick:
-    """The first shipped schedule made for `spec`, `tp`, `gpu_name` and `kv_dtype`, or why none
-    is."""
+                 kv_dtype: str = "auto", quantization: str = "none") -> Pick:
+    """The first shipped schedule made for `spec`, `tp`, `gpu_name`, `kv_dtype` and
+    `quantization`, or why none is."""
     paths = shipped_schedules(folder)
     if not paths:
         return Pick(None, None, f"no schedules are shipped in {folder}")
@@ -49,7 +49,8 @@ def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR,
     for path in paths:
         sset = load_schedule_set(path)
         try:
-            check_set_compatible(sset, spec, tp, gpu_name, kv_dtype=kv_dtype)
+            check_set_compatible(sset, spec, tp, gpu_name, kv_dtype=kv_dtype,
+                                 quantization=quantization)
         except ScheduleError:
             continue
         best = max((e.speedup for e in sset.pipelines), default=1.0)
@@ -66,5 +67,6 @@ def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR,
                                 f"pipelined batch shape): running Sequential")
     names = ", ".join(p.name for p in paths)
     kv = "" if kv_dtype == "auto" else f" with a {kv_dtype} KV cache"
+    kv += "" if quantization == "none" else f" with {quantization} weights"
     return Pick(None, None, f"no shipped schedule is for {spec.name} tp={tp} on {gpu_name}{kv} "
                             f"(shipped: {names})")

@@ -41,7 +41,9 @@ PIPELINE_COLUMNS = [("stream", "stream", ""), ("order", "#", ""), ("k", "k", "")
 def summary_lines(s: Schedule) -> list[str]:
     p, b = s.prediction, s.batch
     lines = [f"{s.model['name']} tp={s.tp} on {s.gpu_name} ({s.num_sms} SMs), profile "
-             f"{s.profile_digest}; dense batch {b.dense_batch} = {b.num_decode} decode + "
+             f"{s.profile_digest}"
+             f"{'' if s.quantization == 'none' else f' ({s.quantization} weights)'}; "
+             f"dense batch {b.dense_batch} = {b.num_decode} decode + "
              f"{b.dense_batch - b.num_decode} prefill tokens ({b.workload})",
              f"collectives: {s.forms or 'none (tp=1)'}"]
     for st in s.stages:
@@ -122,7 +124,9 @@ def set_summary_lines(s: ScheduleSet) -> list[str]:
     """What the set decides, in a few lines; says so when it is all sequential."""
     pipes = s.pipelines
     lines = [f"{s.model['name']} tp={s.tp} on {s.gpu_name}, profile {s.profile_digest}, "
-             f"KV {s.kv_dtype}; dense batch {s.dense_batch} ({s.workload}): {len(s.entries)} "
+             f"KV {s.kv_dtype}"
+             f"{'' if s.quantization == 'none' else f', {s.quantization} weights'}; "
+             f"dense batch {s.dense_batch} ({s.workload}): {len(s.entries)} "
              f"batch shapes, {len(pipes)} pipelined (each predicts >= {s.min_gain:.2f}x)"]
     if s.search:
         x = s.search

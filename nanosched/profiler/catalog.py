@@ -3,7 +3,8 @@ request, and loaded by name.
 
 `pick_shipped` returns the shipped profile closest to a request: same model, KV cache dtype and
 weight quantization required, then same tp, then same GPU, then the largest measured batch,
-then the fullest grid (most co-run pairs); it ranks the files by their headers and reads only the one it picks whole.
+then the fullest grid (most co-run pairs); it ranks the files by their headers and reads only
+the one it picks whole.
 A profile of another GPU than the one asked for is returned only when that GPU was assumed, with
 a reason that says so. `load_named_profile` reads `--profile FILE` or a shipped NAME. Installed
 profiles and their headers are read once per process (profiles are immutable).

@@ -12,7 +12,6 @@ import pytest
 from search_fixtures import small_profile, small_schedule
 
 from nanosched.autosearch.check import check_schedule
-from nanosched.autosearch.request import SHIPPED as PROFILES
 from nanosched.autosearch.request import resolve
 from nanosched.autosearch.synthetic import context_grid, synthetic_profile
 from nanosched.costmodel import (
@@ -27,6 +26,7 @@ from nanosched.costmodel import (
 from nanosched.errors import ConfigError, ProfileError, ScheduleError
 from nanosched.hardware import get_gpu
 from nanosched.models.spec import load_spec
+from nanosched.profiler.catalog import SHIPPED as PROFILES
 from nanosched.schedules.format import Schedule, check_compatible
 from nanosched.schedules.sets import (
     ScheduleSet,
@@ -182,15 +182,16 @@ def test_a_schedule_runs_only_on_the_weights_it_was_searched_on():
 
 
 def test_search_fp8_without_a_profile_writes_a_synthetic_fp8_set(tmp_path):
-    from nanosched.autosearch.search import search_and_save
+    from nanosched.autosearch.command import search_command
+    from nanosched.autosearch.request import SearchRequest
 
     lines: list[str] = []
     out = tmp_path / "fp8.set.json"
-    sset = search_and_save(model="llama3-8b", tp=1, profile=None, gpu="h100", workload=None,
-                           input_len=512, output_len=512, dense_batch="256", time_limit=2,
-                           workers=1, max_nano_ops=2, max_period_us=None, out=str(out),
-                           echo=lines.append, print_table=lambda *a: None, buckets="dense",
-                           quantization="fp8")
+    sset = search_command(SearchRequest(
+        model="llama3-8b", tp=1, profile=None, gpu="h100", workload=None, input_len=512,
+        output_len=512, dense_batch="256", time_limit=2, workers=1, max_nano_ops=2,
+        max_period_us=None, out=str(out), buckets="dense", quantization="fp8"),
+        lines.append).sset
     assert sset.quantization == "fp8"  # type: ignore[attr-defined]
     data = json.loads(out.read_text())
     assert data["quantization"] == "fp8"

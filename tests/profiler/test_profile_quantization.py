@@ -112,7 +112,7 @@ def test_fake_fp8_profile_prices_fp8_gemms_and_records_the_quantization(tmp_path
 
 
 def test_profiles_without_the_field_load_as_none_and_keep_their_digest():
-    from nanosched.autosearch.request import SHIPPED
+    from nanosched.profiler.catalog import SHIPPED
 
     path = SHIPPED / "llama3-8b-tp1-h100-fp8.json"  # an FP8 KV cache, unquantised weights
     data = json.loads(path.read_text())

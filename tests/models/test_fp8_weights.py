@@ -313,3 +313,28 @@ def test_fp8_shards_at_tp2(tmp_path):
             assert torch.equal(torch.tensor(rank[name][0]), w[:, r * cols:(r + 1) * cols])
     # two roundings of the activations, each e4m3 (~3%): 5.4% measured
     assert rel_err(torch.tensor(two[0]["logits"]), torch.tensor(one["logits"])) < 0.1
+
+
+@pytest.mark.parametrize("cmd", ["bench", "generate", "serve"])
+def test_quantization_flag_refused_in_one_line(cmd):
+    from hostile import refused
+
+    refused([cmd, "--model", "stories15m", "--quantization", "int4"],
+            "--quantization must be one of auto, none, fp8; got 'int4'")
+
+
+def test_fp8_bench_records_its_quantization(tmp_path):
+    """`bench --quantization fp8` on the CPU (random weights, exactly emulated GEMMs): the
+    record names the quantization and the GEMM precision."""
+    from typer.testing import CliRunner
+
+    from nanosched.cli import app
+
+    out = tmp_path / "b.json"
+    r = CliRunner().invoke(app, ["bench", "--model", "stories15m", "--input-len", "16",
+                                 "--output-len", "4", "--num-prompts", "2", "--quantization",
+                                 "fp8", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["config"]["quantization"] == "fp8" and data["gemm_precision"] == "fp8"
+    assert "(FP8 W8A8)" in r.output

@@ -87,6 +87,10 @@ def profile(
     if frontend is not None:
         from nanosched.frontend.profiling import FrontendImpls, load_frontend, model_spec
 
+        if not fake_gpu:  # the model is built on the GPU: say it is missing before that
+            from nanosched.profiler.gpu_backend import check_device
+
+            check_device(index)
         fm = load_frontend(frontend, "cpu" if fake_gpu else f"cuda:{index}")
         model = model or frontend.rpartition(":")[2]
         spec, registry = model_spec(fm, model), FrontendImpls(fm)

@@ -88,6 +88,14 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen_url(sock: socket.socket) -> str:
+    """The URL a client reaches the listening `sock` at (an unspecified address as loopback)."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _server_class(cfg: ServeConfig, worker: EngineWorker, limits: ConnectionLimits) -> type:
     import uvicorn
 
@@ -104,6 +112,10 @@ def _server_class(cfg: ServeConfig, worker: EngineWorker, limits: ConnectionLimi
             await super().startup(sockets)
             for sock in sockets or ():  # asyncio accepts ACCEPT_BURST per wake-up; the kernel
                 sock.listen(KERNEL_BACKLOG)  # queues more (connections.py)
+                if not self.should_exit:
+                    url = listen_url(sock)
+                    log.info("listening on %s (OpenAI API: %s/v1; Ctrl-C drains and stops)",
+                             url, url)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:

@@ -138,3 +138,21 @@ def test_the_gantt_of_a_pipeline_the_set_does_not_run_says_so(tmp_path, monkeypa
                             str(tmp_path / "g2.png")])
     assert r.exit_code == 0, r.output
     assert not titles[0].startswith("NOT RUN")
+
+
+def test_profile_commands_take_the_shipped_names_search_takes(tmp_path, monkeypatch):
+    """Issue 45: `profile show NAME` (and rederive) accept what `search --profile NAME` does;
+    a name that is neither is refused with the shipped names listed."""
+    from nanosched.autosearch.request import shipped_profiles
+
+    name = SHIPPED_PROFILE.name.removesuffix(".json")
+    assert name in shipped_profiles()
+    r = RUNNER.invoke(app, ["profile", "show", name])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("llama3-70b tp 2 on NVIDIA H200")
+    monkeypatch.chdir(tmp_path)
+    r = RUNNER.invoke(app, ["profile", "rederive", name])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / f"{name}.rederived.json").is_file()
+    refused(["profile", "show", "no-such-profile"], "no-such-profile",
+            "neither a file nor a shipped profile", name)

@@ -85,6 +85,18 @@ def resume_hint(cfg: ProfileConfig) -> str:
     return f"`nanosched {shlex.join(argv)} --resume`" if argv else "--resume"
 
 
+def check_workload_fits(spec: ModelSpec, workload: Workload) -> None:
+    """A workload whose mean request (prompt and output) is longer than the model's positions
+    would be profiled at contexts the model cannot hold, and the search would then refuse the
+    profile: refuse it here, before any measurement."""
+    need = workload.input_len + workload.output_len
+    if need > spec.max_position_embeddings:
+        raise ConfigError(f"workload {workload.name} (prompt {workload.input_len:g} + output "
+                          f"{workload.output_len:g} tokens) does not fit {spec.name}'s "
+                          f"{spec.max_position_embeddings} positions: give --input-len and "
+                          f"--output-len (or --workload) whose sum fits")
+
+
 def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profile:
     """Measure the profile `cfg` asks for and write it; returns it.
 
@@ -92,6 +104,7 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
     starts: a folder, a missing parent or an unwritable place fails now, not after the run."""
     spec = cfg.spec or load_spec(cfg.model)
     spec.check_tp(cfg.tp)
+    check_workload_fits(spec, cfg.workload)
     if cfg.time_limit is not None and not cfg.time_limit > 0:
         raise ConfigError(f"--time-limit must be a positive number of seconds, got "
                           f"{cfg.time_limit:g}")

@@ -156,3 +156,20 @@ def test_profile_commands_take_the_shipped_names_search_takes(tmp_path, monkeypa
     assert (tmp_path / f"{name}.rederived.json").is_file()
     refused(["profile", "show", "no-such-profile"], "no-such-profile",
             "neither a file nor a shipped profile", name)
+
+
+def test_a_profile_whose_workload_the_model_cannot_hold_is_refused_first(tmp_path):
+    """Issue 45: stories15m holds 256 positions; the default 1024 / 512 workload is refused
+    before any measurement (the search would refuse the profile later), one that fits is
+    profiled and searched."""
+    out = tmp_path / "s15.json"
+    refused(["profile", "--model", "stories15m", "--fake-gpu", "--quick", "--out", str(out)],
+            "1024 + output 512", "stories15m's 256 positions", "--input-len")
+    assert not out.exists() and not list(tmp_path.iterdir())
+    fits = ["--input-len", "128", "--output-len", "64"]
+    r = RUNNER.invoke(app, ["profile", "--model", "stories15m", "--fake-gpu", "--quick",
+                            "--no-progress", "--out", str(out), *fits])
+    assert r.exit_code == 0 and out.is_file(), r.output
+    r = RUNNER.invoke(app, ["search", "--profile", str(out), "--buckets", "dense",
+                            "--time-limit", "2", "--out", str(tmp_path / "set.json"), *fits])
+    assert r.exit_code == 0, r.output

@@ -27,6 +27,7 @@ from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.loader import (
     StrategyChoice,
     build_engine,
+    check_engine_flags,
     choose_strategy,
     kv_pages,
     load_model,
@@ -183,6 +184,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     spec = load_spec(eng.model)
     spec.check_tp(eng.tp)
     device = resolve_device(eng.device, 0 if eng.tp > 1 else None)
+    check_engine_flags(eng, spec, device)
     graphs = resolve_graphs(eng.graphs, device, tuple(GRAPH_MODES))
     runs = _runs(cfg, spec, device, graphs)
     dense = resolve_dense_batch(eng.dense_batch, runs[-1].choice, device)
@@ -213,7 +215,7 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
     schedule uses the copy-engine all-reduce (every rank maps its buffers)."""
     eng = cfg.engine
     model = load_model(spec, weights, device, eng.seed, group.tp if group else None,
-                       eng.kernels, copy_engine=copy_engine)
+                       eng.kernels, copy_engine=copy_engine, dtype=eng.dtype)
     gemm = measured_gemm_tflops(device)
     record = {k: v for k, v in asdict(cfg).items() if k != "engine"} | \
         {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids", "admission")}

@@ -7,13 +7,16 @@ from __future__ import annotations
 import typer
 
 from nanosched.cli.options import (
+    TP_FLAGS,
     Admission,
     Collective,
     DecodeAttention,
+    Dtype,
     EngineDevice,
     GpuMemoryUtilization,
     KvCacheDtype,
     KvHeadroom,
+    MaxModelLen,
     Preemption,
     SwapSpace,
     admission_config,
@@ -25,7 +28,8 @@ from nanosched.cli.options import (
 
 def bench(
     model: str = model_option("Model name or HF checkpoint folder."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: one process per GPU, "
+    tp: int = typer.Option(1, *TP_FLAGS, help="Tensor-parallel degree: one process per GPU "
+                           "(also vLLM's --tensor-parallel-size / -tp), "
                            "started by this command (this one schedules)."),
     weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a local "
                                        "HF checkpoint folder (default: the --model folder's "
@@ -66,6 +70,8 @@ def bench(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    max_model_len: MaxModelLen = None,
+    dtype: Dtype = "auto",
     gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
@@ -87,7 +93,7 @@ def bench(
                           graphs=graphs,
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
-                          kv_dtype=kv_cache_dtype,
+                          kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,

@@ -19,6 +19,8 @@ from nanosched.runtime.preempt import AdmissionConfig
 
 GRAPH_MODES = ("off", "on", "layout")  # what an Engine runs; the loader also takes "auto"
 
+DTYPES = ("auto", "bfloat16", "float16")  # --dtype, as vLLM names them
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -34,7 +36,8 @@ class EngineConfig:
     Running (None and "auto" are resolved by the loader): `dense_batch` tokens per iteration
     (the schedule's, else 2048 on a GPU, 256 on the CPU); `num_pages` KV-cache pages (what
     fits); `kv_dtype` the cache's element type ("auto": the model's; "fp8": e4m3 with scales);
-    `max_context` the longest request (the longest known request, else the model's positions);
+    `max_context` the longest request (the longest known request, else the model's positions;
+    `--max-model-len`); `dtype` the weights' (auto: `loader.model_dtype`; `--dtype`);
     `graphs` off, on (a CUDA graph per batch bucket), layout (bucket layout, run eagerly) or auto
     (on with a GPU); `eos_ids` (the checkpoint's); `async_loop` (on with a
     GPU); `time_forwards` times every forward (it synchronises); `gpu_timeline` records a CUDA
@@ -58,6 +61,7 @@ class EngineConfig:
     page_size: int = PAGE_SIZE
     kv_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3 + scales; models/kvcache.py)
     max_context: int | None = None
+    dtype: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU) | bfloat16 | float16
     graphs: str = "off"
     graph_align: int = 32  # decode rows of a graph bucket are a multiple of this
     seed: int = 0  # random weights and sampling
@@ -78,5 +82,9 @@ class EngineConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
         check_kv_dtype(self.kv_dtype)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ConfigError(f"--max-model-len must be at least 1, got {self.max_context}")
         if not 0 < self.mem_util <= 1:
             raise ConfigError(f"mem_util must be in (0, 1], got {self.mem_util}")

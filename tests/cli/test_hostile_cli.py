@@ -173,3 +173,48 @@ def test_a_profile_whose_workload_the_model_cannot_hold_is_refused_first(tmp_pat
     r = RUNNER.invoke(app, ["search", "--profile", str(out), "--buckets", "dense",
                             "--time-limit", "2", "--out", str(tmp_path / "set.json"), *fits])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.slow
+def test_vllm_engine_flags_are_accepted_under_vllms_names():
+    """Issue 45: `--tensor-parallel-size` / `-tp`, `--max-model-len` and `--dtype` as vLLM
+    spells them: `-tp 2` serves the tokens `--tp 1` does, a request longer than
+    `--max-model-len` is refused, `--dtype auto` is the default's."""
+    import json
+
+    base = ["generate", "--model", "stories15m", "--prompt-ids", "5,6,7", "--max-tokens", "6",
+            "--json"]
+    outs = []
+    for flags in (["--tp", "1"], ["-tp", "2", "--dtype", "auto"],
+                  ["--tensor-parallel-size", "1", "--max-model-len", "16"]):
+        r = RUNNER.invoke(app, [*base, *flags])
+        assert r.exit_code == 0, r.output
+        outs.append(json.loads(r.stdout.splitlines()[-1])["output_ids"])
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 6
+    refused([*base, "--max-model-len", "8"], "exceeds the model's context of 8 tokens")
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--max-model-len", "300"], ["--max-model-len 300", "stories15m's 256 positions"]),
+    (["--max-model-len", "0"], ["--max-model-len must be at least 1"]),
+    (["--dtype", "half"], ["--dtype must be one of auto, bfloat16, float16"]),
+    (["--dtype", "float16", "--device", "cpu"], ["--dtype float16", "needs a GPU"]),
+], ids=["len-past-positions", "len-zero", "dtype-unknown", "dtype-half-on-cpu"])
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_vllm_engine_flags_out_of_range_are_refused(command, flags, needles):
+    args = {"generate": ["generate", "--model", "stories15m", "--prompt-ids", "1"],
+            "bench": ["bench", "--model", "stories15m", "--input-len", "4", "--output-len", "2",
+                      "--num-prompts", "2"],
+            "serve": ["serve", "--model", "stories15m", "--port", "0"]}[command]
+    refused([*args, *flags], *needles)
+
+
+def test_dtype_names_the_torch_dtype_on_a_gpu():
+    import torch
+
+    from nanosched.runtime.loader import model_dtype
+
+    cuda = torch.device("cuda", 0)
+    assert model_dtype(cuda, "float16") == torch.float16
+    assert model_dtype(cuda, "bfloat16") == model_dtype(cuda) == torch.bfloat16
+    assert model_dtype(torch.device("cpu")) == torch.float32

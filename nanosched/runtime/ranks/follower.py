@@ -75,7 +75,8 @@ def run_worker(rank: int, size: int, port: int, handle: ChannelHandle,
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, device_id=device if cuda else None)
     model = load_model(load_spec(setup.model), setup.weights, device, setup.seed,
-                       TensorParallel(rank, size), setup.kernels, copy_engine=setup.copy_engine)
+                       TensorParallel(rank, size), setup.kernels, copy_engine=setup.copy_engine,
+                       dtype=setup.dtype)
     with torch.inference_mode():
         Follower(model, reader, setup.parent_pid).run()
     reader.close()

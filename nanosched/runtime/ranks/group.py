@@ -182,7 +182,7 @@ def start_ranks(cfg: EngineConfig, weights: str, device: torch.device,
     writer = ChannelWriter(size - 1)
     port = free_port()
     setup = WorkerSetup(cfg.model, weights, cfg.seed, cfg.kernels, device.type, os.getpid(),
-                        copy_engine)
+                        copy_engine, cfg.dtype)
     procs = []
     for rank in range(1, size):
         p = ctx.Process(target=run_worker, args=(rank, size, port, writer.handle, setup),

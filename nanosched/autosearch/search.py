@@ -38,6 +38,7 @@ from nanosched.models.ops import COMPUTE
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Profile, check_profile_for
 from nanosched.schedules.format import BatchInfo, Schedule, StageReport
+from nanosched.schedules.sets import ScheduleSet
 from nanosched.workloads import Workload
 
 STAGE1_SHARE = 0.65
@@ -62,7 +63,7 @@ class SearchConfig:
     max_nano_ops: int = 4
     max_period_us: float | None = None
     command: str = ""
-    deterministic: bool = False  # time limit in CP-SAT deterministic units: reproducible (tests)
+    deterministic: bool = False  # time limit in CP-SAT deterministic units: reproducible (CLI)
     num_decode: int | None = None  # decode tokens of the batch (default: the workload's mix)
     decode_context: float | None = None  # their mean context (default: the workload's)
     counts: dict[str, int] | None = None  # nano-ops per op to start from (default: 2 each)
@@ -274,7 +275,8 @@ def default_out(spec: ModelSpec, tp: int, gpu: str, workload: Workload, batch: i
 
 
 BUCKETS = ("all", "dense")
-DEFAULT_TIME_LIMIT = {"all": 240.0, "dense": 60.0}
+# solver work of the whole search, in CP-SAT deterministic seconds (`search_and_save`)
+DEFAULT_TIME_LIMIT = {"all": 120.0, "dense": 20.0}
 
 
 def profile_model(profile: str | None) -> object:
@@ -347,7 +349,7 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
         prof = synthetic_profile(spec, get_gpu(gpu or "h100"), choice.tp, choice.dense_batch,
                                  context_grid(b.decode_context, b.prompt_len))
     cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, limit, workers,
-                       max_nano_ops, max_period_us, command)
+                       max_nano_ops, max_period_us, command, deterministic=True)
     why = measured.unsettled() if measured is not None else None
     if why and not allow_unsettled:
         raise ProfileError(f"profile for {prof.model.name} on {prof.identity.gpu_name}: {why}, "
@@ -363,7 +365,8 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
     keys = ((steady.num_decode, steady.dense_batch),) if buckets == "dense" else None
     what = "the steady-state batch" if keys else "every batch shape (bounds first)"
     echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, {what}, "
-         f"{limit:g} s, {workers} workers")
+         f"solver work {limit:g} (CP-SAT deterministic time, about a second each on an idle "
+         f"core: the verdict does not depend on the machine's load), {workers} workers")
     started = time.perf_counter()
 
     def on_decided(decided: list, to_search: int, n: int) -> None:
@@ -385,13 +388,14 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
         proof = proof_text(e, gain)
         echo(f"[{i}/{n}] D={e.num_decode} T={e.num_tokens}: {e.kind}, {e.reason}"
              f"{'; NO GAIN ' + proof if proof else ''} "
-             f"({r.wall_s:.1f} s; {elapsed:.0f} of {limit:g} s)")  # type: ignore[attr-defined]
+             f"({r.wall_s:.1f} s; {elapsed:.0f} s so far)")  # type: ignore[attr-defined]
 
     sset = search_set(SetSearchConfig(cfg, gain, keys, bound=keys is None),
                       echo if keys else None, on_key, on_decided)
     full = sset.full
     if full is not None and full.schedule is not None:
         print_table(pipeline_rows(full.schedule), PIPELINE_COLUMNS)  # type: ignore[operator]
+        echo(LEGEND)
         for line in summary_lines(full.schedule):
             echo(line)
     if keys is None:
@@ -402,4 +406,45 @@ def search_and_save(*, model: str | None, tp: int | None, profile: str | None, g
         echo("WARNING: predicted from a SYNTHETIC profile, not measurements")
     save_schedule_set(sset, path)
     echo(f"schedule set written to {path}")
+    for line in verdict_lines(sset, path, what, limit, time.perf_counter() - started,
+                              choice.profile is None):
+        echo(line)
     return sset
+
+
+LEGEND = ("(k: the layer a nano-op works on, l - k in period l; R: its share of the GPU, P: the "
+          "speed it keeps there, 1 = alone on the whole GPU; alloc full:SMs = every SM, "
+          "green_ctx:N = an N-SM partition, cta:N = at most N thread blocks; period / bound / "
+          "gap: the solver's layer time, the least it proved possible, the distance between)")
+
+
+def verdict_lines(s: ScheduleSet, path: str, what: str, work: float, wall_s: float,
+                  synthetic: bool) -> list[str]:
+    """The search's last lines, for a reader without the papers: what was searched, the
+    verdict, what to run next."""
+    pipes = s.pipelines
+    gpu = s.gpu_name + (" (a SYNTHETIC profile)" if synthetic else "")
+    lines = [f"searched: {s.model['name']} at tp {s.tp} on {gpu}, {what} ({len(s.entries)} "
+             f"batch shapes), solver work {work:g} (deterministic), took {wall_s:.0f} s"]
+    full = s.full
+    best = full.schedule.prediction.speedup if full is not None and \
+        full.schedule is not None else None
+    found = f"; the best pipeline found at the steady state predicts {best:.2f}x" \
+        if best is not None else ""
+    if pipes:
+        top = max(pipes, key=lambda e: e.speedup)
+        lines.append(f"verdict: PIPELINED at {len(pipes)} of {len(s.entries)} batch shapes, up "
+                     f"to {top.speedup:.2f}x of Sequential's speed predicted (D={top.num_decode}"
+                     f", T={top.num_tokens}); Sequential elsewhere{found}")
+        lines.append(f"next: on the GPU, nanosched verify {path} --out {path} (keeps the "
+                     f"pipelines that win there), then nanosched bench --model "
+                     f"{s.model['name']} --tp {s.tp} --schedule {path} --compare")
+        return lines
+    unproven = sum(e.proof == "unproven" for e in s.entries)
+    proof = "proven" if not unproven else f"NOT proven at {unproven} shapes (a longer " \
+        f"--time-limit may find a pipeline there)"
+    lines.append(f"verdict: NO GAIN, {proof}: no pipeline reaches the {s.min_gain:.2f}x of "
+                 f"Sequential an entry needs{found}; the set runs Sequential")
+    lines.append(f"next: serve or bench with --schedule sequential (the default's choice "
+                 f"here); nanosched show {path} --plot gantt.png draws the best pipeline found")
+    return lines

@@ -29,9 +29,12 @@ def search(
     workload: Workload = None,
     dense_batch: str = typer.Option("auto", "--dense-batch", help="Tokens per iteration "
                                     "(multiple of 128) or 'auto'."),
-    time_limit: float | None = typer.Option(None, "--time-limit", help="Solver seconds for the "
-                                            "whole search (default 240 for every batch shape, "
-                                            "60 with --buckets dense)."),
+    time_limit: float | None = typer.Option(None, "--time-limit", help="Solver work for the "
+                                            "whole search in CP-SAT deterministic seconds "
+                                            "(about a second each on an idle core; the same "
+                                            "work gives the same schedules and verdict on any "
+                                            "machine; default 120 for every batch shape, 20 "
+                                            "with --buckets dense)."),
     buckets: str = typer.Option("all", "--buckets", help="'all': an entry for every batch "
                                 "shape the engine runs (D decode of T rows, multiples of 128 "
                                 "up to the dense batch), so ramp and tail batches have one "

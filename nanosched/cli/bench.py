@@ -58,7 +58,8 @@ def bench(
     warmup_prompts: int | None = typer.Option(None, "--warmup-prompts", help="Untimed requests "
                                               "served with every strategy first, so no run "
                                               "pays compilation a later one reuses (default: "
-                                              "64 on a GPU, 0 on the CPU)."),
+                                              "64 on a GPU; on the CPU 8 for a model of at "
+                                              "most 1B parameters, else 0)."),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: 'auto' (on with a GPU, "
                                "else off), 'off' (eager launches), 'on' (one graph per "
                                "strategy and batch bucket, captured when a bucket first "

@@ -94,3 +94,19 @@ def test_the_readme_quick_start_runs_the_tiny_model():
         r = CliRunner().invoke(app, shlex.split(command)[1:])
         assert r.exit_code == 0, (command, r.output)
     assert "Total token throughput (tok/s)" in r.output  # the bench's table
+
+
+def test_the_readme_cpu_bench_is_warmed_up_and_says_so():
+    """Issue 45: the README's CPU bench showed 12 tokens/s and 2.3-2.8 s TTFT for a 15M model,
+    the first requests' costs: on the CPU a small model now gets 8 untimed warm-up requests
+    by default, and the header says whether a run was warmed up."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    command = next(line.strip() for line in readme.splitlines()
+                   if line.startswith("nanosched bench --model stories15m"))
+    r = CliRunner().invoke(app, shlex.split(command)[1:])
+    assert r.exit_code == 0, r.output
+    assert "; 8 untimed warm-up requests before each run" in r.output
+    r = CliRunner().invoke(app, [*shlex.split(command)[1:], "--warmup-prompts", "0"])
+    assert r.exit_code == 0 and "no warm-up (--warmup-prompts 0)" in r.output, r.output

@@ -47,8 +47,10 @@ def bench(
                                  "'two_batch' (TokenWeave-style overlap), 'auto' (a matching "
                                  "shipped schedule, else Sequential) or a schedule JSON file "
                                  "from `nanosched search`."),
-    compare: bool = typer.Option(False, "--compare", help="Run Sequential first on the same "
-                                 "requests in this process and report the ratio."),
+    compare: bool = typer.Option(False, "--compare", help="Run Sequential, the strategy, then "
+                                 "Sequential again on the same requests in this process "
+                                 "(A-B-A) and report the strategy over the mean of both "
+                                 "Sequential runs, and their drift."),
     force: bool = typer.Option(False, "--force", help="Replay a schedule made for another "
                                "model, tp or GPU."),
     request_rate: float = typer.Option(float("inf"), "--request-rate", help="Poisson arrivals "

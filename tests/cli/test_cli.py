@@ -110,3 +110,37 @@ def test_the_readme_cpu_bench_is_warmed_up_and_says_so():
     assert "; 8 untimed warm-up requests before each run" in r.output
     r = CliRunner().invoke(app, [*shlex.split(command)[1:], "--warmup-prompts", "0"])
     assert r.exit_code == 0 and "no warm-up (--warmup-prompts 0)" in r.output, r.output
+
+
+COMMANDS = [["models"], ["analyze"], ["generate"], ["bench"], ["search"], ["verify"], ["show"],
+            ["serve"], ["profile"], ["profile", "show"], ["profile", "forward"],
+            ["profile", "rederive"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) for c in COMMANDS])
+def test_help_has_no_hard_breaks_and_no_type_on_flags(command):
+    """Issue 45: a docstring's hard line breaks showed as breaks in mid-sentence in the boxes
+    (rich keeps them), and every flag was tagged `<bool>` though it takes no value."""
+    import typer
+
+    group = typer.main.get_command(app)
+    cmd = group
+    for name in command:
+        cmd = cmd.commands[name]
+    for para in (cmd.help or "").split("\n\n"):
+        assert all(ln.startswith("- ") for ln in para.splitlines()[1:]), (command, para)
+    r = CliRunner().invoke(app, [*command, "--help"], terminal_width=80)
+    assert r.exit_code == 0, r.output
+    assert "<bool>" not in r.output and "--help" in r.output
+
+
+def test_the_top_level_help_starts_where_the_readme_does():
+    readme = (ROOT / "README.md").read_text()
+    assert "nanosched search --model llama3-70b --buckets dense" in readme
+    r = CliRunner().invoke(app, ["--help"], terminal_width=250)
+    text = " ".join(r.output.replace("│", " ").split())
+    assert "Start where the README does: `nanosched search --model llama3-70b --buckets " \
+        "dense`" in text
+    r = CliRunner().invoke(app, ["bench", "--help"], terminal_width=250)
+    text = " ".join(r.output.replace("│", " ").split())
+    assert "Run Sequential, the strategy, then Sequential again on the same requests" in text

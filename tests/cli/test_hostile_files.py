@@ -137,6 +137,21 @@ def _fifo_tokenizer(folder: Path) -> None:
     os.mkfifo(folder / "tokenizer_config.json")
 
 
+def _devzero_weights(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to("/dev/zero")
+
+
+def _folder_weights(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").mkdir()
+
+
+def _folder_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").unlink(missing_ok=True)
+    (folder / "tokenizer.json").mkdir()
+
+
 def _huge_header_int(folder: Path) -> None:
     header = b'{"a": {"dtype": "F32", "shape": [1%s], "data_offsets": [0, 4]}}' % (b"0" * 5000)
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
@@ -146,6 +161,12 @@ NORM = "model.layers.0.input_layernorm.weight"
 DAMAGE = [
     ("weights-fifo", _fifo_weights, "model.safetensors", "FIFO"),
     ("tokenizer-fifo", _fifo_tokenizer, "tokenizer_config.json", "FIFO"),
+    # issue 45: weights were named a "tokenizer file", a folder of weights exited 1, a folder
+    # tokenizer.json said "Couldn't instantiate the backend tokenizer from one of: "
+    ("weights-devzero", _devzero_weights, "checkpoint", "model.safetensors: is a character"),
+    ("weights-fifo-named", _fifo_weights, "checkpoint", "model.safetensors: is a FIFO"),
+    ("weights-folder", _folder_weights, "checkpoint", "is a folder, not a safetensors file"),
+    ("tokenizer-folder", _folder_tokenizer, "tokenizer file", "tokenizer.json: is a folder"),
     ("header-huge-int", _huge_header_int, "model.safetensors", "JSON"),
     ("int64-weight", lambda f: _retype(f, NORM, lambda t: t.to(__import__("torch").int64)),
      NORM, "holds I64"),

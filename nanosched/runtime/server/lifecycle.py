@@ -134,7 +134,8 @@ def _server_class(cfg: ServeConfig, worker: EngineWorker, limits: ConnectionLimi
             forced = self.should_exit and sig == signal.SIGINT
             super().handle_exit(sig, frame)
             if forced:  # runs in a signal handler: hand the work to the loop
-                self._loop.call_soon_threadsafe(worker.expire, FORCED)
+                self._loop.call_soon_threadsafe(worker.expire, FORCED,
+                                                "a second Ctrl-C stopped the server at once")
 
         async def shutdown(self, sockets: Any = None) -> None:
             worker.begin_drain()

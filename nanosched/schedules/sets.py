@@ -271,6 +271,10 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
         raise ScheduleError(f"{where}: dense_batch must be a positive multiple of {q}, got {b!r}")
     if not isinstance(s.tp, int) or s.tp < 1:
         raise ScheduleError(f"{where}: tp must be a positive integer, got {s.tp!r}")
+    if isinstance(s.min_gain, bool) or not isinstance(s.min_gain, (int, float)) or \
+            not 0 <= s.min_gain < math.inf:
+        raise ScheduleError(f"{where}: min_gain must be a finite number >= 0 (a gain over "
+                            f"Sequential; search writes 1.05), got {s.min_gain!r}")
     ctx = (s.search or {}).get("contexts") if isinstance(s.search, dict) else None
     if ctx is not None:
         fields = ("workload", "least", "kv_capacity_tokens")

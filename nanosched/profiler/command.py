@@ -86,15 +86,13 @@ def resume_hint(cfg: ProfileConfig) -> str:
 
 
 def check_workload_fits(spec: ModelSpec, workload: Workload) -> None:
-    """A workload whose mean request (prompt and output) is longer than the model's positions
-    would be profiled at contexts the model cannot hold, and the search would then refuse the
-    profile: refuse it here, before any measurement."""
-    need = workload.input_len + workload.output_len
-    if need > spec.max_position_embeddings:
-        raise ConfigError(f"workload {workload.name} (prompt {workload.input_len:g} + output "
-                          f"{workload.output_len:g} tokens) does not fit {spec.name}'s "
-                          f"{spec.max_position_embeddings} positions: give --input-len and "
-                          f"--output-len (or --workload) whose sum fits")
+    """A workload whose mean prompt is longer than the model's positions would be profiled at
+    prefill contexts the model cannot hold (capped there), and the search would then refuse
+    the profile: refuse it here, before any measurement."""
+    if workload.input_len > spec.max_position_embeddings:
+        raise ConfigError(f"workload {workload.name}: prompts of {workload.input_len:g} tokens "
+                          f"do not fit {spec.name}'s {spec.max_position_embeddings} positions: "
+                          f"give --input-len (or --workload) that fits")
 
 
 def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profile:

@@ -164,7 +164,7 @@ def test_a_profile_whose_workload_the_model_cannot_hold_is_refused_first(tmp_pat
     profiled and searched."""
     out = tmp_path / "s15.json"
     refused(["profile", "--model", "stories15m", "--fake-gpu", "--quick", "--out", str(out)],
-            "1024 + output 512", "stories15m's 256 positions", "--input-len")
+            "prompts of 1024 tokens", "stories15m's 256 positions", "--input-len")
     assert not out.exists() and not list(tmp_path.iterdir())
     fits = ["--input-len", "128", "--output-len", "64"]
     r = RUNNER.invoke(app, ["profile", "--model", "stories15m", "--fake-gpu", "--quick",

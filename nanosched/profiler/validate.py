@@ -30,6 +30,7 @@ MIN_TIME_US, MAX_TIME_US = 0.01, 1e8  # a kernel takes more than 10 ns and less 
 MAX_FORWARD_FACTOR = 10.0  # an op inside a layer runs within 1/10..10x its row's time
 MAX_CEILING = 1e6  # TFLOP/s or GB/s: a thousand times today's GPUs
 MIN_CEILING = 1e-3  # TFLOP/s or GB/s: a GFLOP/s or a MB/s, below any GPU
+MAX_ROW_TOKENS = 1 << 17  # tokens of one kernel row: 64 times the default dense batch cap
 MAX_CONTEXT = 1 << 21  # tokens of one request's context: past any model's positions (2M)
 
 
@@ -58,9 +59,9 @@ def validate_profile(prof: Profile, where: str = "profile") -> None:
                                f"as kernels[{seen[key]}] ({k.time_us:.3g} us against "
                                f"{prof.kernels[seen[key]].time_us:.3g} us); keep one")
         seen[key] = i
-        if k.tokens > prof.dense_batch:
-            raise ProfileError(f"{here}: tokens {k.tokens} must be at most the profile's "
-                               f"dense_batch {prof.dense_batch} (rows are measured up to it)")
+        if k.tokens > MAX_ROW_TOKENS:
+            raise ProfileError(f"{here}: tokens {k.tokens} must be at most {MAX_ROW_TOKENS} "
+                               f"(rows of one iteration: past what any GPU's KV cache batches)")
         _check_op(k.op, ops, here, prof)
         if k.mechanism not in MECHANISMS:
             raise ProfileError(f"{here}: mechanism {k.mechanism!r} not in {MECHANISMS}")

@@ -98,8 +98,7 @@ def _dup_rows(d, factor):
 PROFILE_MUTATIONS = [  # issue 45: each was accepted with exit 0
     ("rows-duplicated-100x", lambda d: _dup_rows(d, 100.0), "a second row of the same kernel"),
     ("ceiling-1e-300", lambda d: d["ceilings"].update(copy_gbs=1e-300), "copy_gbs"),
-    ("row-1048576-tokens", lambda d: _k(d).update(tokens=1 << 20), "at most the profile's "
-     "dense_batch"),
+    ("row-1048576-tokens", lambda d: _k(d).update(tokens=1 << 20), "at most 131072"),
     ("context-67108864", lambda d: _k(d).update(context=1 << 26), "context in 0..2097152"),
 ]
 

@@ -5,6 +5,7 @@ the current folder first on sys.path unless PYTHONSAFEPATH is set)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -26,6 +27,12 @@ from _struct import __doc__
 '''
 
 
+def unsafe_env() -> dict[str, str]:
+    """This process's environment without PYTHONSAFEPATH, which a tp command run in-process by
+    an earlier test set here: the commands below must set it themselves."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+
+
 def planted(folder: Path) -> Path:
     folder.mkdir()
     (folder / "struct.py").write_text(MARKER)
@@ -40,7 +47,7 @@ def test_the_planted_module_is_a_working_marker(tmp_path):
     """The check can fail: a plain `python -c` in the folder imports the planted module."""
     cwd = planted(tmp_path / "cwd")
     subprocess.run([sys.executable, "-c", "import struct; struct.pack('i', 1)"], cwd=cwd,
-                   check=True)
+                   check=True, env=unsafe_env())
     assert len(imported(cwd)) == 1
 
 
@@ -52,7 +59,7 @@ def test_the_planted_module_is_a_working_marker(tmp_path):
 def test_tp_commands_import_nothing_of_the_current_folder(tmp_path, args):
     cwd = planted(tmp_path / "cwd")
     r = subprocess.run([str(NANOSCHED), *args, "--tp", "2", "--device", "cpu"], cwd=cwd,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=unsafe_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert imported(cwd) == [], r.stderr
 
@@ -65,7 +72,7 @@ def test_serve_tp2_imports_nothing_of_the_current_folder(tmp_path):
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([str(NANOSCHED), "serve", "--model", "stories15m", "--tp", "2",
                              "--device", "cpu", "--port", str(port)], cwd=cwd,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=unsafe_env())
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     try:
         while True:

@@ -24,8 +24,6 @@ idle connections at that same age closes some under a request already on its way
 sees a reset, `httpx.ReadError`, or no response; under load, when a loaded client takes longer
 between picking the connection and writing on it). Keep `--header-timeout` above those 5 s.
 What was closed is counted and logged at most once per `LOG_EVERY_S`, never per connection.
-A client that half-closes its socket once its request is sent still gets the response
-(`eof_received`), then the connection is closed.
 """
 
 from __future__ import annotations
@@ -167,7 +165,6 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
         _timer: asyncio.TimerHandle | None = None
         _what = ""  # what the armed timer waits for: "headers" or "body"
         _seen: Any = None  # the request cycle whose headers have been seen
-        _half_closed = False  # the client shut its writing side with a request in flight
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -185,23 +182,9 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self._half_closed:  # the client sends nothing more: the connection is done
-                self.transport.close()
-                return
             if not self.transport.is_closing():
                 self._disarm()  # the next request's headers get a deadline of their own
                 self._track()
-
-        def eof_received(self) -> bool | None:
-            """A client that half-closes its socket after sending a request (shutdown of its
-            writing side) still gets the answer: asyncio would close the transport (uvicorn
-            keeps nothing open), the app would see a disconnect and abort the request."""
-            super().eof_received()
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete and not cycle.more_body:
-                self._half_closed = True
-                return True  # the transport stays open for the response; closed after it
-            return None
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -294,17 +294,3 @@ def test_accept_out_of_descriptors_is_logged_once_without_a_traceback(caplog):
     assert "Too many open files" in said[0].getMessage()
     assert limits.closed["accept() out of descriptors"] == 5
     assert seen == [{"message": "something else"}]
-
-
-def test_a_client_that_half_closes_after_sending_gets_its_answer(srv):
-    """Issue 45: a client that shuts its writing side once the request is sent (as `curl` and
-    some proxies may) got no answer: the server took the EOF for a disconnect."""
-    sock = _connect(srv.url)
-    body = json.dumps({"model": srv.model, "prompt": [1, 2], "max_tokens": 2}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
-                 b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-    sock.shutdown(socket.SHUT_WR)
-    answer = _answer(sock)  # until the server closes
-    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
-    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"][0]["finish_reason"]
-    assert _ok(srv.url)

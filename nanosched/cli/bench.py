@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import typer
 
+from nanosched.cli.common import sigterm_as_interrupt
 from nanosched.cli.options import (
     TP_FLAGS,
     Admission,
@@ -102,7 +103,13 @@ def bench(
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,
                       warmup_prompts=warmup_prompts)
-    out = run_bench(cfg)
+    try:
+        with sigterm_as_interrupt():
+            out = run_bench(cfg)
+    except KeyboardInterrupt:
+        typer.echo("bench interrupted: no results reported"
+                   + (f" ({json_out} untouched)" if json_out else ""), err=True)
+        raise typer.Exit(code=130) from None
     lines = report.header_lines(out, model, tp, seed)
     for name, run in out["runs"].items():
         lines += report.run_lines(name, run)

@@ -218,3 +218,27 @@ def test_dtype_names_the_torch_dtype_on_a_gpu():
     assert model_dtype(cuda, "float16") == torch.float16
     assert model_dtype(cuda, "bfloat16") == model_dtype(cuda) == torch.bfloat16
     assert model_dtype(torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_bench_stopped_by_a_signal_says_so_and_exits_130(tmp_path, sig):
+    """Issue 45: `bench` stopped by Ctrl-C or SIGTERM printed nothing."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "b.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanosched.cli", "bench", "--model", "stories15m", "--device",
+         "cpu", "--input-len", "32", "--output-len", "200", "--num-prompts", "2000", "--json",
+         str(out)], cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)  # past the model's load: serving the requests
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(getattr(signal, sig))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert f"bench interrupted: no results reported ({out} untouched)" in stderr, stderr
+    assert "Traceback" not in stderr and not out.exists()

@@ -13,3 +13,8 @@ DEFAULT_NUM_SMS = 132  # SMs of an H100 / H200 SXM: the default where no GPU is 
 # and NVSHMEM's. Set in the environment before NCCL initialises (spawned ranks inherit it).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
+# Processes the tool spawns (`python -c ...`: tp ranks, the network profiler's workers, the
+# resource tracker) put the current folder first on sys.path while they boot, so a `struct.py`
+# there would be imported by each. PYTHONSAFEPATH (Python >= 3.11) leaves it off; set in the
+# environment they inherit before the first spawn.
+SAFE_PATH = {"PYTHONSAFEPATH": "1"}

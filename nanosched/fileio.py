@@ -258,11 +258,26 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+class DuplicateKey(ValueError):
+    """A JSON object holding a key twice (the key)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def read_json(path: str | os.PathLike[str], what: str, error: type[Exception],
               hint: str = "") -> Any:
     """Parse the JSON file `path`; raise `error` naming `what` and the path when it is missing,
-    not a regular file, unreadable, not UTF-8, not JSON, or nested too deep to parse (the
-    parser recurses: 100,000 nested brackets would otherwise end in a RecursionError)."""
+    not a regular file, unreadable, not UTF-8, not JSON, nested too deep to parse (the
+    parser recurses: 100,000 nested brackets would otherwise end in a RecursionError), or
+    holding an object with a key twice (JSON takes the last silently: a hand edit that added
+    a field again would be half ignored)."""
     p = Path(path)
     name = f"{what} {p}"
     if not p.exists():
@@ -276,7 +291,10 @@ def read_json(path: str | os.PathLike[str], what: str, error: type[Exception],
     except UnicodeDecodeError as exc:
         raise error(f"{name}: not UTF-8 text (byte {exc.start}){hint}") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except DuplicateKey as exc:
+        raise error(f"{name}: key {exc.args[0]!r} appears twice in one object (JSON would keep "
+                    f"the last silently); keep one") from None
     except json.JSONDecodeError as exc:
         raise error(f"{name}: not valid JSON ({exc}){hint}") from None
     except RecursionError:

@@ -39,6 +39,9 @@ class SearchOutcome:
     path: str
     synthetic: bool
     dense_only: bool  # `--buckets dense`: the steady state's entry alone
+    what: str = ""  # what was searched, in words
+    work: float = 0.0  # the solver work it was given (CP-SAT deterministic seconds)
+    wall_s: float = 0.0  # how long it took
 
 
 def default_out(spec: ModelSpec, tp: int, gpu: str, workload: Workload, batch: int) -> str:
@@ -77,7 +80,7 @@ def search_command(req: SearchRequest, echo: Progress) -> SearchOutcome:
                                  req.quantization)
     cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, limit, req.workers,
                        req.max_nano_ops, req.max_period_us, req.command,
-                       forms=FORMS if req.allow_rs_ag else REPLAYED_FORMS)
+                       forms=FORMS if req.allow_rs_ag else REPLAYED_FORMS, deterministic=True)
     why = measured.unsettled() if measured is not None else None
     if why and not req.allow_unsettled:
         raise ProfileError(f"profile for {prof.model.name} on {prof.identity.gpu_name}: {why}, "
@@ -94,7 +97,8 @@ def search_command(req: SearchRequest, echo: Progress) -> SearchOutcome:
     keys = ((steady.num_decode, steady.dense_batch),) if req.buckets == "dense" else None
     what = "the steady-state batch" if keys else "every batch shape (bounds first)"
     echo(f"searching {spec.name} tp={choice.tp}, dense batch {choice.dense_batch}, {what}, "
-         f"{limit:g} s, {req.workers} workers")
+         f"solver work {limit:g} (CP-SAT deterministic time, about a second each on an idle "
+         f"core: the verdict does not depend on the machine's load), {req.workers} workers")
     started = time.perf_counter()
 
     def on_decided(decided: list, to_search: int, n: int) -> None:
@@ -116,9 +120,10 @@ def search_command(req: SearchRequest, echo: Progress) -> SearchOutcome:
         proof = proof_text(e, gain)
         echo(f"[{i}/{n}] D={e.num_decode} T={e.num_tokens}: {e.kind}, {e.reason}"
              f"{'; NO GAIN ' + proof if proof else ''} "
-             f"({r.wall_s:.1f} s; {elapsed:.0f} of {limit:g} s)")  # type: ignore[attr-defined]
+             f"({r.wall_s:.1f} s; {elapsed:.0f} s so far)")  # type: ignore[attr-defined]
 
     sset = search_set(SetSearchConfig(cfg, gain, keys, bound=keys is None),
                       echo if keys else None, on_key, on_decided)
     save_schedule_set(sset, path)
-    return SearchOutcome(sset, path, choice.profile is None, keys is not None)
+    return SearchOutcome(sset, path, choice.profile is None, keys is not None, what, limit,
+                         time.perf_counter() - started)

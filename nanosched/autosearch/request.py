@@ -35,7 +35,9 @@ from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for
 from nanosched.workloads import Workload
 
 BUCKETS = ("all", "dense")
-DEFAULT_TIME_LIMIT = {"all": 240.0, "dense": 60.0}
+# solver work of the whole search, in CP-SAT deterministic seconds (the same verdict on a busy
+# or an idle machine)
+DEFAULT_TIME_LIMIT = {"all": 120.0, "dense": 20.0}
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ class SearchRequest:
 
     @property
     def limit_s(self) -> float:
-        """The whole search's seconds: `time_limit`, else the default for `buckets`."""
+        """The whole search's solver work (CP-SAT deterministic seconds): `time_limit`, else
+        the default for `buckets`."""
         return DEFAULT_TIME_LIMIT[self.buckets] if self.time_limit is None else self.time_limit
 
     @property

@@ -63,7 +63,7 @@ class SearchConfig:
     max_nano_ops: int = 4
     max_period_us: float | None = None
     command: str = ""
-    deterministic: bool = False  # time limit in CP-SAT deterministic units: reproducible (tests)
+    deterministic: bool = False  # time limit in CP-SAT deterministic units: reproducible (CLI)
     num_decode: int | None = None  # decode tokens of the batch (default: the workload's mix)
     decode_context: float | None = None  # their mean context (default: the workload's)
     counts: dict[str, int] | None = None  # nano-ops per op to start from (default: 2 each)

@@ -134,7 +134,9 @@ def header_lines(out: dict[str, Any], model: str, tp: int, seed: int) -> list[st
     fp8 = " (FP8 W8A8)" if conf.get("quantization") == "fp8" else ""
     lines = [f"{env['device']}: {model} tp={tp}, dense batch {conf['dense_batch']}, "
              f"{weights_used}" + (f" (seed {seed})" if conf["weights"] == "random" else "")
-             + fp8]
+             + fp8 + (f"; {out['warmup_prompts']} untimed warm-up requests before each run"
+                if out.get("warmup_prompts") else "; no warm-up (--warmup-prompts 0): the first "
+                "requests' times include the first calls' costs")]
     lines += results_table({name: run["results"] for name, run in out["runs"].items()})
     optimal = next(iter(out["runs"].values()))["results"].get("optimal_tokens_per_s_per_gpu")
     if optimal:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanosched.benchmarks.common import environment, synthetic_batch
-from nanosched.constants import MULTICAST_OFF, PAGE_SIZE
+from nanosched.constants import MULTICAST_OFF, PAGE_SIZE, SAFE_PATH
 from nanosched.errors import ScheduleError
 from nanosched.kernels.impls import network_impl
 from nanosched.models.parallel import TensorParallel, launch
@@ -258,6 +258,7 @@ def run(cfg: TimelineConfig, tp: int = 1) -> dict[str, Any]:
     """`run_rank` on one process (tp = 1) or on `tp` spawned ranks; rank 0's result."""
     if tp == 1:
         return run_rank(TensorParallel(), cfg)
+    os.environ.update(SAFE_PATH)  # the spawned ranks import nothing of the current folder
     if cfg.device == "cuda":
         os.environ.update(MULTICAST_OFF)  # inherited by the spawned ranks
         if torch.cuda.device_count() < tp:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import typer
 
 from nanosched.cli import bench, generate, models, search, serve
-from nanosched.cli.common import reports_errors
+from nanosched.cli.common import reports_errors, unwrap_help
 from nanosched.cli.profile import profile_app
 
 app = typer.Typer(
@@ -19,8 +19,10 @@ app = typer.Typer(
     help=(
         "Find and run nano-batch pipelines for LLM inference: profile a GPU's kernels and their "
         "interference, search the pipeline with OR-Tools, and replay it when serving.\n\n"
-        "Start with `nanosched analyze --model llama3-70b --gpu h100 --tp 8` to see where an "
-        "iteration's time goes."
+        "Start where the README does: `nanosched search --model llama3-70b --buckets dense` "
+        "searches a pipeline from a shipped profile and says whether overlap pays; "
+        "`nanosched analyze --model llama3-70b --gpu h100 --tp 8` shows where an iteration's "
+        "time goes."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -49,6 +51,7 @@ for command in (models.models, models.analyze, generate.generate, bench.bench, s
                 search.verify, search.show, serve.serve):
     app.command()(reports_errors(command))
 app.add_typer(profile_app, name="profile")
+unwrap_help(app)
 
 
 def main() -> None:

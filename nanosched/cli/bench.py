@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import typer
 
+from nanosched.cli.common import sigterm_as_interrupt
 from nanosched.cli.options import (
+    TP_FLAGS,
     Admission,
     Collective,
     DecodeAttention,
+    Dtype,
     EngineDevice,
     GpuMemoryUtilization,
     KvCacheDtype,
     KvHeadroom,
+    MaxModelLen,
     Preemption,
     Quantization,
     SwapSpace,
@@ -26,7 +30,8 @@ from nanosched.cli.options import (
 
 def bench(
     model: str = model_option("Model name or HF checkpoint folder."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: one process per GPU, "
+    tp: int = typer.Option(1, *TP_FLAGS, help="Tensor-parallel degree: one process per GPU "
+                           "(also vLLM's --tensor-parallel-size / -tp), "
                            "started by this command (this one schedules)."),
     weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a local "
                                        "HF checkpoint folder (default: the --model folder's "
@@ -45,8 +50,10 @@ def bench(
                                  "nanosched.runtime.strategies.NAMED lists them), 'auto' (a "
                                  "matching shipped schedule, else Sequential) or a schedule "
                                  "JSON file from `nanosched search`."),
-    compare: bool = typer.Option(False, "--compare", help="Run Sequential first on the same "
-                                 "requests in this process and report the ratio."),
+    compare: bool = typer.Option(False, "--compare", help="Run Sequential, the strategy, then "
+                                 "Sequential again on the same requests in this process "
+                                 "(A-B-A) and report the strategy over the mean of both "
+                                 "Sequential runs, and their drift."),
     force: bool = typer.Option(False, "--force", help="Replay a schedule made for another "
                                "model, tp or GPU."),
     request_rate: float = typer.Option(float("inf"), "--request-rate", help="Poisson arrivals "
@@ -56,7 +63,8 @@ def bench(
     warmup_prompts: int | None = typer.Option(None, "--warmup-prompts", help="Untimed requests "
                                               "served with every strategy first, so no run "
                                               "pays compilation a later one reuses (default: "
-                                              "64 on a GPU, 0 on the CPU)."),
+                                              "64 on a GPU; on the CPU 8 for a model of at "
+                                              "most 1B parameters, else 0)."),
     graphs: str = typer.Option("auto", "--graphs", help="CUDA graphs: 'auto' (on with a GPU, "
                                "else off), 'off' (eager launches), 'on' (one graph per "
                                "strategy and batch bucket, captured when a bucket first "
@@ -69,6 +77,8 @@ def bench(
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto",
+    max_model_len: MaxModelLen = None,
+    dtype: Dtype = "auto",
     gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
@@ -90,14 +100,20 @@ def bench(
                           graphs=graphs,
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
-                          kv_dtype=kv_cache_dtype,
+                          kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
                           quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))
     cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
                       num_prompts=num_prompts, compare=compare, request_rate=request_rate,
                       warmup_prompts=warmup_prompts)
-    out = run_bench(cfg)
+    try:
+        with sigterm_as_interrupt():
+            out = run_bench(cfg)
+    except KeyboardInterrupt:
+        typer.echo("bench interrupted: no results reported"
+                   + (f" ({json_out} untouched)" if json_out else ""), err=True)
+        raise typer.Exit(code=130) from None
     lines = report.header_lines(out, model, tp, seed)
     for name, run in out["runs"].items():
         lines += report.run_lines(name, run)

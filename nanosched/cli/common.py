@@ -79,6 +79,58 @@ def literal(text: str) -> str:
     return escape(text)
 
 
+def unwrapped(doc: str | None) -> str | None:
+    """A command's docstring as help: its hard line breaks joined within each paragraph, since
+    rich keeps them and they show as breaks in mid-sentence in a box of another width; a
+    paragraph of `- ` items keeps one item per line."""
+    if not doc:
+        return doc
+    import inspect
+
+    out = []
+    for para in inspect.cleandoc(doc).split("\n\n"):
+        lines = [ln.strip() for ln in para.splitlines()]
+        items: list[str] = []
+        for ln in lines:
+            if items and not ln.startswith("- "):
+                items[-1] += " " + ln
+            else:
+                items.append(ln)
+        out.append("\n".join(items))
+    return "\n\n".join(out)
+
+
+def unwrap_help(app: typer.Typer) -> None:
+    """`unwrapped` on the help of every command and group callback of `app`, and no type
+    shown for a flag (typer tags each `<bool>`, though a flag takes no value)."""
+    infos = [*app.registered_commands, *([app.registered_callback]
+                                         if app.registered_callback else [])]
+    for info in infos:
+        if info.callback is not None:
+            info.callback.__doc__ = unwrapped(info.callback.__doc__)
+        if info.help:
+            info.help = unwrapped(info.help)
+    if app.info.help:
+        app.info.help = unwrapped(app.info.help)
+    for group in app.registered_groups:
+        unwrap_help(group.typer_instance)
+    _flags_without_type()
+
+
+def _flags_without_type() -> None:
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)  # typer >= 0.20's rich types
+    if shown is None or getattr(TyperOption, "_nanosched_flags", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag and not self.count else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+    TyperOption._nanosched_flags = True  # type: ignore[attr-defined]
+
+
 GPU_DEVICE_FILES = ("/dev/nvidia*", "/proc/driver/nvidia/gpus", "/dev/kfd")  # CUDA, ROCm
 
 

@@ -8,10 +8,13 @@ import json
 import typer
 
 from nanosched.cli.options import (
+    TP_FLAGS,
     Collective,
     DecodeAttention,
+    Dtype,
     GpuMemoryUtilization,
     KvCacheDtype,
+    MaxModelLen,
     Quantization,
     Seed,
     kernel_options,
@@ -31,12 +34,15 @@ def generate(
     max_tokens: int = typer.Option(32, "--max-tokens", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: one process per GPU, "
+    tp: int = typer.Option(1, *TP_FLAGS, help="Tensor-parallel degree: one process per GPU "
+                           "(also vLLM's --tensor-parallel-size / -tp), "
                            "started by this command (this one schedules)."),
     seed: Seed = 0,
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
     kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto",
+    max_model_len: MaxModelLen = None,
+    dtype: Dtype = "auto",
     gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
@@ -55,6 +61,7 @@ def generate(
                               f"{prompt_ids!r}") from None
     engine = EngineConfig(model=model, device=device, tp=tp, seed=seed, kv_dtype=kv_cache_dtype,
                           quantization=quantization,
+                          max_context=max_model_len, dtype=dtype,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))
     cfg = GenerateConfig(engine, prompt=prompt, prompt_ids=ids, max_tokens=max_tokens,

@@ -116,3 +116,13 @@ def admission_config(admission: str, kv_headroom: float, preemption: str,
 
     return AdmissionConfig(policy=admission, headroom=kv_headroom, preemption=preemption,
                            swap_space_gib=swap_space)
+
+
+# vLLM's engine flags under vLLM's names too (serve, bench, generate)
+TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")
+MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", help=(
+    "Longest request in tokens, prompt and output (vLLM's flag; default: the model's "
+    "positions)."))]
+Dtype = Annotated[str, typer.Option("--dtype", help=(
+    "Weights' and activations' dtype, as vLLM's flag: auto (bfloat16 on a GPU, float32 on "
+    "the CPU), bfloat16 or float16 (on a GPU)."))]

@@ -94,6 +94,10 @@ def profile(
     if frontend is not None:
         from nanosched.frontend.profiling import FrontendImpls, load_frontend, model_spec
 
+        if not fake_gpu:  # the model is built on the GPU: say it is missing before that
+            from nanosched.profiler.gpu_backend import check_device
+
+            check_device(index)
         fm = load_frontend(frontend, "cpu" if fake_gpu else f"cuda:{index}")
         model = model or frontend.rpartition(":")[2]
         spec, registry = model_spec(fm, model), FrontendImpls(fm)
@@ -116,10 +120,24 @@ def profile(
         raise typer.Exit(code=EXIT_TIME_LIMIT) from None
 
 
+def named_profile(file: Path) -> Path:
+    """A profile FILE, or the name of a shipped one (as `search --profile NAME` takes it)."""
+    from nanosched.autosearch.request import shipped_profiles
+
+    if file.exists() or file.suffix == ".json" or len(file.parts) != 1:
+        return file
+    names = shipped_profiles()
+    if str(file) not in names:
+        raise ConfigError(f"profile {file}: neither a file nor a shipped profile; shipped: "
+                          f"{', '.join(names) or 'none'}")
+    return names[str(file)]
+
+
 @profile_app.command("show")
 @reports_errors
 def profile_show(
-    file: Path = typer.Argument(..., help="Profile JSON to show."),
+    file: Path = typer.Argument(..., help="Profile JSON to show, or a shipped profile's name "
+                                "(as search --profile takes it)."),
     plot: Path | None = typer.Option(None, "--plot", help=literal(
         "Also write R->P curves and kernel time vs SMs to this .png, .svg or .pdf (needs the "
         "[plot] extra: matplotlib).")),
@@ -129,6 +147,7 @@ def profile_show(
     from nanosched.profiler.format import load_profile
     from nanosched.profiler.show import plot_profile, show_profile
 
+    file = named_profile(file)
     check_input_file(file, "profile")
     if plot is not None:
         check_output_file(plot, "--plot", PLOT_SUFFIXES)
@@ -142,7 +161,8 @@ def profile_show(
 @profile_app.command("forward")
 @reports_errors
 def profile_forward(
-    file: Path = typer.Argument(..., help="Profile JSON to measure the forward table of."),
+    file: Path = typer.Argument(..., help="Profile JSON (or a shipped profile's name) to "
+                                "measure the forward table of."),
     gpu: str = typer.Option("0", "--gpu", help="The GPU the profile was measured on: a CUDA "
                             "device index, or a GPU name (the first such GPU here)."),
     out: ProfileOut = None,
@@ -167,6 +187,7 @@ def profile_forward(
     from nanosched.profiler.command import add_forward
     from nanosched.workloads import resolve_workload
 
+    file = named_profile(file)
     if out is None and in_package(file):
         raise ConfigError(f"profile {file} is shipped in the installed nanosched package; "
                           f"pass --out to write it with its forward table (--out {file} to "
@@ -179,7 +200,8 @@ def profile_forward(
 @profile_app.command("rederive")
 @reports_errors
 def profile_rederive(
-    file: Path = typer.Argument(..., help="Profile JSON to derive again."),
+    file: Path = typer.Argument(..., help="Profile JSON (or a shipped profile's name) to "
+                                "derive again."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Profile to write (default: "
                                     "FILE's name with .rederived.json, beside FILE, or in the "
                                     "current folder for a profile shipped in the package; "
@@ -195,6 +217,7 @@ def profile_rederive(
     from nanosched.profiler.build import rederive_rp
     from nanosched.profiler.format import load_profile, save_profile
 
+    file = named_profile(file)
     check_input_file(file, "profile")
     name = f"{file.name.removesuffix('.json')}.rederived.json"
     target = out or (Path(name) if in_package(file) else file.with_name(name))

@@ -55,6 +55,7 @@ def print_search_report(sset: Any, dense_only: bool, synthetic: bool) -> None:
     full = sset.full
     if full is not None and full.schedule is not None:
         print_table(pipeline_rows(full.schedule), PIPELINE_COLUMNS)
+        typer.echo(LEGEND)
         for line in summary_lines(full.schedule):
             typer.echo(line)
     if not dense_only:
@@ -63,6 +64,44 @@ def print_search_report(sset: Any, dense_only: bool, synthetic: bool) -> None:
         typer.echo(line)
     if synthetic:
         typer.echo("WARNING: predicted from a SYNTHETIC profile, not measurements")
+
+
+LEGEND = ("(k: the layer a nano-op works on, l - k in period l; R: its share of the GPU, P: the "
+          "speed it keeps there, 1 = alone on the whole GPU; alloc full:SMs = every SM, "
+          "green_ctx:N = an N-SM partition, cta:N = at most N thread blocks; period / bound / "
+          "gap: the solver's layer time, the least it proved possible, the distance between)")
+
+
+def verdict_lines(s: Any, path: str, what: str, work: float, wall_s: float,
+                  synthetic: bool) -> list[str]:
+    """The search's last lines, for a reader without the papers: what was searched, the
+    verdict, what to run next."""
+    pipes = s.pipelines
+    gpu = s.gpu_name + (" (a SYNTHETIC profile)" if synthetic else "")
+    lines = [f"searched: {s.model['name']} at tp {s.tp} on {gpu}, {what} ({len(s.entries)} "
+             f"batch shapes), solver work {work:g} (deterministic), took {wall_s:.0f} s"]
+    full = s.full
+    best = full.schedule.prediction.speedup if full is not None and \
+        full.schedule is not None else None
+    found = f"; the best pipeline found at the steady state predicts {best:.2f}x" \
+        if best is not None else ""
+    if pipes:
+        top = max(pipes, key=lambda e: e.speedup)
+        lines.append(f"verdict: PIPELINED at {len(pipes)} of {len(s.entries)} batch shapes, up "
+                     f"to {top.speedup:.2f}x of Sequential's speed predicted (D={top.num_decode}"
+                     f", T={top.num_tokens}); Sequential elsewhere{found}")
+        lines.append(f"next: on the GPU, nanosched verify {path} --out {path} (keeps the "
+                     f"pipelines that win there), then nanosched bench --model "
+                     f"{s.model['name']} --tp {s.tp} --schedule {path} --compare")
+        return lines
+    unproven = sum(e.proof == "unproven" for e in s.entries)
+    proof = "proven" if not unproven else f"NOT proven at {unproven} shapes (a longer " \
+        f"--time-limit may find a pipeline there)"
+    lines.append(f"verdict: NO GAIN, {proof}: no pipeline reaches the {s.min_gain:.2f}x of "
+                 f"Sequential an entry needs{found}; the set runs Sequential")
+    lines.append(f"next: serve or bench with --schedule sequential (the default's choice "
+                 f"here); nanosched show {path} --plot gantt.png draws the best pipeline found")
+    return lines
 
 
 def print_analysis(a: Any) -> None:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import typer
 
 from nanosched.cli.options import (
+    TP_FLAGS,
     Admission,
     Collective,
     DecodeAttention,
+    Dtype,
     EngineDevice,
     GpuMemoryUtilization,
     KvCacheDtype,
     KvHeadroom,
+    MaxModelLen,
     Preemption,
     Quantization,
     Seed,
@@ -30,7 +33,8 @@ def serve(
     weights: str | None = typer.Option(None, "--weights", help="'random' (seeded) or a "
                                        "checkpoint folder (default: the --model folder's "
                                        "weights, else random)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: one process per GPU, "
+    tp: int = typer.Option(1, *TP_FLAGS, help="Tensor-parallel degree: one process per GPU "
+                           "(also vLLM's --tensor-parallel-size / -tp), "
                            "started by this command (this one schedules)."),
     schedule: str = typer.Option("auto", "--schedule", help="'auto' (a matching shipped "
                                  "schedule, else Sequential), a strategy by name ('sequential', "
@@ -83,6 +87,8 @@ def serve(
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto",
+    max_model_len: MaxModelLen = None,
+    dtype: Dtype = "auto",
     gpu_memory_utilization: GpuMemoryUtilization = None,
     decode_attention: DecodeAttention = "auto",
     collective: Collective = "nccl",
@@ -101,7 +107,7 @@ def serve(
                           dense_batch=dense_batch, device=device, seed=seed, graphs=graphs,
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
-                          kv_dtype=kv_cache_dtype,
+                          kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
                           quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))

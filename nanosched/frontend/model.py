@@ -99,6 +99,7 @@ class FrontendModel:
             raise ConfigError(f"trace_layers={trace_layers}: a model deeper than the trace "
                               f"needs at least 3 traced layers (first, middle, last)")
         self.trace: Trace = capture(model, example_tokens, trace_layers)
+        _check_attention(self.trace, model)
         self._params = dict([*model.named_parameters(remove_duplicate=False),
                              *model.named_buffers(remove_duplicate=False)])
         self.weights = FusedWeights(self._params)
@@ -285,6 +286,20 @@ class FrontendModel:
                 return int(shape[1]), int(shape[3])
         raise ConfigError("the traced model writes no KV cache: route its attention through "
                           "the frontend (hf.use_nanosched)")
+
+
+def _check_attention(trace: Trace, model: torch.nn.Module) -> None:
+    """A model whose attention is not the frontend's (HF's own: `use_nanosched` not called)
+    writes no paged KV cache, and its mask tensors would meet the partition as a shape error:
+    say what is missing before that."""
+    if any(n.op == "call_function" and same_callable(n.target, ops.KV_APPEND)
+           for n in trace.gm.graph.nodes):
+        return
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    have = f" (its attention implementation is {impl!r})" if impl else ""
+    raise ConfigError(f"the traced model calls no frontend attention{have}: call "
+                      f"nanosched.frontend.hf.use_nanosched(model) before FrontendModel(model, "
+                      f"rules), or route its attention through nanosched.frontend.ops")
 
 
 def _flatten(x: Any) -> list[Any]:

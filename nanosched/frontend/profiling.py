@@ -22,7 +22,10 @@ code (implementation `torch`).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -202,7 +205,12 @@ class FrontendImpls:
 
 def load_frontend(target: str, device: str) -> Any:
     """`FILE.py:NAME` → `NAME(device)` from that file: the user's function that builds a
-    frontend model on `device` (what `nanosched profile --frontend` measures)."""
+    frontend model on `device` (what `nanosched profile --frontend` measures).
+
+    The user's code failing is no bug of nanosched: an exception (or `sys.exit`) while FILE
+    is imported or NAME runs is a `ConfigError` naming the flag, the exception and the line of
+    FILE it came from (exit 2), not a traceback with exit 1."""
+    import importlib.machinery
     import importlib.util
     from pathlib import Path
 
@@ -213,14 +221,45 @@ def load_frontend(target: str, device: str) -> Any:
         raise ConfigError(f"--frontend {target!r}: give FILE.py:FUNCTION")
     if not Path(path).is_file():
         raise ConfigError(f"--frontend {target!r}: no file {path}")
-    module_spec = importlib.util.spec_from_file_location(f"_frontend_{Path(path).stem}", path)
+    if Path(path).suffix != ".py":
+        raise ConfigError(f"--frontend {target!r}: {path} is not a Python file: give "
+                          f"FILE.py:FUNCTION")
+    loader = importlib.machinery.SourceFileLoader(f"_frontend_{Path(path).stem}", path)
+    module_spec = importlib.util.spec_from_loader(loader.name, loader)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    with user_code(target, path, f"importing {path}"):
+        loader.exec_module(module)
     build = getattr(module, name, None)
     if not callable(build):
         raise ConfigError(f"--frontend {target!r}: {path} has no function {name}")
-    fm = build(device)
+    with user_code(target, path, f"{name}(device)"):
+        fm = build(device)
     if not isinstance(fm, FrontendModel):
         raise ConfigError(f"--frontend {target!r}: {name}(device) returned a "
                           f"{type(fm).__name__}, not a nanosched.frontend.FrontendModel")
     return fm
+
+
+@contextlib.contextmanager
+def user_code(target: str, path: str, what: str) -> Iterator[None]:
+    """Run the user's code of `--frontend target`: its failure named as the user's (above).
+    A `ConfigError` raised by nanosched's own frontend (a rule that matches nothing, ...) is
+    said as it is; Ctrl-C stays Ctrl-C."""
+    import traceback
+
+    try:
+        yield
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except SystemExit as exc:
+        raise ConfigError(f"--frontend {target!r}: {what} called sys.exit({exc.code!r}); "
+                          f"the build function must return a FrontendModel") from None
+    except Exception as exc:
+        mine = os.path.realpath(path)
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if os.path.realpath(f.filename) == mine]
+        where = f" at {path}, line {frames[-1].lineno}" if frames else ""
+        text = " ".join(str(exc).split())[:300]
+        raise ConfigError(f"--frontend {target!r}: {what} raised {type(exc).__name__}: "
+                          f"{text}{where} (an error of the build function, not of nanosched)"
+                          ) from None

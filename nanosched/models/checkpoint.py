@@ -234,6 +234,7 @@ def load_checkpoint(model: CausalLM, folder: str | Path) -> None:
 
 
 INDEX = "model.safetensors.index.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")
@@ -273,6 +274,8 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
     if not files:
         raise ConfigError(f"checkpoint {folder}: no *.safetensors files")
     for f in files:
+        if f.is_dir():
+            raise ConfigError(f"checkpoint {f}: is a folder, not a safetensors file")
         check_regular(f, "checkpoint")
         check_safetensors_header(f)
     return files
@@ -368,8 +371,13 @@ def load_tokenizer(folder: Path) -> object:
     from transformers import AutoTokenizer
 
     for p in sorted(folder.iterdir()):  # transformers opens whatever it looks for
-        if not p.is_dir():
-            check_regular(p, "tokenizer file")
+        if p.suffix in WEIGHT_SUFFIXES or p.name == INDEX:
+            continue  # weights: checked as the checkpoint's (`checkpoint_files`), not read here
+        if p.is_dir():
+            if p.name in TOKENIZER_FILES or p.suffix in (".json", ".txt", ".model"):
+                raise ConfigError(f"tokenizer file {p}: is a folder, not a file")
+            continue
+        check_regular(p, "tokenizer file")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # transformers and tokenizers raise many types on a bad file
@@ -386,7 +394,7 @@ def model_tokenizer(model: str) -> object | None:
     from nanosched.models.tokenizers import has_shipped_tokenizer, shipped_tokenizer
 
     folder = model_folder(model)
-    if folder is not None and any((folder / f).is_file() for f in TOKENIZER_FILES):
+    if folder is not None and any((folder / f).exists() for f in TOKENIZER_FILES):
         return load_tokenizer(folder)
     if folder is None and has_shipped_tokenizer(model):
         try:

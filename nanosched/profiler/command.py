@@ -87,6 +87,16 @@ def resume_hint(cfg: ProfileConfig) -> str:
     return f"`nanosched {shlex.join(argv)} --resume`" if argv else "--resume"
 
 
+def check_workload_fits(spec: ModelSpec, workload: Workload) -> None:
+    """A workload whose mean prompt is longer than the model's positions would be profiled at
+    prefill contexts the model cannot hold (capped there), and the search would then refuse
+    the profile: refuse it here, before any measurement."""
+    if workload.input_len > spec.max_position_embeddings:
+        raise ConfigError(f"workload {workload.name}: prompts of {workload.input_len:g} tokens "
+                          f"do not fit {spec.name}'s {spec.max_position_embeddings} positions: "
+                          f"give --input-len (or --workload) that fits")
+
+
 def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profile:
     """Measure the profile `cfg` asks for and write it; returns it.
 
@@ -98,6 +108,7 @@ def profile_gpu(cfg: ProfileConfig, log: Callable[[str], None] = print) -> Profi
         raise ConfigError("--quantization fp8 times nanosched's FP8 layer GEMMs; a --frontend "
                           "model's ops run as its own code does: profile it without "
                           "--quantization")
+    check_workload_fits(spec, cfg.workload)
     if cfg.time_limit is not None and not cfg.time_limit > 0:
         raise ConfigError(f"--time-limit must be a positive number of seconds, got "
                           f"{cfg.time_limit:g}")

@@ -58,15 +58,21 @@ def _smi(index: int, query: str) -> list[str]:
     return [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
 
 
+def check_device(index: int) -> None:
+    """`--gpu index` names a CUDA device here (checked before a frontend model is built on it,
+    and by the backend)."""
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        from nanosched.errors import ConfigError
+
+        raise ConfigError(f"--gpu {index}: no such CUDA device (this process sees "
+                          f"{torch.cuda.device_count()})")
+
+
 class GPUBackend:
     def __init__(self, index: int, rep_ms: float = 10.0, registry: Any = None) -> None:
         """`registry`: the implementations measured (default profiler/impls.py's; a frontend
         model's, nanosched/frontend/profiling.py)."""
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            from nanosched.errors import ConfigError
-
-            raise ConfigError(f"--gpu {index}: no such CUDA device (this process sees "
-                              f"{torch.cuda.device_count()})")
+        check_device(index)
         self.index = index
         self.registry = registry or impls
         self.device = torch.device("cuda", index)

@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from nanosched.constants import MULTICAST_OFF
+from nanosched.constants import MULTICAST_OFF, SAFE_PATH
 from nanosched.errors import ProfileError
 from nanosched.kernels.impls import network_impl
 from nanosched.profiler.backend import NetworkPair, NetworkRequest, NetworkResult, PairTiming
@@ -37,6 +37,7 @@ def measure_network(settings: ProfileSettings, request: NetworkRequest, num_sms:
     import torch.multiprocessing as mp
 
     os.environ.update(MULTICAST_OFF)  # inherited by the spawned workers
+    os.environ.update(SAFE_PATH)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

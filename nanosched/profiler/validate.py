@@ -30,6 +30,9 @@ from nanosched.profiler.format import (
 MIN_TIME_US, MAX_TIME_US = 0.01, 1e8  # a kernel takes more than 10 ns and less than 100 s
 MAX_FORWARD_FACTOR = 10.0  # an op inside a layer runs within 1/10..10x its row's time
 MAX_CEILING = 1e6  # TFLOP/s or GB/s: a thousand times today's GPUs
+MIN_CEILING = 1e-3  # TFLOP/s or GB/s: a GFLOP/s or a MB/s, below any GPU
+MAX_ROW_TOKENS = 1 << 17  # tokens of one kernel row: 64 times the default dense batch cap
+MAX_CONTEXT = 1 << 21  # tokens of one request's context: past any model's positions (2M)
 
 
 def validate_profile(prof: Profile, where: str = "profile") -> None:
@@ -51,8 +54,18 @@ def validate_profile(prof: Profile, where: str = "profile") -> None:
     if not prof.kernels:
         raise ProfileError(f"{where}: kernel table is empty")
     ops = profile_ops(prof.model, prof.tp)
+    seen: dict[tuple, int] = {}
     for i, k in enumerate(prof.kernels):
         here = f"{where}: kernels[{i}] ({k.op}, {k.tokens} tokens)"
+        key = tuple(v for name, v in vars(k).items() if name != "time_us")
+        if key in seen:
+            raise ProfileError(f"{here}: a second row of the same kernel, shape and launch "
+                               f"as kernels[{seen[key]}] ({k.time_us:.3g} us against "
+                               f"{prof.kernels[seen[key]].time_us:.3g} us); keep one")
+        seen[key] = i
+        if k.tokens > MAX_ROW_TOKENS:
+            raise ProfileError(f"{here}: tokens {k.tokens} must be at most {MAX_ROW_TOKENS} "
+                               f"(rows of one iteration: past what any GPU's KV cache batches)")
         _check_op(k.op, ops, here, prof)
         if k.mechanism not in MECHANISMS:
             raise ProfileError(f"{here}: mechanism {k.mechanism!r} not in {MECHANISMS}")
@@ -61,9 +74,9 @@ def validate_profile(prof: Profile, where: str = "profile") -> None:
         _check_time(k.time_us, f"{here}: time_us")
         if not 0 < k.sms <= prof.identity.num_sms:
             raise ProfileError(f"{here}: sms {k.sms} not in 1..{prof.identity.num_sms}")
-        if not 0 < k.tokens <= MAX_TOKENS or not 0 <= k.context <= MAX_TOKENS * 64:
+        if not 0 < k.tokens <= MAX_TOKENS or not 0 <= k.context <= MAX_CONTEXT:
             raise ProfileError(f"{here}: tokens must be in 1..{MAX_TOKENS} and context in "
-                               f"0..{MAX_TOKENS * 64}")
+                               f"0..{MAX_CONTEXT}")
     for i, pr in enumerate(prof.pairs):
         here = f"{where}: pairs[{i}] ({pr.compute_op} x {pr.other_op})"
         times = (pr.compute_alone_us, pr.other_alone_us, pr.compute_us, pr.other_us)
@@ -78,7 +91,7 @@ def validate_profile(prof: Profile, where: str = "profile") -> None:
     for i, r in enumerate(prof.forward):
         here = f"{where}: forward[{i}] ({r.op}, {r.batch_tokens} tokens)"
         if not (r.row_us > 0 and r.time_us > 0 and 0 < r.tokens <= r.batch_tokens <= MAX_TOKENS
-                and 0 <= r.num_decode <= r.batch_tokens and 0 <= r.context <= MAX_TOKENS * 64
+                and 0 <= r.num_decode <= r.batch_tokens and 0 <= r.context <= MAX_CONTEXT
                 and r.settle_ms >= 0 and r.window_ms >= 0):
             raise ProfileError(f"{here}: times must be positive, tokens in 1..batch_tokens, "
                                f"num_decode in 0..batch_tokens, settle_ms and window_ms >= 0")
@@ -125,9 +138,9 @@ def _check_ceilings(c: Ceilings, where: str) -> None:
                            f"copy_gbs must be positive")
     for name in ("gemm_tflops_8192", "gemm_tflops_model", "copy_gbs", "allreduce_busbw_gbs"):
         value = getattr(c, name)
-        if value is not None and not 0 < value <= MAX_CEILING:
+        if value is not None and not MIN_CEILING <= value <= MAX_CEILING:
             raise ProfileError(f"{where}: ceilings: {name} is {value:.3g}; it must be in "
-                               f"(0, {MAX_CEILING:g}]")
+                               f"{MIN_CEILING:g}..{MAX_CEILING:g}")
     lat = c.allreduce_latency_us
     if lat is not None and not 0 <= lat <= MAX_TIME_US:
         raise ProfileError(f"{where}: ceilings: allreduce_latency_us is {lat:.3g}; it must be "

@@ -20,6 +20,8 @@ from nanosched.runtime.preempt import AdmissionConfig
 
 GRAPH_MODES = ("off", "on", "layout")  # what an Engine runs; the loader also takes "auto"
 
+DTYPES = ("auto", "bfloat16", "float16")  # --dtype, as vLLM names them
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -37,7 +39,8 @@ class EngineConfig:
     fits); `kv_dtype` the cache's element type ("auto": the model's; "fp8": e4m3 with scales);
     `quantization` the layer weights' ("auto": the checkpoint's; "fp8": e4m3 weights and
     activations, quantised as a plain checkpoint loads); `max_context` the longest request
-    (the longest known request, else the model's positions);
+    (the longest known request, else the model's positions; `--max-model-len`); `dtype` the
+    weights' (auto: `loader.model_dtype`; `--dtype`);
     `graphs` off, on (a CUDA graph per batch bucket), layout (bucket layout, run eagerly) or auto
     (on with a GPU); `eos_ids` (the checkpoint's); `async_loop` (on with a
     GPU); `time_forwards` times every forward (it synchronises); `gpu_timeline` records a CUDA
@@ -62,6 +65,7 @@ class EngineConfig:
     kv_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3 + scales; models/kvcache.py)
     quantization: str = "auto"  # auto (the checkpoint's) | none | fp8 (W8A8; models/quant.py)
     max_context: int | None = None
+    dtype: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU) | bfloat16 | float16
     graphs: str = "off"
     graph_align: int = 32  # decode rows of a graph bucket are a multiple of this
     seed: int = 0  # random weights and sampling
@@ -83,5 +87,12 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
         check_kv_dtype(self.kv_dtype)
         check_quantization(self.quantization, allow_auto=True)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ConfigError(f"--max-model-len must be at least 1, got {self.max_context}")
+        if self.dtype == "float16" and self.quantization == "fp8":
+            raise ConfigError("--dtype float16 with --quantization fp8: the FP8 GEMMs with row "
+                              "scales write bfloat16; use --dtype auto or bfloat16")
         if not 0 < self.mem_util <= 1:
             raise ConfigError(f"mem_util must be in (0, 1], got {self.mem_util}")

@@ -73,9 +73,24 @@ def resolve_device(name: str, rank: int | None = None) -> torch.device:
         torch.device(name)
 
 
-def model_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a GPU; fp32 on the CPU (the Triton interpreter reads bf16 wrongly there)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def model_dtype(device: torch.device, dtype: str = "auto") -> torch.dtype:
+    """`--dtype`: auto is bf16 on a GPU and fp32 on the CPU (the Triton interpreter reads bf16
+    wrongly there, so half precision is a GPU's only)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type != "cuda":
+        raise ConfigError(f"--dtype {dtype}: the CPU runs models in float32 (--dtype auto); "
+                          f"{dtype} needs a GPU")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def check_engine_flags(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> None:
+    """vLLM's `--dtype` and `--max-model-len` against the device and the model, before any
+    weights load or rank starts."""
+    model_dtype(device, cfg.dtype)
+    if cfg.max_context is not None and cfg.max_context > spec.max_position_embeddings:
+        raise ConfigError(f"--max-model-len {cfg.max_context} exceeds {spec.name}'s "
+                          f"{spec.max_position_embeddings} positions")
 
 
 def resolve_weights(model: str, weights: str | None) -> str:
@@ -95,7 +110,8 @@ def resolve_weights(model: str, weights: str | None) -> str:
 
 def load_model(spec: ModelSpec, weights: str, device: torch.device, seed: int = 0,
                tp: TensorParallel | None = None, kernels: KernelOptions | None = None,
-               copy_engine: bool = False, quantization: str = "auto") -> CausalLM:
+               copy_engine: bool = False, quantization: str = "auto",
+               dtype: str = "auto") -> CausalLM:
     """`spec`'s model on `device` (this rank's shards at tp > 1) in `model_dtype(device)`,
     with seeded random weights (`weights == "random"`) or the checkpoint folder's, its layer
     weights quantised as `quantization` resolves (models/quant.py). At tp > 1 with
@@ -105,8 +121,8 @@ def load_model(spec: ModelSpec, weights: str, device: torch.device, seed: int = 
     tp = tp or TensorParallel()
     if copy_engine or network_impl(kernels.network)[0] == "copy_engine":
         tp = tp.with_copy_engine(device)
-    model = CausalLM(spec, tp=tp, dtype=model_dtype(device), device=device, kernels=kernels,
-                     quantization=resolve_quantization(quantization, weights))
+    model = CausalLM(spec, tp=tp, dtype=model_dtype(device, dtype), device=device,
+                     kernels=kernels, quantization=resolve_quantization(quantization, weights))
     if weights == "random":
         init_random(model, seed)
     else:
@@ -261,6 +277,7 @@ def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
     spec = load_spec(cfg.model)
     spec.check_tp(cfg.tp)
     device = resolve_device(cfg.device, 0 if cfg.tp > 1 else None)
+    check_engine_flags(cfg, spec, device)
     resolve_graphs(cfg.graphs, device, GRAPH_MODES)  # a bad mode fails before the weights load
     choice = choose_strategy(cfg, spec, device)
     resolve_dense_batch(cfg.dense_batch, choice, device)
@@ -277,7 +294,8 @@ def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
     try:
         model = load_model(spec, weights, device, cfg.seed,
                            group.tp if group is not None else None, cfg.kernels,
-                           copy_engine=copy_engine, quantization=cfg.quantization)
+                           copy_engine=copy_engine, quantization=cfg.quantization,
+                           dtype=cfg.dtype)
         loaded = build_engine(model, cfg, choice, requests=requests, on_token=on_token,
                               ranks=group)
     except BaseException:

@@ -135,7 +135,14 @@ def jsonl_requests(path: str | Path, vocab_size: int, max_len: int, seed: int = 
     (booleans included) of the vocabulary, lengths that are not positive integers or exceed the
     model's context (checked before any token is drawn, so `prompt_len: 10**12` costs nothing).
     """
+    from nanosched.fileio import special_kind
+
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--workload {path}: is a folder, not a JSONL file")
+    kind = special_kind(p)
+    if kind is not None:
+        raise ConfigError(f"--workload {path}: is {kind}, not a regular file")
     if not p.is_file():
         raise ConfigError(f"--workload {path}: no such file (and not one of "
                           f"{', '.join(DATASETS)})")

@@ -211,6 +211,10 @@ class ScheduleSet:
         fmt = data.get("format")
         if fmt == SINGLE_FORMAT:
             return from_single(Schedule.from_json(data, where))
+        if isinstance(fmt, str) and fmt.startswith("nanosched.profile/"):  # profiler/format.py
+            raise ScheduleError(f"{where}: this is a profile ({fmt}), not a schedule: "
+                                f"`nanosched profile show` prints it, `nanosched search "
+                                f"--profile FILE` searches a schedule on it")
         if fmt != SET_FORMAT:
             raise ScheduleError(f"{where}: format is {fmt!r}, expected {SET_FORMAT!r} (or a "
                                 f"single {SINGLE_FORMAT!r} schedule); search it again with "
@@ -259,6 +263,10 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
         raise ScheduleError(f"{where}: dense_batch must be a positive multiple of {q}, got {b!r}")
     if not isinstance(s.tp, int) or s.tp < 1:
         raise ScheduleError(f"{where}: tp must be a positive integer, got {s.tp!r}")
+    if isinstance(s.min_gain, bool) or not isinstance(s.min_gain, (int, float)) or \
+            not 0 <= s.min_gain < math.inf:
+        raise ScheduleError(f"{where}: min_gain must be a finite number >= 0 (a gain over "
+                            f"Sequential; search writes 1.05), got {s.min_gain!r}")
     ctx = (s.search or {}).get("contexts") if isinstance(s.search, dict) else None
     if ctx is not None:
         fields = ("workload", "least", "kv_capacity_tokens")
@@ -354,8 +362,11 @@ def _entry_at(s: ScheduleSet, key: str | None) -> SetEntry:
         e = s._by_key.get((d, t))
         where = f"D={d}, T={t}"
         if e is None:
-            raise ScheduleError(f"the set has no entry at {where}; its keys are multiples of "
-                                f"{TOKEN_QUANTUM} with D <= T <= {s.dense_batch}")
+            have = sorted(s._by_key)
+            listed = " ".join(f"{d},{t}" for d, t in have[:20]) + \
+                (f" and {len(have) - 20} more" if len(have) > 20 else "")
+            raise ScheduleError(f"the set has no entry at {where}; its keys (D,T): "
+                                f"{listed or 'none'}")
     if e is None or e.schedule is None:
         keys = " ".join(f"{p.num_decode},{p.num_tokens}" for p in s.pipelines) or "none"
         raise ScheduleError(f"the set runs Sequential at {where} and kept no pipeline there; "

@@ -53,7 +53,8 @@ def summary_lines(s: Schedule) -> list[str]:
     lines += [f"layer period: {p.period_us:.1f} us replayed (solver {p.solver_period_us:.1f}),"
               f" sequential {p.sequential_period_us:.1f} us",
               f"iteration: {p.iteration_us / 1e3:.2f} ms vs sequential "
-              f"{p.sequential_iteration_us / 1e3:.2f} ms: predicted speedup {p.speedup:.2f}x",
+              f"{p.sequential_iteration_us / 1e3:.2f} ms: predicted speedup {p.speedup:.2f}x "
+              f"(this pipeline over Sequential)",
               f"throughput: {p.tokens_per_s:.0f} tokens/s/GPU = "
               f"{100 * p.tokens_per_s / p.optimal_tokens_per_s:.1f}% of optimal "
               f"({p.optimal_tokens_per_s:.0f})"]
@@ -137,13 +138,16 @@ def set_summary_lines(s: ScheduleSet) -> list[str]:
                      f"too small, {x.get('failed', 0)} failed"
                      + (f", {x['unsearched']} not searched (the time limit ran out)"
                         if x.get("unsearched") else "")
-                     + f"; {x.get('wall_s', 0):.0f} s of {x.get('time_limit_s', 0):g} s")
+                     + (f"; solver work {x.get('time_limit_s', 0):g} (CP-SAT deterministic "
+                        f"time), took {x.get('wall_s', 0):.0f} s" if x.get("deterministic") else
+                        f"; {x.get('wall_s', 0):.0f} s of {x.get('time_limit_s', 0):g} s"))
     full = s.full
     if full is not None:
         proof = proof_text(full, s.min_gain)
         lines.append(f"steady state (D={full.num_decode}, T={full.num_tokens}): {full.kind}, "
                      f"predicted {full.forward_us / 1e3:.2f} ms vs sequential "
-                     f"{full.sequential_us / 1e3:.2f} ms ({full.speedup:.2f}x)"
+                     f"{full.sequential_us / 1e3:.2f} ms ({full.speedup:.2f}x: what the set "
+                     f"runs there{', Sequential' if full.kind == 'sequential' else ''})"
                      + (f"; NO GAIN {proof}" if proof else ""))
     lines += proof_lines(s)
     if not pipes:

@@ -60,6 +60,8 @@ def validate(s: Schedule, where: str = "schedule") -> None:
 def validate_structure(s: Schedule, where: str = "schedule") -> None:
     """Everything `validate` checks except the timing-based GPU capacity."""
     _check_batch(s, where)
+    _check_model(s, where)
+    _check_streams(s, where)
     _check_prediction(s, where)
     _check_ranges(s, where)
     _check_nano_ops(s, where)
@@ -88,6 +90,38 @@ def _check_batch(s: Schedule, where: str) -> None:
     bad_forms = {g: f for g, f in s.forms.items() if f not in FORMS}
     if bad_forms:
         raise _fail(where, "forms", f"{bad_forms} must each be one of {FORMS}")
+
+
+POSITIVE_MODEL_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                         "intermediate_size", "vocab_size")
+
+
+def _check_model(s: Schedule, where: str) -> None:
+    """The model's shape: positive sizes, and as many layers as its parameter count holds (a
+    hand-edited num_layers of 80 on a 2-layer model is refused, not replayed)."""
+    m = s.model
+    for name in POSITIVE_MODEL_FIELDS:
+        v = m.get(name)
+        if name in m and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise _fail(where, f"model.{name}", f"must be a positive integer, got {v!r}")
+    params = m.get("params")
+    if isinstance(params, int) and not isinstance(params, bool) and params > 0 and \
+            all(isinstance(m.get(k), int) for k in POSITIVE_MODEL_FIELDS):
+        h, d = m["hidden_size"], m["head_dim"]
+        least = h * d * 2 * (m["num_heads"] + m["num_kv_heads"]) + 2 * h * m["intermediate_size"]
+        if m["num_layers"] * least > params:
+            raise _fail(where, "model.num_layers", f"{m['num_layers']} layers of at least "
+                        f"{least:,} parameters each exceed the model's {params:,} (model.params)")
+
+
+def _check_streams(s: Schedule, where: str) -> None:
+    """Each stream runs its nano-ops on at least one unit (SMs or CTAs), each unit count
+    positive."""
+    for i, st in enumerate(s.streams):
+        if not st.units or any(isinstance(u, bool) or not isinstance(u, int) or u < 1
+                               for u in st.units):
+            raise _fail(where, f"streams[{i}].units", f"must be a non-empty list of positive "
+                        f"SM or CTA counts, got {list(st.units)}")
 
 
 def _check_prediction(s: Schedule, where: str) -> None:

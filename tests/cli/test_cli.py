@@ -94,3 +94,53 @@ def test_the_readme_quick_start_runs_the_tiny_model():
         r = CliRunner().invoke(app, shlex.split(command)[1:])
         assert r.exit_code == 0, (command, r.output)
     assert "Total token throughput (tok/s)" in r.output  # the bench's table
+
+
+def test_the_readme_cpu_bench_is_warmed_up_and_says_so():
+    """Issue 45: the README's CPU bench showed 12 tokens/s and 2.3-2.8 s TTFT for a 15M model,
+    the first requests' costs: on the CPU a small model now gets 8 untimed warm-up requests
+    by default, and the header says whether a run was warmed up."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    command = next(line.strip() for line in readme.splitlines()
+                   if line.startswith("nanosched bench --model stories15m"))
+    r = CliRunner().invoke(app, shlex.split(command)[1:])
+    assert r.exit_code == 0, r.output
+    assert "; 8 untimed warm-up requests before each run" in r.output
+    r = CliRunner().invoke(app, [*shlex.split(command)[1:], "--warmup-prompts", "0"])
+    assert r.exit_code == 0 and "no warm-up (--warmup-prompts 0)" in r.output, r.output
+
+
+COMMANDS = [["models"], ["analyze"], ["generate"], ["bench"], ["search"], ["verify"], ["show"],
+            ["serve"], ["profile"], ["profile", "show"], ["profile", "forward"],
+            ["profile", "rederive"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) for c in COMMANDS])
+def test_help_has_no_hard_breaks_and_no_type_on_flags(command):
+    """Issue 45: a docstring's hard line breaks showed as breaks in mid-sentence in the boxes
+    (rich keeps them), and every flag was tagged `<bool>` though it takes no value."""
+    import typer
+
+    group = typer.main.get_command(app)
+    cmd = group
+    for name in command:
+        cmd = cmd.commands[name]
+    for para in (cmd.help or "").split("\n\n"):
+        assert all(ln.startswith("- ") for ln in para.splitlines()[1:]), (command, para)
+    r = CliRunner().invoke(app, [*command, "--help"], terminal_width=80)
+    assert r.exit_code == 0, r.output
+    assert "<bool>" not in r.output and "--help" in r.output
+
+
+def test_the_top_level_help_starts_where_the_readme_does():
+    readme = (ROOT / "README.md").read_text()
+    assert "nanosched search --model llama3-70b --buckets dense" in readme
+    r = CliRunner().invoke(app, ["--help"], terminal_width=250)
+    text = " ".join(r.output.replace("│", " ").split())
+    assert "Start where the README does: `nanosched search --model llama3-70b --buckets " \
+        "dense`" in text
+    r = CliRunner().invoke(app, ["bench", "--help"], terminal_width=250)
+    text = " ".join(r.output.replace("│", " ").split())
+    assert "Run Sequential, the strategy, then Sequential again on the same requests" in text

@@ -140,3 +140,107 @@ def test_the_gantt_of_a_pipeline_the_set_does_not_run_says_so(tmp_path, monkeypa
                             str(tmp_path / "g2.png")])
     assert r.exit_code == 0, r.output
     assert not titles[0].startswith("NOT RUN")
+
+
+def test_profile_commands_take_the_shipped_names_search_takes(tmp_path, monkeypatch):
+    """Issue 45: `profile show NAME` (and rederive) accept what `search --profile NAME` does;
+    a name that is neither is refused with the shipped names listed."""
+    from nanosched.autosearch.request import shipped_profiles
+
+    name = SHIPPED_PROFILE.name.removesuffix(".json")
+    assert name in shipped_profiles()
+    r = RUNNER.invoke(app, ["profile", "show", name])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("llama3-70b tp 2 on NVIDIA H200")
+    monkeypatch.chdir(tmp_path)
+    r = RUNNER.invoke(app, ["profile", "rederive", name])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / f"{name}.rederived.json").is_file()
+    refused(["profile", "show", "no-such-profile"], "no-such-profile",
+            "neither a file nor a shipped profile", name)
+
+
+def test_a_profile_whose_workload_the_model_cannot_hold_is_refused_first(tmp_path):
+    """Issue 45: stories15m holds 256 positions; the default 1024 / 512 workload is refused
+    before any measurement (the search would refuse the profile later), one that fits is
+    profiled and searched."""
+    out = tmp_path / "s15.json"
+    refused(["profile", "--model", "stories15m", "--fake-gpu", "--quick", "--out", str(out)],
+            "prompts of 1024 tokens", "stories15m's 256 positions", "--input-len")
+    assert not out.exists() and not list(tmp_path.iterdir())
+    fits = ["--input-len", "128", "--output-len", "64"]
+    r = RUNNER.invoke(app, ["profile", "--model", "stories15m", "--fake-gpu", "--quick",
+                            "--no-progress", "--out", str(out), *fits])
+    assert r.exit_code == 0 and out.is_file(), r.output
+    r = RUNNER.invoke(app, ["search", "--profile", str(out), "--buckets", "dense",
+                            "--time-limit", "2", "--out", str(tmp_path / "set.json"), *fits])
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.slow
+def test_vllm_engine_flags_are_accepted_under_vllms_names():
+    """Issue 45: `--tensor-parallel-size` / `-tp`, `--max-model-len` and `--dtype` as vLLM
+    spells them: `-tp 2` serves the tokens `--tp 1` does, a request longer than
+    `--max-model-len` is refused, `--dtype auto` is the default's."""
+    import json
+
+    base = ["generate", "--model", "stories15m", "--prompt-ids", "5,6,7", "--max-tokens", "6",
+            "--json"]
+    outs = []
+    for flags in (["--tp", "1"], ["-tp", "2", "--dtype", "auto"],
+                  ["--tensor-parallel-size", "1", "--max-model-len", "16"]):
+        r = RUNNER.invoke(app, [*base, *flags])
+        assert r.exit_code == 0, r.output
+        outs.append(json.loads(r.stdout.splitlines()[-1])["output_ids"])
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 6
+    refused([*base, "--max-model-len", "8"], "exceeds the model's context of 8 tokens")
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--max-model-len", "300"], ["--max-model-len 300", "stories15m's 256 positions"]),
+    (["--max-model-len", "0"], ["--max-model-len must be at least 1"]),
+    (["--dtype", "half"], ["--dtype must be one of auto, bfloat16, float16"]),
+    (["--dtype", "float16", "--device", "cpu"], ["--dtype float16", "needs a GPU"]),
+], ids=["len-past-positions", "len-zero", "dtype-unknown", "dtype-half-on-cpu"])
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_vllm_engine_flags_out_of_range_are_refused(command, flags, needles):
+    args = {"generate": ["generate", "--model", "stories15m", "--prompt-ids", "1"],
+            "bench": ["bench", "--model", "stories15m", "--input-len", "4", "--output-len", "2",
+                      "--num-prompts", "2"],
+            "serve": ["serve", "--model", "stories15m", "--port", "0"]}[command]
+    refused([*args, *flags], *needles)
+
+
+def test_dtype_names_the_torch_dtype_on_a_gpu():
+    import torch
+
+    from nanosched.runtime.loader import model_dtype
+
+    cuda = torch.device("cuda", 0)
+    assert model_dtype(cuda, "float16") == torch.float16
+    assert model_dtype(cuda, "bfloat16") == model_dtype(cuda) == torch.bfloat16
+    assert model_dtype(torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_bench_stopped_by_a_signal_says_so_and_exits_130(tmp_path, sig):
+    """Issue 45: `bench` stopped by Ctrl-C or SIGTERM printed nothing."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "b.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanosched.cli", "bench", "--model", "stories15m", "--device",
+         "cpu", "--input-len", "32", "--output-len", "200", "--num-prompts", "2000", "--json",
+         str(out)], cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)  # past the model's load: serving the requests
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(getattr(signal, sig))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert f"bench interrupted: no results reported ({out} untouched)" in stderr, stderr
+    assert "Traceback" not in stderr and not out.exists()

@@ -137,6 +137,21 @@ def _fifo_tokenizer(folder: Path) -> None:
     os.mkfifo(folder / "tokenizer_config.json")
 
 
+def _devzero_weights(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to("/dev/zero")
+
+
+def _folder_weights(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").mkdir()
+
+
+def _folder_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").unlink(missing_ok=True)
+    (folder / "tokenizer.json").mkdir()
+
+
 def _huge_header_int(folder: Path) -> None:
     header = b'{"a": {"dtype": "F32", "shape": [1%s], "data_offsets": [0, 4]}}' % (b"0" * 5000)
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
@@ -146,6 +161,12 @@ NORM = "model.layers.0.input_layernorm.weight"
 DAMAGE = [
     ("weights-fifo", _fifo_weights, "model.safetensors", "FIFO"),
     ("tokenizer-fifo", _fifo_tokenizer, "tokenizer_config.json", "FIFO"),
+    # issue 45: weights were named a "tokenizer file", a folder of weights exited 1, a folder
+    # tokenizer.json said "Couldn't instantiate the backend tokenizer from one of: "
+    ("weights-devzero", _devzero_weights, "checkpoint", "model.safetensors: is a character"),
+    ("weights-fifo-named", _fifo_weights, "checkpoint", "model.safetensors: is a FIFO"),
+    ("weights-folder", _folder_weights, "checkpoint", "is a folder, not a safetensors file"),
+    ("tokenizer-folder", _folder_tokenizer, "tokenizer file", "tokenizer.json: is a folder"),
     ("header-huge-int", _huge_header_int, "model.safetensors", "JSON"),
     ("int64-weight", lambda f: _retype(f, NORM, lambda t: t.to(__import__("torch").int64)),
      NORM, "holds I64"),
@@ -172,3 +193,45 @@ def test_the_undamaged_checkpoint_generates(checkpoint):
     r = RUNNER.invoke(app, ["generate", "--model", str(checkpoint), "--prompt-ids", "1,2",
                             "--max-tokens", "2"])
     assert r.exit_code == 0, r.output
+
+
+SET_COMMANDS = [
+    ["show", "{}"],
+    ["bench", "--model", CONFIG, "--device", "cpu", "--input-len", "8", "--output-len", "2",
+     "--num-prompts", "1", "--schedule", "{}"],
+    ["serve", "--model", CONFIG, "--device", "cpu", "--port", "PORT", "--schedule", "{}"],
+    ["verify", "{}", "--device", "cpu", "--out", "OUT"],
+]
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf")], ids=["-1", "nan", "inf"])
+@pytest.mark.parametrize("args", SET_COMMANDS, ids=["show", "bench", "serve", "verify"])
+def test_a_set_with_an_impossible_min_gain_is_refused(empty_set, tmp_path, args, value):
+    """Issue 45: a set's min_gain of -1 was taken (show, bench, serve, verify)."""
+    data = json.loads(empty_set.read_text())
+    data["entries"] = from_single(load_schedule(DATA / "tiny_llama_schedule.json")) \
+        .to_json()["entries"]
+    path = write(tmp_path / "gain.set.json", data | {"min_gain": value})
+    args = [a.replace("{}", str(path)).replace("PORT", str(free_port()))
+            .replace("OUT", str(tmp_path / "v.json")) for a in args]
+    refused(args, str(path), "min_gain", "must be a finite number")
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d["streams"][0].update(units=[]), "streams[0].units"),
+    (lambda d: d["streams"][0].update(units=[-40]), "streams[0].units"),
+    (lambda d: d["model"].update(num_layers=0), "model.num_layers"),
+    (lambda d: d["model"].update(num_layers=80), "model.num_layers"),
+], ids=["units-empty", "units-negative", "layers-0", "layers-80"])
+@pytest.mark.parametrize("command", ["show", "bench-force"])
+def test_schedule_values_no_model_or_gpu_has_are_refused(tmp_path, mutate, field, command):
+    """Issue 45: these were accepted with exit 0 (`show`, `bench --force`)."""
+    from hostile import mutated
+
+    base = json.loads((DATA / "tiny_llama_schedule.json").read_text())
+    assert base["model"]["num_layers"] == 2
+    path = write(tmp_path / "bad.json", mutated(base, mutate))
+    args = ["show", str(path)] if command == "show" else \
+        ["bench", "--model", CONFIG, "--device", "cpu", "--input-len", "8", "--output-len", "2",
+         "--num-prompts", "1", "--force", "--schedule", str(path)]
+    refused(args, str(path), field)

@@ -207,3 +207,16 @@ def test_weights_flag_checks_the_folder_too(checkpoint, tmp_path):
     refused(["bench", "--model", str(folder / "config.json"), "--weights", str(folder),
              "--device", "cpu", "--input-len", "4", "--output-len", "1", "--num-prompts", "1"],
             str(folder), "truncated")
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda p: p.mkdir(), "is a folder, not a JSONL file"),
+    (lambda p: __import__("os").mkfifo(p), "is a FIFO (named pipe), not a regular file"),
+    (lambda p: p.symlink_to("/dev/null"), "is a character device, not a regular file"),
+], ids=["folder", "fifo", "device"])
+def test_bench_names_a_workload_that_exists_but_is_no_file(tmp_path, make, why):
+    """Issue 45: these said "no such file" though the path exists (and a FIFO is not read)."""
+    path = tmp_path / "w.jsonl"
+    make(path)
+    refused(["bench", "--model", str(DATA / "tiny_llama_config.json"), "--device", "cpu",
+             "--workload", str(path), "--num-prompts", "1"], str(path), why)

@@ -89,3 +89,29 @@ def test_the_base_profile_is_accepted(tmp_path):
     path = write(tmp_path / "good.json", BASE)
     r = RUNNER.invoke(app, ["profile", "show", str(path)])
     assert r.exit_code == 0, r.output
+
+
+def _dup_rows(d, factor):
+    d["kernels"] = d["kernels"] + [dict(k, time_us=k["time_us"] * factor) for k in d["kernels"]]
+
+
+PROFILE_MUTATIONS = [  # issue 45: each was accepted with exit 0
+    ("rows-duplicated-100x", lambda d: _dup_rows(d, 100.0), "a second row of the same kernel"),
+    ("ceiling-1e-300", lambda d: d["ceilings"].update(copy_gbs=1e-300), "copy_gbs"),
+    ("row-1048576-tokens", lambda d: _k(d).update(tokens=1 << 20), "at most 131072"),
+    ("context-67108864", lambda d: _k(d).update(context=1 << 26), "context in 0..2097152"),
+]
+
+
+@pytest.mark.parametrize("mutate, field", [c[1:] for c in PROFILE_MUTATIONS],
+                         ids=[c[0] for c in PROFILE_MUTATIONS])
+@pytest.mark.parametrize("command", ["profile show", "profile rederive", "search"])
+def test_profiles_no_gpu_could_measure_are_refused(tmp_path, mutate, field, command):
+    path = write(tmp_path / "bad.json", mutated(BASE, mutate))
+    args = {"profile show": ["profile", "show", str(path)],
+            "profile rederive": ["profile", "rederive", str(path), "--out",
+                                 str(tmp_path / "out.json")],
+            "search": ["search", "--profile", str(path), "--buckets", "dense", "--time-limit",
+                       "1", "--out", str(tmp_path / "set.json")]}[command]
+    refused(args, str(path), field)
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "set.json").exists()

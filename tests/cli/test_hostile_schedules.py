@@ -131,3 +131,56 @@ def test_bench_refuses_malformed_schedule_before_loading(tmp_path, mutate, field
     refused(["bench", "--model", str(DATA / "tiny_llama_config.json"), "--device", "cpu",
              "--input-len", "8", "--output-len", "2", "--num-prompts", "1",
              "--schedule", str(path)], str(path), field)
+
+
+def test_a_profile_given_to_show_is_named_a_profile(tmp_path):
+    """Issue 45: not "search again to write the current format": it is no schedule at all."""
+    from repo import PROFILES
+
+    profile = sorted(PROFILES.glob("*.json"))[0]
+    refused(["show", str(profile)], "this is a profile (nanosched.profile/1), not a schedule",
+            "nanosched profile show")
+
+
+def test_a_key_the_set_lacks_lists_the_keys_it_has(tmp_path):
+    """Issue 45: a `--buckets dense` set holds only the steady state's key; `--key` elsewhere
+    lists that key instead of a rule the asked key seems to fit."""
+    from repo import ROOT
+
+    shipped = ROOT / "nanosched" / "schedules" / "shipped" / \
+        "llama3-8b-tp1-h100-in1024-out512-b1024.set.json"
+    data = json.loads(shipped.read_text())
+    steady = data["search"]["steady_key"]
+    data["entries"] = [e for e in data["entries"]
+                       if [e["num_decode"], e["num_tokens"]] == steady]
+    dense = write(tmp_path / "dense.set.json", data)
+    refused(["show", str(dense), "--key", "128,256"], "no entry at D=128, T=256",
+            "its keys (D,T): 384,1024")
+    many = refused(["show", str(shipped), "--key", "1024,128"], "its keys (D,T): 0,128 0,256")
+    assert "and 24 more" in many
+
+
+@pytest.mark.parametrize("command", [["show"], ["bench", "--model",
+                                                str(DATA / "tiny_llama_config.json"),
+                                                "--device", "cpu", "--schedule"]])
+def test_a_key_given_twice_is_refused_not_taken_last(tmp_path, command):
+    """Issue 45: JSON keeps the last of a repeated key silently; the file is refused instead,
+    naming the key (a schedule and a profile alike: fileio.read_json)."""
+    text = json.dumps(BASE)
+    assert text.count('"tp": 1,') == 1
+    path = tmp_path / "dup.json"
+    path.write_text(text.replace('"tp": 1,', '"tp": 1, "tp": 2,'))
+    args = [*command, str(path)] if command == ["show"] else \
+        [*command, str(path), "--input-len", "4", "--output-len", "2", "--num-prompts", "1"]
+    refused(args, "dup.json", "key 'tp' appears twice")
+
+
+def test_a_profile_key_given_twice_is_refused(tmp_path):
+    from repo import PROFILES
+
+    text = (PROFILES / "llama3-8b-tp1-h100.json").read_text()
+    path = tmp_path / "dup-profile.json"
+    path.write_text(text.replace('"format":', '"tp": 9, "format":', 1))
+    data = json.loads(path.read_text())
+    assert "tp" in data
+    refused(["profile", "show", str(path)], "dup-profile.json", "appears twice")

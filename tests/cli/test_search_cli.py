@@ -191,3 +191,25 @@ def test_a_signal_stops_the_whole_search_and_writes_nothing(tmp_path):
         assert time.monotonic() - start < 30  # the whole search stopped, not one solve
         assert "search interrupted: no schedule written" in rest
         assert out.read_text() == "earlier"
+
+
+def test_the_search_ends_with_what_it_searched_its_verdict_and_what_to_run_next(tmp_path):
+    """Issue 45: the verdict is bounded by CP-SAT's deterministic time, so the same command
+    prints the same verdict on a busy or an idle machine; the last three lines say what was
+    searched (and how long it took), the verdict, and what to run next."""
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"s{i}.json"
+        r = run("search", *SMALL, "--out", str(out))
+        assert r.exit_code == 0, r.output
+        tail = r.output.rstrip("\n").splitlines()[-3:]
+        assert tail[0].startswith("searched: llama3-8b at tp 1 on NVIDIA H100")
+        assert "solver work 2 (deterministic), took" in tail[0]
+        assert tail[1].startswith(("verdict: NO GAIN", "verdict: PIPELINED"))
+        assert tail[2].startswith("next: ") and str(out) in tail[2]
+        assert "(this pipeline over Sequential)" in r.output
+        entries = json.loads(out.read_text())["entries"]  # all but the stages' wall times
+        outs.append((tail[1], [(e["kind"], e["reason"], e["forward_us"], e.get("proof"),
+                                e["schedule"] and e["schedule"]["nano_ops"]) for e in entries]))
+    assert outs[0] == outs[1]
+    assert json.loads(out.read_text())["search"]["deterministic"] is True

@@ -67,7 +67,7 @@ def run_worker(rank: int, size: int, port: int, handle: ChannelHandle,
                             rank=rank, world_size=size, device_id=device if cuda else None)
     model = load_model(load_spec(setup.model), setup.weights, device, setup.seed,
                        TensorParallel(rank, size), setup.kernels, copy_engine=setup.copy_engine,
-                       quantization=setup.quantization)
+                       quantization=setup.quantization, dtype=setup.dtype)
     with torch.inference_mode():
         Follower(model, reader, setup.parent_pid).run()
     reader.close()

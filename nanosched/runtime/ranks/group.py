@@ -1,7 +1,9 @@
 """A tensor-parallel group the tool starts itself: rank 0 in this process, ranks 1..N-1 spawned.
 
 `start_ranks(cfg, weights, device)` forces NVLink multicast off in this process's environment
-(which the workers inherit: NCCL, PyTorch symmetric memory and NVSHMEM read it), spawns one
+(which the workers inherit: NCCL, PyTorch symmetric memory and NVSHMEM read it) and sets
+PYTHONSAFEPATH there (`constants.SAFE_PATH`: a spawned worker and multiprocessing's resource
+tracker boot as `python -c`, which would import the current folder's modules), spawns one
 worker per other GPU (runtime/ranks/follower.py: it loads its shards of the model, then follows
 rank 0's messages), joins the process group with them (NCCL on CUDA, gloo on the CPU) and
 returns the `RankGroup`. Rank 0 owns the scheduler; each engine it builds at tp > 1 sends its
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanosched.constants import MULTICAST_OFF
+from nanosched.constants import MULTICAST_OFF, SAFE_PATH
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import bind_device
 from nanosched.models.parallel import TensorParallel, free_port
@@ -167,11 +169,12 @@ def start_ranks(cfg: EngineConfig, weights: str, device: torch.device,
         raise ConfigError(f"--tp {size} needs {size} GPUs (one process each); "
                           f"{torch.cuda.device_count()} are visible")
     os.environ.update(MULTICAST_OFF)  # forced, not defaulted; the workers inherit it
+    os.environ.update(SAFE_PATH)  # no module of the current folder in any spawned process
     ctx = mp.get_context("spawn")
     writer = ChannelWriter(size - 1)
     port = free_port()
     setup = WorkerSetup(cfg.model, weights, cfg.seed, cfg.kernels, device.type, os.getpid(),
-                        copy_engine, cfg.quantization)
+                        copy_engine, cfg.quantization, cfg.dtype)
     procs = []
     for rank in range(1, size):
         p = ctx.Process(target=run_worker, args=(rank, size, port, writer.handle, setup),

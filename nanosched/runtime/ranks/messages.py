@@ -35,6 +35,7 @@ class WorkerSetup:
     parent_pid: int  # rank 0's process: the worker ends when it is gone
     copy_engine: bool = False  # map the copy-engine all-reduce's buffers (as rank 0 does)
     quantization: str = "auto"  # the layer weights' (models/quant.py), resolved as rank 0 does
+    dtype: str = "auto"  # --dtype (runtime/loader.py model_dtype)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,13 @@ failed accept() is logged). `guarded(base, limits)` subclasses uvicorn's HTTP pr
   closed without one) and its connection is closed. An app waiting for the body sees the
   client leave (`http.disconnect`), as for a client that hung up;
 - at most `max_connections` connections are open; one more is answered 503 at once and
-  closed, before it is read. The default is below the descriptor limit (RLIMIT_NOFILE), with
-  room left for the model's files and the process's own.
+  closed, before it is read. The cap (the default, or `--max-connections`) is held below the
+  descriptors the process has left under RLIMIT_NOFILE once the model is loaded, with room for
+  the model's files, the process's own, and the sockets asyncio accepts in one wake-up before
+  any is answered (at most `ACCEPT_BURST`: uvicorn's `backlog`, the kernel's queue set
+  longer), so that the 503 itself has a descriptor. Should accept() still run out of them (other
+  files opened meanwhile), asyncio pauses accepting for a second at a time; that is logged once,
+  as a warning saying what to change, not as a traceback per attempt (`accept_errors`).
 An idle keep-alive connection is closed by the header timeout (10 s by default), and uvicorn's
 own idle close (5 s by default) is set past it (`keep_alive_s`): httpx, and so the `openai`
 client, reuse a pooled connection idle for up to `CLIENT_KEEPALIVE_S`, and a server that closes
@@ -33,23 +38,57 @@ from typing import Any
 
 log = logging.getLogger("nanosched.serve")
 LOG_EVERY_S = 10.0
-RESERVED_FDS = 64  # descriptors kept for the model's files, logs, pipes and the listener
+ACCEPT_BURST = 32  # sockets asyncio accepts per wake-up (uvicorn's `backlog`)
+KERNEL_BACKLOG = 2048  # the listener's queue in the kernel (uvicorn's default backlog)
+# descriptors kept for the model's files, logs, pipes, the listener and two accept bursts
+RESERVED_FDS = 64 + 2 * ACCEPT_BURST
+OUT_OF_FDS = "socket.accept() out of system resource"  # asyncio's message for EMFILE & co.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0  # an 8 MiB body at 140 KB/s
 CLIENT_KEEPALIVE_S = 5.0  # httpx's default keepalive_expiry (the openai client's too)
 
 
-def default_max_connections(cap: int = 1024) -> int:
-    """`cap`, or fewer when the descriptor limit leaves less than that after RESERVED_FDS."""
+def default_max_connections(cap: int = 1024, in_use: int = 0) -> int:
+    """`cap`, or fewer when the descriptor limit leaves less than that after the `in_use`
+    descriptors and RESERVED_FDS."""
+    soft = descriptor_limit()
+    if soft is None:
+        return cap
+    return max(1, min(cap, soft - in_use - RESERVED_FDS))
+
+
+def descriptor_limit() -> int | None:
+    """The soft RLIMIT_NOFILE, None where there is none."""
     try:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, OSError, ValueError):
-        return cap
+        return None
     if soft == getattr(resource, "RLIM_INFINITY", -1) or soft <= 0:
-        return cap
-    return max(1, min(cap, soft - RESERVED_FDS))
+        return None
+    return soft
+
+
+def open_descriptors() -> int:
+    """How many descriptors this process holds now (0 where /proc does not say)."""
+    import os
+
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def bounded_cap(asked: int | None) -> int:
+    """The connection cap: `--max-connections` (default 1024) held below what the descriptors
+    left now allow (module docstring); a cap lowered from the one asked is said once."""
+    cap = default_max_connections(asked or 1024, open_descriptors())
+    if asked is not None and cap < asked:
+        log.warning("--max-connections %d: the descriptor limit (ulimit -n %d) leaves room for "
+                    "%d open connections; serving at most %d at once (raise ulimit -n for more)",
+                    asked, descriptor_limit(), cap, cap)
+    return cap
 
 
 @dataclass
@@ -60,6 +99,7 @@ class ConnectionLimits:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = field(default_factory=default_max_connections)
     closed: dict[str, int] = field(default_factory=dict)
+    open: int = 0  # connections open now
     _logged: float = 0.0
 
     def count(self, why: str) -> None:
@@ -71,6 +111,30 @@ class ConnectionLimits:
                         "%g s, body timeout %g s)",
                         ", ".join(f"{n} {w}" for w, n in sorted(self.closed.items())),
                         self.max_connections, self.header_timeout_s, self.body_timeout_s)
+
+
+def accept_errors(limits: ConnectionLimits) -> Any:
+    """An asyncio exception handler: accept() out of descriptors is counted and logged once,
+    without its traceback (asyncio retries a second later by itself); anything else goes to the
+    loop's default handler."""
+    said = False
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        nonlocal said
+        if not str(context.get("message", "")).startswith(OUT_OF_FDS):
+            loop.default_exception_handler(context)
+            return
+        limits.closed["accept() out of descriptors"] = \
+            limits.closed.get("accept() out of descriptors", 0) + 1
+        if not said:
+            said = True
+            exc = context.get("exception")
+            log.warning("out of file descriptors (%s; ulimit -n %s, %d connections open): new "
+                        "connections wait until some close; lower --max-connections or raise "
+                        "ulimit -n (logged once)", exc.strerror if isinstance(exc, OSError)
+                        else exc, descriptor_limit(), limits.open)
+
+    return handle
 
 
 def keep_alive_s(limits: ConnectionLimits) -> int:
@@ -104,6 +168,7 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            limits.open = len(self.connections)
             if len(self.connections) > limits.max_connections:
                 limits.count("over the connection limit")
                 transport.write(BUSY)
@@ -124,6 +189,7 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
+            limits.open = len(self.connections)
 
         def _track(self) -> None:
             """Arm the timer for what the connection waits for now: a request's headers (a

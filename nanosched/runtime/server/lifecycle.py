@@ -31,8 +31,11 @@ from typing import Any
 from nanosched.errors import ConfigError
 from nanosched.runtime.server.app import create_app
 from nanosched.runtime.server.connections import (
+    ACCEPT_BURST,
+    KERNEL_BACKLOG,
     ConnectionLimits,
-    default_max_connections,
+    accept_errors,
+    bounded_cap,
     guarded,
     keep_alive_s,
 )
@@ -85,7 +88,15 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server_class(cfg: ServeConfig, worker: EngineWorker) -> type:
+def listen_url(sock: socket.socket) -> str:
+    """The URL a client reaches the listening `sock` at (an unspecified address as loopback)."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _server_class(cfg: ServeConfig, worker: EngineWorker, limits: ConnectionLimits) -> type:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -94,7 +105,17 @@ def _server_class(cfg: ServeConfig, worker: EngineWorker) -> type:
 
         async def serve(self, sockets: Any = None) -> None:
             self._loop = asyncio.get_running_loop()
+            self._loop.set_exception_handler(accept_errors(limits))
             await super().serve(sockets)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            for sock in sockets or ():  # asyncio accepts ACCEPT_BURST per wake-up; the kernel
+                sock.listen(KERNEL_BACKLOG)  # queues more (connections.py)
+                if not self.should_exit:
+                    url = listen_url(sock)
+                    log.info("listening on %s (OpenAI API: %s/v1; Ctrl-C drains and stops)",
+                             url, url)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -113,7 +134,8 @@ def _server_class(cfg: ServeConfig, worker: EngineWorker) -> type:
             forced = self.should_exit and sig == signal.SIGINT
             super().handle_exit(sig, frame)
             if forced:  # runs in a signal handler: hand the work to the loop
-                self._loop.call_soon_threadsafe(worker.expire, FORCED)
+                self._loop.call_soon_threadsafe(worker.expire, FORCED,
+                                                "a second Ctrl-C stopped the server at once")
 
         async def shutdown(self, sockets: Any = None) -> None:
             worker.begin_drain()
@@ -149,12 +171,12 @@ def build_server(cfg: ServeConfig) -> Any:
                     "anyone who reaches this port can use the model; set --api-key (or "
                     "NANOSCHED_API_KEY) or bind 127.0.0.1", cfg.host)
     limits = ConnectionLimits(cfg.header_timeout_s, cfg.body_timeout_s,
-                              cfg.max_connections or default_max_connections())
+                              bounded_cap(cfg.max_connections))
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
-                            http=guarded(AutoHTTPProtocol, limits),
+                            http=guarded(AutoHTTPProtocol, limits), backlog=ACCEPT_BURST,
                             timeout_keep_alive=keep_alive_s(limits),
                             timeout_graceful_shutdown=cfg.drain_timeout_s + UVICORN_SLACK_S)
-    server = _server_class(cfg, worker)(config)
+    server = _server_class(cfg, worker, limits)(config)
     server.nanosched_worker = worker  # for tests and the bench: the engine behind the app
     server.nanosched_name = served.name
     server.nanosched_limits = limits

@@ -320,12 +320,31 @@ def _content(i: int, content: Any) -> str:
     return "\n".join(texts)
 
 
+TOOL_FIELDS = ("tool_calls", "function_call", "tool_call_id")  # a message's tool fields
+TOOL_ROLES = ("tool", "function")
+
+
+def _no_tools(i: int, m: dict) -> None:
+    """A message of a tool conversation is refused as `tools` is: the server runs no tools,
+    and a template would drop or mangle the calls silently."""
+    for key in TOOL_FIELDS:
+        if m.get(key) not in (None, [], ""):
+            raise _bad(f"messages[{i}].{key}", f"{show(m[key])} is not supported by this "
+                                               f"server: it serves no tools (as `tools` is "
+                                               f"refused)")
+    if m.get("role") in TOOL_ROLES:
+        raise _bad(f"messages[{i}].role", f"{m['role']!r} messages are not supported by this "
+                                          f"server: it serves no tools (as `tools` is refused)")
+
+
 def _messages(body: dict) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", f"must be a non-empty list of {{role, content}} objects, got "
                                f"{show(msgs)}")
     for i, m in enumerate(msgs):
+        if isinstance(m, dict):
+            _no_tools(i, m)
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
             raise _bad(f"messages[{i}]", f"must be an object with a string role and a content, "
                                          f"got {show(m)}")

@@ -135,9 +135,10 @@ class EngineWorker:
             self._stopping = True
             self._cond.notify()
 
-    def expire(self, message: str) -> int:
+    def expire(self, message: str, why: str = "drain time ran out") -> int:
         """End every open request now: each client gets `message` with status 503 and the
-        engine aborts them (pages freed). Returns how many were open."""
+        engine aborts them (pages freed); `why` is what the log says ended them. Returns how
+        many were open."""
         with self._cond:
             self._stopping = True
             clients, self._clients = self._clients, {}
@@ -147,7 +148,8 @@ class EngineWorker:
         for client in clients.values():
             _send(client, Update([], error=message, status=503))
         if clients:
-            log.warning("drain time ran out: %d open requests ended with 503", len(clients))
+            log.warning("%s: %d open requests ended with 503 (a JSON body, or an error event "
+                        "on a stream)", why, len(clients))
         return len(clients)
 
     def stop(self, timeout_s: float) -> bool:

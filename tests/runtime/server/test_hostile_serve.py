@@ -196,3 +196,29 @@ def test_an_abort_in_the_step_that_ends_the_request_is_counted_once(srv, http, m
                     "nanosched_requests_finished_total": 0,
                     "nanosched_requests_aborted_total": 1}
     assert m["nanosched_kv_pages_in_use"] == 0
+
+
+TOOL_CALL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user", "content": "hi"},
+      {"role": "assistant", "content": None, "tool_calls": TOOL_CALL}],
+     "messages[1].tool_calls"),
+    ([{"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}],
+     "messages[0].function_call"),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}], "messages[1].role"),
+    ([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[0].tool_call_id"),
+], ids=["tool_calls", "function_call", "tool-role", "tool_call_id"])
+def test_per_message_tool_calls_are_refused_as_tools_is(srv, http, messages, param, caplog):
+    """Issue 45: a top-level `tools` was a 400 while a message's `tool_calls` went silently
+    into the template; both are refused, naming the field, and the server serves on."""
+    r = ask(http, srv, "/v1/chat/completions", messages=messages, max_tokens=2)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "serves no tools" in err["message"]
+    ok = ask(http, srv, "/v1/chat/completions", max_tokens=2,
+             messages=[{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                          "content": "yo", "tool_calls": []}])
+    assert ok.status_code == 200, ok.text
+    no_server_errors(caplog)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import time
@@ -108,3 +109,7 @@ def test_a_second_ctrl_c_ends_every_open_request_with_an_error():
             proc.kill()
         out = proc.communicate(timeout=10)[0]
     assert "Traceback" not in out and "Internal Server Error" not in out, out
+    # issue 45: the log says what ended them (it said the drain time ran out)
+    assert re.search(r"a second Ctrl-C stopped the server at once: \d+ open requests ended "
+                     r"with 503", out), out
+    assert "drain time ran out" not in out, out

@@ -136,6 +136,7 @@ def test_sigterm_drains_the_open_stream_then_exits():
             proc.kill()
         out = proc.communicate(timeout=10)[0]
     assert "Shutting down" in out and "Application shutdown complete" in out, out
+    assert f"listening on {url} (OpenAI API: {url}/v1" in out, out  # issue 45: the URL is said
 
 
 @pytest.mark.slow

@@ -122,7 +122,7 @@ def profile(
 
 def named_profile(file: Path) -> Path:
     """A profile FILE, or the name of a shipped one (as `search --profile NAME` takes it)."""
-    from nanosched.autosearch.request import shipped_profiles
+    from nanosched.profiler.catalog import shipped_profiles
 
     if file.exists() or file.suffix == ".json" or len(file.parts) != 1:
         return file

@@ -145,7 +145,7 @@ def test_the_gantt_of_a_pipeline_the_set_does_not_run_says_so(tmp_path, monkeypa
 def test_profile_commands_take_the_shipped_names_search_takes(tmp_path, monkeypatch):
     """Issue 45: `profile show NAME` (and rederive) accept what `search --profile NAME` does;
     a name that is neither is refused with the shipped names listed."""
-    from nanosched.autosearch.request import shipped_profiles
+    from nanosched.profiler.catalog import shipped_profiles
 
     name = SHIPPED_PROFILE.name.removesuffix(".json")
     assert name in shipped_profiles()

@@ -23,6 +23,7 @@ import pytest
 import torch
 from repo import ROOT
 from runtime_helpers import llama3_8b_layers
+from serve_helpers import wait_healthy
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -46,14 +47,8 @@ def start(folder: str, log: Path) -> tuple[subprocess.Popen, str, int]:
                                 filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
                             stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.5)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, 300, log.read_text, poll_s=0.5)
     pid = int(re.search(r"ranks 1\.\.\d+ are pids (\d+)", log.read_text()).group(1))
     return proc, url, pid
 

@@ -108,8 +108,6 @@ def serve_process(*flags: str, model: str = str(DATA / "tiny_llama_config.json")
     import subprocess
     import sys
 
-    import httpx
-
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = os.environ | {"PYTHONPATH": str(DATA.parents[1])}
@@ -117,13 +115,22 @@ def serve_process(*flags: str, model: str = str(DATA / "tiny_llama_config.json")
                              "--port", str(port), "--device", "cpu", "--dense-batch", "16",
                              *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
+    wait_healthy(proc, url, 60, lambda: proc.communicate()[0], poll_s=0.1)
+    return proc, url
+
+
+def wait_healthy(proc, url: str, timeout_s: float, output, poll_s: float = 0.2) -> None:
+    """Return once `url`/health answers 200; if the server process ends or `timeout_s` passes
+    first, kill it and fail with its output (`output()`: the text it wrote)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError(f"server did not start: {proc.communicate()[0]}")
+            raise AssertionError(f"server did not start: {output()}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.TransportError:
-            time.sleep(0.1)
+            time.sleep(poll_s)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from hf_models import make_hf
 from repo import DATA, ROOT
-from serve_helpers import tiny_folder
+from serve_helpers import tiny_folder, wait_healthy
 from typer.testing import CliRunner
 
 from nanosched.cli import app
@@ -67,16 +67,8 @@ def start(folder: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str, 
          "--device", "cpu", "--dense-batch", "32", "--port", str(port), *flags],
         env=os.environ | {"PYTHONPATH": str(ROOT)}, stdout=log.open("w"),
         stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not start: {log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, 120, log.read_text)
     pid = int(WORKER_PIDS.search(log.read_text()).group(1))
     return proc, url, pid
 

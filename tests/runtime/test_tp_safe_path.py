@@ -10,11 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from serve_helpers import wait_healthy
 
 pytestmark = pytest.mark.slow
 NANOSCHED = Path(sys.executable).with_name("nanosched")  # the console script the README installs
@@ -73,15 +73,9 @@ def test_serve_tp2_imports_nothing_of_the_current_folder(tmp_path):
     proc = subprocess.Popen([str(NANOSCHED), "serve", "--model", "stories15m", "--tp", "2",
                              "--device", "cpu", "--port", str(port)], cwd=cwd,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=unsafe_env())
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, 120, log.read_text)
         body = {"model": "stories15m", "prompt": [1, 2], "max_tokens": 2}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

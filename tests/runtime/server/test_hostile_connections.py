@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import ThreadServer, tiny_folder
+from serve_helpers import ThreadServer, tiny_folder, wait_healthy
 
 from nanosched.errors import ConfigError
 from nanosched.runtime.server.connections import (
@@ -210,14 +210,9 @@ def _serve_limited(tmp_path, nofile: int, *flags: str):
          "cpu", "--port", str(port), *flags], cwd=ROOT, stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url, log
-        except httpx.TransportError:
-            time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, 120, log.read_text)
+    return proc, url, log
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 from repo import DATA, ROOT
+from serve_helpers import wait_healthy
 from typer.testing import CliRunner
 
 from nanosched.cli import app
@@ -100,16 +101,8 @@ def _start(*flags: str) -> tuple[subprocess.Popen, str]:
                              "--port", str(port), "--device", "cpu", "--dense-batch", "16",
                              *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not start: {proc.communicate()[0]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
+    wait_healthy(proc, url, 60, lambda: proc.communicate()[0], poll_s=0.1)
+    return proc, url
 
 
 @pytest.mark.slow

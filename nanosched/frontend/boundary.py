@@ -10,10 +10,7 @@ An op (a `Group`) reads four kinds of outside values:
   op ("rematerialised"), so a view never crosses ops and every crossing tensor is one an op
   computes, which it can write straight into its buffer.
 
-A crossing tensor must have exactly one dimension proportional to the token count T (size
-c * T: c rows per token, e.g. k per token for a MoE layer's expert rows); its buffer holds
-c * max_tokens rows there, laid out token-major (the token dimension outermost, the others in
-the traced tensor's stride order), so any range of tokens is one contiguous block.
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

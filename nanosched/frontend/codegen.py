@@ -1,20 +1,6 @@
 """One op of the partition as a callable subgraph that writes its results into buffers.
 
-`build(gm, group, reads, outputs)` copies the op's nodes (and the views it rematerialises) into
-a new `fx.GraphModule` whose arguments are, in order: the values it reads (rows of their
-buffers), the graph inputs it reads, the symbolic sizes, then one `out_<value>` per value it
-computes for later ops (rows of that value's buffer). Each computed value is written into its
-buffer where it is made, never copied after:
-
-- `alloc`: an allocation (`new_empty`, the frontend's attention and expert outputs) becomes the
-  buffer rows themselves;
-- `out`: the producing call gets the buffer rows as its output (`linear` through the project's
-  GEMM dispatch, with the launch dict of the schedule; `addmm`, `matmul`, elementwise
-  arithmetic, `silu`, `gelu`, `cat`, dtype conversions);
-- `copy`: anything else is computed, then copied into its rows at the end of the op (counted
-  in `Subgraph.writes` so a partition's copies are visible).
-
-The epilogue (`head`) returns the graph's outputs instead.
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

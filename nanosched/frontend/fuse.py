@@ -9,13 +9,7 @@ become one `linear` on the concatenated weight; each former output is a `narrow`
 columns. The partition then sees one GEMM and one value crossing ops (the views are recomputed
 inside the ops that read them, boundary.py); op names and resource classes are unchanged.
 
-The concatenated weight of a graph input is named by its parts' paths joined with `+`
-(`model.layers.1.self_attn.q_proj.weight+...k_proj.weight+...`), so the frontend binds the
-traced middle layer's fused GEMM to each other layer's concatenation like any weight.
-`FusedWeights` builds each concatenation once and moves the parameters' storage into it (each
-parameter becomes a view of its rows), so the model holds its weights once and its own forward
-still runs; a concatenation whose parameters already are adjacent rows of one tensor (a second
-frontend on the same model) is that tensor's view, not a copy.
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

@@ -5,22 +5,7 @@ products), its rotary embedding as about ten (products, halves, negation, concat
 SiLU * up as two, each reading and writing the whole activation, where the named-op model runs
 one fused kernel per op. Inductor fuses each such subgraph into a few generated kernels.
 
-- `chosen_ops(subs, device, compile_ops)`: `"auto"` (the default) picks the layer's ops that
-  call neither a matmul, an attention, an expert GEMM nor a collective (partition.py's
-  inference on the op's nodes, whatever class a rule gives it), when the model is on a CUDA
-  device and Triton is importable; on the CPU none (Inductor's C++ path took 20-26 s for the
-  four of a 2-layer tiny Llama on this project's 2-core CPU, and the CPU runs exist to check
-  equivalence). A tuple names the ops; `()` none.
-- `compile_subgraphs`: `torch.compile(fullgraph=True)` per chosen subgraph, only its token
-  dimensions (and sizes passed as integers) dynamic (`TokenDynamic`); the layers bound to one
-  traced subgraph share its compile.
-- `warm_up(fm)`: a forward of 11 prompt tokens and one of 1 decode token on a throwaway
-  workspace of 29 rows, so that the compiles (for a symbolic token count, and Dynamo's
-  specialisation of a 1-row call) happen at initialisation, not in the first forward the caller
-  times; the frontend reports their seconds apart from the trace's
-  (`FrontendModel.compile_seconds`). Dynamo guards on the sizes of the buffers the row views
-  come from, and would tie any two sizes equal while it compiles (duck shaping, off during
-  the warm-up): so every size there is distinct, and no later batch or buffer size recompiles.
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

@@ -8,22 +8,7 @@
     run_program(program, Sequential(), Backend(SerialDevice()))
     logits = fm.logits(ws, rows)                         # the epilogue on the rows that sample
 
-It offers what the runtime asks of the named-op `CausalLM` for one forward (`program`,
-`logits`, `new_workspace`, `op_names`), so every strategy runs on it unchanged:
-`runtime.modelprogram.model_program` hands a frontend model's `program` to the scheduler.
-
-`compile_ops`: ops whose subgraphs TorchInductor compiles (sizes dynamic, writes into the
-buffers kept; inductor.py): by default (`"auto"`, on a CUDA device) the elementwise ones,
-whose many small torch kernels the named-op model fuses, compiled at initialisation
-(`compile_seconds`, apart from `init_seconds`: trace + analysis); `()` compiles none.
-TorchDynamo's first start in the process (trace.py's `start_dynamo`) is timed apart too
-(`start_seconds`, 0 in a process that has started it): it is no part of tracing this model.
-`fuse`: sibling linears on one input run as one GEMM (fuse.py).
-
-Depth: Dynamo traces `trace_layers` layers (trace.py); a deeper model runs the traced
-layer 0, then the traced layer 1 bound to the weights and KV layer of each middle layer, then
-the traced last layer bound to the model's last. The traced layers 0 and 1 must have the same
-subgraphs up to their weights (checked), else `trace_layers=None` traces every layer.
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

@@ -5,17 +5,7 @@ library offers for this (HF transformers: the attention and experts interfaces, 
 `hf.use_nanosched`): those hooks call the `torch.ops.nanosched.*` operators below, which
 TorchDynamo keeps as single nodes, so the partition can cut the graph at them.
 
-- `kv_append(key, value, layer)`: write the batch's K/V rows into layer `layer`'s pages;
-- `attn_decode(query, out, layer, scale)` / `attn_prefill(...)`: paged GQA attention of the
-  decode / prompt rows of the range into `out` [1, n, Hq, d] (each leaves the other's rows);
-- `experts_ug(x, ids, weights, out)` / `experts_d(act, ids, weights, w, out)`: Mixtral-style
-  grouped expert GEMMs (rows token-major, as models/moe.py).
-
-query is HF's [1, Hq, n, d], key and value [1, Hkv, n, d]. The operators learn which rows of
-which batch they run on from `CALL`, which the frontend's program sets around every subgraph
-call (`calling`): the KV cache, the batch metadata, the range [start, end), the launch dict,
-the kernel options and the layer shift (a traced layer's subgraph run as another layer adds
-it to its layer index). Outside a call (while Dynamo traces) they do nothing.
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """The partition: a traced graph's nodes grouped into the ops of a repeating layer.
 
-1. Every call node gets the op of the first rule that matches it (rules.py), or none (glue);
-   size arithmetic is always glue.
-2. Layers: walking the labelled nodes in graph order, a layer starts wherever a node of the
-   rules' first op follows a node of another op. Nodes before the first layer's first node
-   form the prologue `embed` (embedding, rotary tables, the first layer's input norm).
-3. A labelled node belongs to op (name, layer); a glue node joins the op of its earliest
-   consumer, so views and residual adds travel with the op that reads them; glue that
-   nothing after it reads (the LM head) forms the epilogue `head`.
-4. The ops are put in a program order that respects every data dependency, the order of the
-   graph's side effects (the KV cache written before it is read) and every in-place write
-   (an op that mutates a value runs after the ops that produced it and before those that read
-   it after it); a cycle is an error that names the ops.
-5. Every layer must hold the same ops in the same order: the layer's op list, the unit the
-   profiler measures and the search schedules.
-
-Resource class of an op: the rule's, else inferred from what it calls: a collective makes it
-`network`, decode attention `memory`, a matmul, prefill attention or expert GEMM `compute`,
-anything else (elementwise, norms) `other`.
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

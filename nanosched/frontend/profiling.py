@@ -8,16 +8,7 @@ exactly those ops in that order (`llama_rules()` and the GPT-2 rules of docs/usa
 ungated FFN (GPT-2's) is priced by the cost model as a gated one of the same width, while
 every duration the search uses is a measured row.
 
-`FrontendImpls(fm)` answers the profiler's implementation registry (`available`, `get`,
-`layer_kernels`, as profiler/impls.py's module functions) with kernels that run layer 0's op of
-the frontend model over the row's tokens, with the row's launch dict, in one workspace of
-random values whose KV cache (one layer, of the profile's KV dtype) is planned per row as the
-named rows lay theirs out: `attn_decode` rows of requests with the row's context,
-`attn_prefill` rows cut from prompts of its length (`impls_kernels.prefill_rows`), every other
-op over one prompt chunk. So the names
-are the runtime's: a GEMM op's `linear` calls take the row's implementation and SM target,
-attention its kernel and CTA bound; norms, rotary and activations are the model's own torch
-code (implementation `torch`).
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

@@ -10,10 +10,7 @@ only its token rows of them; the attention steps touch only their own kind of ro
 or prompt) and read the K/V of earlier rows of their prompt through the cache
 (runtime/modelprogram.py's spans).
 
-`program(fm, ws, meta, segments)` declares each step's buffer accesses (the scheduler and
-backend order nano-ops from them) and its `run(start, end, cfg)`: the subgraph called on row
-views of the buffers, inside `ops.calling` (its KV cache, batch metadata, range, launch dict,
-layer shift).
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

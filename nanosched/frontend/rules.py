@@ -1,23 +1,6 @@
 """Partition rules: which nodes of a traced model make up which named op of its layer.
 
-A rule names an op (and, optionally, its resource class) and says which nodes of the TorchDynamo
-graph belong to it:
-
-- `SplitModule(target, op)`: every node computed inside a module of class `target` (or a
-  subclass), or inside a module whose dotted path matches the glob `target` (a string, e.g.
-  `"*.input_layernorm"`);
-- `SplitFunc(target, op)`: every node that calls `target` (a callable, e.g. `F.silu` or a
-  `torch.ops` operator) or is computed inside a Python function of that name (a string, e.g.
-  `"apply_rotary_pos_emb"`, read from the node's stack trace), optionally only inside modules
-  of class `inside`;
-- `mark(op)`: a context manager around any code block (code the user owns); its nodes belong to
-  `op` whatever the rules say.
-
-A node takes the op of the first rule that matches it (a mark first). Nodes no rule matches
-(views, residual adds, ...) join the op of their first consumer (partition.py). The layer of
-the model is a cycle of ops that starts at `Rules.first_op` (the first rule's op by default):
-ops before the first layer's first op form the prologue `embed`, and nodes after the last
-layer's last op form the epilogue `head` (the LM head, run on the rows that sample).
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

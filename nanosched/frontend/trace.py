@@ -8,30 +8,7 @@ inputs (rows of the batch), the symbolic sizes (functions of T) and the constant
 parameters and buffers, found by identity, so a path like `model.layers.3.mlp.up_proj.weight`
 names each).
 
-The backend keeps the graph and stops Dynamo there (an exception it catches): the guards,
-the transformed bytecode and a run of the captured graph on the example would be Dynamo's
-work for a later call that never comes (0.16-0.27 s of a 2-2.9 s capture of a 3-layer
-Llama-3-8B-shaped model on the meta device, on this project's 2-core CPU; on a GPU the run
-would also be the process's first CUDA forward). Nothing else of Dynamo's state is touched:
-the stopped compile leaves no cache entry, and `torch._dynamo.reset()` would drop every
-function compiled in the process (another frontend's Inductor ops, the user's own), each then
-compiling again at its next call (in serving, a latency spike).
-
-`start_dynamo(device, dtype)`: TorchDynamo's first compile in the process, apart from the
-trace (`Trace.start_seconds`; 0 once done for that device and dtype): a small model of torch's
-own modules (embedding, linear, SiLU, an RMS norm) traced by the same backend on the model's
-device, with a dynamic token count. It pays what any `torch.compile` user pays once per
-process, whoever compiles first: the imports of Dynamo's compile path (AOTAutograd, functorch's
-compile, the debugging backends), the fake-tensor, symbolic-shape and sympy first uses, the
-scan of torch's module sources (0.69 s, median of 5 fresh processes on this project's 2-core
-CPU: bench/analysis/frontend_init.py). What is left of a first trace beyond a second
-one is the model's own code seen for the first time (its source files scanned, its functions'
-bytecode analysed), and stays in the trace's seconds.
-
-`layers`: trace only the first `layers` decoder layers (the model's layer list cut short while
-Dynamo runs, HF's `num_hidden_layers` likewise); the frontend binds the traced middle layer's
-ops to the weights of the others (model.py). Tracing time grows with depth: a 32-layer tiny
-Llama took 18.7 s and a 2-layer one 4.3 s on a shared 2-core CPU (about 0.5 s a layer).
+More in docs/frontend.md, module notes.
 """
 
 from __future__ import annotations

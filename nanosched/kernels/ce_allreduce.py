@@ -8,45 +8,7 @@ round). So here the only SM work on the path is the reduction of one chunk, boun
 `max_ctas` programs; every signal between ranks is a stream memory operation
 (`cuStreamWriteValue32` to a peer's flag, `cuStreamWaitValue32` on one's own), never a kernel.
 
-The algorithm, for `x` (a contiguous tensor inside a registered buffer, at the same offset on
-every rank) on rank r of N, its elements cut into N chunks c_0..c_{N-1} (16-byte aligned) and
-the owned chunk c_r into K sub-chunks s_0..s_{K-1} (16-byte aligned; K from `num_subchunks`):
-1. on the caller's stream S: tell every peer q that x_r is ready (write 1 to q's ready flag of
-   this slot, source r);
-2. on a pull stream P_q per peer: wait for q's ready flag and reset it; then for each sub-chunk
-   j, copy x_q[s_j] (q's memory) into scratch row q (our copy engine reads over NVLink);
-3. on S, for each j once every P_q pulled s_j: x_r[s_j] += the scratch rows' s_j (fp32
-   accumulate, `max_ctas` programs);
-4. on a push stream D_q per peer, for each j after its reduction: copy x_r[s_j] into x_q[s_j];
-5. D_q, after its last push (and P_q's reset): write 1 to q's done flag (source r); S joins
-   every P_q and D_q, waits for every peer's done flag and resets it. x_r holds the sum.
-So sub-chunk j is reduced while j + 1 is pulled and j - 1 pushed. One sub-chunk (small
-tensors: each copy has a fixed cost) is the plain pull, reduce, push. Each chunk is reduced
-once, by its owner, and copied out: every rank ends bitwise equal.
-
-Ordering. The memory operations' default write carries a fence, so a flag is seen only after
-the copies before it on its stream. x_q[s_j] is overwritten only by r's own push of s_j, after
-r pulled it, and q writes x again (the next layer) only after this all-reduce completed on q,
-which needs r's done flag, written after all of r's pulls and pushes. The scratch of a call is
-free again when the next call's pulls start: they fork from S after S joined this call's
-streams. Flags are indexed by a slot that a per-process counter gives each call (modulo
-`num_slots`); every rank issues its all-reduces in the same order (they run the same program),
-so a call has the same slot everywhere. A slot's flags are reset by their reader before the
-reader sends anything its writer must wait for before writing them again (the reset of a ready
-flag precedes, through P_q's join into S, the done flag sent on D_q; the reset of a done flag
-precedes, on S, the next ready), so back-to-back calls, CUDA-graph replays of the same call
-included, may reuse a slot; only calls in flight at once need different slots, which holds
-while fewer than `num_slots` all-reduces are issued per forward.
-
-One stream (`one_stream`): the same steps, every one on S in the order above (ready flags,
-pulls, reduction, pushes, done flags), with no side stream. It saves the forks into a stream per
-peer and back (about 30 us for three peers inside a CUDA graph on 4xH100) but issues its memory
-operations and copies in series: the same 67 us at one row, slower at 2,048 rows (318 against
-294 us) (`bench/kernels/ce_latency.py` times both).
-
-Everything is capturable in a CUDA graph: copies, memory operations and events on streams
-forked from S and joined back into it. The transports (`ce_transports.py`) run the same steps
-on GPUs (`CudaTransport`) and on CPU processes (`HostTransport`, for tests over gloo).
+More in docs/design.md, module notes.
 """
 
 from __future__ import annotations

@@ -8,26 +8,7 @@ bounds the kernel's SM footprint; each item handles the whole GQA group of its K
 `tl.dot`. With more than one split, a second kernel (same CTA bound) merges the partial results
 by their log-sum-exp. `max_ctas` and `num_splits` are launch arguments: the profiler sweeps them.
 
-Three configurations of the one kernel (`DecodeConfig`) are three implementations:
-`triton_paged` (`PAGED`: no load pipelining, four programs per SM), `triton_pipelined`
-(`PIPELINED`: K/V steps of several pages loaded `num_stages - 1` steps ahead through a
-shared-memory ring) and `triton_pipelined_2w` (`PIPELINED_2W`: the same on two warps, four
-programs per SM, for partitions of few SMs). HBM
-bandwidth needs bytes in flight (Little's law: about 2.7 MB device-wide on an H100/H200), and a
-program keeps only one step in flight without pipelining, so `triton_paged` needs most SMs to
-reach bandwidth; `triton_pipelined` gets more of it from few SMs (docs/measurements.md has
-both against SMs).
-
-An FP8 cache (e4m3 K/V, one fp32 scale per (token, KV head) in `k_scale`, `v_scale`
-[P, S, Hkv]) is read at half the bytes: each step converts its K/V tile to the query's dtype
-(fp16 for a bf16 model: e4m3 converts to fp16 in one instruction, to bf16 through fp32; the
-query is cast once per work item), multiplies the logits of a token by its K scale and the
-probabilities by its V scale, so the scales cost two [BLOCK_N] loads per step.
-
-A request with context length 0 (a padded row of a CUDA-graph bucket) gets a zero output, never
-NaN, whatever the split count, and reads no page.
-
-Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

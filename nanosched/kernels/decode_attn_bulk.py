@@ -1,32 +1,6 @@
 """`cuda_bulk`: paged GQA decode attention for a few SMs, a CUDA kernel built at run time.
 
-The Triton kernels of decode_attn.py reach about 49 GB/s per H100 SM whatever their pipelining
-depth: the per-step chain of each program (wait, two small dots, cross-warp reductions, the
-probabilities through shared memory) bounds them, so 32 SMs read 57-60% of copy bandwidth
-(docs/findings.md). This kernel (decode_attn_bulk.cu, its header says how) moves each page with
-four tensor copies of the copy engine (`cp.async.bulk.tensor`, completing on an mbarrier) into a
-shared-memory ring fed by one producer warp, and multiplies on the tensor cores (`mma.sync`
-m16n8k16) in one consumer warp per KV head, so the work per SM no longer grows with the
-instructions that move bytes. The ring's slots hold a page's K or its V, each given back as soon
-as the products have read it (K after S, V after P.V), so the copies in flight fill all of the
-ring but one slot. It needs an sm_90 GPU (Hopper), cupy (NVRTC) and cuda-bindings (the tensor
-maps), page size 16, head_dim a multiple of 64, at most 8 query heads per KV head, a bf16/fp16
-cache with each page contiguous, and one CTA per SM (the ring: 6 x 32 KB for 8 KV heads of 128
-dims, 193 KB of shared memory with its mbarriers; at least two pages). An FP8 cache (e4m3 with
-fp32 scales per token and KV head, models/kvcache.py) is read at half the bytes: boxes of 128
-dims, a slot per page's K (or V) with its 512 B of scales (11 x 17 KB), the products in fp16
-(head_dim a multiple of 128); tests/gpu/test_kv_fp8_gpu.py checks it against the reference.
-Its consumers convert every e4m3 element to f16, and the latency of those chains bounds them on
-few SMs, so on at most 48 SMs two CTAs share each SM, each with half the shared memory (6 x 17
-KB): twice the consumer warps at the same bytes in flight (`ctas_per_sm`).
-
-Launch arguments: `max_ctas` is a CTA bound (that many CTAs, each meant to have an SM of its
-own: one CTA per SM's ring), else `sms` the SMs the grid fills (default: the device's;
-`ctas_per_sm` CTAs on each where their rings fit, see `launch`), `num_splits` fixes split-K over
-the context (default: about four work items per CTA, at least four pages per split); several
-splits are merged by decode_attn.py's merge kernel. `unsupported()` says why a call cannot run
-here (the dispatcher then refuses it with that reason). cupy is imported only when the kernel is
-built.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

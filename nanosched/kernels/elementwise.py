@@ -6,20 +6,7 @@ Each function has the contract of its twin in `reference.py` (same arguments, wr
 given outputs). Math runs in fp32; values are rounded to the model dtype where HF rounds them
 (the residual sum before the norm, the normalised value before the weight).
 
-Grid: one work item is a row (`rms_norm_add`), a `SILU_BLOCK`-wide chunk of a row
-(`silu_mul`) or a token with all its heads (`rope_append`). `max_ctas` bounds the programs:
-min(work items, max_ctas) programs each loop over the items pid, pid + grid, ... (grid
-stride), so a caller that gives the op a CTA bound (a schedule's `cta_bound` beside a GEMM)
-keeps it off the other SMs; None launches one program per item (the whole GPU). The grid
-depends only on the row count, never on device data: CUDA-graph capturable.
-
-With few programs each must keep bytes in flight by itself (HBM bandwidth needs about 2.7 MB in
-flight on an H100/H200, Little's law). With `prefetch` a program loads the next item's inputs
-before it computes and stores the current one; `PREFETCH` holds each kernel's default, the
-faster one measured against SMs (docs/measurements.md, bench/kernels/kernels_elementwise.py): on for
-rms_norm_add and silu_mul, off for rope_append (slower with it on 16-48-SM partitions).
-
-Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -5,25 +5,7 @@ out[i] = x[x_rows[i]] @ w[expert_ids[i]].T (x_rows None: row i reads x[i]); the 
 `reference.grouped_linear`. Legend: m = rows, E = experts, N = output features, K = input
 features, BM/BN = tile sizes.
 
-Schedule, built on the device with torch ops only (no `.item()`, no loop over experts, so the
-launch can be captured in a CUDA graph):
-1. `perm` = the rows sorted by expert (stable); `offsets[e]` = first sorted row of expert e
-   (searchsorted over the sorted ids), so expert e owns sorted rows offsets[e]..offsets[e+1].
-2. expert e has ceil(count_e / BM) M-tiles; `tile_end` = their running sum, so M-tiles
-   tile_end[e-1]..tile_end[e] are expert e's and the real M-tiles are 0..tile_end[E-1].
-3. The grid is fixed by host-known sizes: at most m // BM + min(E, m) M-tiles (every expert's
-   last tile may be partial) times ceil(N / BN) N-tiles, GROUP_M-swizzled as in gemm.py. A program
-   finds its tile's expert by counting the `tile_end` entries ≤ its M-tile; programs past the
-   real tiles do nothing.
-Each program gathers its BM rows of A through `perm` (and `x_rows`) inside the kernel (x is
-never copied), multiplies them with its expert's [BN, K] weight slice (fp32 accumulation), and
-stores to the rows' original positions in `out` (any strides: a slice of a larger buffer works).
-
-With `num_programs` set, the kernel is persistent: that many programs stride over the tiles
-(pid, pid + num_programs, ...), which bounds the SMs it occupies. Reference:
-`reference.grouped_linear`.
-
-Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

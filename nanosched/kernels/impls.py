@@ -3,43 +3,7 @@
 Profile rows, schedules and the runtime name an op's implementation with these strings, so a
 schedule that names one is launched exactly as it was measured.
 
-Families (ops → names):
-- gemm (kqv, o, ug, d): `cublas` (torch.matmul), `cublaslt` (cuBLASLt with an SM-count
-  target), `triton_persistent_<BM>x<BN>` (kernels/gemm.py on `num_sms` programs).
-- decode (attn_decode): `triton_paged`, `triton_pipelined` and `triton_pipelined_2w`
-  (kernels/decode_attn.py, three `DecodeConfig`s of one kernel: `DECODE_CONFIGS`), `cuda_bulk`
-  (kernels/decode_attn_bulk.py: tensor-map copies and mma.sync, one CTA per SM, two with an
-  FP8 cache on at most 48 SMs, one per SM of a CTA bound; Hopper, cupy),
-  `torch` (reference).
-- elementwise (rope_append, add_norm_ffn, add_norm_attn, act): `triton`
-  (kernels/elementwise.py), `torch` (reference).
-- grouped (experts_ug, experts_d): `triton` (kernels/grouped_gemm.py), `torch` (a loop over
-  experts, reference.grouped_linear).
-- prefill (attn_prefill): `triton` (kernels/prefill_attn.py: paged, all segments in one launch),
-  `torch` (reference: gather + SDPA per segment).
-- network (ar_attn, ar_ffn): `nccl` (torch.distributed's all-reduce), `copy_engine`
-  (kernels/ce_allreduce.py: peer copies and stream memory operations, one SM reduction); either
-  with `_ctas<k>` appended: NCCL on a process group whose config bounds its kernels to k CTAs,
-  or the copy engine's reduction on k programs (the names of the profile's `cta_bound` rows).
-
-A launch dict is `{"impl": name?, "num_sms": int?, "max_ctas": int?, "num_splits": int?}`
-(`LAUNCH_KEYS`); every key is optional and each op reads only what concerns it:
-- gemm: `num_sms` = the SM target of `cublaslt` (carve-out = the device's other SMs) and the
-  program count of `triton_persistent_*`; `cublas` ignores it.
-- decode: `max_ctas` bounds the grid; absent, it is the configuration's `ctas_per_sm` times
-  `num_sms` (or times the device's SMs when `num_sms` is absent too); `num_splits` fixes split-K
-  (absent: the kernel's planner).
-- grouped: `max_ctas`, and `num_sms` when it is fewer than the device's SMs outside a
-  partition, bound the Triton programs (persistent, the smaller bound wins); otherwise the grid is
-  one program per upper-bound tile (on a partition the partition itself bounds the SMs).
-- elementwise: `max_ctas` bounds the grid of the Triton kernels (persistent programs that
-  loop over their rows, kernels/elementwise.py); absent, it is the kernel's
-  `ELEMENTWISE_CTAS_PER_SM` times `num_sms` (a partition's SMs, or the SM target on the whole
-  GPU); with neither, one program per work item over the whole GPU. `torch` ignores them.
-- prefill: only `impl`.
-- network: the name's `_ctas<k>`, else `max_ctas`, bounds the CTAs (see `network_impl`).
-An absent `impl` means the `KernelOptions` default (dispatch.py). torch and torch.cuda only:
-no triton import here.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -6,22 +6,7 @@ v_cache [P, S, Hkv, d] already hold this chunk's own K/V (rope_append wrote them
 request at positions first_pos_i.., and attends to that request's cached tokens 0 .. its own
 position (causal, lower-right aligned). K/V are read page by page from the cache: no gather copy.
 
-Grid: (tile slots, Hkv). The segments' m-tiles are laid end to end and each program finds its
-(segment, m-tile) from a cumulative sum of the device lengths, so the grid depends only on the
-q row count and the segment slots S (`grid()`): the launch never syncs with the host, a CUDA
-graph replays it with other segments of the same bucket, and a padding segment of length 0 costs
-nothing. Slots past the last tile exit at once (at most S of them beyond the rows' tiles). GQA is
-packed into the M tile: tile row r of KV head h is flattened row f = m_tile * BLOCK_M + r =
-token * GROUP + g, i.e. query head h * GROUP + g of token f // GROUP, so one program loads each
-K/V tile once for all the query heads of its group. Each program walks the K/V tiles every row
-of it sees in full without a mask, then the diagonal tiles with the causal mask; tiles past its
-last row's position are never loaded. Within a segment the last m-tile (the heaviest) runs first.
-fp16/bf16/fp32 in, fp32 accumulation; an FP8 cache (e4m3 K/V with per-(token, KV head) scales,
-as in decode_attn.py) is converted tile by tile to fp16, with the query, its scales folded into
-the logits and probabilities; tiles and warps are launch parameters
-(`PrefillConfig`) so a bench can tune them.
-
-Imports triton at module level: import this module only through `nanosched.kernels.dispatch`.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """Attention metadata of a dense batch, sliceable to any token range [start, end).
 
-The dense batch holds T tokens: decode tokens first (one per running request), then prefill
-tokens (chunks of prompts). A *segment* is one request's consecutive tokens in the batch; a
-decode segment has one token. `BatchMeta` covers the global token range [start, end) and holds:
-
-- per token (device): `positions` [n] int64, `slot_mapping` [n] int64 (cache slot = page * S +
-  offset where the token's K/V is written);
-- per segment (device): `block_tables` [num_segments, max_pages] int32 and `context_lens`
-  [num_segments] int32 = the position of the segment's last token in this range + 1, i.e. how
-  many cached tokens the segment's last query attends to;
-- per segment (host): local `seg_starts` / `seg_ends`, `seg_first_pos`, `seg_request` (index of
-  the request in the full batch) and `context_lens_cpu`; the prefill segments also on the device
-  (`prefill_tensors()`, memoised), as the Triton prefill kernel reads them;
-- `num_decode`: decode tokens in the range (they come first; one segment each).
-
-`meta.slice(start, end)` gives the metadata of a sub-range (memoised), so a runtime can run ops
-on nano-batches: a range that cuts a prompt keeps the prompt's earlier tokens in the context of
-its attention (they are read from the paged cache, written there by the earlier range's
-`rope_append`).
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

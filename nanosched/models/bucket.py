@@ -7,24 +7,7 @@ per block table) fixes that layout:
 - rows [0, D) are decode rows: the batch's decode tokens, then padding;
 - rows [D, T) are prefill rows: the batch's prompt chunks in order, then padding.
 
-A padded row reads token 0 at position 0 and writes its K/V to the cache's scratch slot (a page
-the allocator never hands out), so it never touches a request's pages. A padded decode row has
-context length 0: the decode kernels give it a zero output and read no page. A padded prefill row
-lies in no segment, so prefill attention never writes it. Every other op works row by row, so
-the real rows compute what they compute in the unpadded batch.
-
-`BucketMeta` answers the calls the ops make on `BatchMeta` (`num_decode`, `positions`,
-`slot_mapping`, `decode_tables()`, `max_decode_context`, `prefill_block_tables()`,
-`prefill_tensors()`, `slice()`) from static tensors. A decode row is its own segment, so any
-slice's decode tables are views of one [D, W] table; a slice's prefill part has its own [S, W]
-tables and [3, S] segments, since which chunks fall into it depends on the batch.
-`max_decode_context` is the bucket's bound W * page size: decode attention plans its splits for
-it and reads only each row's own length.
-
-Lifecycle: `write(chunks)` lays a batch out; slices are made on demand while a first, eager
-forward runs over the bucket; `freeze()` then moves every tensor into one int64 and one int32
-device buffer, so each later `write` is two H2D copies from pinned memory, and refuses new slices
-(a graph captured after it must find every slice made).
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -9,14 +9,7 @@ rank reads its rows/columns only. Every tensor the model needs must be present w
 shape, and every tensor in the checkpoint must be used (rotary `inv_freq` buffers and a tied
 `lm_head.weight` are ignored); otherwise a ConfigError names the tensor and the shapes.
 
-The folder is checked before any model is built (`checkpoint_files`): the index must be a JSON
-object whose `weight_map` names files inside the folder (an absolute path, `..` or a link out
-of it is refused), every shard must exist, and every safetensors header must parse and fit its
-file (a truncated download is named, not met later as a read error). A folder holding only
-pickled weights (`pytorch_model.bin`, `*.pt`) is refused rather than served with random
-weights: nanosched never unpickles.
-HF names: Llama/Qwen2 `model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`;
-Mixtral `block_sparse_moe.gate` and `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down).
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

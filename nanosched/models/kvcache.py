@@ -8,16 +8,7 @@ Pages are zero-initialised so that padded reads never meet NaNs. One page past t
 (`scratch_slot`) is never handed out: the padded rows of a CUDA-graph bucket write their K/V
 there, so they never touch a request's pages.
 
-`kv_dtype` "auto" keeps K and V in the model dtype; "fp8" keeps them in e4m3 (float8_e4m3fn)
-with one fp32 scale per (token, KV head) in `k_scale`, `v_scale` [L, P + 1, S, Hkv]: half the
-bytes for the decode attention to read and twice the tokens per GiB, for 4 bytes of scale per
-d-element vector (3% at d = 128). A scale per token and head, rather than per page or per tensor,
-needs no calibration and keeps appends local: a token's scale is set when it is written and never
-changes as its page fills, and each vector's rounding error is relative to its own magnitude.
-
-Every tensor that holds a page's data has the page on dim 1 (`page_tensors()`: K and V; a
-quantised cache adds its scales there), so code that moves pages (runtime/offload.py) and
-sizes them (`bytes_per_token`) works for any KV dtype and layout.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Llama-family (Llama-2/3, DeepSeek-67B, Qwen2 with QKV bias) and Mixtral models as named ops.
 
-Per-op interface (what a runtime builds on)::
-
-    model = CausalLM(spec, tp=TensorParallel(rank, size), dtype=..., device=..., kernels=...)
-    ws = model.new_workspace(max_tokens, num_pages, page_size=16)  # buffers + paged KV cache
-    meta = ws.kv.plan([(request_id, num_new_tokens, is_decode), ...])  # decode first
-    ws.token_ids[:T].copy_(ids)                                       # [T] int64
-    model.embed(ws, meta, start, end)                                 # ids → residual, normed
-    for layer in range(spec.num_layers):
-        for op in model.op_names():                                   # ops.layer_ops order
-            model.run_op(layer, op, ws, meta, start, end, launch=None)
-    logits = model.logits(ws, rows)                                   # [len(rows), V]
-
-Every op reads and writes only rows [start, end) of the workspace buffers, for any range of the
-dense batch, using `meta.slice(start, end)` (memoised) as that range's attention metadata. So
-a runtime may call each op on nano-batches in any order that respects the op graph (same rows:
-earlier op first; `attn_prefill` of a range that cuts a prompt after `rope_append` of the
-prompt's earlier ranges) and on any stream. `launch` is the runtime's launch dict
-(nanosched/kernels/impls.py), e.g. `{"impl": "triton_paged", "max_ctas": 32}` for `attn_decode`
-or `{"impl": "cublaslt", "num_sms": 100}` for a GEMM op; without one, `KernelOptions` decides.
-`ar_attn` / `ar_ffn` are no-ops at tp = 1.
-`forward(ws, meta, rows)` is the sequential reference: every op over the whole batch.
-
-Model code knows nothing of schedules. Weights live in local (tp-sharded) shapes; see
-`weights.py` (random init) and `checkpoint.py` (HF safetensors).
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

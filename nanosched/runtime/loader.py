@@ -1,24 +1,6 @@
 """Engine assembly: one path from an `EngineConfig` to a running engine, for every command.
 
-`load_engine(cfg)` is what `nanosched bench`, `serve`, `generate` and the timeline harness do:
-
-1. the device (`--device auto|cpu|cuda`) and the model spec, its tp checked;
-2. the strategy from `--schedule` (runtime/choice.py `choose_strategy`, checked before any
-   weight loads), replayed by `ReplaySet` for a schedule: per batch shape the set's entry, a
-   pipeline or Sequential, or the fallback where it has none;
-3. at tp > 1, the group of ranks (runtime/ranks/group.py: this process is rank 0, one worker
-   process per other GPU loads its own shards);
-4. the model (`load_model`): bf16 on CUDA, fp32 on the CPU (where the Triton interpreter reads
-   bf16 wrongly); seeded random weights or an HF checkpoint folder's (`resolve_weights`);
-5. `build_engine`: the replay's CUDA streams and green-context partitions (`ReplayStreams`),
-   the dense batch (the schedule's; a different `--dense-batch` is refused), the KV pages that
-   fit (`kv_pages`; at tp > 1 the least any rank holds), the context bound, EOS ids, `--graphs
-   auto` → on with a GPU, then `Engine` (at tp > 1 every worker builds the same one).
-
-The result, `LoadedEngine`, owns what must be released (the partitions, the engine on the
-other ranks and the group it started): close it, or use it as a context manager. Commands
-that build several engines on one model (`bench --compare`) call `load_model` once and
-`build_engine` per strategy (at tp > 1 on one group, `ranks`).
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -9,12 +9,7 @@ a period plus the stream orders are acyclic (else the replay deadlocks); the
 allocations of nano-ops running at the same instant (predicted starts, layers repeating every
 `solver_period_us`) sum to at most the whole GPU, and their green-context SMs to at most its SMs.
 
-Every number is bounded before anything loops over it (field types are checked when the file is
-read, `fileio.check_fields`): the dense batch, SM count and tp within what a GPU can hold, at
-most MAX_NANO_OPS_PER_OP nano-ops per op, the prediction's times positive, and each nano-op
-within the horizon its layer offset allows: layer_offset * period <= start_us < (layer_offset
-+ 1) * period and duration_us <= period (a stream issues it once a period). So the capacity
-check unrolls at most five layer copies, whatever a hand-edited file says.
+More in docs/search.md, module notes.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Bounds on what a connection may hold: the time to send a request, and how many are open.
 
-uvicorn times out only idle keep-alive connections: a client that sends its headers a byte at a
-time, trickles its body, or connects and says nothing holds its socket forever, and enough of
-them exhaust the process's file descriptors (legitimate requests then time out and every
-failed accept() is logged). `guarded(base, limits)` subclasses uvicorn's HTTP protocol class:
-- a request's headers must be complete within `header_timeout_s` of the connection opening or
-  of the previous response ending, and its body within `body_timeout_s` of the headers; a late
-  client gets a 408 (if no response began; a keep-alive connection idle after a response is
-  closed without one) and its connection is closed. An app waiting for the body sees the
-  client leave (`http.disconnect`), as for a client that hung up;
-- at most `max_connections` connections are open; one more is answered 503 at once and
-  closed, before it is read. The cap (the default, or `--max-connections`) is held below the
-  descriptors the process has left under RLIMIT_NOFILE once the model is loaded, with room for
-  the model's files, the process's own, and the sockets asyncio accepts in one wake-up before
-  any is answered (at most `ACCEPT_BURST`: uvicorn's `backlog`, the kernel's queue set
-  longer), so that the 503 itself has a descriptor. Should accept() still run out of them (other
-  files opened meanwhile), asyncio pauses accepting for a second at a time; that is logged once,
-  as a warning saying what to change, not as a traceback per attempt (`accept_errors`).
-An idle keep-alive connection is closed by the header timeout (10 s by default), and uvicorn's
-own idle close (5 s by default) is set past it (`keep_alive_s`): httpx, and so the `openai`
-client, reuse a pooled connection idle for up to `CLIENT_KEEPALIVE_S`, and a server that closes
-idle connections at that same age closes some under a request already on its way (the client
-sees a reset, `httpx.ReadError`, or no response; under load, when a loaded client takes longer
-between picking the connection and writing on it). Keep `--header-timeout` above those 5 s.
-What was closed is counted and logged at most once per `LOG_EVERY_S`, never per connection.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

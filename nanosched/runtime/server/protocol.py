@@ -1,20 +1,6 @@
 """OpenAI request bodies → validated jobs, and OpenAI-style errors.
 
-Every refusal is an `ApiError` whose body is `{"error": {"message", "type", "param", "code"}}`
-and whose message names the field, the value found and what is allowed. Accepted:
-- completions: `prompt` as text (needs a tokenizer) or a list of token ids, or a list of such
-  prompts (one choice per prompt, `index` in prompt order); `max_tokens` (default 16);
-- chat: `messages` of `{"role", "content"}`, content a string or an array of text parts;
-  `max_tokens` or `max_completion_tokens` (default: the rest of the context);
-- both: `model` (must be the served one), `temperature` (in [0, 2], default 1), `top_p` in (0, 1],
-  `stream`, `stream_options.include_usage`, `stop` (up to 4 strings), `ignore_eos` (vLLM's
-  extension), `n` (1..MAX_N choices per prompt, fanned out as n engine requests; choice
-  `index` = prompt * n + j). Several choices are answered whole: with `stream` they are
-  refused. Fields this server cannot honour (`best_of` > 1, `echo`, `logprobs`, a per-request
-  `seed` (the engine samples a batch with one generator, so a request's draws depend on its
-  neighbours), `response_format` other than text, `tools` and functions, `logit_bias`,
-  penalties other than neutral, guided decoding) are refused with a 400 naming the field,
-  never silently ignored.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

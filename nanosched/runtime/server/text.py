@@ -6,15 +6,7 @@ Chat without a template uses the plain fallback: each message as "role: content\
 then "assistant: ". Without a tokenizer only token-id prompts work, and the text of a token is
 " <id>" (so streamed pieces concatenate to the non-streamed text: " 5 9 2").
 
-A long text is never tokenized whole before its length is bounded (`encode(text, limit)`):
-growing prefixes of it are tokenized first (`limit` x PROBE_CHARS_PER_TOKEN characters, then
-PROBE_GROWTH times more each time) and the text is refused as soon as one holds clearly more
-than `limit` tokens, so the work done on a text of too many tokens is bounded by what those
-tokens take, not by the text's size. A template that refuses
-a conversation (Llama-2 and Mistral templates call `raise_exception` on a system turn or two
-user turns in a row) raises `TemplateRefused`; the server answers it with a 400.
-Streams decode incrementally, as vLLM's detokenizer does: each step decodes only the new tokens
-behind a short window of the tokens before them, never the whole output again.
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

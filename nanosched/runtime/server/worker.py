@@ -4,19 +4,7 @@ Its loop: take the inbox (new requests, aborts) under a lock, `engine.step()`, a
 request's new tokens and its end to that request's asyncio queue with
 `loop.call_soon_threadsafe`. With no work it sleeps on a condition variable (no spinning).
 
-Contract with the HTTP side (any thread or event loop):
-- `submit(prompt_ids, params, loop)` → (request id, asyncio.Queue of `Update`s); raises
-  `QueueFull` when `max_queue` requests already wait for admission, `Unavailable` when the
-  server is stopping or the engine failed;
-- `abort(request_id, stopped)`: the request's updates stop and its KV pages are freed at the
-  next turn;
-- `begin_drain()`: refuse new requests; `expire(message)`: end every open request with a 503
-  error (the drain time ran out);
-- `stop(timeout_s)`: serve what was submitted, then end the thread (bounded wait);
-- `snapshot()`: the figures /metrics reports.
-A request the engine ends with finish_reason "error" (logits not finite) gets an `Update` with
-that error; the others go on. An exception in the engine fails every open request and marks the
-worker failed (/health 503).
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

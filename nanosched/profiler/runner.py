@@ -95,11 +95,18 @@ def run_profile(settings: ProfileSettings, backend: ProfilerBackend, opts: RunOp
         raise
     finally:
         backend.close()
-    if loop.bar is not None:
-        loop.bar.close()
-    loop.save()
-    prof = build_profile(settings, state)
-    save_profile(prof, opts.out)
+    try:  # every measurement is in the partial now: an interrupt here loses none of them
+        if loop.bar is not None:
+            loop.bar.close()
+        loop.save()
+        prof = build_profile(settings, state)
+        save_profile(prof, opts.out)
+    except KeyboardInterrupt:
+        loop.save()
+        raise ProfileInterrupted(
+            f"interrupted after measuring: all {len(state.kernels)} kernel rows and "
+            f"{len(state.pairs)} pairs saved to {ppath}, {opts.out} not written; "
+            f"{opts.resume_hint} builds and writes it without measuring again") from None
     ppath.unlink(missing_ok=True)
     total = state.elapsed_s
     opts.log(f"wrote {opts.out}: {len(prof.kernels)} kernel rows, {len(prof.pairs)} pairs, "

@@ -63,3 +63,28 @@ def test_ctrl_c_exits_non_zero_keeps_the_partial_and_the_earlier_file(tmp_path, 
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["format"] == "nanosched.profile/1"
     assert not partial.exists()
+
+
+def test_ctrl_c_after_measuring_says_how_to_resume(tmp_path, monkeypatch):
+    """A Ctrl-C while the profile is built from the measurements (after the last one): exit 130
+    with the --resume line, every measurement in the partial, and --resume writes the profile."""
+    from nanosched.profiler import runner
+
+    out = tmp_path / "p.json"
+    monkeypatch.setattr(command, "make_backend", lambda cfg: FakeBackend())
+    built = runner.build_profile
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "build_profile", interrupted)
+    r = RUNNER.invoke(app, [*ARGS, "--out", str(out)])
+    assert r.exit_code == 130, r.output
+    assert "Traceback" not in r.output and not out.exists()
+    assert "interrupted after measuring:" in r.stderr and "--resume" in r.stderr
+    partial = json.loads((tmp_path / "p.partial.json").read_text())
+    monkeypatch.setattr(runner, "build_profile", built)
+    r = RUNNER.invoke(app, [*ARGS, "--out", str(out), "--resume"])
+    assert r.exit_code == 0, r.output
+    assert f"{len(partial['kernels'])} kernel rows" in r.output  # nothing measured again
+    assert json.loads(out.read_text())["format"] == "nanosched.profile/1"

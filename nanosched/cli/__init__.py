@@ -8,6 +8,9 @@ serve, profile); shared flags live in `options`, what every command shares (erro
 
 from __future__ import annotations
 
+import signal
+import sys
+
 import typer
 
 from nanosched.cli import bench, generate, models, search, serve
@@ -55,5 +58,14 @@ unwrap_help(app)
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app(prog_name="nanosched")
+    """Console-script entry point. Once the command has decided its exit code, a Ctrl-C no
+    longer changes it (SIGINT is ignored while the process winds down); a Ctrl-C that reaches
+    here unhandled ends with exit 130, not a death by SIGINT (-2)."""
+    try:
+        app(prog_name="nanosched")
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.exit(130)
+    except SystemExit:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise

@@ -87,3 +87,22 @@ def test_the_full_grid_is_picked_over_a_quick_one_of_the_same_setup():
     quick = catalog.load_profile(catalog.shipped_profiles()["llama3-70b-tp4-h100x4-quick"])
     assert (quick.dense_batch, quick.tp) == (prof.dense_batch, prof.tp)
     assert len(prof.pairs) > len(quick.pairs)
+
+
+def test_a_late_ctrl_c_keeps_the_decided_exit_code():
+    """After the command decided its exit code SIGINT is ignored while the process winds down;
+    a KeyboardInterrupt that escapes the command ends with 130, not a death by SIGINT (-2)."""
+    import subprocess
+    import sys
+
+    decided = ("import signal, sys\nfrom nanosched.cli import main\nsys.argv = ['nanosched', "
+               "'models']\ntry:\n    main()\nexcept SystemExit as e:\n    print(e.code, "
+               "signal.getsignal(signal.SIGINT) == signal.SIG_IGN)\n")
+    r = subprocess.run([sys.executable, "-c", decided], capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout.split()[-2:] == ["0", "True"], r.stdout + r.stderr
+    escaped = ("import nanosched.cli as cli\ndef interrupted(**kw):\n    raise KeyboardInterrupt"
+               "\ncli.app = interrupted\ncli.main()\n")
+    r = subprocess.run([sys.executable, "-c", escaped], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 130, (r.returncode, r.stderr)

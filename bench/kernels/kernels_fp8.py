@@ -17,6 +17,7 @@ import torch
 from bench._common import environment, median_ms, print_table, write_result
 from nanosched.kernels import dispatch as K
 from nanosched.kernels import reference as ref
+from nanosched.profiler.timing import captured
 
 GEMMS = {"kqv": (4096, 6144), "o": (4096, 4096), "ug": (4096, 28672), "d": (14336, 4096)}
 ROWS = (256, 1024, 2048)
@@ -27,15 +28,7 @@ BF16 = torch.bfloat16
 
 def graph_us(fn) -> float:
     """Median time of one call of `fn`, from replays of a graph of CALLS calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
+    g = captured(lambda: [fn() for _ in range(CALLS)], torch.cuda.Stream())
     return median_ms(g.replay, warmup_ms=50, rep_ms=200) * 1e3 / CALLS
 
 

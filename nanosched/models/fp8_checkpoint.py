@@ -22,7 +22,6 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels.reference import quantize_fp8
 
-FP8 = torch.float8_e4m3fn
 COMPANIONS = (".weight_scale", ".weight_scale_inv", ".input_scale")
 KV_SCALES = (".k_scale", ".v_scale")  # a compressed-tensors FP8 KV scheme's static scales
 

@@ -14,41 +14,42 @@ from pathlib import Path
 
 import torch
 
+from nanosched import constants
 from nanosched.errors import ConfigError
 from nanosched.fileio import read_json
-from nanosched.kernels.reference import quantize_fp8
+from nanosched.kernels.reference import quantize_rows
+from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
 
 AUTO, NONE, FP8 = "auto", "none", "fp8"
-QUANTIZATIONS = (AUTO, NONE, FP8)
+QUANTIZATIONS = (AUTO, *constants.QUANTIZATIONS)
 FP8_DTYPE = torch.float8_e4m3fn
-DENSE_WEIGHTS = ("w_qkv", "w_o", "w_gate_up", "w_down")
-ATTENTION_WEIGHTS = ("w_qkv", "w_o")
+GEMM_WEIGHT = {"kqv": "w_qkv", "o": "w_o", "ug": "w_gate_up", "d": "w_down"}  # FP8_GEMM_OPS'
 
 
 def check_quantization(name: str, allow_auto: bool = False) -> str:
     """`name` when it is a quantisation the model runs (`auto` too where `allow_auto`)."""
-    allowed = QUANTIZATIONS if allow_auto else (NONE, FP8)
+    allowed = QUANTIZATIONS if allow_auto else constants.QUANTIZATIONS
     if name not in allowed:
         raise ConfigError(f"--quantization must be one of {', '.join(allowed)}; got {name!r}")
     return name
 
 
 def fp8_weights(spec: ModelSpec, quantization: str) -> tuple[str, ...]:
-    """The layer weights held in e4m3 under `quantization` (MoE experts stay in the model
-    dtype: their grouped GEMM has no FP8 path yet)."""
+    """The layer weights held in e4m3 under `quantization`: those of the FP8_GEMM_OPS the
+    model's layer has (MoE experts, `experts_ug` / `experts_d`, stay in the model dtype: their
+    grouped GEMM has no FP8 path yet)."""
     if check_quantization(quantization) == NONE:
         return ()
-    return ATTENTION_WEIGHTS if spec.is_moe else DENSE_WEIGHTS
+    ops = {op.name for op in layer_ops(spec)}
+    return tuple(GEMM_WEIGHT[op] for op in constants.FP8_GEMM_OPS if op in ops)
 
 
 @torch.no_grad()
 def quantize_into(w: torch.Tensor, dest: torch.Tensor, scale: torch.Tensor) -> None:
     """dest [N, K] e4m3 and scale [N] fp32 from the weight rows w [N, K] (any float dtype):
     one scale per row, its amax on e4m3's largest finite value."""
-    q, s = quantize_fp8(w.to(dest.device))
-    dest.copy_(q)
-    scale.copy_(s)
+    quantize_rows(w.to(dest.device), dest, scale)
 
 
 def checkpoint_quantization(folder: str | Path) -> str:

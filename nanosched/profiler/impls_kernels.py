@@ -20,7 +20,7 @@ from nanosched.constants import PAGE_SIZE
 from nanosched.kernels import dispatch
 from nanosched.kernels.common import PrefillSegments, Segment
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
-from nanosched.models.quant import FP8_DTYPE, fp8_weights
+from nanosched.models.quant import FP8_DTYPE, GEMM_WEIGHT, fp8_weights
 from nanosched.profiler.backend import Unsupported
 from nanosched.profiler.impls import (
     Impl,
@@ -41,8 +41,8 @@ LAYER_FLOW = {"x_kqv": "y_norm", "qkv_rope": "y_kqv", "q_decode": "q_rope", "x_o
               "x8_kqv": "y_norm8", "xs_kqv": "y_norm_scale", "x8_ug": "y_norm8",
               "xs_ug": "y_norm_scale", "x8_d": "act_out8", "xs_d": "act_scale"}
 # the weight each op's GEMM multiplies, or (norms, act) writes the input of
-WEIGHT_OF = {"kqv": "w_qkv", "o": "w_o", "ug": "w_gate_up", "d": "w_down",
-             "add_norm_attn": "w_qkv", "add_norm_ffn": "w_gate_up", "act": "w_down"}
+WEIGHT_OF = {**GEMM_WEIGHT, "add_norm_attn": "w_qkv", "add_norm_ffn": "w_gate_up",
+             "act": "w_down"}
 OPTS = dispatch.KernelOptions()  # every launch names its impl; this is never consulted
 Launch = dict[str, Any]
 

@@ -78,6 +78,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.quantization = quant.check_quantization(quantization)
+        quant.check_model_dtype(self.quantization, dtype)
         self.tp = tp or TensorParallel()
         self.local = local_shapes(spec, self.tp)
         self.dtype = dtype

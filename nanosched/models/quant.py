@@ -35,6 +35,13 @@ def check_quantization(name: str, allow_auto: bool = False) -> str:
     return name
 
 
+def check_model_dtype(quantization: str, dtype: torch.dtype) -> None:
+    """Refuse fp8 weights in a float16 model: the GEMMs with row scales write bfloat16."""
+    if quantization == FP8 and dtype == torch.float16:
+        raise ConfigError("--dtype float16 with --quantization fp8: the FP8 GEMMs with row "
+                          "scales write bfloat16; use --dtype auto or bfloat16")
+
+
 def fp8_weights(spec: ModelSpec, quantization: str) -> tuple[str, ...]:
     """The layer weights held in e4m3 under `quantization`: those of the FP8_GEMM_OPS the
     model's layer has (MoE experts, `experts_ug` / `experts_d`, stay in the model dtype: their

@@ -91,8 +91,5 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_context is not None and self.max_context < 1:
             raise ConfigError(f"--max-model-len must be at least 1, got {self.max_context}")
-        if self.dtype == "float16" and self.quantization == "fp8":
-            raise ConfigError("--dtype float16 with --quantization fp8: the FP8 GEMMs with row "
-                              "scales write bfloat16; use --dtype auto or bfloat16")
         if not 0 < self.mem_util <= 1:
             raise ConfigError(f"mem_util must be in (0, 1], got {self.mem_util}")

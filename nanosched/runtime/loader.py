@@ -22,7 +22,7 @@ from nanosched.models.checkpoint import (
 )
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel
-from nanosched.models.quant import resolve_quantization
+from nanosched.models.quant import check_model_dtype, resolve_quantization
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.models.weights import init_random
 from nanosched.runtime.choice import (  # noqa: F401 (re-exported: the commands import them here)
@@ -264,7 +264,9 @@ def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
     choice = choose_strategy(cfg, spec, device)
     resolve_dense_batch(cfg.dense_batch, choice, device)
     weights = resolve_weights(cfg.model, cfg.weights)
-    resolve_quantization(cfg.quantization, weights)  # refused before any rank starts
+    # refused before any rank starts (the model refuses it too, on every path)
+    check_model_dtype(resolve_quantization(cfg.quantization, weights),
+                      model_dtype(device, cfg.dtype))
     if weights == "random":
         log.info("%s: random weights (seed %d)", cfg.model, cfg.seed)
     group = None

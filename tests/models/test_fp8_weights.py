@@ -338,3 +338,14 @@ def test_fp8_bench_records_its_quantization(tmp_path):
     data = json.loads(out.read_text())
     assert data["config"]["quantization"] == "fp8" and data["gemm_precision"] == "fp8"
     assert "(FP8 W8A8)" in r.output
+
+
+def test_fp8_weights_refused_in_a_float16_model(tmp_path):
+    """The rowwise FP8 GEMMs write bfloat16: a float16 model with fp8 weights is refused by the
+    model itself (so `--quantization auto` resolving to fp8 is caught too)."""
+    make_hf("llama", tmp_path, seed=0)
+    from nanosched.models.spec import load_spec
+
+    with pytest.raises(ConfigError, match=r"--dtype float16 with --quantization fp8"):
+        CausalLM(load_spec(str(tmp_path)), dtype=torch.float16, quantization="fp8")
+    CausalLM(load_spec(str(tmp_path)), dtype=torch.float16)  # unquantised float16 is fine

@@ -12,7 +12,9 @@ d, add_norm_attn) and the kernels' names give each its op:
   that order;
 - the RMSNorm + residual kernel before ug is add_norm_ffn, after d add_norm_attn;
 - decode attention is every kernel named `decode` (partials, split merge, `decode_bulk`),
-  prefill attention `prefill`, `rope` rope_append, `silu` act; anything else is `other`.
+  prefill attention `prefill`, `rope` rope_append, `silu` act; the FP8 row kernel (`rows_fp8`)
+  is act after ug (SiLU·mul writing e4m3) and o before o (its input's quantisation, which the
+  FP8 profile's `o` row holds); anything else is `other`.
 
 Dense models at tp = 1 only (no all-reduce, no experts): `attribute` says why it cannot
 attribute a trace rather than guessing.
@@ -29,7 +31,7 @@ from typing import Any
 GEMMS = ("kqv", "o", "ug", "d")
 _GEMM = re.compile(r"nvjet|gemm|cutlass|xmma", re.IGNORECASE)
 _BY_NAME = (("decode", "attn_decode"), ("prefill", "attn_prefill"), ("rope", "rope_append"),
-            ("silu", "act"), ("rms_norm", "norm"))
+            ("silu", "act"), ("rms_norm", "norm"), ("rows_fp8", "rows_fp8"))
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class TracedKernel:
 
 
 def kind_of(name: str) -> str:
-    """'gemm', an op name, 'norm' (which of the two norms depends on its place) or 'other'."""
+    """'gemm', an op name, 'norm' or 'rows_fp8' (which op depends on its place) or 'other'."""
     if _GEMM.search(name):
         return "gemm"
     return next((op for key, op in _BY_NAME if key in name), "other")
@@ -89,6 +91,8 @@ def attribute(kernels: list[TracedKernel], num_layers: int) -> Attribution | str
                 gemms += 1
             elif kind == "norm":
                 op = "add_norm_ffn" if gemms < 3 else "add_norm_attn"
+            elif kind == "rows_fp8":
+                op = "act" if gemms == 3 else "o"
             else:
                 op = kind
             times[op] += k.duration_us

@@ -146,9 +146,36 @@ def linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
     name = _chosen(args, impls.GEMM, lambda: opts.gemm_impl)
     target = impls.cublaslt_sm_target(impls.sm_target(args), num_sms(x.device)) \
         if name == "cublaslt" else contextlib.nullcontext()
-    with target:
+    def mm(b: torch.Tensor | None) -> None:
         torch._scaled_mm(x, w.t(), scale_a=x_scale.view(-1, 1), scale_b=w_scale.view(1, -1),
-                         bias=bias, out_dtype=out.dtype, use_fast_accum=FP8_FAST_ACCUM, out=out)
+                         bias=b, out_dtype=out.dtype, use_fast_accum=FP8_FAST_ACCUM, out=out)
+
+    with target:
+        bias_epilogue_or_add(mm, (x.shape[0], w.shape[0], w.shape[1]), bias, out)
+
+
+# (rows, N, K) of the FP8 GEMMs whose bias epilogue cuBLASLt has refused in this process
+_UNFUSED_BIAS: set[tuple[int, int, int]] = set()
+
+
+def bias_epilogue_or_add(mm: Callable[[torch.Tensor | None], None], key: tuple[int, int, int],
+                         bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Run `mm(bias)` (the GEMM with its bias in the epilogue); where cuBLASLt finds no
+    algorithm for that (CUBLAS_STATUS_NOT_SUPPORTED: on an H200, 7 rows x K 14,336 with a bf16
+    bias), `mm(None)` and the bias added after, and that shape goes that way from then on. The
+    refusal comes from the host-side heuristic query before any launch, so an eager warm-up
+    run meets it before a CUDA graph captures the shape."""
+    if bias is not None and key not in _UNFUSED_BIAS:
+        try:
+            mm(bias)
+            return
+        except RuntimeError as exc:
+            if "NOT_SUPPORTED" not in str(exc):
+                raise
+            _UNFUSED_BIAS.add(key)
+    mm(None)
+    if bias is not None:
+        out.add_(bias)
 
 
 # Hopper's FP8 MMA accumulates in reduced precision unless CUTLASS promotes the partial sums

@@ -50,6 +50,16 @@ def test_kernel_kinds():
     assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert kind_of("_persistent_gemm_kernel") == "gemm"
     assert kind_of("decode_bulk") == "attn_decode"
+    assert kind_of("_rows_fp8_kernel") == "rows_fp8"  # act or o's quantisation, by place
+
+
+def test_the_fp8_row_kernel_is_act_after_ug_and_o_before_o():
+    names = ["gemm_kqv", "rope", "decode", "_rows_fp8_kernel", "gemm_o", "rms_norm",
+             "gemm_ug", "_rows_fp8_kernel", "gemm_d", "rms_norm"]
+    trace = [TracedKernel(n, float(i), 1.0 + i) for i, n in enumerate(names)]
+    att = attribute(trace, 1)
+    assert not isinstance(att, str)
+    assert att.per_layer[0]["o"] == 4.0 + 5.0 and att.per_layer[0]["act"] == 8.0
     assert kind_of("void at::native::elementwise_kernel<128, 4>") == "other"
 
 

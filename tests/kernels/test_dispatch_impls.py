@@ -392,3 +392,32 @@ def test_a_cuda_bulk_that_cannot_be_built_here_is_warned_about_and_the_triton_ke
         assert not K._bulk_runs(q, k, v, scale, scale)
     monkeypatch.setattr(bulk, "unsupported", lambda *a: "it needs 16-token pages")
     assert not K._bulk_runs(q, k, v, scale, scale)
+
+
+def test_fp8_bias_epilogue_falls_back_to_an_add_where_cublaslt_refuses_it():
+    from nanosched.kernels import dispatch
+
+    calls = []
+    out = torch.zeros(2, 3)
+    bias = torch.tensor([1.0, 2.0, 3.0])
+
+    def refusing(b):
+        calls.append(b is not None)
+        if b is not None:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling ...")
+        out.fill_(10.0)
+
+    key = (2, 3, 99991)
+    dispatch._UNFUSED_BIAS.discard(key)
+    dispatch.bias_epilogue_or_add(refusing, key, bias, out)
+    assert calls == [True, False] and out[0].tolist() == [11.0, 12.0, 13.0]
+    dispatch.bias_epilogue_or_add(refusing, key, bias, out)  # remembered: no second refusal
+    assert calls == [True, False, False]
+    dispatch._UNFUSED_BIAS.discard(key)
+
+    def broken(b):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        dispatch.bias_epilogue_or_add(broken, key, bias, out)
+    assert key not in dispatch._UNFUSED_BIAS

@@ -130,10 +130,19 @@ def batch_mix(batch: Any) -> BatchMix:
                     max((e.start + e.num_tokens for e in pre), default=0))
 
 
-def row_us(prof: Any, op: str, rows: int, context: float | None) -> float:
+def row_us(prof: Any, op: str, rows: int, context: float | None,
+           clamp: bool = False) -> float:
     """`op` over `rows` rows: the profile's rows linear between its 128-row grid points (the
-    smallest point for fewer rows: a GEMM then costs its weights' read)."""
+    smallest point for fewer rows: a GEMM then costs its weights' read). `clamp`: an attention
+    context outside the profile's measured ones is priced at the nearest (a quick profile holds
+    prefill at the workload's prompt length only, so a chunk ending earlier is priced over its
+    row; prefill attention is a few percent of a layer); else that is a ProfileError."""
     from nanosched.constants import TOKEN_QUANTUM
+
+    if clamp and context is not None:
+        have = sorted({r.context for r in prof.kernels if r.op == op})
+        if have and have != [0]:
+            context = min(max(context, have[0]), have[-1])
 
     lo = max(TOKEN_QUANTUM, rows // TOKEN_QUANTUM * TOKEN_QUANTUM)
     hi = max(TOKEN_QUANTUM, -(-rows // TOKEN_QUANTUM) * TOKEN_QUANTUM)

@@ -1,6 +1,7 @@
 """CPU: a `nanosched bench` run's batches priced by a profile's rows, against its measured time.
 
     PYTHONPATH=. python bench/analysis/price_run.py BENCH_JSON --profile NAME_OR_FILE [--run NAME]
+        [--clamp]
 
 Replays the run's workload (its input/output lengths, prompts, dense batch, admission policy and
 the KV pages it had) through the engine's batcher and paged cache over a fake model
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("bench_json")
     ap.add_argument("--profile", required=True, help="a shipped profile's name or a file")
     ap.add_argument("--run", default=None, help="which run of the file (default: the first)")
+    ap.add_argument("--clamp", action="store_true", help="price attention contexts outside "
+                    "the profile's at the nearest measured one (a quick profile's prefill)")
     args = ap.parse_args()
     data = json.loads(Path(args.bench_json).read_text())
     cfg = data["config"]
@@ -73,7 +76,7 @@ def main() -> None:
     shapes = batches(cfg, run["kv_pages"])
     kinds: dict[str, list[float]] = {"full": [], "decode only": [], "other": []}
 
-    price = functools.partial(row_us, prof)
+    price = functools.partial(row_us, prof, clamp=args.clamp)
     for d, ctx, p, plen in shapes:
         batch = BatchInfo(d + p, d, max(1, plen or cfg["input_len"]), ctx or 1.0, 0.0)
         layer = sum(sequential_op_times(spec, 1, prof, batch, price).values())
@@ -83,7 +86,7 @@ def main() -> None:
     measured_s = run["results"]["elapsed_s"]
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["python", *sys.argv]), "bench": args.bench_json, "run": name,
-           "profile": args.profile, "measured_iterations": run["iterations"],
+           "profile": args.profile, "clamp": args.clamp, "measured_iterations": run["iterations"],
            "simulated_iterations": len(shapes), "measured_s": measured_s,
            "priced_forwards_s": round(priced_s, 2),
            "kinds": {k: {"iterations": len(v), "priced_s": round(sum(v) / 1e6, 2),

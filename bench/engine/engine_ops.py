@@ -87,16 +87,6 @@ def main() -> None:
     ap.add_argument("--trace", type=int, default=24, help="iterations traced")
     args = ap.parse_args()
     prof = load_named_profile(args.profile)
-
-    def in_range(op: str, context: float | None) -> float | None:
-        """An attention row's context clamped to the profile's measured ones: a quick profile
-        holds prefill at the workload's prompt length only, so a chunk ending earlier is priced
-        at that length (over its row; prefill attention is a few percent of a layer)."""
-        if context is None:
-            return None
-        have = sorted({r.context for r in prof.kernels if r.op == op})
-        return min(max(context, have[0]), have[-1]) if have and have != [0] else context
-
     cfg = EngineConfig(model=args.model, weights="random", schedule="sequential",
                        dense_batch=args.dense_batch, kv_dtype=args.kv_cache_dtype, graphs="on",
                        quantization=args.quantization)
@@ -154,7 +144,7 @@ def main() -> None:
                               max(1, shape["prompt_end"] or args.input_len),
                               shape["decode_context"] or 1.0, 0.0)
             rows = sequential_op_times(spec, 1, prof, batch,
-                                       lambda op, n, c: row_us(prof, op, n, in_range(op, c)))
+                                       lambda op, n, c: row_us(prof, op, n, c, clamp=True))
             med = att.median_us()
             span = ks[-1].start_us + ks[-1].duration_us - ks[0].start_us
             layer_kernels = sum(sum(layer.values()) for layer in att.per_layer)

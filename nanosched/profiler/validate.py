@@ -32,6 +32,7 @@ MAX_FORWARD_FACTOR = 10.0  # an op inside a layer runs within 1/10..10x its row'
 MAX_CEILING = 1e6  # TFLOP/s or GB/s: a thousand times today's GPUs
 MIN_CEILING = 1e-3  # TFLOP/s or GB/s: a GFLOP/s or a MB/s, below any GPU
 MAX_ROW_TOKENS = 1 << 17  # tokens of one kernel row: 64 times the default dense batch cap
+RP_MONOTONE_SLACK = 0.10  # measurement noise allowed against the direction of an R->P curve
 MAX_CONTEXT = 1 << 21  # tokens of one request's context: past any model's positions (2M)
 
 
@@ -108,6 +109,7 @@ def validate_profile(prof: Profile, where: str = "profile") -> None:
                 raise ProfileError(f"{where}: {key} class {cls!r} not in {RP_CLASSES}")
             for p in pts:
                 _check_rp_point(p, f"{where}: {key}[{cls}] point r={p.r}")
+            _check_rp_curves(pts, f"{where}: {key}[{cls}]")
 
 
 def profile_ops(model: ModelSpec, tp: int) -> set[str]:
@@ -145,6 +147,33 @@ def _check_ceilings(c: Ceilings, where: str) -> None:
     if lat is not None and not 0 <= lat <= MAX_TIME_US:
         raise ProfileError(f"{where}: ceilings: allreduce_latency_us is {lat:.3g}; it must be "
                            f"in 0..{MAX_TIME_US:g}")
+
+
+def _check_rp_curves(pts: tuple[RPPoint, ...] | list[RPPoint], here: str) -> None:
+    """Within one curve (the points of one mechanism, implementation pair and shape) each r
+    appears once, and giving the other op more of the GPU does not make it slower nor the
+    compute op faster by more than `RP_MONOTONE_SLACK` (measured curves rise by 1.3% or more
+    between points in every shipped profile)."""
+    curves: dict[tuple, list[RPPoint]] = {}
+    for p in pts:
+        key = (p.mechanism, p.other_impl, p.compute_impl, p.compute_op, p.tokens, p.context)
+        curves.setdefault(key, []).append(p)
+    for (mech, other, impl, op, tokens, context), curve in curves.items():
+        what = (f"{here} curve {mech}/{impl}" + (f"/{other}" if other else "")
+                + (f" at {op} {tokens} tokens" if op else "")
+                + (f" context {context}" if context else ""))
+        curve = sorted(curve, key=lambda p: p.r)
+        for a, b in zip(curve, curve[1:], strict=False):
+            if b.r == a.r:
+                raise ProfileError(f"{what}: two points at r={a.r:g}; a curve holds one per r")
+            if b.p_other < a.p_other * (1 - RP_MONOTONE_SLACK):
+                raise ProfileError(f"{what}: P of the other op falls from {a.p_other:.3g} at "
+                                   f"r={a.r:.3g} to {b.p_other:.3g} at r={b.r:.3g}; it must "
+                                   f"not fall as r grows")
+            if b.p_compute > a.p_compute * (1 + RP_MONOTONE_SLACK):
+                raise ProfileError(f"{what}: P of the compute op rises from {a.p_compute:.3g} "
+                                   f"at r={a.r:.3g} to {b.p_compute:.3g} at r={b.r:.3g}; it "
+                                   f"must not rise as the other op takes more of the GPU")
 
 
 def _check_rp_point(p: RPPoint, here: str) -> None:

@@ -100,7 +100,26 @@ PROFILE_MUTATIONS = [  # issue 45: each was accepted with exit 0
     ("ceiling-1e-300", lambda d: d["ceilings"].update(copy_gbs=1e-300), "copy_gbs"),
     ("row-1048576-tokens", lambda d: _k(d).update(tokens=1 << 20), "at most 131072"),
     ("context-67108864", lambda d: _k(d).update(context=1 << 26), "context in 0..2097152"),
+    ("p-falling-as-r-grows", lambda d: _falling(d), "must not fall as r grows"),
+    ("duplicate-r-point", lambda d: d["rp"]["memory"].append(dict(d["rp"]["memory"][0])),
+     "two points at r="),
 ]
+
+
+def _falling(d):
+    """The largest-r point of the base profile's first curve of several points made slower
+    than its smallest-r one."""
+    keys = ("mechanism", "compute_impl", "other_impl", "compute_op", "tokens", "context")
+    for pts in d["rp"].values():
+        curves = {}
+        for p in pts:
+            curves.setdefault(tuple(p.get(k) for k in keys), []).append(p)
+        for curve in curves.values():
+            if len(curve) >= 2:
+                curve.sort(key=lambda p: p["r"])
+                curve[-1]["p_other"] = curve[0]["p_other"] / 2
+                return
+    raise AssertionError("the base profile has no R->P curve of two points")
 
 
 @pytest.mark.parametrize("mutate, field", [c[1:] for c in PROFILE_MUTATIONS],

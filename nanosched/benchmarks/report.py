@@ -137,6 +137,10 @@ def header_lines(out: dict[str, Any], model: str, tp: int, seed: int) -> list[st
              + fp8 + (f"; {out['warmup_prompts']} untimed warm-up requests before each run"
                 if out.get("warmup_prompts") else "; no warm-up (--warmup-prompts 0): the first "
                 "requests' times include the first calls' costs")]
+    if out.get("weight_bytes"):
+        held = out.get("gpu_bytes_after_load")
+        lines.append(f"weights: {out['weight_bytes'] / 1e9:.2f} GB per rank"
+                     + (f" ({held / 1e9:.2f} GB allocated once loaded)" if held else ""))
     lines += results_table({name: run["results"] for name, run in out["runs"].items()})
     optimal = next(iter(out["runs"].values()))["results"].get("optimal_tokens_per_s_per_gpu")
     if optimal:

@@ -231,6 +231,8 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
                        eng.kernels, copy_engine=copy_engine, quantization=eng.quantization,
                        dtype=eng.dtype)
     precision = "fp8" if model.quantization == "fp8" else "bf16"
+    loaded_bytes = torch.cuda.memory_allocated(model.device) \
+        if model.device.type == "cuda" else None
     gemm = measured_gemm_tflops(device, precision)
     record = {k: v for k, v in asdict(cfg).items() if k != "engine"} | \
         {k: v for k, v in asdict(eng).items() if k not in ("kernels", "eos_ids", "admission")}
@@ -242,6 +244,11 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
     out: dict[str, Any] = {"config": record | {"dense_batch": dense, "graphs": graphs},
                            "environment": environment(device) | {"num_gpus": eng.tp},
                            "model_params": spec.num_params(),
+                           # this rank's parameters, and what the GPU held once they had loaded
+                           # (a model-dtype copy of a quantised weight left behind shows there)
+                           "weight_bytes": sum(p.numel() * p.element_size()
+                                               for p in model.parameters()),
+                           "gpu_bytes_after_load": loaded_bytes,
                            "gemm_tflops_8192": gemm, "gemm_precision": precision,
                            "runs": {}, "warmup_prompts": warm}
     # every run times its full-batch forward on the same batch: the schedule's mix if any

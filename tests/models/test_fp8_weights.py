@@ -338,6 +338,15 @@ def test_fp8_bench_records_its_quantization(tmp_path):
     data = json.loads(out.read_text())
     assert data["config"]["quantization"] == "fp8" and data["gemm_precision"] == "fp8"
     assert "(FP8 W8A8)" in r.output
+    assert "weights: " in r.output and data["gpu_bytes_after_load"] is None  # no GPU here
+    # the weights it held: the layer GEMMs at a byte an element, against the same model's own
+    plain = tmp_path / "plain.json"
+    r = CliRunner().invoke(app, ["bench", "--model", "stories15m", "--input-len", "16",
+                                 "--output-len", "4", "--num-prompts", "2", "--quantization",
+                                 "none", "--json", str(plain)])
+    assert r.exit_code == 0, r.output
+    own = json.loads(plain.read_text())["weight_bytes"]
+    assert 0 < data["weight_bytes"] < 0.8 * own
 
 
 def test_fp8_weights_refused_in_a_float16_model(tmp_path):

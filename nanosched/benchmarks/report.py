@@ -151,6 +151,9 @@ def header_lines(out: dict[str, Any], model: str, tp: int, seed: int) -> list[st
     return lines
 
 
+RECOMPUTE_HINT = 0.10  # tokens computed again by preemption, of the prompts', that earn a hint
+
+
 def run_lines(name: str, run: dict[str, Any]) -> list[str]:
     """A run's counters under the results table: iterations (pipelined, sequential by the
     strategy's decision, no entry), batches, preemptions, graphs, the full-batch forward and
@@ -163,6 +166,14 @@ def run_lines(name: str, run: dict[str, Any]) -> list[str]:
              f"{100 * run['full_batch_share']:.1f}% at the dense batch; admission "
              f"{run['admission']}: {p['preemptions']} preemptions ({p['recomputed']} "
              f"recomputed, {p['swapped']} swapped)"]
+    prompts = run["results"].get("prompt_tokens") or 0
+    share = p.get("recomputed_tokens", 0) / prompts if prompts else 0.0
+    if share >= RECOMPUTE_HINT:
+        lines.append(f"  preemption computed {p['recomputed_tokens']:,} tokens again "
+                     f"({100 * share:.0f}% of the prompts' tokens): the cache holds fewer "
+                     f"requests than were admitted; --admission reserve admits a request only "
+                     f"when its pages to max_tokens fit (TensorRT-LLM's default policy), "
+                     f"--kv-headroom keeps a share free")
     if "gpu_timeline" in run:
         t, wall = run["gpu_timeline"], run["results"]["elapsed_s"]
         lines.append(f"  GPU: {t['busy_s']:.1f} s on {t['iterations']} iterations' work, "

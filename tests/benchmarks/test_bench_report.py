@@ -160,3 +160,22 @@ def test_each_shape_reports_the_runs_own_forwards_there():
     assert by[352, 1024]["forward_ms"] == 34.0 and by[352, 1024]["forward_iterations"] == 3
     assert by[384, 1024]["forward_ms"] == 36.0
     assert "forward_ms" not in by[64, 64]
+
+
+def test_a_run_that_recomputes_a_tenth_of_its_prompts_is_told_how_to_avoid_it():
+    """70B at 1000 / 1000 on one H200 under `use` admission computes 79% of its prompts again
+    (bench/analysis/admission_sim.py): the report says so and names the two flags."""
+    from nanosched.benchmarks.report import run_lines
+
+    run = {"strategy": "sequential", "iterations": 7151, "pipelined_iterations": 0,
+           "sequential_iterations": 7151, "no_entry_iterations": 0, "tokens_per_iteration": 389,
+           "full_batch_share": 0.11, "admission": "use",
+           "preemptions": {"preemptions": 636, "recomputed": 636, "swapped": 0,
+                           "recomputed_tokens": 786832},
+           "forward_ms_full_batch": 248.5, "layer_us_full_batch": 3106.0, "graphs": True,
+           "results": {"elapsed_s": 500.0, "prompt_tokens": 1000000}}
+    out = "\n".join(run_lines("sequential", run))
+    assert "computed 786,832 tokens again (79% of the prompts' tokens)" in out
+    assert "--admission reserve" in out and "--kv-headroom" in out
+    run["preemptions"] |= {"preemptions": 3, "recomputed": 3, "recomputed_tokens": 3000}
+    assert "--admission reserve" not in "\n".join(run_lines("sequential", run))

@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanosched.autosearch.sets import MIN_GAIN
-from nanosched.costmodel import (
+from nanosched.errors import ConfigError, ProfileError
+from nanosched.hardware import get_gpu, measured_gpu
+from nanosched.models.costmodel import (
     DEFAULT_MAX_DENSE_BATCH,
     TOKEN_QUANTUM,
     choose_tp,
     fp8_gemm,
     max_dense_batch,
 )
-from nanosched.errors import ConfigError, ProfileError
-from nanosched.hardware import get_gpu, measured_gpu
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.catalog import load_named_profile, pick_shipped
 from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for

@@ -20,8 +20,8 @@ from nanosched.autosearch.cpsat import Progress
 from nanosched.autosearch.proof import resource_ceiling, with_proof
 from nanosched.autosearch.search import SearchConfig, run_search, search_batch
 from nanosched.constants import TOKEN_QUANTUM
-from nanosched.costmodel import kv_capacity_tokens
 from nanosched.errors import ScheduleError
+from nanosched.models.costmodel import kv_capacity_tokens
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import BatchInfo, model_info
 from nanosched.schedules.sets import (

@@ -17,9 +17,9 @@ from dataclasses import replace
 
 from nanosched.autosearch.opgraph import layer_graph
 from nanosched.constants import TOKEN_QUANTUM
-from nanosched.costmodel import FP8_GEMM_SPEEDUP, fp8_gemm, nano_mix, op_demands
 from nanosched.errors import ConfigError
 from nanosched.hardware import GPUSpec
+from nanosched.models.costmodel import FP8_GEMM_SPEEDUP, fp8_gemm, nano_mix, op_demands
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Ceilings, Identity, KernelRow, Profile, RPPoint

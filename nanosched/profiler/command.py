@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
 from nanosched.errors import ConfigError, ProfileError
 from nanosched.fileio import check_output_file
 from nanosched.hardware import GIB, GPUSpec
+from nanosched.models.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.profiler.backend import ProfilerBackend, Unsupported
 from nanosched.profiler.format import Profile, load_profile, save_profile

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanosched.constants import DEFAULT_NUM_SMS
-from nanosched.costmodel import FP8_GEMM_SPEEDUP
 from nanosched.kernels.impls import network_impl
+from nanosched.models.costmodel import FP8_GEMM_SPEEDUP
 from nanosched.models.ops import MEMORY
 from nanosched.profiler import impls
 from nanosched.profiler.backend import (

@@ -22,6 +22,7 @@ from pathlib import Path
 from nanosched.autosearch.sets import MIN_GAIN
 from nanosched.errors import ConfigError, ProfileError
 from nanosched.hardware import get_gpu, measured_gpu
+from nanosched.models import ops as optable
 from nanosched.models.costmodel import (
     DEFAULT_MAX_DENSE_BATCH,
     TOKEN_QUANTUM,
@@ -129,7 +130,7 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
             kv_dtype: str = "auto", quantization: str = "none") -> Choice:
     """Decide tp, profile (None means: build a synthetic one) and dense batch."""
     gpu = get_gpu(gpu_name or DEFAULT_GPU)
-    fp8_gemm("kqv", quantization)  # an unknown --quantization is refused here
+    fp8_gemm(optable.KQV, quantization)  # an unknown --quantization is refused here
     msgs: list[str] = []
     if dense_batch != "auto" and not dense_batch.isdigit():
         raise ConfigError(f"--dense-batch must be a number of tokens or 'auto', got "

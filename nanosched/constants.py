@@ -6,8 +6,6 @@ PAGE_SIZE = 16  # tokens per page of the paged KV cache (the engine's and the pr
 KV_DTYPES = ("auto", "fp8")  # KV cache element types: the model's dtype, or e4m3 with scales
 # layer weights a profile is measured on and a schedule runs on (models/quant.py: none | fp8)
 QUANTIZATIONS = ("none", "fp8")
-# the layer GEMMs whose weights fp8 makes e4m3 (models/quant.fp8_weights: MoE experts stay)
-FP8_GEMM_OPS = ("kqv", "o", "ug", "d")
 DEFAULT_NUM_SMS = 132  # SMs of an H100 / H200 SXM: the default where no GPU is at hand
 # NVLink multicast stays off on shared multi-GPU hosts: NCCL's NVLS, PyTorch symmetric memory's
 # and NVSHMEM's. Set in the environment before NCCL initialises (spawned ranks inherit it).

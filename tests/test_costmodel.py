@@ -8,9 +8,9 @@ input 512 / output 1,024 (the §6.4 decode-heavy workload).
 
 import pytest
 
-from nanosched.costmodel import analyze, batch_mix, optimal_tokens_per_s_per_gpu
 from nanosched.errors import ConfigError
 from nanosched.hardware import get_gpu
+from nanosched.models.costmodel import analyze, batch_mix, optimal_tokens_per_s_per_gpu
 from nanosched.models.spec import load_spec
 from nanosched.workloads import fixed
 
@@ -127,7 +127,7 @@ def test_dense_batch_must_be_positive():
 
 
 def test_choose_tp_is_the_smallest_that_holds_the_batch():
-    from nanosched.costmodel import choose_tp, max_dense_batch
+    from nanosched.models.costmodel import choose_tp, max_dense_batch
 
     spec, gpu, wl = load_spec("llama3-70b"), get_gpu("h100"), fixed(1024, 512)
     assert max_dense_batch(spec, gpu, 4, wl) < 2048 <= max_dense_batch(spec, gpu, 8, wl)

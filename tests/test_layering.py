@@ -14,9 +14,10 @@ lazy imports inside functions included) against the rules below.
   (runtime, models, search, schedules) imports it: the runtime takes a frontend model by what
   it offers (`program`), not by its class.
 Within autosearch/ no module imports, even lazily, one that imports it back (`circles`).
-Top-level pure modules (constants, errors, hardware, workloads, costmodel, fileio), the command
-line (`nanosched.cli`) and the benchmark harnesses (`nanosched.benchmarks`, which may import
-both sides) are not restricted. Relative imports are read as the absolute names they stand for.
+Top-level pure modules (constants, errors, hardware, workloads, fileio) import no package of
+nanosched, so no import circle crosses packages through them. The command line
+(`nanosched.cli`) and the benchmark harnesses (`nanosched.benchmarks`, which may import both
+sides) are not restricted. Relative imports are read as the absolute names they stand for.
 """
 
 from __future__ import annotations
@@ -142,6 +143,21 @@ def circles(root: Path, layer: str, package: str = "nanosched") -> list[list[str
 
 def test_the_package_keeps_its_layers():
     assert violations(ROOT) == []
+
+
+PURE_TOP_LEVEL = ("constants", "errors", "hardware", "workloads", "fileio")
+
+
+def test_the_top_level_pure_modules_import_no_package():
+    """The cost model lives in models/ (it reads the op table and the specs, and a spec asks
+    it for a tp), so no top-level module closes a circle with a package."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    bad = {name: sorted(n for n in imported(ROOT / f"{name}.py", f"nanosched.{name}")
+                        if n.split(".")[0] == "nanosched" and len(n.split(".")) > 1
+                        and n.split(".")[1] in packages)
+           for name in PURE_TOP_LEVEL}
+    assert {k: v for k, v in bad.items() if v} == {}
+    assert not (ROOT / "costmodel.py").exists()
 
 
 def test_the_search_has_no_import_circle():

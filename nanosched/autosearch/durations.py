@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Protocol
 
 from nanosched.errors import ProfileError
+from nanosched.models import ops as optable
 from nanosched.models.ops import COMPUTE, NETWORK
 from nanosched.profiler.format import Profile, RPPoint
 from nanosched.profiler.interference import P_MAX
@@ -71,7 +72,7 @@ def to_ticks(us: float) -> int:
 def op_context(op: str, decode_context: float, prompt_len: float) -> float | None:
     """The context an attention op's profile rows are keyed by: the decode tokens' mean KV
     context, or the prompt length of prefill chunks (None for non-attention ops)."""
-    return {"attn_decode": decode_context, "attn_prefill": prompt_len}.get(op)
+    return {"decode": decode_context, "prefill": prompt_len}.get(optable.domain_of(op))
 
 
 def tick_table(profile: Profile, op: str, max_tokens: int, context: float | None,

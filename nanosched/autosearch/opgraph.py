@@ -20,11 +20,20 @@ from typing import NamedTuple
 from nanosched.autosearch.periodic import Precedence
 from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ConfigError
-from nanosched.models.ops import COLLECTIVE_FORMS, COMPUTE, MEMORY, NETWORK, OTHER, layer_ops
+from nanosched.models import ops as optable
+from nanosched.models.ops import (
+    COLLECTIVE_FORMS,
+    COMPUTE,
+    MEMORY,
+    NETWORK,
+    OTHER,
+    OpSpec,
+    layer_ops,
+)
 from nanosched.models.spec import ModelSpec
 
 STREAMS = (COMPUTE, MEMORY, NETWORK)
-GROUPS = {"ar_attn": "attn", "ar_ffn": "ffn"}  # all-reduce -> its collective group
+GROUPS = {op.name: op.collective for op in optable.OPS if op.collective}  # all-reduce: group
 
 
 @dataclass(frozen=True)
@@ -102,35 +111,61 @@ class TokenMix:
         return self.num_decode + (u - self.num_decode) // self.prompt_len * self.prompt_len
 
 
+def _collectives(spec: ModelSpec) -> list[tuple[OpSpec, str, OpSpec, str, int]]:
+    """Each all-reduce of the table as (it, the op it reduces, the norm after it, the op that
+    norm feeds, that edge's layer shift), for `spec`'s layers."""
+    held = [op for op in optable.OPS if op.holds(spec)]
+    names = {op.name for op in held}
+    out = []
+    for c in held:
+        if c.collective is None:
+            continue
+        src = next(n for n, _ in c.inputs if n in names)
+        norm = next(op for op in held if op is not c and (src, 0) in op.inputs)
+        nxt, shift = next((op.name, s) for op in held for n, s in op.inputs if n == norm.name)
+        out.append((c, src, norm, nxt, shift))
+    return out
+
+
 def layer_graph(spec: ModelSpec, tp: int) -> OpGraph:
-    """The op graph of one layer; with tp > 1 both forms of each collective are present."""
+    """The op graph of one layer, from the op table's inputs; with tp > 1 both forms of each
+    collective are present between the GEMM it reduces and the norm after it."""
+    colls = _collectives(spec)
+    group_of = {c.name: c.collective for c, *_ in colls}
+    gather_after = {norm.name: c.name for c, _, norm, _, _ in colls}
     ops: list[GraphOp] = []
     for od in layer_ops(spec, tp):
-        domain = {"attn_decode": "decode", "attn_prefill": "prefill"}.get(od.name, "all")
-        if od.name in GROUPS:
+        domain = optable.BY_NAME[od.name].domain
+        if od.name in group_of:
             rs = COLLECTIVE_FORMS[od.name][0]
-            ops.append(GraphOp(od.name, od.resource, domain, GROUPS[od.name], "ar"))
-            ops.append(GraphOp(rs.name, rs.resource, "all", GROUPS[od.name], "rs_ag"))
+            ops.append(GraphOp(od.name, od.resource, domain, group_of[od.name], "ar"))
+            ops.append(GraphOp(rs.name, rs.resource, "all", group_of[od.name], "rs_ag"))
         else:
             ops.append(GraphOp(od.name, od.resource, domain))
-        if od.name in ("add_norm_ffn", "add_norm_attn") and tp > 1:
-            ar = "ar_attn" if od.name == "add_norm_ffn" else "ar_ffn"
+        if od.name in gather_after and tp > 1:
+            ar = gather_after[od.name]
             ag = COLLECTIVE_FORMS[ar][1]
-            ops.append(GraphOp(ag.name, ag.resource, "all", GROUPS[ar], "rs_ag"))
-    ug, d = ("experts_ug", "experts_d") if spec.is_moe else ("ug", "d")
-    edges = [Edge("kqv", "rope_append"), Edge("rope_append", "attn_decode"),
-             Edge("rope_append", "attn_prefill"), Edge("rope_append", "attn_prefill", 0, "prompt"),
-             Edge("attn_decode", "o"), Edge("attn_prefill", "o"), Edge(ug, "act"), Edge("act", d)]
-    if tp == 1:
-        edges += [Edge("o", "add_norm_ffn"), Edge("add_norm_ffn", ug), Edge(d, "add_norm_attn"),
-                  Edge("add_norm_attn", "kqv", 1)]
-    else:
-        for src, group, nxt, shift in (("o", "attn", ug, 0), (d, "ffn", "kqv", 1)):
-            ar, rs, ag = (f"ar_{group}", f"rs_{group}", f"ag_{group}")
-            norm = "add_norm_ffn" if group == "attn" else "add_norm_attn"
-            edges += [Edge(src, ar), Edge(src, rs), Edge(ar, norm), Edge(rs, norm),
-                      Edge(norm, ag), Edge(ag, nxt, shift),
-                      Edge(norm, nxt, shift, cond=(group, "ar"))]
+            ops.append(GraphOp(ag.name, ag.resource, "all", group_of[ar], "rs_ag"))
+    names = {op.name for op in optable.OPS if op.holds(spec)}
+    boundary = set(gather_after)
+    edges = []
+    for op in optable.OPS:
+        if op.name not in names or op.collective or op.name in boundary:
+            continue
+        for src, shift in op.inputs:
+            if src in names and src not in boundary:
+                edges.append(Edge(src, op.name, shift))
+                if op.domain == "prefill":  # the earlier part of the same prompt
+                    edges.append(Edge(src, op.name, shift, "prompt"))
+    for c, src, norm, nxt, shift in colls:
+        if tp == 1:
+            edges += [Edge(src, norm.name), Edge(norm.name, nxt, shift)]
+            continue
+        ar, group = c.name, c.collective
+        rs, ag = (f.name for f in COLLECTIVE_FORMS[ar])
+        edges += [Edge(src, ar), Edge(src, rs), Edge(ar, norm.name), Edge(rs, norm.name),
+                  Edge(norm.name, ag), Edge(ag, nxt, shift),
+                  Edge(norm.name, nxt, shift, cond=(group, "ar"))]
     return OpGraph(tuple(ops), tuple(edges))
 
 

@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanosched.autosearch.sets import MIN_GAIN
-from nanosched.costmodel import (
+from nanosched.errors import ConfigError, ProfileError
+from nanosched.hardware import get_gpu, measured_gpu
+from nanosched.models import ops as optable
+from nanosched.models.costmodel import (
     DEFAULT_MAX_DENSE_BATCH,
     TOKEN_QUANTUM,
     choose_tp,
     fp8_gemm,
     max_dense_batch,
 )
-from nanosched.errors import ConfigError, ProfileError
-from nanosched.hardware import get_gpu, measured_gpu
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.catalog import load_named_profile, pick_shipped
 from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for
@@ -129,7 +130,7 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
             kv_dtype: str = "auto", quantization: str = "none") -> Choice:
     """Decide tp, profile (None means: build a synthetic one) and dense batch."""
     gpu = get_gpu(gpu_name or DEFAULT_GPU)
-    fp8_gemm("kqv", quantization)  # an unknown --quantization is refused here
+    fp8_gemm(optable.KQV, quantization)  # an unknown --quantization is refused here
     msgs: list[str] = []
     if dense_batch != "auto" and not dense_batch.isdigit():
         raise ConfigError(f"--dense-batch must be a number of tokens or 'auto', got "

@@ -74,7 +74,7 @@ class SearchConfig:
 
 def batch_info(workload: Workload, dense_batch: int) -> BatchInfo:
     """The steady-state mix, the decode/prefill boundary placed on the 128-token grid."""
-    from nanosched.costmodel import batch_mix
+    from nanosched.models.costmodel import batch_mix
 
     mix = batch_mix(workload, dense_batch)
     num_decode = min(dense_batch, round(mix.num_decode / TOKEN_QUANTUM) * TOKEN_QUANTUM)

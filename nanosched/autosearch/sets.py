@@ -20,8 +20,9 @@ from nanosched.autosearch.cpsat import Progress
 from nanosched.autosearch.proof import resource_ceiling, with_proof
 from nanosched.autosearch.search import SearchConfig, run_search, search_batch
 from nanosched.constants import TOKEN_QUANTUM
-from nanosched.costmodel import kv_capacity_tokens
 from nanosched.errors import ScheduleError
+from nanosched.models import ops as optable
+from nanosched.models.costmodel import kv_capacity_tokens
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import BatchInfo, model_info
 from nanosched.schedules.sets import (
@@ -81,7 +82,7 @@ def context_notes(cfg: SearchConfig) -> dict[str, float]:
     mem = cfg.profile.identity.memory_bytes
     return {"workload": search_batch(cfg).decode_context,
             "least": float(min((r.context for r in cfg.profile.kernels
-                                if r.op == "attn_decode" and r.context), default=1)),
+                                if r.op == optable.ATTN_DECODE and r.context), default=1)),
             "kv_capacity_tokens": kv_capacity_tokens(cfg.spec, cfg.tp, mem, cfg.dense_batch,
                                                      kv_dtype=cfg.profile.kv_dtype,
                                                      quantization=cfg.profile.quantization)

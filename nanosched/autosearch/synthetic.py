@@ -17,9 +17,10 @@ from dataclasses import replace
 
 from nanosched.autosearch.opgraph import layer_graph
 from nanosched.constants import TOKEN_QUANTUM
-from nanosched.costmodel import FP8_GEMM_SPEEDUP, fp8_gemm, nano_mix, op_demands
 from nanosched.errors import ConfigError
 from nanosched.hardware import GPUSpec
+from nanosched.models import ops as optable
+from nanosched.models.costmodel import FP8_GEMM_SPEEDUP, fp8_gemm, nano_mix, op_demands
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import Ceilings, Identity, KernelRow, Profile, RPPoint
@@ -38,7 +39,7 @@ NO_FP8 = ("v100", "a100-40g", "a100", "mi250")  # no FP8 tensor cores: W8A8 cann
 def synthetic_ceilings(gpu: GPUSpec, tp: int, quantization: str = "none") -> Ceilings:
     """`bf16_ceilings`, the GEMM figures times FP8_GEMM_SPEEDUP for fp8 weights."""
     ceil = bf16_ceilings(gpu, tp)
-    if not fp8_gemm("kqv", quantization):
+    if not fp8_gemm(optable.KQV, quantization):
         return ceil
     return replace(ceil, gemm_tflops_8192=round(ceil.gemm_tflops_8192 * FP8_GEMM_SPEEDUP, 3),
                    gemm_tflops_model=round(ceil.gemm_tflops_model * FP8_GEMM_SPEEDUP, 3))
@@ -62,7 +63,7 @@ def _time_us(spec: ModelSpec, tp: int, ceil: Ceilings, op: str, resource: str, t
         m += tokens * spec.vocab_size * 4
         x = 0.0
     else:
-        num_decode = tokens if op == "attn_decode" else 0
+        num_decode = tokens if op == optable.ATTN_DECODE else 0
         # attention rows are keyed by the decode context or, for prefill, the prompt length,
         # whose causal mean context is (p + 1) / 2
         mix = nano_mix(tokens, num_decode, context, (context + 1) / 2)
@@ -74,7 +75,7 @@ def _time_us(spec: ModelSpec, tp: int, ceil: Ceilings, op: str, resource: str, t
     rate = ceil.gemm_tflops_model * (FP8_GEMM_SPEEDUP if fp8_gemm(op, quantization) else 1.0)
     t_flops = f / tp / (rate * 1e6 * eff)
     t = max(t_flops, m / tp / (ceil.copy_gbs * 1e3)) + LAUNCH_US
-    if op == "o" and fp8_gemm(op, quantization):  # its input rows quantised first
+    if op == optable.O_PROJ and fp8_gemm(op, quantization):  # its input rows quantised first
         t += LAUNCH_US + tokens * spec.q_size * (spec.dtype_bytes + 1) / tp / (
             ceil.copy_gbs * 1e3)
     return t
@@ -89,10 +90,10 @@ def _sm_rows(op: str, resource: str, tokens: int, context: int, t_full: float,
     for sms in (s for s in (100, 68, 32) if s < num_sms):
         if resource == COMPUTE:
             t = t_full * num_sms / (0.97 * sms)
-            impl = "torch" if op == "attn_prefill" else "cublaslt"
+            impl = "torch" if op == optable.ATTN_PREFILL else "cublaslt"
         else:
             t = LAUNCH_US + (t_full - LAUNCH_US) / min(1.0, sms / (0.75 * num_sms))
-            impl = "triton_paged" if op == "attn_decode" else "triton"
+            impl = "triton_paged" if op == optable.ATTN_DECODE else "triton"
         rows.append(KernelRow(op, tokens, round(t, 3), sms, "green_ctx", impl, context, True,
                               True))
     return rows
@@ -114,7 +115,7 @@ def synthetic_profile(spec: ModelSpec, gpu: GPUSpec, tp: int, dense_batch: int,
     GEMMs are W8A8 under `quantization` fp8 (module docstring).
     """
     spec.check_tp(tp)
-    if fp8_gemm("kqv", quantization) and gpu.name in NO_FP8:
+    if fp8_gemm(optable.KQV, quantization) and gpu.name in NO_FP8:
         raise ConfigError(f"--quantization fp8: a {gpu.name} has no FP8 tensor cores, so W8A8 "
                           f"GEMMs do not run there; pass --gpu of a Hopper (h100, h200) or "
                           f"newer GPU")

@@ -62,9 +62,9 @@ def analyze(
     Prints FLOPs, bytes and time per resource for every op over all layers, the bottleneck,
     the largest dense batch that fits, T_R (Eq. 4) and the optimal throughput (Eq. 5).
     """
-    from nanosched.costmodel import analyze as run_analysis
-    from nanosched.costmodel import choose_tp
     from nanosched.hardware import get_gpu
+    from nanosched.models.costmodel import analyze as run_analysis
+    from nanosched.models.costmodel import choose_tp
     from nanosched.models.spec import load_spec
     from nanosched.workloads import resolve_workload
 

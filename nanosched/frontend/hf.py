@@ -19,7 +19,8 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.frontend import ops
-from nanosched.frontend.rules import Rules, SplitFunc, SplitModule
+from nanosched.frontend.rules import Rule, Rules, SplitFunc, SplitModule
+from nanosched.models.ops import OPS
 
 IMPLEMENTATION = "nanosched"
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention variants the kernels lack
@@ -77,25 +78,21 @@ def use_nanosched(model: torch.nn.Module) -> None:
         model.config._experts_implementation = IMPLEMENTATION
 
 
+def table_rules(kinds: tuple[str, ...] = ("module", "func", "op")) -> tuple[Rule, ...]:
+    """The op table's HF rules of `kinds` (models/ops.py `OpSpec.hf`), by rank: "op" names a
+    frontend operator (ops.py), "func" a function, "module" a module path glob."""
+    rules: list[tuple[int, Rule]] = []
+    for spec in OPS:
+        for rank, kind, target, inside in spec.hf:
+            if kind not in kinds:
+                continue
+            rule: Rule = (SplitModule(target, spec.name) if kind == "module" else
+                          SplitFunc(getattr(ops, target) if kind == "op" else target, spec.name,
+                                    inside=inside))
+            rules.append((rank, rule))
+    return tuple(r for _, r in sorted(rules, key=lambda x: x[0]))
+
+
 def llama_rules() -> Rules:
     """HF Llama / Qwen2 / Mistral / Mixtral as the named ops of models/ops.py (tp = 1)."""
-    return Rules((
-        SplitModule("*.self_attn.[qkv]_proj", "kqv"),
-        SplitFunc("apply_rotary_pos_emb", "rope_append"),
-        SplitFunc(ops.KV_APPEND, "rope_append"),
-        SplitFunc(ops.ATTN_DECODE, "attn_decode"),
-        SplitFunc(ops.ATTN_PREFILL, "attn_prefill"),
-        SplitModule("*.o_proj", "o"),
-        SplitModule("*.post_attention_layernorm", "add_norm_ffn"),
-        SplitModule("*.mlp.gate_proj", "ug"),
-        SplitModule("*.mlp.up_proj", "ug"),
-        SplitModule("*.mlp.act_fn", "act"),
-        SplitFunc("mul", "act", inside="*.mlp"),  # SiLU(gate) * up
-        SplitModule("*.mlp.down_proj", "d"),
-        SplitModule("*.mlp.gate", "experts_ug"),  # the MoE router
-        SplitFunc(ops.EXPERTS_UG, "experts_ug"),
-        SplitFunc("_default_apply_gate", "act"),
-        SplitFunc(ops.EXPERTS_D, "experts_d"),
-        SplitModule("*.input_layernorm", "add_norm_attn"),
-        SplitModule("*.norm", "add_norm_attn"),  # the final norm closes the last layer
-    ))
+    return Rules(table_rules())

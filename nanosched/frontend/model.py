@@ -34,6 +34,7 @@ from nanosched.frontend.boundary import (
 )
 from nanosched.frontend.codegen import Subgraph, build
 from nanosched.frontend.fuse import JOIN, FusedWeights, fuse_linears
+from nanosched.frontend.hf import table_rules
 from nanosched.frontend.inductor import AUTO, chosen_ops, compile_subgraphs, warm_up
 from nanosched.frontend.partition import EMBED, HEAD, Partition, example, partition
 from nanosched.frontend.program import (
@@ -43,17 +44,14 @@ from nanosched.frontend.program import (
     program,
     token_rows,
 )
-from nanosched.frontend.rules import Rules, SplitFunc, same_callable
+from nanosched.frontend.rules import Rules, same_callable
 from nanosched.frontend.trace import Trace, capture, layer_list
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.kvcache import KVCache
 from nanosched.models.parallel import TensorParallel
 
 # the frontend's own operators, named as the named-op model names them (below the user's rules)
-DEFAULT_RULES = (SplitFunc(ops.KV_APPEND, "rope_append"),
-                 SplitFunc(ops.ATTN_DECODE, "attn_decode"),
-                 SplitFunc(ops.ATTN_PREFILL, "attn_prefill"),
-                 SplitFunc(ops.EXPERTS_UG, "experts_ug"), SplitFunc(ops.EXPERTS_D, "experts_d"))
+DEFAULT_RULES = table_rules(("op",))
 
 
 @dataclass(eq=False)

@@ -15,11 +15,13 @@ from torch import fx
 from nanosched.errors import ConfigError
 from nanosched.frontend import ops
 from nanosched.frontend.rules import Rules, same_callable, target_name
+from nanosched.models import ops as optable
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 
 EMBED, HEAD = "embed", "head"
 MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d",
-           "experts_ug", "experts_d", "attn_prefill", "scaled_dot_product_attention"}
+           optable.EXPERTS_UG, optable.EXPERTS_D, optable.ATTN_PREFILL,
+           "scaled_dot_product_attention"}
 COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_reduce_",
                "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "all_to_all_single"}

@@ -27,6 +27,7 @@ from nanosched.frontend import ops
 from nanosched.frontend.program import runner
 from nanosched.frontend.rules import same_callable
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
+from nanosched.models import ops as optable
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.impls import (
@@ -49,7 +50,7 @@ def model_spec(fm: Any, name: str) -> ModelSpec:
     key = _operand(fm, ops.KV_APPEND, 0)  # [1, Hkv, T, d]
     hidden = fm.values[fm.head.reads()[0]].sizes[-1]
     vocab = int(next(n for n in fm.head.sub.returns).meta["example_value"].shape[-1])
-    act = next(s for s in fm.steps if s.sub.group.op == "act")
+    act = next(s for s in fm.steps if s.sub.group.op == optable.ACT)
     cfg = getattr(fm.model, "config", None)
     experts = int(getattr(cfg, "num_local_experts", 0) or 0)
     spec = ModelSpec(
@@ -99,16 +100,17 @@ class FrontendImpls:
 
     def _impls(self, op: str) -> list[Impl]:
         setup = self._setup
-        if op in ("kqv", "o", "ug", "d"):
+        family = optable.OP_FAMILY.get(op)
+        if family == optable.GEMM:
             return [Impl("cublas", SM_MECHANISMS, setup),
                     Impl("cublaslt", SM_MECHANISMS, setup, targets_sms=True,
                          requires=cublaslt_missing),
                     Impl(persistent_name(128, 128), SM_MECHANISMS, setup, targets_sms=True,
                          requires=triton_missing)]
-        if op in ("experts_ug", "experts_d", "attn_prefill"):
+        if family in (optable.GROUPED, optable.PREFILL):
             return [Impl("triton", SM_MECHANISMS, setup, requires=triton_missing),
                     Impl("torch", SM_MECHANISMS, setup)]
-        if op == "attn_decode":
+        if family == optable.DECODE:
             return [Impl("triton_pipelined", BOUNDED, setup, requires=triton_missing),
                     Impl("triton_paged", BOUNDED, setup, quick=False, requires=triton_missing),
                     Impl("torch", SM_MECHANISMS, setup, quick=False)]
@@ -127,8 +129,8 @@ class FrontendImpls:
     def layer_kernels(self, calls: list[tuple[OpCall, str]]) -> list[Kernel]:
         """A layer's ops in order over one batch of its mix (decode rows with their context,
         prompt rows), each reading what the op before it wrote."""
-        decode = next((c for c, _ in calls if c.op == "attn_decode"), None)
-        prefill = next((c for c, _ in calls if c.op == "attn_prefill"), None)
+        decode = next((c for c, _ in calls if c.op == optable.ATTN_DECODE), None)
+        prefill = next((c for c, _ in calls if c.op == optable.ATTN_PREFILL), None)
         rows = max(c.tokens for c, _ in calls)
         ws, meta = self._batch(rows, decode.tokens if decode else 0,
                                decode.context if decode else 0,
@@ -142,9 +144,9 @@ class FrontendImpls:
 
     # ---- setting a row up --------------------------------------------------------------------
     def _setup(self, call: OpCall, launch: dict[str, Any]) -> Kernel:
-        if call.op == "attn_decode":
+        if call.op == optable.ATTN_DECODE:
             ws, meta = self._batch(call.tokens, call.tokens, call.context, 0, call)
-        elif call.op == "attn_prefill":
+        elif call.op == optable.ATTN_PREFILL:
             ws, meta = self._batch(call.tokens, 0, 0, call.context, call)
         else:
             ws, meta = self._batch(call.tokens, 0, 0, call.tokens, call)

@@ -16,6 +16,7 @@ from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models import op_impls, quant
 from nanosched.models.batch import BatchMeta
 from nanosched.models.kvcache import KVCache
+from nanosched.models.ops import COLLECTIVES
 from nanosched.models.ops import layer_ops as op_defs
 from nanosched.models.parallel import LocalShapes, TensorParallel, local_shapes
 from nanosched.models.rope import rope_tables
@@ -145,7 +146,7 @@ class CausalLM(nn.Module):
                end: int, launch: dict | None = None) -> None:
         """Run op `name` of layer `layer` on tokens [start, end) (global batch coordinates)."""
         fn = op_impls.OPS.get(name)
-        if fn is None or name not in self._ops and name not in ("ar_attn", "ar_ffn"):
+        if fn is None or name not in self._ops and name not in COLLECTIVES:
             raise ConfigError(f"op {name!r} is not an op of model {self.spec.name!r}; "
                               f"ops: {', '.join(self._ops)}")
         if start < end:

@@ -10,12 +10,15 @@ batch's metadata and the op slices it: a `BatchMeta`, or a CUDA-graph bucket's `
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nanosched.kernels import dispatch as K
 from nanosched.models import moe
 from nanosched.models.batch import BatchMeta
+from nanosched.models.ops import GROUPED
+from nanosched.models.ops import OPS as TABLE
 from nanosched.models.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -146,9 +149,7 @@ def add_norm_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e
                    out_scale=scale)
 
 
+# each op of the table runs the function of its name, here or (the grouped experts) in moe.py
 OPS: dict[str, Callable[..., None]] = {
-    "kqv": kqv, "rope_append": rope_append, "attn_decode": attn_decode,
-    "attn_prefill": attn_prefill, "o": o, "ar_attn": ar_attn, "add_norm_ffn": add_norm_ffn,
-    "ug": ug, "experts_ug": moe.experts_ug, "act": act, "d": d, "experts_d": moe.experts_d,
-    "ar_ffn": ar_ffn, "add_norm_attn": add_norm_attn,
-}
+    op.name: getattr(moe if op.family == GROUPED else sys.modules[__name__], op.name)
+    for op in TABLE}

@@ -18,13 +18,12 @@ from nanosched import constants
 from nanosched.errors import ConfigError
 from nanosched.fileio import read_json
 from nanosched.kernels.reference import quantize_rows
-from nanosched.models.ops import layer_ops
+from nanosched.models.ops import FP8_GEMM_OPS, GEMM_WEIGHT, layer_ops
 from nanosched.models.spec import ModelSpec
 
 AUTO, NONE, FP8 = "auto", "none", "fp8"
 QUANTIZATIONS = (AUTO, *constants.QUANTIZATIONS)
 FP8_DTYPE = torch.float8_e4m3fn
-GEMM_WEIGHT = {"kqv": "w_qkv", "o": "w_o", "ug": "w_gate_up", "d": "w_down"}  # FP8_GEMM_OPS'
 
 
 def check_quantization(name: str, allow_auto: bool = False) -> str:
@@ -49,7 +48,7 @@ def fp8_weights(spec: ModelSpec, quantization: str) -> tuple[str, ...]:
     if check_quantization(quantization) == NONE:
         return ()
     ops = {op.name for op in layer_ops(spec)}
-    return tuple(GEMM_WEIGHT[op] for op in constants.FP8_GEMM_OPS if op in ops)
+    return tuple(GEMM_WEIGHT[op] for op in FP8_GEMM_OPS if op in ops)
 
 
 @torch.no_grad()

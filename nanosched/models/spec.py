@@ -341,8 +341,8 @@ def registry_rows(gpu_name: str) -> list[dict[str, Any]]:
     """One row per registered model: parameters, weight memory at bf16 and fp32, KV bytes per
     token, and the smallest tp whose GPUs of `gpu_name` hold the weights and the KV cache of a
     1,024-token dense batch at 1024 / 512 (None when none up to 64 does)."""
-    from nanosched.costmodel import choose_tp
     from nanosched.hardware import get_gpu
+    from nanosched.models.costmodel import choose_tp
     from nanosched.workloads import fixed
 
     gpu = get_gpu(gpu_name)

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanosched.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
 from nanosched.errors import ConfigError, ProfileError
 from nanosched.fileio import check_output_file
 from nanosched.hardware import GIB, GPUSpec
+from nanosched.models import ops as optable
+from nanosched.models.costmodel import DEFAULT_MAX_DENSE_BATCH, max_dense_batch
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.profiler.backend import ProfilerBackend, Unsupported
 from nanosched.profiler.format import Profile, load_profile, save_profile
@@ -164,7 +165,7 @@ def add_forward(path: Path, gpu: int, workload: Workload, out: Path | None = Non
             if k.sms == num_sms and k.mechanism == "full" and (
                     key not in full or k.time_us < full[key].time_us):
                 full[key] = k
-        contexts = sorted({c for op, _, c in full if op == "attn_decode"}) or [0]
+        contexts = sorted({c for op, _, c in full if op == optable.ATTN_DECODE}) or [0]
         tasks = layer_tasks(settings, num_sms, contexts,
                             lambda op, t, c: full[(op, t, c)].impl if (op, t, c) in full
                             else None)

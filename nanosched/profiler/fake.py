@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanosched.constants import DEFAULT_NUM_SMS
-from nanosched.costmodel import FP8_GEMM_SPEEDUP
 from nanosched.kernels.impls import network_impl
+from nanosched.models import ops as optable
+from nanosched.models.costmodel import FP8_GEMM_SPEEDUP
 from nanosched.models.ops import MEMORY
 from nanosched.profiler import impls
 from nanosched.profiler.backend import (
@@ -96,8 +97,7 @@ class FakeBackend:
         return [(s, self.num_sms - s) for s in dict.fromkeys(granted)]
 
     def implementations(self) -> tuple[dict[str, list[ImplInfo]], list[str]]:
-        ops = sorted({*GEMM_OPS, "attn_decode", "attn_prefill", "rope_append", "add_norm_ffn",
-                      "add_norm_attn", "act"})
+        ops = sorted(optable.OP_FAMILY)  # every op with a kernel on one GPU
         return (self.registry or impls).available(ops)
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
@@ -138,7 +138,7 @@ class FakeBackend:
         k, n = gemm_dims(spec, tp, task.op)
         moved -= (spec.dtype_bytes - 1) * (k * n + task.tokens * k)  # e4m3 weights and inputs
         t = 3.0 + max(t_c, moved / bw)
-        if task.op == "o":  # its input rows quantised first: read in the model dtype, write e4m3
+        if task.op == optable.O_PROJ:  # its input rows quantised first: model dtype in, e4m3 out
             t += 3.0 + task.tokens * k * (spec.dtype_bytes + 1) / bw
         return t
 
@@ -154,7 +154,7 @@ class FakeBackend:
         self.layer_calls.append(task)
         share = task.tokens / settings.dense_batch
         times = tuple(self._us(settings, t) * (1 + LAYER_SLOWDOWN * share
-                                               if t.op in (*GEMM_OPS, "attn_prefill")
+                                               if t.op in (*GEMM_OPS, optable.ATTN_PREFILL)
                                                else 1 - LAYER_L2 * share) for t in task.ops)
         return LayerTiming(times, MAX_CLOCK - (MAX_CLOCK - SUSTAINED_CLOCK) * share, POWER_LIMIT)
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from nanosched.greenctx import PartitionPair, split_sms
+from nanosched.models import ops as optable
 from nanosched.profiler import impls, timing
 from nanosched.profiler.backend import (
     LayerTiming,
@@ -43,7 +44,7 @@ from nanosched.profiler.plan import (
     PairTask,
     ProfileSettings,
 )
-from nanosched.profiler.shapes import GEMM_OPS, gemm_dims
+from nanosched.profiler.shapes import gemm_dims
 from nanosched.profiler.telemetry import open_telemetry
 
 BUSY_UTIL_PERCENT = 10
@@ -148,9 +149,7 @@ class GPUBackend:
         return granted
 
     def implementations(self) -> tuple[dict[str, list[ImplInfo]], list[str]]:
-        return self.registry.available(sorted({*GEMM_OPS, "attn_decode", "attn_prefill",
-                                               "rope_append", "add_norm_ffn", "add_norm_attn",
-                                               "act"}))
+        return self.registry.available(sorted(optable.OP_FAMILY))  # one GPU's kernels
 
     def _stream(self, mechanism: str, sms: int) -> Any:
         if mechanism != "green_ctx":
@@ -188,7 +187,8 @@ class GPUBackend:
         peak = timing.gemm_peak_tflops(self.device, "fp8" if settings.quantization == "fp8"
                                        else "bf16")
         flops = us = 0.0  # under fp8 the model's FP8 GEMMs (`o` with its input's quantisation)
-        for op in ("kqv", "o") if settings.model.is_moe else ("kqv", "o", "ug", "d"):
+        for op in (o.name for o in optable.OPS
+                   if o.family == optable.GEMM and o.holds(settings.model)):
             k, n = gemm_dims(settings.model, settings.tp, op)
             kern = self._kernel(settings, op, "cublas", settings.dense_batch, 0, self.num_sms,
                                 "full")

@@ -20,7 +20,8 @@ from nanosched.constants import PAGE_SIZE
 from nanosched.kernels import dispatch
 from nanosched.kernels.common import PrefillSegments, Segment
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
-from nanosched.models.quant import FP8_DTYPE, GEMM_WEIGHT, fp8_weights
+from nanosched.models import ops as optable
+from nanosched.models.quant import FP8_DTYPE, fp8_weights
 from nanosched.profiler.backend import Unsupported
 from nanosched.profiler.impls import (
     Impl,
@@ -41,8 +42,7 @@ LAYER_FLOW = {"x_kqv": "y_norm", "qkv_rope": "y_kqv", "q_decode": "q_rope", "x_o
               "x8_kqv": "y_norm8", "xs_kqv": "y_norm_scale", "x8_ug": "y_norm8",
               "xs_ug": "y_norm_scale", "x8_d": "act_out8", "xs_d": "act_scale"}
 # the weight each op's GEMM multiplies, or (norms, act) writes the input of
-WEIGHT_OF = {**GEMM_WEIGHT, "add_norm_attn": "w_qkv", "add_norm_ffn": "w_gate_up",
-             "act": "w_down"}
+WEIGHT_OF = optable.WEIGHT_OF
 OPTS = dispatch.KernelOptions()  # every launch names its impl; this is never consulted
 Launch = dict[str, Any]
 
@@ -68,7 +68,7 @@ def _linear(call: OpCall, launch: Launch) -> Kernel:
     k, n = gemm_dims(call.spec, call.tp, call.op)
     x = call.ws.tensor("x_" + call.op, (_rows(call), k))[:call.tokens]  # [T, K]
     w = call.ws.tensor("w_" + call.op, (n, k), scale=k ** -0.5)  # [N, K]
-    bias = call.ws.tensor("b_kqv", (n,)) if call.op == "kqv" and call.spec.qkv_bias else None
+    bias = call.ws.tensor("b_kqv", (n,)) if call.op == optable.KQV and call.spec.qkv_bias else None
     out = call.ws.tensor("y_" + call.op, (_rows(call), n))[:call.tokens]  # [T, N]
     return Kernel(lambda: dispatch.linear(x, w, bias, out, OPTS, launch))
 
@@ -87,12 +87,12 @@ def _linear_fp8(call: OpCall, launch: Launch) -> Kernel:
     xs = _scales(call, "xs_" + call.op, rows)[:t]
     w8 = call.ws.tensor("w8_" + call.op, (n, k), dtype=FP8_DTYPE)  # [N, K] e4m3
     w_scale = _scales(call, "ws_" + call.op, n)
-    bias = call.ws.tensor("b_kqv", (n,)) if call.op == "kqv" and call.spec.qkv_bias else None
+    bias = call.ws.tensor("b_kqv", (n,)) if call.op == optable.KQV and call.spec.qkv_bias else None
     out = call.ws.tensor("y_" + call.op, (rows, n))[:t]  # [T, N] in the model dtype
 
     def gemm() -> None:
         dispatch.linear_fp8(x8, xs, w8, w_scale, bias, out, OPTS, launch)
-    if call.op != "o":
+    if call.op != optable.O_PROJ:
         return Kernel(gemm)
     x = call.ws.tensor("x_o", (rows, k))[:t]  # the attention rows, in the model dtype
 
@@ -226,7 +226,7 @@ def _add_norm(call: OpCall, launch: Launch) -> Kernel:
 
 def _act(call: OpCall, launch: Launch) -> Kernel:
     inter = call.spec.intermediate_size // call.tp
-    ug = "experts_ug" if call.spec.is_moe else "ug"
+    ug = optable.ffn_ops(call.spec)[0]
     rows, most = gemm_rows(call.spec, ug, call.tokens), gemm_rows(call.spec, ug, _rows(call))
     gate_up = call.ws.tensor("gate_up", (most, 2 * inter))[:rows]
     if _fp8(call):  # e4m3 rows and their scales for the FP8 `d`
@@ -239,7 +239,7 @@ def _act(call: OpCall, launch: Launch) -> Kernel:
 
 def register_all() -> None:
     """Register every implementation above under its runtime name."""
-    for op in ("kqv", "o", "ug", "d"):
+    for op in (o for o, f in optable.OP_FAMILY.items() if f == optable.GEMM):
         register(op, Impl("cublas", SM_MECHANISMS, _linear))
         # in the quick grid too: the GEMM told to leave a bounded collective's SMs (beside the
         # copy-engine all-reduce on 4xH100 it kept 0.87-0.93 where the persistent Triton GEMM
@@ -250,23 +250,23 @@ def register_all() -> None:
                           requires=triton_missing))
         register(op, Impl(persistent_name(128, 256), SM_MECHANISMS, _linear, quick=False,
                           targets_sms=True, requires=triton_missing))
-    for op in ("experts_ug", "experts_d"):
+    for op in (o for o, f in optable.OP_FAMILY.items() if f == optable.GROUPED):
         register(op, Impl("triton", SM_MECHANISMS, _grouped, targets_sms=True,
                           requires=triton_missing))
         register(op, Impl("torch", SM_MECHANISMS, _grouped))
-    register("attn_decode", Impl("triton_pipelined", ("full", "green_ctx", "cta_bound"),
+    register(optable.ATTN_DECODE, Impl("triton_pipelined", ("full", "green_ctx", "cta_bound"),
                                  _decode, requires=triton_missing))
-    register("attn_decode", Impl("triton_pipelined_2w", ("full", "green_ctx", "cta_bound"),
+    register(optable.ATTN_DECODE, Impl("triton_pipelined_2w", ("full", "green_ctx", "cta_bound"),
                                  _decode, requires=triton_missing))
-    register("attn_decode", Impl("cuda_bulk", ("full", "green_ctx", "cta_bound"), _decode,
+    register(optable.ATTN_DECODE, Impl("cuda_bulk", ("full", "green_ctx", "cta_bound"), _decode,
                                  requires=bulk_missing))
-    register("attn_decode", Impl("triton_paged", ("full", "green_ctx", "cta_bound"), _decode,
+    register(optable.ATTN_DECODE, Impl("triton_paged", ("full", "green_ctx", "cta_bound"), _decode,
                                  quick=False, requires=triton_missing))
-    register("attn_decode", Impl("torch", SM_MECHANISMS, _decode, quick=False))
-    register("attn_prefill", Impl("triton", SM_MECHANISMS, _prefill, requires=triton_missing))
-    register("attn_prefill", Impl("torch", SM_MECHANISMS, _prefill))
-    for op, setup in (("rope_append", _rope_append), ("add_norm_ffn", _add_norm),
-                      ("add_norm_attn", _add_norm), ("act", _act)):
+    register(optable.ATTN_DECODE, Impl("torch", SM_MECHANISMS, _decode, quick=False))
+    register(optable.ATTN_PREFILL, Impl("triton", SM_MECHANISMS, _prefill, requires=triton_missing))
+    register(optable.ATTN_PREFILL, Impl("torch", SM_MECHANISMS, _prefill))
+    for op, setup in ((optable.ROPE_APPEND, _rope_append), (optable.ADD_NORM_FFN, _add_norm),
+                      (optable.ADD_NORM_ATTN, _add_norm), (optable.ACT, _act)):
         register(op, Impl("triton", ("full", "green_ctx", "cta_bound"), setup,
                           requires=triton_missing))
         register(op, Impl("torch", SM_MECHANISMS, setup))

@@ -17,11 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nanosched.errors import ProfileError
+from nanosched.models import ops as optable
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # NCCL's, priced by the ring formula
 CE_ALL_REDUCE = "ce_all_reduce"  # the copy-engine all-reduce (kernels/ce_allreduce.py): no ring
-OPS_OF_KIND = {"all_reduce": ("ar_attn", "ar_ffn"), "reduce_scatter": ("rs_attn", "rs_ffn"),
-               "all_gather": ("ag_attn", "ag_ffn"), CE_ALL_REDUCE: ("ar_attn", "ar_ffn")}
+_FORMS = [optable.COLLECTIVE_FORMS[ar] for ar in optable.COLLECTIVES]
+OPS_OF_KIND = {"all_reduce": optable.COLLECTIVES,
+               "reduce_scatter": tuple(rs.name for rs, _ in _FORMS),
+               "all_gather": tuple(ag.name for _, ag in _FORMS), CE_ALL_REDUCE: optable.COLLECTIVES}
 IMPL_OF_KIND = {"all_reduce": "nccl", "reduce_scatter": "nccl", "all_gather": "nccl",
                 CE_ALL_REDUCE: "copy_engine"}
 NVLINK_HOP_US = 1.9  # NCCL tuning.cc, hwLat[NVLINK][RING][LL128]

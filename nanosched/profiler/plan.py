@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from nanosched.constants import FP8_GEMM_OPS, KV_DTYPES, QUANTIZATIONS, TOKEN_QUANTUM
+from nanosched.constants import KV_DTYPES, QUANTIZATIONS, TOKEN_QUANTUM
 from nanosched.errors import ConfigError
-from nanosched.models.ops import MEMORY, NETWORK, layer_ops
+from nanosched.models import ops as optable
+from nanosched.models.ops import FP8_GEMM_OPS, MEMORY, NETWORK, layer_ops
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.shapes import GEMM_OPS
 from nanosched.workloads import Workload
@@ -168,9 +169,10 @@ def sm_grid(num_sms: int, partitions: list[tuple[int, int]]) -> list[int]:
 
 
 def op_contexts(settings: ProfileSettings, op: str) -> list[int]:
-    if op == "attn_decode":
+    domain = optable.domain_of(op)
+    if domain == "decode":
         return settings.decode_contexts()
-    if op == "attn_prefill":
+    if domain == "prefill":
         return settings.prefill_contexts()
     return [0]
 
@@ -261,7 +263,7 @@ def memory_pair_tasks(settings: ProfileSettings, num_sms: int,
         full = best(op, tokens, num_sms, "full")
         if full is None:
             continue
-        base = PairTask(op, tokens, "attn_decode", MEMORY, context, "stream_priority", full,
+        base = PairTask(op, tokens, optable.ATTN_DECODE, MEMORY, context, "stream_priority", full,
                         num_sms, num_sms, memory_impl)
         tasks.append(base)
         for small, rest in partitions:
@@ -296,7 +298,7 @@ def network_pair_tasks(settings: ProfileSettings, num_sms: int,
         full = (best and best(op, tokens, num_sms, "full")) or next(iter(gemms))
         told_best = best and told and best(op, tokens, num_sms, "full", told)
         sharer = gemms[told_best or (told[0] if told else full)]
-        base = PairTask(op, tokens, "ar_ffn", NETWORK, 0, "stream_priority", full,
+        base = PairTask(op, tokens, optable.AR_FFN, NETWORK, 0, "stream_priority", full,
                         num_sms, num_sms, "nccl")
         tasks.append(base)
         tasks += [replace(_sharing(base, sharer, num_sms, ctas), other_impl=f"nccl_ctas{ctas}")
@@ -354,8 +356,8 @@ def layer_tasks(settings: ProfileSettings, num_sms: int, decode_contexts: list[i
         for op in layer_ops(settings.model, settings.tp):
             if op.resource == NETWORK:
                 continue
-            rows, ctx = {"attn_decode": (d, context), "attn_prefill": (t - d, prompt)}.get(
-                op.name, (t, 0))
+            domain = optable.BY_NAME[op.name].domain
+            rows, ctx = {"decode": (d, context), "prefill": (t - d, prompt)}.get(domain, (t, 0))
             if rows == 0:
                 continue
             impl = best(op.name, rows, ctx)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from nanosched.models import ops as optable
 from nanosched.models.ops import MEMORY
 from nanosched.profiler.backend import NetworkRequest, ProfilerBackend, Timing, Unsupported
 from nanosched.profiler.budget import (
@@ -137,7 +138,7 @@ def _measure(loop: Loop) -> None:
     loop.save()
     num_sms = state.identity.num_sms
     ktasks = kernel_tasks(settings, num_sms, state.partitions, impls)
-    has_memory_impl = any(i.name == MEMORY_PAIR_IMPL for i in impls.get("attn_decode", []))
+    has_memory_impl = any(i.name == MEMORY_PAIR_IMPL for i in impls.get(optable.ATTN_DECODE, []))
     if not has_memory_impl:
         state.note(f"no compute x memory pairs: implementation {MEMORY_PAIR_IMPL!r} of "
                    f"attn_decode is not available")
@@ -145,11 +146,11 @@ def _measure(loop: Loop) -> None:
     def pairs() -> list[PairTask]:  # after the kernel rows: each placement's best GEMM
         if not has_memory_impl:
             return []
-        few_sm = [i.name for i in impls.get("attn_decode", [])
+        few_sm = [i.name for i in impls.get(optable.ATTN_DECODE, [])
                   if i.name in PARTITION_MEMORY_IMPLS]
         return memory_pair_tasks(settings, num_sms, state.partitions, impls, MEMORY_PAIR_IMPL,
                                  lambda *a: best_impl(state, *a),
-                                 lambda t, c, s, m: best_impl(state, "attn_decode", t, s, m,
+                                 lambda t, c, s, m: best_impl(state, optable.ATTN_DECODE, t, s, m,
                                                               few_sm, context=c))
 
     def layers() -> list[LayerTask]:  # after the kernel rows: each op's best on all SMs

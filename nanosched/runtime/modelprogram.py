@@ -19,26 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nanosched.models.ops import COMPUTE, OTHER, layer_ops
+from nanosched.models.ops import COMPUTE, OPS, OTHER, layer_ops
 from nanosched.runtime.program import Access, LaunchConfig, Program, ProgramOp
 
-# op -> (reads, writes); "kv" means this layer's K/V rows
+# op -> (reads, writes) from the op table; "kv" means this layer's K/V rows
 _ACCESSES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "kqv": (("normed",), ("qkv",)),
-    "rope_append": (("qkv",), ("q", "kv")),
-    "attn_decode": (("q", "kv"), ("attn",)),
-    "attn_prefill": (("q", "kv"), ("attn",)),
-    "o": (("attn",), ("o_out",)),
-    "ar_attn": (("o_out",), ("o_out",)),
-    "add_norm_ffn": (("o_out", "residual"), ("residual", "normed")),
-    "ug": (("normed",), ("gate_up",)),
-    "experts_ug": (("normed",), ("gate_up", "router")),
-    "act": (("gate_up",), ("act",)),
-    "d": (("act",), ("ffn_out",)),
-    "experts_d": (("act", "router"), ("ffn_out",)),
-    "ar_ffn": (("ffn_out",), ("ffn_out",)),
-    "add_norm_attn": (("ffn_out", "residual"), ("residual", "normed")),
-}
+    op.name: (op.reads, op.writes) for op in OPS}
 
 
 def prefill_span(segments: Sequence[tuple[int, int, bool]]):
@@ -91,9 +77,12 @@ def model_program(model: Any, ws: Any, meta: Any,
         return model.program(ws, meta, segments)
     num_tokens = segments[-1][1] if segments else 0
     decode, prefill, prefill_kv = attention_spans(segments)
-    spans = {("attn_decode", "kv"): decode, ("attn_prefill", "kv"): prefill_kv}
-    for buf in ("q", "attn"):
-        spans[("attn_decode", buf)], spans[("attn_prefill", buf)] = decode, prefill
+    spans = {}  # an attention op's rows: its own kind's (module docstring)
+    for op in OPS:
+        if op.domain != "all":
+            rows = decode if op.domain == "decode" else prefill
+            for buf in (*op.reads, *op.writes):
+                spans[(op.name, buf)] = prefill_kv if buf == "kv" and rows is prefill else rows
     ops = [ProgramOp("embed", -1, OTHER,
                      lambda s, e, cfg: model.embed(ws, meta, s, e),
                      (Access("token_ids"),), (Access("residual"), Access("normed")))]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from nanosched.constants import TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
+from nanosched.models import ops as optable
 
 if TYPE_CHECKING:
     from nanosched.schedules.format import NanoOp, Schedule
@@ -29,9 +30,6 @@ DEP_KINDS = ("data", "prompt", "resource")
 MECHANISMS = ("full", "green_ctx", "cta_bound", "stream_priority")
 SIDES = ("", "compute", "other")
 FORMS = ("ar", "rs_ag")
-OPS = ("kqv", "rope_append", "attn_decode", "attn_prefill", "o", "ar_attn", "rs_attn", "ag_attn",
-       "add_norm_ffn", "ug", "experts_ug", "act", "d", "experts_d", "ar_ffn", "rs_ffn", "ag_ffn",
-       "add_norm_attn")
 MAX_DENSE_BATCH = 1 << 20  # tokens per iteration
 MAX_SMS = 4096
 MAX_TP = 1024
@@ -39,9 +37,10 @@ MAX_NANO_OPS_PER_OP = 64
 
 
 def op_domain(op: str, dense_batch: int, num_decode: int) -> tuple[int, int]:
-    if op == "attn_decode":
+    domain = optable.domain_of(op)
+    if domain == "decode":
         return 0, num_decode
-    if op == "attn_prefill":
+    if domain == "prefill":
         return num_decode, dense_batch
     return 0, dense_batch
 
@@ -133,8 +132,8 @@ def _check_prediction(s: Schedule, where: str) -> None:
 
 def _check_ranges(s: Schedule, where: str) -> None:
     for op, ranges in s.ranges.items():
-        if op not in OPS:
-            raise _fail(where, "ranges", f"op {op!r} is not one of {OPS}")
+        if op not in optable.ALL_NAMES:  # the op table's, read at check time
+            raise _fail(where, "ranges", f"op {op!r} is not one of {optable.ALL_NAMES}")
         if not ranges or len(ranges) > MAX_NANO_OPS_PER_OP:
             raise _fail(where, f"ranges[{op}]", f"must hold 1..{MAX_NANO_OPS_PER_OP} ranges, "
                         f"got {len(ranges)}")

@@ -14,7 +14,9 @@ from search_fixtures import small_profile, small_schedule
 from nanosched.autosearch.check import check_schedule
 from nanosched.autosearch.request import resolve
 from nanosched.autosearch.synthetic import context_grid, synthetic_profile
-from nanosched.costmodel import (
+from nanosched.errors import ConfigError, ProfileError, ScheduleError
+from nanosched.hardware import get_gpu
+from nanosched.models.costmodel import (
     FP8_GEMM_SPEEDUP,
     batch_mix,
     max_dense_batch,
@@ -23,8 +25,6 @@ from nanosched.costmodel import (
     op_demands,
     weight_bytes,
 )
-from nanosched.errors import ConfigError, ProfileError, ScheduleError
-from nanosched.hardware import get_gpu
 from nanosched.models.spec import load_spec
 from nanosched.profiler.catalog import SHIPPED as PROFILES
 from nanosched.schedules.format import Schedule, check_compatible

@@ -439,7 +439,7 @@ def test_the_steady_state_is_the_searched_steady_key_not_the_best_pipeline(singl
 
 def test_a_key_whose_decode_rows_do_not_fit_is_searched_at_the_context_that_fits(synthetic):
     from nanosched.autosearch.sets import key_batch, key_config
-    from nanosched.costmodel import kv_capacity_tokens
+    from nanosched.models.costmodel import kv_capacity_tokens
 
     cap = kv_capacity_tokens(synthetic.spec, 1, synthetic.profile.identity.memory_bytes, 512)
     few, many = key_batch(synthetic, 128, 512), key_batch(synthetic, 512, 512)

@@ -19,10 +19,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nanosched.constants import FP8_GEMM_OPS, QUANTIZATIONS, TOKEN_QUANTUM
+from nanosched.constants import QUANTIZATIONS, TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.hardware import GPUSpec
-from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, layer_ops
+from nanosched.models.ops import (
+    COMPUTE,
+    FORM_COST,
+    FP8_GEMM_OPS,
+    MEMORY,
+    NETWORK,
+    layer_ops,
+    spec_of,
+)
 from nanosched.models.spec import ModelSpec
 from nanosched.workloads import Workload
 
@@ -46,7 +54,7 @@ def weight_bytes(spec: ModelSpec, quantization: str = "none") -> float:
     """Bytes of all the model's weights: the model dtype's, the layer GEMM weights at a byte
     an element under fp8 (kqv, o and, for dense models, ug and d)."""
     total = spec.num_params() * spec.dtype_bytes
-    if not fp8_gemm("kqv", quantization):
+    if not any(fp8_gemm(op, quantization) for op in FP8_GEMM_OPS):
         return total
     D, q = spec.hidden_size, spec.q_size
     per_layer = D * (q + 2 * spec.kv_size) + q * D + \
@@ -106,49 +114,14 @@ def op_demands(spec: ModelSpec, tp: int, mix: BatchMix, name: str,
     """(FLOPs, bytes loaded, network bytes) of op `name` for one layer, logical tensors.
 
     `mix` may be a whole dense batch or one nano-batch (`nano_mix`): the formulas hold for any
-    token count. `rs_*`/`ag_*` (reduce-scatter, all-gather) each move half an all-reduce's bytes.
-    Under `quantization` fp8 a layer GEMM's weight and input are e4m3 (module docstring).
+    token count; the formulas are the op table's (models/ops.py `OpSpec.cost`). Under
+    `quantization` fp8 a layer GEMM's weight and input are e4m3 (module docstring).
     """
-    B, D, S = mix.dense_batch, spec.hidden_size, spec.dtype_bytes
-    s8 = 1 if fp8_gemm(name, quantization) else S  # bytes of a GEMM weight / input element
-    q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
-    qkv = q + 2 * kv
-    e, k = max(spec.num_experts, 1), max(spec.num_experts_per_tok, 1)
-    t_exp = B * k  # token-expert pairs (B for dense models)
-    weights_touched = min(e, t_exp)  # experts whose weights a MoE GEMM loads
-    n_d, n_p = mix.num_decode, mix.num_prefill
-    if name == "kqv":
-        bias = (qkv if spec.qkv_bias else 0) * S
-        return 2 * B * D * qkv, (D * qkv + B * D) * s8 + bias + B * qkv * S, 0.0
-    if name == "rope_append":
-        return 6 * B * (q + kv), 2 * B * qkv * S, 0.0
-    if name == "attn_decode":
-        return (4 * spec.num_heads * spec.head_dim * n_d * mix.decode_context,
-                (n_d * mix.decode_context * 2 * kv + n_d * (2 * q + 2 * kv)) * S, 0.0)
-    if name == "attn_prefill":
-        return (4 * spec.num_heads * spec.head_dim * n_p * mix.prefill_context,
-                n_p * (2 * q + 2 * kv) * S, 0.0)
-    if name == "o":
-        return 2 * B * q * D, (q * D + B * q) * s8 + B * D * S, 0.0
-    if name in ("ar_attn", "ar_ffn"):
-        sent = 2 * (tp - 1) * B * D * S
-        return (tp - 1) * B * D, sent, sent
-    if name in ("rs_attn", "rs_ffn", "ag_attn", "ag_ffn"):
-        sent = (tp - 1) * B * D * S
-        return ((tp - 1) * B * D if name.startswith("rs") else 0.0), sent, sent
-    if name in ("add_norm_ffn", "add_norm_attn"):
-        return 5 * B * D, (4 * B * D + D) * S, 0.0
-    if name in ("ug", "experts_ug"):
-        router = 2 * B * D * spec.num_experts if spec.is_moe else 0
-        w = weights_touched * D * 2 * inter
-        return 2 * t_exp * D * 2 * inter + router, (w + B * D) * s8 + (
-            D * spec.num_experts + t_exp * 2 * inter) * S, 0.0
-    if name == "act":
-        return 4 * t_exp * inter, 3 * t_exp * inter * S, 0.0
-    if name in ("d", "experts_d"):
-        w = weights_touched * inter * D
-        return 2 * t_exp * inter * D, (w + t_exp * inter) * s8 + B * D * S, 0.0
-    raise ConfigError(f"cost model has no formula for op {name!r}")
+    op = spec_of(name)
+    cost = op.cost if op is not None else FORM_COST.get(name)
+    if cost is None:
+        raise ConfigError(f"cost model has no formula for op {name!r}")
+    return cost(spec, tp, mix, 1 if fp8_gemm(name, quantization) else spec.dtype_bytes)
 
 
 def _timed(name: str, resource: str, flops: float, mem: float, net: float, gpu: GPUSpec,

@@ -155,13 +155,17 @@ def test_schedules_and_sets_record_the_quantization_only_when_fp8(tmp_path):
     # a set whose schedules were searched on other weights is refused
     with pytest.raises(ScheduleError, match="KV dtype or quantization differs"):
         ScheduleSet.from_json({k: v for k, v in data.items() if k != "quantization"})
-    # every shipped set reads and writes as before: no field, the same bytes
+    # every shipped set reads and writes as before (the same bytes), the field only in the
+    # FP8 sets
+    shipped = {}
     for path in sorted(SHIPPED_DIR.glob("*.json")):
         raw = json.loads(path.read_text())
         loaded = load_schedule_set(path)
-        assert loaded.quantization == "none" and "quantization" not in raw
+        shipped[path.name] = loaded.quantization
+        assert raw.get("quantization", "none") == loaded.quantization
         if raw.get("format") == "nanosched.schedule/2":
             assert loaded.to_json() == raw, path.name
+    assert sorted(set(shipped.values())) == ["fp8", "none"], shipped
     assert "fp8 weights" in set_summary_lines(sset)[0]
     assert "(fp8 weights)" in summary_lines(sched)[0]
     assert "weights" not in set_summary_lines(from_single(small_schedule()))[0]

@@ -19,6 +19,7 @@ from nanosched.cli.options import (
     KvHeadroom,
     MaxModelLen,
     Preemption,
+    PrefixCaching,
     Quantization,
     SwapSpace,
     admission_config,
@@ -76,6 +77,7 @@ def bench(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    enable_prefix_caching: PrefixCaching = True,
     quantization: Quantization = "auto",
     max_model_len: MaxModelLen = None,
     dtype: Dtype = "auto",
@@ -101,6 +103,7 @@ def bench(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
+                          prefix_caching=enable_prefix_caching,
                           quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))

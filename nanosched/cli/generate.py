@@ -15,6 +15,7 @@ from nanosched.cli.options import (
     GpuMemoryUtilization,
     KvCacheDtype,
     MaxModelLen,
+    PrefixCaching,
     Quantization,
     Seed,
     kernel_options,
@@ -40,6 +41,7 @@ def generate(
     seed: Seed = 0,
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
     kv_cache_dtype: KvCacheDtype = "auto",
+    enable_prefix_caching: PrefixCaching = True,
     quantization: Quantization = "auto",
     max_model_len: MaxModelLen = None,
     dtype: Dtype = "auto",
@@ -60,6 +62,7 @@ def generate(
             raise ConfigError(f"--prompt-ids must be comma-separated integers, got "
                               f"{prompt_ids!r}") from None
     engine = EngineConfig(model=model, device=device, tp=tp, seed=seed, kv_dtype=kv_cache_dtype,
+                          prefix_caching=enable_prefix_caching,
                           quantization=quantization,
                           max_context=max_model_len, dtype=dtype,
                           **mem_util_kwargs(gpu_memory_utilization),

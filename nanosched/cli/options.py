@@ -59,6 +59,11 @@ Collective = Annotated[str, typer.Option("--collective", help=(
     "engines, readiness by stream memory operations, one small SM reduction; needs "
     "cuda-bindings). A searched schedule names its own per nano-op."))]
 Admission = Annotated[str, typer.Option("--admission", help=ADMISSION_HELP)]
+PrefixCaching = Annotated[bool, typer.Option(
+    "--enable-prefix-caching/--no-enable-prefix-caching", help=(
+        "Automatic prefix caching, as vLLM's flag (default on): full KV pages are kept by "
+        "content after their requests end and shared by requests whose prompts start alike, "
+        "which then prefill only the rest."))]
 KvHeadroom = Annotated[float, typer.Option("--kv-headroom", help=HEADROOM_HELP)]
 Preemption = Annotated[str, typer.Option("--preemption", help=PREEMPTION_HELP)]
 SwapSpace = Annotated[float, typer.Option("--swap-space", help=SWAP_HELP)]

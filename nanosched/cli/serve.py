@@ -17,6 +17,7 @@ from nanosched.cli.options import (
     KvHeadroom,
     MaxModelLen,
     Preemption,
+    PrefixCaching,
     Quantization,
     Seed,
     SwapSpace,
@@ -86,6 +87,7 @@ def serve(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    enable_prefix_caching: PrefixCaching = True,
     quantization: Quantization = "auto",
     max_model_len: MaxModelLen = None,
     dtype: Dtype = "auto",
@@ -108,6 +110,7 @@ def serve(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
+                          prefix_caching=enable_prefix_caching,
                           quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))

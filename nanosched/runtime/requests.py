@@ -52,6 +52,10 @@ class Request:
     pending: int = 0  # tokens sampled on the device but not yet read back (async loop)
     num_prefilled: int = 0  # tokens of the prefill (see `prefill_len`) already in the KV cache
     num_recompute: int = 0  # output tokens prefilled again after a recompute preemption
+    # prefix caching: hashes of the full pages of prompt + outputs computed so far
+    # (models/prefix.py), and how many of its block table's pages are in the cache's index
+    page_hashes: list[int] = field(default_factory=list, repr=False)
+    num_cached_pages: int = 0
     finished: bool = False
     finish_reason: str = ""
     first_token_s: float | None = None

@@ -282,8 +282,9 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
         if warm else []
     dense = run_cfg.dense_batch
     n_dec = num_decode or dense // 3
-    prompt = cfg.input_len or 1024
-    context = prompt + (cfg.output_len or 512) // 2
+    limit = run_cfg.max_context or spec.max_position_embeddings  # positions the model has
+    prompt = min(cfg.input_len or 1024, limit)
+    context = min(prompt + (cfg.output_len or 512) // 2, limit - 1)
     if run_cfg.num_pages is None:  # room for the requests and for the full-batch forward after
         args = (model, dense, run_cfg.page_size, run_cfg.mem_util)
         forward = forward_pages(dense, n_dec, context, prompt, run_cfg.page_size)

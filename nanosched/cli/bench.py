@@ -42,7 +42,9 @@ def bench(
     output_len: int | None = typer.Option(None, "--output-len", help="Output tokens per "
                                           "request."),
     workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise "
-                                        "(NanoFlow Table 4 statistics) or a JSONL file."),
+                                        "(NanoFlow Table 4 statistics), a JSONL file, "
+                                        "shared-prefix:groups=G,prefix=P,unique=U,output=O "
+                                        "or multi-turn:turns=T,prompt=P,user=U,output=O."),
     num_prompts: int = typer.Option(100, "--num-prompts", help="Number of requests."),
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
                                            "(default 2048 on a GPU, 256 on the CPU)."),

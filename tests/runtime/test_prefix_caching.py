@@ -11,7 +11,7 @@ from nanosched.models.model import CausalLM
 from nanosched.models.spec import ModelSpec
 from nanosched.models.weights import init_random
 from nanosched.runtime.preempt import AdmissionConfig
-from nanosched.runtime.requests import Request, SamplingParams
+from nanosched.runtime.requests import Request, SamplingParams, make_requests
 
 SPEC = ModelSpec(name="tiny", arch="llama", hidden_size=64, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=97,
@@ -157,3 +157,14 @@ def test_aborts_of_sharing_requests_leak_no_page(model, preemption):
     want, _ = serve(model, [Request(r.request_id, list(r.prompt_ids), r.params) for r in kept],
                     False, pages=64)
     assert [r.output_ids for r in kept] == want
+
+
+@pytest.mark.parametrize("workload", ["shared-prefix:groups=2,prefix=18,unique=3,output=5",
+                                      "multi-turn:turns=3,prompt=9,user=4,output=5"])
+def test_bench_workloads_hit_the_cache(model, workload):
+    def reqs():
+        return make_requests(workload, None, None, 8, vocab_size=97, max_len=120, seed=3)
+
+    want, _ = serve(model, reqs(), False)
+    got, eng = serve(model, reqs(), True)
+    assert got == want and eng.batcher.prefix_report()["hit_rate"] > 0.3

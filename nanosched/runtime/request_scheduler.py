@@ -2,18 +2,15 @@
 to the KV pages of a request; the engine asks it for each batch and hands back what the batch
 sampled (`update_from_output`), so the engine itself plans and frees no page.
 
-Batches (NanoFlow §4.2.1): a fixed dense batch, decode first, chunked prefill after. Each
-iteration holds at most `dense_batch` tokens: one decode token per running request that has
-finished its prompt, then prompt chunks (continuing prefills first, then newly admitted requests,
-first come first served) until the batch is full. With `decode_align` > 1 the decode tokens take
-room rounded up to a multiple of it: the rows a CUDA-graph bucket pads them to
-(models/bucket.py). Admission ("use", "reserve", "predict") and preemption by recompute or swap
-go through the page book of runtime/preempt.py (`KVPool`). Prefix caching (`prefix_seed` set):
-an admitted request takes the cached full pages of its prompt's longest known prefix and its
-prefill starts after them (the last prompt token is always computed); a page is indexed by its
-content hash once fully written (models/prefix.py, models/kvcache.py `PageAllocator`).
+Batches (NanoFlow §4.2.1): a fixed dense batch, decode first (rows rounded up to `decode_align`,
+a CUDA-graph bucket's), then prompt chunks (continuing prefills, then new requests, first come
+first served) until `dense_batch` tokens. Admission ("use", "reserve", "predict") and preemption
+by recompute or swap go through runtime/preempt.py (`KVPool`). Prefix caching (`prefix_seed`):
+an admitted request takes the cached full pages of its prompt's longest known prefix and
+prefills after them (never its last token); a fully written page is indexed by its content hash
+(models/prefix.py, models/kvcache.py); a request whose next page another is prefilling waits.
 
-More in docs/admission.md, module notes.
+More in docs/admission.md and docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -232,7 +229,8 @@ class RequestScheduler:
         while (not preempted and budget > 0 and self.waiting and
                self.waiting[0].arrival_s <= now_s):
             hit = self._prefix_hit(self.waiting[0])
-            if not self._can_admit(self.waiting[0], hit):
+            if self._prefix_pending(self.waiting[0], hit) or \
+                    not self._can_admit(self.waiting[0], hit):
                 break  # first come first served: later requests wait behind it
             r = self.waiting.popleft()
             self.running.append(r)
@@ -271,6 +269,18 @@ class RequestScheduler:
         known = min(r.prefill_len - 1, r.prompt_len + len(r.output_ids))
         pages = known // self.page_size
         return self.kv.allocator.lookup(self._hashes(r, pages)[:pages])
+
+    def _prefix_pending(self, r: Request, hit: list[int]) -> bool:
+        """Whether the page after `r`'s cached prefix is being prefilled by a running request
+        (same hash, not yet indexed): `r` then waits to share it rather than compute it again
+        (choices of one prompt, n > 1, admitted together)."""
+        i = len(hit)
+        usable = min(r.prefill_len - 1, r.prompt_len + len(r.output_ids)) // self.page_size
+        if self.prefix_seed is None or i >= min(usable, len(r.page_hashes)):
+            return False
+        h = r.page_hashes[i]
+        return any(q.is_prefilling and q.num_cached_pages <= i < len(q.page_hashes) and
+                   q.page_hashes[i] == h for q in self.running)
 
     def _share_prefix(self, r: Request, hit: list[int]) -> None:
         """Admit `r` with its cached prefix: its block table starts with `hit`, its prefill

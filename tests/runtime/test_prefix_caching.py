@@ -94,18 +94,25 @@ def test_hits_are_counted_in_tokens_and_the_last_prompt_token_is_computed(model)
     assert reqs[1].output_ids == reqs[0].output_ids
 
 
-def test_choices_of_one_prompt_share_its_pages_while_they_run(model):
-    """The second copy of a prompt (a choice of n > 1 admitted a step later) holds the first's
-    full pages, one reference more each, and frees none of them while the first runs."""
+@pytest.mark.parametrize("together", [True, False])
+def test_choices_of_one_prompt_share_its_pages_while_they_run(model, together):
+    """The second copy of a prompt (a choice of n > 1, added with the first or a step later)
+    holds the first's full pages, one reference more each, and frees none of them while the
+    first runs; added together, it waits a step for them rather than compute them again."""
     prompt = [(3 * j + 2) % 97 for j in range(30)]
     a, b = (Request(i, list(prompt), SamplingParams(max_tokens=8, ignore_eos=True))
             for i in range(2))
-    eng = make_engine(model, dense_batch=40, num_pages=32, page_size=4)
+    eng = make_engine(model, dense_batch=64, num_pages=32, page_size=4)
     eng.add_request(a)
+    if together:
+        eng.add_request(b)
     with torch.inference_mode():
         eng.step()
-        eng.add_request(b)
+        assert eng.stats.prefill_tokens == 30
+        if not together:
+            eng.add_request(b)
         eng.step()
+        assert eng.stats.prefill_tokens == 30 + 2  # b computes its last page's two tokens
         kv = eng.ws.kv
         shared = kv.tables[0][:7]
         assert kv.tables[1][:7] == shared and all(kv.allocator.refs[p] == 2 for p in shared)

@@ -18,6 +18,7 @@ from nanosched.cli.options import (
     KvCacheDtype,
     KvHeadroom,
     MaxModelLen,
+    NoPrefixCaching,
     Preemption,
     PrefixCaching,
     Quantization,
@@ -26,6 +27,7 @@ from nanosched.cli.options import (
     kernel_options,
     mem_util_kwargs,
     model_option,
+    prefix_caching,
 )
 
 
@@ -79,7 +81,8 @@ def bench(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
-    enable_prefix_caching: PrefixCaching = True,
+    enable_prefix_caching: PrefixCaching = False,
+    no_enable_prefix_caching: NoPrefixCaching = False,
     quantization: Quantization = "auto",
     max_model_len: MaxModelLen = None,
     dtype: Dtype = "auto",
@@ -105,7 +108,8 @@ def bench(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
-                          prefix_caching=enable_prefix_caching,
+                          prefix_caching=prefix_caching(enable_prefix_caching,
+                                                        no_enable_prefix_caching),
                           quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))

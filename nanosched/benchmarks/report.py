@@ -174,6 +174,11 @@ def run_lines(name: str, run: dict[str, Any]) -> list[str]:
                      f"requests than were admitted; --admission reserve admits a request only "
                      f"when its pages to max_tokens fit (TensorRT-LLM's default policy), "
                      f"--kv-headroom keeps a share free")
+    c = run.get("prefix_cache")
+    if c is not None:
+        lines.append(f"  prefix cache: {100 * c['hit_rate']:.1f}% of prompt tokens hit "
+                     f"({c['hits_tokens']} of {c['queries_tokens']}), {c['evicted_pages']} "
+                     f"pages evicted" if c["enabled"] else "  prefix cache: off")
     if "gpu_timeline" in run:
         t, wall = run["gpu_timeline"], run["results"]["elapsed_s"]
         lines.append(f"  GPU: {t['busy_s']:.1f} s on {t['iterations']} iterations' work, "

@@ -289,8 +289,9 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
         if warm else []
     dense = run_cfg.dense_batch
     n_dec = num_decode or dense // 3
-    prompt = cfg.input_len or 1024
-    context = prompt + (cfg.output_len or 512) // 2
+    limit = run_cfg.max_context or spec.max_position_embeddings  # positions the model has
+    prompt = min(cfg.input_len or 1024, limit)
+    context = min(prompt + (cfg.output_len or 512) // 2, limit - 1)
     if run_cfg.num_pages is None:  # room for the requests and for the full-batch forward after
         args = (model, dense, run_cfg.page_size, run_cfg.mem_util)
         forward = forward_pages(dense, n_dec, context, prompt, run_cfg.page_size)
@@ -319,6 +320,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
             sent = engine.link.counters() if engine.link is not None else None
             elapsed = _drain(engine, reqs, bar)
             bar.close()
+            cache = engine.batcher.prefix_report()  # the run's, not the forward's after it
             if sent is not None:
                 sent = _sent_per_step(sent, engine.link.counters())
             timeline = engine.gpu_timeline_report()
@@ -326,7 +328,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                                                   prompt, run.graphs)
             shapes = shape_report(engine.stats, run.choice.schedule,
                                   engine.forward_ms_by_shape())
-        stats, batches = engine.stats, engine.batcher.report()
+        stats, batches = engine.stats, engine.batcher.report() | {"prefix_cache": cache}
         pages = loaded.config.num_pages
         graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
     del engine, loaded  # the KV cache and graphs go before the next run allocates its own

@@ -18,13 +18,16 @@ from nanosched.cli.options import (
     KvCacheDtype,
     KvHeadroom,
     MaxModelLen,
+    NoPrefixCaching,
     Preemption,
+    PrefixCaching,
     Quantization,
     SwapSpace,
     admission_config,
     kernel_options,
     mem_util_kwargs,
     model_option,
+    prefix_caching,
 )
 
 
@@ -41,7 +44,9 @@ def bench(
     output_len: int | None = typer.Option(None, "--output-len", help="Output tokens per "
                                           "request."),
     workload: str | None = typer.Option(None, "--workload", help="sharegpt, lmsys, splitwise "
-                                        "(NanoFlow Table 4 statistics) or a JSONL file."),
+                                        "(NanoFlow Table 4 statistics), a JSONL file, "
+                                        "shared-prefix:groups=G,prefix=P,unique=U,output=O "
+                                        "or multi-turn:turns=T,prompt=P,user=U,output=O."),
     num_prompts: int = typer.Option(100, "--num-prompts", help="Number of requests."),
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
                                            "(default 2048 on a GPU, 256 on the CPU)."),
@@ -76,6 +81,8 @@ def bench(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    enable_prefix_caching: PrefixCaching = False,
+    no_enable_prefix_caching: NoPrefixCaching = False,
     quantization: Quantization = "auto",
     max_model_len: MaxModelLen = None,
     dtype: Dtype = "auto",
@@ -101,6 +108,8 @@ def bench(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
+                          prefix_caching=prefix_caching(enable_prefix_caching,
+                                                        no_enable_prefix_caching),
                           quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))

@@ -15,11 +15,14 @@ from nanosched.cli.options import (
     GpuMemoryUtilization,
     KvCacheDtype,
     MaxModelLen,
+    NoPrefixCaching,
+    PrefixCaching,
     Quantization,
     Seed,
     kernel_options,
     mem_util_kwargs,
     model_option,
+    prefix_caching,
 )
 from nanosched.errors import ConfigError
 
@@ -40,6 +43,8 @@ def generate(
     seed: Seed = 0,
     as_json: bool = typer.Option(False, "--json", help="Print prompt and output ids as JSON."),
     kv_cache_dtype: KvCacheDtype = "auto",
+    enable_prefix_caching: PrefixCaching = False,
+    no_enable_prefix_caching: NoPrefixCaching = False,
     quantization: Quantization = "auto",
     max_model_len: MaxModelLen = None,
     dtype: Dtype = "auto",
@@ -60,6 +65,8 @@ def generate(
             raise ConfigError(f"--prompt-ids must be comma-separated integers, got "
                               f"{prompt_ids!r}") from None
     engine = EngineConfig(model=model, device=device, tp=tp, seed=seed, kv_dtype=kv_cache_dtype,
+                          prefix_caching=prefix_caching(enable_prefix_caching,
+                                                        no_enable_prefix_caching),
                           quantization=quantization,
                           max_context=max_model_len, dtype=dtype,
                           **mem_util_kwargs(gpu_memory_utilization),

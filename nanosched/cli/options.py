@@ -59,6 +59,18 @@ Collective = Annotated[str, typer.Option("--collective", help=(
     "engines, readiness by stream memory operations, one small SM reduction; needs "
     "cuda-bindings). A searched schedule names its own per nano-op."))]
 Admission = Annotated[str, typer.Option("--admission", help=ADMISSION_HELP)]
+PrefixCaching = Annotated[bool, typer.Option("--enable-prefix-caching", help=(
+    "Automatic prefix caching, as vLLM's flag (the default): full KV pages are kept by content "
+    "and shared by requests whose prompts start alike, which prefill only the rest."))]
+NoPrefixCaching = Annotated[bool, typer.Option("--no-enable-prefix-caching", help=(
+    "Turn automatic prefix caching off, as vLLM's flag."))]
+
+
+def prefix_caching(enable: bool, disable: bool) -> bool:
+    """Whether prefix caching is on: the default, unless --no-enable-prefix-caching."""
+    if enable and disable:
+        raise ConfigError("give --enable-prefix-caching or --no-enable-prefix-caching, not both")
+    return not disable
 KvHeadroom = Annotated[float, typer.Option("--kv-headroom", help=HEADROOM_HELP)]
 Preemption = Annotated[str, typer.Option("--preemption", help=PREEMPTION_HELP)]
 SwapSpace = Annotated[float, typer.Option("--swap-space", help=SWAP_HELP)]

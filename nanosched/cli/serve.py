@@ -16,7 +16,9 @@ from nanosched.cli.options import (
     KvCacheDtype,
     KvHeadroom,
     MaxModelLen,
+    NoPrefixCaching,
     Preemption,
+    PrefixCaching,
     Quantization,
     Seed,
     SwapSpace,
@@ -24,6 +26,7 @@ from nanosched.cli.options import (
     kernel_options,
     mem_util_kwargs,
     model_option,
+    prefix_caching,
 )
 from nanosched.errors import ConfigError
 
@@ -86,6 +89,8 @@ def serve(
     preemption: Preemption = "recompute",
     swap_space: SwapSpace = 4.0,
     kv_cache_dtype: KvCacheDtype = "auto",
+    enable_prefix_caching: PrefixCaching = False,
+    no_enable_prefix_caching: NoPrefixCaching = False,
     quantization: Quantization = "auto",
     max_model_len: MaxModelLen = None,
     dtype: Dtype = "auto",
@@ -108,6 +113,8 @@ def serve(
                           admission=admission_config(admission, kv_headroom, preemption,
                                                      swap_space),
                           kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
+                          prefix_caching=prefix_caching(enable_prefix_caching,
+                                                        no_enable_prefix_caching),
                           quantization=quantization,
                           **mem_util_kwargs(gpu_memory_utilization),
                           kernels=kernel_options(decode_attention, collective))

@@ -6,13 +6,15 @@ request lives at page table[p // S], offset p % S. `plan(...)` reserves pages fo
 batch will write, advances each request's length and returns the batch's `BatchMeta`.
 Pages are zero-initialised so that padded reads never meet NaNs. One page past the allocator's
 (`scratch_slot`) is never handed out: the padded rows of a CUDA-graph bucket write their K/V
-there, so they never touch a request's pages.
+there, so they never touch a request's pages. Pages are reference-counted; a full page may be
+cached under its content hash and shared by requests with the same prefix (`PageAllocator`).
 
 More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -29,28 +31,99 @@ class CacheFullError(NanoschedError):
 
 
 class PageAllocator:
-    """Free list of page ids 0..num_pages-1."""
+    """Pages 0..num_pages-1, each with a reference count (the requests whose block tables hold
+    it). A full page may also be cached under its content hash (models/prefix.py): when its
+    last user lets go it goes to an LRU of free cached pages instead of the free list, and
+    another request may take it back by that hash (`lookup`, `share`); a page is evicted
+    (its hash dropped) only when the free list is empty and a new page is needed."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ConfigError(f"KV cache needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self.refs = [0] * num_pages
+        self.page_hash: dict[int, int] = {}  # cached page -> its content hash
+        self.by_hash: dict[int, int] = {}  # content hash -> cached page
+        self._lru: OrderedDict[int, None] = OrderedDict()  # free cached pages, oldest first
+        self.evictions = 0  # cached pages whose hash was dropped to reuse the page
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages no request holds: never cached, or cached and evictable."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages that hold a hash (in use or free)."""
+        return len(self.page_hash)
+
+    @property
+    def num_in_use(self) -> int:
+        """Pages some request holds (a page shared by several counts once)."""
+        return self.num_pages - self.num_free
 
     def allocate(self, count: int) -> list[int]:
-        """Take `count` pages; raises CacheFullError when fewer are free."""
-        if count > len(self._free):
-            raise CacheFullError(f"KV cache: {count} pages needed, {len(self._free)} of "
+        """Take `count` pages (from the free list, then the least recently freed cached
+        pages, whose hashes are dropped); raises CacheFullError when fewer are free."""
+        if count > self.num_free:
+            raise CacheFullError(f"KV cache: {count} pages needed, {self.num_free} of "
                                  f"{self.num_pages} free")
-        return [self._free.pop() for _ in range(count)]
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._lru.popitem(last=False)
+                del self.by_hash[self.page_hash.pop(page)]
+                self.evictions += 1
+            self.refs[page] = 1
+            pages.append(page)
+        return pages
 
     def free(self, pages: Sequence[int]) -> None:
-        """Return pages to the free list."""
-        self._free.extend(reversed(pages))
+        """Let go of `pages` (one reference each, last page first so that a freed sequence's
+        tail is evicted before its head); a page nobody holds is refused."""
+        for page in reversed(pages):
+            if self.refs[page] <= 0:
+                raise NanoschedError(f"KV page {page} freed but no request holds it")
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.page_hash:
+                    self._lru[page] = None
+                else:
+                    self._free.append(page)
+
+    def share(self, pages: Sequence[int]) -> None:
+        """One more reference to each of `pages` (cached pages found by `lookup`)."""
+        for page in pages:
+            if self.refs[page] == 0:
+                if page not in self._lru:
+                    raise NanoschedError(f"KV page {page} is neither held nor cached")
+                del self._lru[page]
+            self.refs[page] += 1
+
+    def register(self, page: int, content: int) -> bool:
+        """Cache held, fully written `page` under hash `content`; False (nothing changes) when
+        another page already holds that hash or this page holds one."""
+        if self.refs[page] <= 0:
+            raise NanoschedError(f"KV page {page} cached but no request holds it")
+        if content in self.by_hash or page in self.page_hash:
+            return False
+        self.by_hash[content] = page
+        self.page_hash[page] = content
+        return True
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The cached pages of the longest prefix of `hashes` (a chain: page i's hash covers
+        pages 0..i)."""
+        pages = []
+        for content in hashes:
+            page = self.by_hash.get(content)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
 
 
 class KVLayer(NamedTuple):
@@ -142,6 +215,21 @@ class KVCache:
             raise ConfigError(f"{len(pages)} pages cannot hold {length} tokens")
         self.tables[request] = list(pages)
         self.lengths[request] = length
+
+    def share(self, request: int, pages: list[int], length: int) -> None:
+        """Give `request` (holding no pages) the cached `pages` as its first `length` tokens
+        (a prefix-cache hit: one more reference each)."""
+        if self.tables.get(request):
+            raise ConfigError(f"request {request} already holds KV pages")
+        if len(pages) * self.page_size < length:
+            raise ConfigError(f"{len(pages)} pages cannot hold {length} tokens")
+        self.allocator.share(pages)
+        self.tables[request] = list(pages)
+        self.lengths[request] = length
+
+    def register(self, page: int, content: int) -> bool:
+        """Cache `page` under its content hash (`PageAllocator.register`)."""
+        return self.allocator.register(page, content)
 
     def length(self, request: int) -> int:
         """Tokens of `request` already written (0 for an unknown request)."""

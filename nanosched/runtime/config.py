@@ -48,7 +48,8 @@ class EngineConfig:
     (`Engine.gpu_timeline_report()` then says how long the GPU waited for the CPU between
     iterations);
     `admission` how the batcher admits requests and preempts them when KV pages run out
-    (runtime/preempt.py).
+    (runtime/preempt.py); `prefix_caching` keeps full KV pages indexed by content and
+    shares them between requests with the same prefix (runtime/request_scheduler.py).
     """
 
     model: str | None = None
@@ -74,6 +75,7 @@ class EngineConfig:
     time_forwards: bool = False
     gpu_timeline: bool = False
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    prefix_caching: bool = True  # share full KV pages of equal prefixes (--enable-prefix-caching)
 
     def __post_init__(self) -> None:
         if self.tp < 1:

@@ -151,11 +151,16 @@ class KVPool:
             tokens = max(tokens, self.swap.length(r.request_id))
         return self._pages(tokens)
 
-    def can_admit(self, r: Request, alone: bool) -> bool:
+    def can_admit(self, r: Request, alone: bool, shared: int = 0) -> bool:
         """Whether `r`'s pages are free with the headroom left over (no headroom when nothing
-        else runs), and every token it sampled is on the host."""
+        else runs), and every token it sampled is on the host; `shared` of its pages are
+        cached pages other requests hold (a prefix-cache hit: they cost nothing)."""
         headroom = 0 if alone else self.headroom_pages
-        return r.pending == 0 and self.admit_need(r) + headroom <= self.num_free
+        return r.pending == 0 and self.admit_need(r) - shared + headroom <= self.num_free
+
+    def swapped(self, r: Request) -> bool:
+        """Whether `r`'s KV is on the host (it is swapped back in when admitted)."""
+        return self.swap is not None and self.swap.holds(r.request_id)
 
     def admit(self, r: Request) -> bool:
         """Give `r` its pages; True when it was swapped in (it runs from the next step)."""
@@ -195,12 +200,18 @@ def make_pool(model: Any, kv: KVCache, cfg: AdmissionConfig,
 def replay_kv_ops(ops: list[tuple], kv: KVCache, swap: HostSwap | None) -> None:
     """Make the changes a rank 0 `KVPool` (and engine) journaled on this rank's cache and host
     copies, in order: the same calls on the same bookkeeping give the same pages, so block
-    tables need not travel (each rank moves the data of its own KV heads)."""
+    tables need not travel (each rank moves the data of its own KV heads). Prefix caching
+    journals its decisions ("share" a request's cached pages, "register" a page's hash): the
+    other ranks index the same pages without hashing a token."""
     for op, *args in ops:
         if op == "reserve":
             kv.reserve(*args)
         elif op == "release":
             kv.release(*args)
+        elif op == "share":
+            kv.share(args[0], list(args[1]), args[2])
+        elif op == "register":
+            kv.register(*args)
         elif swap is None:
             raise ConfigError(f"KV op {op!r} needs host swap space, which this rank has none of")
         else:

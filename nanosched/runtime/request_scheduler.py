@@ -2,15 +2,15 @@
 to the KV pages of a request; the engine asks it for each batch and hands back what the batch
 sampled (`update_from_output`), so the engine itself plans and frees no page.
 
-Batches (NanoFlow §4.2.1): a fixed dense batch, decode first, chunked prefill after. Each
-iteration holds at most `dense_batch` tokens: one decode token per running request that has
-finished its prompt, then prompt chunks (continuing prefills first, then newly admitted requests,
-first come first served) until the batch is full. With `decode_align` > 1 the decode tokens take
-room rounded up to a multiple of it: the rows a CUDA-graph bucket pads them to
-(models/bucket.py). Admission ("use", "reserve", "predict") and preemption by recompute or swap
-go through the page book of runtime/preempt.py (`KVPool`).
+Batches (NanoFlow §4.2.1): a fixed dense batch, decode first (rows rounded up to `decode_align`,
+a CUDA-graph bucket's), then prompt chunks (continuing prefills, then new requests, first come
+first served) until `dense_batch` tokens. Admission ("use", "reserve", "predict") and preemption
+by recompute or swap go through runtime/preempt.py (`KVPool`). Prefix caching (`prefix_seed`):
+an admitted request takes the cached full pages of its prompt's longest known prefix and
+prefills after them (never its last token); a fully written page is indexed by its content hash
+(models/prefix.py, models/kvcache.py); a request whose next page another is prefilling waits.
 
-More in docs/admission.md, module notes.
+More in docs/admission.md and docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from nanosched.errors import ConfigError
 from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import round_up
 from nanosched.models.kvcache import KVCache
+from nanosched.models.prefix import page_hash, prefix_seed
 from nanosched.runtime.predict import OutputLengths
 from nanosched.runtime.preempt import KVPool, PreemptStats, make_pool
 from nanosched.runtime.requests import Request
@@ -78,6 +79,8 @@ def peak_kv_tokens(held: list[int], remaining: list[int]) -> int:
 class SchedulerStats:
     batches: int = 0  # non-empty batches formed
     full_batches: int = 0  # of those, batches that left no row of the dense batch unused
+    prefix_queries: int = 0  # prompt (prefill) tokens of admitted requests looked up
+    prefix_hits: int = 0  # of those, tokens found in the prefix cache (not computed)
 
 
 class RequestScheduler:
@@ -85,11 +88,13 @@ class RequestScheduler:
     model. `pool` None: the "reserve" policy; else the pool's, "use" or "predict"
     (docs/admission.md). `kv`: the cache whose pages `plan`, `update_from_output` and `abort`
     take and free, each change also appended to `journal` when given (tp > 1: the other
-    ranks replay it); None for the policy alone, its caller planning the batches."""
+    ranks replay it); None for the policy alone, its caller planning the batches.
+    `prefix_seed`: the hash page 0 chains from (models/prefix.py); None: no prefix caching."""
 
     def __init__(self, dense_batch: int, kv_capacity_pages: int, page_size: int,
                  max_context: int, decode_align: int = 1, pool: KVPool | None = None,
-                 kv: KVCache | None = None, journal: list[tuple] | None = None) -> None:
+                 kv: KVCache | None = None, journal: list[tuple] | None = None,
+                 prefix_seed: int | None = None) -> None:
         if dense_batch < 1:
             raise ConfigError(f"--dense-batch must be positive, got {dense_batch}")
         if decode_align < 1:
@@ -102,6 +107,7 @@ class RequestScheduler:
         self.pool = pool
         self.kv = kv
         self.journal = journal
+        self.prefix_seed = prefix_seed if kv is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -113,8 +119,12 @@ class RequestScheduler:
         """The scheduler of an engine's cache under `cfg` (an `EngineConfig`: dense batch,
         pages, admission), its page changes journaled at tp > 1."""
         pool = make_pool(model, kv, cfg.admission, journal)
+        seed = prefix_seed(model.spec.name, cfg.model, cfg.weights, cfg.seed, cfg.dtype,
+                           str(getattr(model, "dtype", "")), cfg.kv_dtype, cfg.quantization,
+                           cfg.tp, cfg.page_size) if cfg.prefix_caching else None
         return cls(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
-                   decode_align=decode_align, pool=pool, kv=kv, journal=journal)
+                   decode_align=decode_align, pool=pool, kv=kv, journal=journal,
+                   prefix_seed=seed)
 
     @property
     def policy(self) -> str:
@@ -154,13 +164,14 @@ class RequestScheduler:
         return math.ceil((prefilling + peak_kv_tokens(held, remaining)) / self.page_size) + \
             len(reqs)
 
-    def _can_admit(self, req: Request) -> bool:
+    def _can_admit(self, req: Request, hit: list[int]) -> bool:
         if len(self.running) >= self.dense_batch:
             return False
         if self.pool is None:
             return self.predicted_peak_pages(req) <= self.capacity_pages
         alone = not self.running
-        if not self.pool.can_admit(req, alone):
+        refs = self.pool.kv.allocator.refs
+        if not self.pool.can_admit(req, alone, sum(refs[p] > 0 for p in hit)):
             return False
         return (alone or self.policy != "predict" or
                 self.predicted_peak_pages(req) <= self.capacity_pages)
@@ -183,6 +194,7 @@ class RequestScheduler:
                 self.running.remove(victim)
                 self.waiting.appendleft(victim)
                 pool.preempt(victim)
+                victim.num_cached_pages = 0
                 preempted.add(id(victim))
                 if victim is r:
                     break
@@ -216,10 +228,13 @@ class RequestScheduler:
                 budget -= self._chunk(entries, r, budget)
         while (not preempted and budget > 0 and self.waiting and
                self.waiting[0].arrival_s <= now_s):
-            if not self._can_admit(self.waiting[0]):
+            hit = self._prefix_hit(self.waiting[0])
+            if self._prefix_pending(self.waiting[0], hit) or \
+                    not self._can_admit(self.waiting[0], hit):
                 break  # first come first served: later requests wait behind it
             r = self.waiting.popleft()
             self.running.append(r)
+            self._share_prefix(r, hit)
             if self.pool is not None and self.pool.admit(r):
                 continue  # swapped in: runs from the next step, once its copy is done
             budget -= self._chunk(entries, r, budget)
@@ -227,6 +242,81 @@ class RequestScheduler:
             self.stats.batches += 1
             self.stats.full_batches += budget == 0
         return Batch(tuple(entries))
+
+    # ---- prefix caching --------------------------------------------------------------------
+    def _page_tokens(self, r: Request, page: int) -> list[int]:
+        """Token ids of `r`'s full page `page` (prompt, then outputs)."""
+        start, end = page * self.page_size, (page + 1) * self.page_size
+        if end <= r.prompt_len:
+            return r.prompt_ids[start:end]
+        head = r.prompt_ids[start:] if start < r.prompt_len else []
+        return head + r.output_ids[max(0, start - r.prompt_len):end - r.prompt_len]
+
+    def _hashes(self, r: Request, pages: int) -> list[int]:
+        """The content hashes of `r`'s first `pages` full pages (those tokens are known)."""
+        hashes = r.page_hashes
+        while len(hashes) < pages:
+            parent = hashes[-1] if hashes else self.prefix_seed
+            hashes.append(page_hash(parent, self._page_tokens(r, len(hashes))))
+        return hashes
+
+    def _prefix_hit(self, r: Request) -> list[int]:
+        """Cached pages of `r`'s longest cached prefix, its last prefill token excluded (its
+        logits must be computed); none without prefix caching or for a swapped-out request."""
+        if self.prefix_seed is None or self.kv.num_held(r.request_id) or \
+                (self.pool is not None and self.pool.swapped(r)):
+            return []
+        known = min(r.prefill_len - 1, r.prompt_len + len(r.output_ids))
+        pages = known // self.page_size
+        return self.kv.allocator.lookup(self._hashes(r, pages)[:pages])
+
+    def _prefix_pending(self, r: Request, hit: list[int]) -> bool:
+        """Whether the page after `r`'s cached prefix is being prefilled by a running request
+        (same hash, not yet indexed): `r` then waits to share it rather than compute it again
+        (choices of one prompt, n > 1, admitted together)."""
+        i = len(hit)
+        usable = min(r.prefill_len - 1, r.prompt_len + len(r.output_ids)) // self.page_size
+        if self.prefix_seed is None or i >= min(usable, len(r.page_hashes)):
+            return False
+        h = r.page_hashes[i]
+        return any(q.is_prefilling and q.num_cached_pages <= i < len(q.page_hashes) and
+                   q.page_hashes[i] == h for q in self.running)
+
+    def _share_prefix(self, r: Request, hit: list[int]) -> None:
+        """Admit `r` with its cached prefix: its block table starts with `hit`, its prefill
+        after them; counts the lookup's tokens."""
+        r.num_cached_pages = 0
+        if self.prefix_seed is None or (self.pool is not None and self.pool.swapped(r)):
+            return
+        tokens = len(hit) * self.page_size
+        self.stats.prefix_queries += r.prefill_len
+        self.stats.prefix_hits += tokens
+        if hit:
+            self.kv.share(r.request_id, hit, tokens)
+            self._log("share", r.request_id, tuple(hit), tokens)
+            r.num_prefilled, r.num_cached_pages = tokens, len(hit)
+
+    def _cache_pages(self, r: Request) -> None:
+        """Index `r`'s pages that are fully written and whose tokens are all known on the host
+        by their content hashes (another holds the hash already: this one stays unindexed)."""
+        if self.prefix_seed is None or r.finish_reason == "error":
+            return
+        table = self.kv.tables.get(r.request_id)
+        if not table:
+            return
+        known = min(self.kv.length(r.request_id), r.prompt_len + len(r.output_ids))
+        full = min(known // self.page_size, len(table))
+        if full <= r.num_cached_pages:
+            return
+        hashes = self._hashes(r, full)
+        for i in range(r.num_cached_pages, full):
+            if self.kv.register(table[i], hashes[i]):
+                self._log("register", table[i], hashes[i])
+        r.num_cached_pages = full
+
+    def _log(self, *op: Any) -> None:
+        if self.journal is not None:
+            self.journal.append(op)
 
     @staticmethod
     def _chunk(entries: list[BatchEntry], r: Request, budget: int) -> int:
@@ -275,6 +365,7 @@ class RequestScheduler:
                 e.request.num_prefilled += e.num_tokens
             if e.samples:
                 e.request.pending += 1
+            self._cache_pages(e.request)
 
     def update_from_output(self, samplers: list[Request], tokens: list[int], now_s: float,
                            eos_ids: frozenset[int],
@@ -308,6 +399,7 @@ class RequestScheduler:
             r.finished, r.finish_s = True, now_s
             ended.append(r)
         for r in ended:
+            self._cache_pages(r)  # a decode-filled last page whose token was in flight
             self._release(r.request_id)
         self.retire(ended)
         return ended
@@ -324,8 +416,7 @@ class RequestScheduler:
 
     def _release(self, request_id: int) -> None:
         self.kv.release(request_id)
-        if self.journal is not None:
-            self.journal.append(("release", request_id))
+        self._log("release", request_id)
 
     @property
     def has_work(self) -> bool:
@@ -334,6 +425,8 @@ class RequestScheduler:
     def reset_stats(self) -> None:
         """Count batches and preemptions afresh (after a benchmark's warm-up)."""
         self.stats = SchedulerStats()
+        if self.kv is not None:
+            self.kv.allocator.evictions = 0
         if self.pool is not None:
             self.pool.stats = PreemptStats()
 
@@ -342,4 +435,14 @@ class RequestScheduler:
         (decode rows rounded up to `decode_align` count as used); preemptions by kind."""
         s = self.stats
         return {"admission": self.policy, "full_batch_share": s.full_batches / max(1, s.batches),
-                "preemptions": (self.pool.stats if self.pool else PreemptStats()).as_dict()}
+                "preemptions": (self.pool.stats if self.pool else PreemptStats()).as_dict(),
+                "prefix_cache": self.prefix_report()}
+
+    def prefix_report(self) -> dict[str, Any]:
+        """Prefix caching: on or off, prompt tokens looked up and found (since the last
+        `reset_stats`), their ratio (0 with no query), cached pages evicted in all."""
+        s = self.stats
+        return {"enabled": self.prefix_seed is not None, "queries_tokens": s.prefix_queries,
+                "hits_tokens": s.prefix_hits,
+                "hit_rate": s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,
+                "evicted_pages": self.kv.allocator.evictions if self.kv is not None else 0}

@@ -6,6 +6,7 @@ sampling settings and (for benchmarks) an arrival time. `make_requests` builds t
 - a named dataset of NanoFlow's Table 4 (`splitwise`, `lmsys`, `sharegpt`): seeded lengths drawn
   from log-normal distributions with the table's mean and standard deviation,
 - a JSONL file, one request per line: `{"prompt_len": N | "prompt_ids": [...], "output_len": M}`,
+- prompts that share prefixes (`shared-prefix:...`, `multi-turn:...`: runtime/traces.py),
 and `poisson_arrivals` spaces them at a request rate (exponential gaps, NanoFlow §6.3).
 """
 
@@ -52,6 +53,10 @@ class Request:
     pending: int = 0  # tokens sampled on the device but not yet read back (async loop)
     num_prefilled: int = 0  # tokens of the prefill (see `prefill_len`) already in the KV cache
     num_recompute: int = 0  # output tokens prefilled again after a recompute preemption
+    # prefix caching: hashes of the full pages of prompt + outputs computed so far
+    # (models/prefix.py), and how many of its block table's pages are in the cache's index
+    page_hashes: list[int] = field(default_factory=list, repr=False)
+    num_cached_pages: int = 0
     finished: bool = False
     finish_reason: str = ""
     first_token_s: float | None = None
@@ -256,6 +261,10 @@ def make_requests(workload: str | None, input_len: int | None, output_len: int |
                               f"the model's context of {max_len} tokens")
         return synthetic_requests(fixed(input_len, output_len), num_prompts, vocab_size,
                                   max_len, seed, ignore_eos)
+    from nanosched.runtime.traces import is_trace, trace_requests
+
+    if is_trace(workload):
+        return trace_requests(workload, num_prompts, vocab_size, max_len, seed, ignore_eos)
     if workload in DATASETS:
         return synthetic_requests(DATASETS[workload], num_prompts, vocab_size, max_len, seed,
                                   ignore_eos)

@@ -87,3 +87,28 @@ def test_bench_records_the_decode_attention_it_was_given(tmp_path):
     r = run(*BENCH, "--decode-attention", "triton_paged", "--json", str(path))
     assert r.exit_code == 0, r.output
     assert json.loads(path.read_text())["config"]["decode_attention"] == "triton_paged"
+
+
+def test_bench_reports_the_prefix_cache_hit_rate_on_a_shared_prefix_workload(tmp_path):
+    workload = "shared-prefix:groups=2,prefix=40,unique=5,output=4"
+    outs = {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        path = tmp_path / f"{flag}.json"
+        r = run("bench", "--model", CONFIG, "--workload", workload, "--num-prompts", "8",
+                "--dense-batch", "64", "--device", "cpu", "--warmup-prompts", "0", flag,
+                "--json", str(path))
+        assert r.exit_code == 0, r.output
+        outs[flag] = (r.output, json.loads(path.read_text())["runs"]["sequential"])
+    text, on = outs["--enable-prefix-caching"]
+    cache = on["prefix_cache"]
+    assert cache["enabled"] and cache["queries_tokens"] == 8 * 45
+    assert cache["hits_tokens"] > 0 and cache["hit_rate"] == cache["hits_tokens"] / (8 * 45)
+    assert f"prefix cache: {100 * cache['hit_rate']:.1f}% of prompt tokens hit" in text
+    text, off = outs["--no-enable-prefix-caching"]
+    assert "prefix cache: off" in text and off["prefix_cache"]["hits_tokens"] == 0
+
+
+def test_a_bad_trace_workload_exits_2_naming_it():
+    r = run("bench", "--model", CONFIG, "--workload", "multi-turn:turns=2", "--device", "cpu")
+    assert r.exit_code == 2, r.output
+    assert "--workload 'multi-turn:turns=2': missing prompt, user, output" in r.output

@@ -68,7 +68,8 @@ def step(model, ws, chunks):
 
 def serve_all(model, reqs, num_pages, **engine_kw):
     """Run `reqs` through a fresh Engine to completion (inference mode); checks that every KV
-    page came back. Returns (every request's output ids, the engine)."""
+    page came back and no page is still referenced (prefix caching's counts). Returns (every
+    request's output ids, the engine)."""
     import torch
 
     eng = make_engine(model, num_pages=num_pages, **engine_kw)
@@ -76,7 +77,7 @@ def serve_all(model, reqs, num_pages, **engine_kw):
         eng.add_request(r)
     with torch.inference_mode():
         eng.run_to_completion()
-    assert eng.ws.kv.allocator.num_free == num_pages
+    assert eng.ws.kv.allocator.num_free == num_pages and not any(eng.ws.kv.allocator.refs)
     return [r.output_ids for r in reqs], eng
 
 

@@ -1,7 +1,9 @@
 """One engine on two ranks (gloo, a spawned worker) serves the tokens the same engine serves at
 tp = 1: with preemption by recompute and by swap, an FP8 KV cache, graph buckets (layout on the
-CPU), the asynchronous loop, temperature sampling and aborts; several engines one after another
-on one group (as `bench --compare` builds them), and a call on every rank."""
+CPU), the asynchronous loop, temperature sampling and aborts, prefix caching on and off (odd
+requests share a prompt prefix: rank 0 decides, the other ranks replay its page choices);
+several engines one after another on one group (as `bench --compare` builds them), and a call
+on every rank."""
 
 from __future__ import annotations
 
@@ -25,15 +27,19 @@ CASES = {
     "swap, fp8 KV": dict(kv_dtype="fp8", admission=AdmissionConfig(preemption="swap")),
     "graph layout, async loop": dict(graphs="layout", async_loop=True,
                                      admission=AdmissionConfig(preemption="swap")),
+    "no prefix caching": dict(prefix_caching=False),
 }
 
 
 def requests() -> list[Request]:
     """Twelve requests whose pages outgrow a 20-page cache (preemptions), two sampled at a
-    temperature."""
+    temperature, the odd ones starting with the same 40 tokens."""
     out = []
+    shared = [(5 * j + 1) % 256 for j in range(40)]
     for i in range(12):
         prompt = [(7 * i + 3 * j) % 256 for j in range(20 + 5 * i)]
+        if i % 2:
+            prompt = shared + prompt
         temp = 0.8 if i in (3, 8) else 0.0
         out.append(Request(i, prompt, SamplingParams(temperature=temp, max_tokens=12 + 2 * i,
                                                      ignore_eos=True)))
@@ -56,8 +62,10 @@ def serve(model, cfg, ranks=None, abort_at: int | None = None) -> tuple[list, di
                 steps += 1
                 if steps == abort_at:
                     eng.abort(5)
-        assert eng.ws.kv.allocator.num_free == cfg.num_pages
-        return [r.output_ids for r in reqs], eng.batcher.report()["preemptions"]
+        alloc = eng.ws.kv.allocator
+        assert alloc.num_free == cfg.num_pages and not any(alloc.refs)
+        report = eng.batcher.report()
+        return [r.output_ids for r in reqs], report["preemptions"], report["prefix_cache"]
 
 
 @pytest.mark.slow
@@ -77,9 +85,10 @@ def test_tp2_engine_serves_what_tp1_serves(tmp_path):
         got = {name: serve(two, replace(cfg2, **kw), group) for name, kw in CASES.items()}
         got_abort = serve(two, cfg2, group, abort_at=6)[0]
     for name in CASES:
-        tokens, preempted = got[name]
+        tokens, preempted, cached = got[name]
         assert tokens == want[name][0], name
-        assert preempted == want[name][1], name
+        assert preempted == want[name][1] and cached == want[name][2], name
+        assert (cached["hits_tokens"] > 0) == (name != "no prefix caching"), name
     assert want["recompute"][1]["recomputed"] > 0
     assert want["swap, fp8 KV"][1]["swapped"] > 0
     assert got_abort == want_abort and len(got_abort[5]) < 22

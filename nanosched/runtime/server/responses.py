@@ -38,6 +38,15 @@ METRICS = {
     "nanosched_kv_pages_in_use": ("gauge", "KV cache pages held by requests.",
                                   "kv_pages_in_use"),
     "nanosched_kv_pages_total": ("gauge", "KV cache pages.", "kv_pages_total"),
+    "nanosched_prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix "
+                                             "cache.", "prefix_cache_queries"),
+    "nanosched_prefix_cache_hits_total": ("counter", "Prompt tokens found in the prefix cache "
+                                          "(not computed).", "prefix_cache_hits"),
+    # vLLM's names for the same two counters, for dashboards made for vLLM
+    "vllm:prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix "
+                                        "cache.", "prefix_cache_queries"),
+    "vllm:prefix_cache_hits_total": ("counter", "Prompt tokens found in the prefix cache.",
+                                     "prefix_cache_hits"),
 }
 
 

@@ -170,6 +170,8 @@ class EngineWorker:
             "batch_size": eng.stats.batch_sizes[-1] if eng.stats.batch_sizes else 0,
             "kv_pages_total": alloc.num_pages, "kv_pages_in_use": alloc.num_pages - alloc.num_free,
             "throughput_tokens_per_s": recent / THROUGHPUT_WINDOW_S,
+            "prefix_cache_queries": eng.batcher.stats.prefix_queries,
+            "prefix_cache_hits": eng.batcher.stats.prefix_hits,
         }
 
     # ---- engine thread ---------------------------------------------------------------------

@@ -169,7 +169,8 @@ def test_client_disconnect_mid_whole_response_aborts_at_once(srv, http):
                  m["nanosched_kv_pages_in_use"] == 0 and m["nanosched_requests_running"] == 0)
     generated = m["nanosched_tokens_generated_total"] - m0["nanosched_tokens_generated_total"]
     assert generated < 500  # stopped early, not run to max_tokens
-    assert srv.worker.engine.ws.kv.allocator.num_free == m["nanosched_kv_pages_total"]
+    alloc = srv.worker.engine.ws.kv.allocator
+    assert alloc.num_free == m["nanosched_kv_pages_total"] and not any(alloc.refs)
     assert srv.worker.engine.ws.kv.tables == {}
     other = ask(http, srv, prompt=[4, 5], max_tokens=3, temperature=0)
     assert other.status_code == 200  # the server still answers
@@ -541,3 +542,33 @@ def test_the_model_id_is_the_folder_name_or_the_served_model_name(srv, http, fol
         s.close()
     with pytest.raises(ConfigError, match="--served-model-name is empty"):
         ThreadServer(model=str(folder), served_model_name="")
+
+
+def test_metrics_count_prefix_cache_queries_and_hits_in_tokens(srv, http):
+    """A prompt sent again finds its full pages cached (the last token computed): /metrics
+    counts the tokens under nanosched's names and vLLM's, and the answer is the same; of n = 2
+    choices of a new prompt one shares the other's full pages, and no page is held after."""
+    prompt = [(7 * j + 3) % 50 for j in range(40)]  # two full 16-token pages and 8 more
+    m0 = metrics(http, srv.url)
+    first = ask(http, srv, prompt=prompt, max_tokens=4, temperature=0)
+    again = ask(http, srv, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.status_code == again.status_code == 200
+    assert first.json()["choices"][0]["token_ids"] == again.json()["choices"][0]["token_ids"]
+    m = metrics(http, srv.url)
+    queries = m["nanosched_prefix_cache_queries_total"] - \
+        m0["nanosched_prefix_cache_queries_total"]
+    hits = m["nanosched_prefix_cache_hits_total"] - m0["nanosched_prefix_cache_hits_total"]
+    assert queries == 80 and hits >= 32 and hits % 16 == 0
+    assert m["vllm:prefix_cache_hits_total"] == m["nanosched_prefix_cache_hits_total"]
+    assert m["vllm:prefix_cache_queries_total"] == m["nanosched_prefix_cache_queries_total"]
+    fresh = [(5 * j + 1) % 50 for j in range(40)]
+    want = ask(http, srv, prompt=fresh, max_tokens=4, temperature=0, n=1)  # cached from here
+    m0 = metrics(http, srv.url)
+    fresh[0] = (fresh[0] + 1) % 50  # a prompt nothing cached shares a page with
+    both = ask(http, srv, prompt=fresh, max_tokens=4, temperature=0, n=2)
+    ids = [c["token_ids"] for c in both.json()["choices"]]
+    assert ids[0] == ids[1] and want.status_code == 200
+    m = metrics(http, srv.url)
+    assert m["nanosched_prefix_cache_hits_total"] - m0["nanosched_prefix_cache_hits_total"] == 32
+    m = wait_for(http, srv.url, lambda m: m["nanosched_kv_pages_in_use"] == 0)
+    assert not any(srv.worker.engine.ws.kv.allocator.refs)

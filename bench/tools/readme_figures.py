@@ -53,12 +53,22 @@ FIGURES: tuple[Figure, ...] = (
             "runs.sequential+graphs.results.tokens_per_s"), "ratio", "{:.2f}×",
            "archive/bench-kv-auto-llama3-8b-in1024-out512-n1000-b2048-H200-20261126.json"),
     # Results: FP8 weights (W8A8) against bf16 weights, both on an FP8 KV cache, 1024 / 512
-    Figure("1.35×", "bench-tp1-w8a8-fp8-llama3-8b-in1024-out512-n1000-H200-20261202.json",
+    Figure("1.35×", "archive/bench-tp1-w8a8-fp8-llama3-8b-in1024-out512-n1000-H200-20261202.json",
            ("runs.sequential+graphs.results.tokens_per_s",
             "runs.sequential+graphs.results.tokens_per_s"), "ratio", "{:.2f}×",
            "bench-tp1-fp8-llama3-8b-in1024-out512-n1000-H200-20261202.json"),
     Figure("16,505", "bench-tp1-w8a8-fp8-llama3-8b-in1000-out1000-n3000-H200-20261202.json",
            ("runs.sequential+graphs.results.output_tokens_per_s",), fmt="{:,.0f}"),
+    # Results: prefix caching on against off, 1,000 requests sharing a 2,000-token prefix in 10
+    # groups (200 unique prompt tokens, 256 output), FP8 weights and KV
+    Figure("2.19×", "bench-tp1-w8a8-fp8-prefix-on-llama3-8b-shared-prefix-n1000-H200-20261202.json",
+           ("runs.sequential+graphs.results.tokens_per_s",
+            "runs.sequential+graphs.results.tokens_per_s"), "ratio", "{:.2f}×",
+           "bench-tp1-w8a8-fp8-prefix-off-llama3-8b-shared-prefix-n1000-H200-20261202.json"),
+    Figure("3.4×", "bench-tp1-w8a8-fp8-prefix-off-llama3-8b-shared-prefix-n1000-H200-20261202.json",
+           ("runs.sequential+graphs.results.ttft_median_s",
+            "runs.sequential+graphs.results.ttft_median_s"), "ratio", "{:.1f}×",
+           "bench-tp1-w8a8-fp8-prefix-on-llama3-8b-shared-prefix-n1000-H200-20261202.json"),
     # Limits: a pipeline forced at the H100's steady state, timed by `nanosched verify`
     Figure("0.914×", "llama3-8b-tp1-h100-b1024-hbm-forced-20261126.verified.set.json",
            ("entries[num_decode=384,num_tokens=1024].measured.gain",)),

@@ -111,6 +111,8 @@ def _bench_entry(name: str, data: dict[str, Any]) -> Entry:
            ("schedule", schedule_kind(c.get("schedule"))))
     if c.get("quantization") == "fp8":  # FP8 weights (older records: the model's dtype)
         key += (("weights", "fp8"),)
+    if c.get("prefix_caching") is False:  # records from before the cache ran without one
+        key += (("prefix cache", "off"),)
     if c.get("mem_util") not in (None, DEFAULT_MEM_UTIL):  # --gpu-memory-utilization given
         key += (("GPU memory", str(c["mem_util"])),)
     if (net := collective(data)) != DEFAULT_COLLECTIVE:

@@ -58,13 +58,29 @@ def _run_graphs(run_name: str, run: dict[str, Any]) -> str:
     return "on" if run_name.endswith("+graphs") else "off"
 
 
+def _short_workload(label: str) -> str:
+    """A generated workload's spec (`shared-prefix:groups=10,prefix=2000,...`) in a few words;
+    any other label as it is."""
+    name, _, spec = label.partition(":")
+    keys = dict(kv.split("=", 1) for kv in spec.split(",") if "=" in kv)
+    if name == "shared-prefix" and {"groups", "prefix", "unique", "output"} <= keys.keys():
+        return (f"shared prefix: {keys['groups']} groups, {keys['prefix']} + "
+                f"{keys['unique']} / {keys['output']}")
+    if name == "multi-turn" and {"turns", "prompt", "user", "output"} <= keys.keys():
+        return (f"multi-turn: {keys['turns']} turns, {keys['prompt']} + {keys['user']} a turn "
+                f"/ {keys['output']}")
+    return label
+
+
 def readme_key(e: Entry) -> tuple[str, ...]:
     """What the README keeps one record of: (GPU, model, tp with the all-reduce when it is
     not NCCL's, and the Sequential runs' when it differs, workload, KV dtype, weights)."""
     c = e.data["config"]
     kv = "fp8" if c.get("kv_dtype") == "fp8" else "bf16"
     weights = "fp8" if c.get("quantization") == "fp8" else "bf16"
-    workload = workload_label(c).replace("in ", "").replace("out ", "")
+    workload = _short_workload(workload_label(c).replace("in ", "").replace("out ", ""))
+    if c.get("prefix_caching") is False:  # records from before the cache ran without one
+        workload += " (prefix cache off)"
     tp, net = str(c.get("tp") or 1), _records.collective(e.data)
     base = _records.sequential_collective(e.data)
     if net != _records.DEFAULT_COLLECTIVE or base != net:
@@ -143,7 +159,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-MAX_ROWS = 10  # the README's table stays a glance; INDEX.md lists every experiment
+MAX_ROWS = 11  # the README's table stays a glance; INDEX.md lists every experiment
 
 
 def newest_that_fit(records: list[Entry], max_rows: int = MAX_ROWS) -> list[Entry]:

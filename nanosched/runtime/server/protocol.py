@@ -478,7 +478,7 @@ def _api_error(exc: ValidationError, body: dict, order: list[str], limits: Limit
         message = RANGES[key].format(float(value)) if e["type"] != "float_type" else \
             f"must be a number, got {show(value)}"
     else:
-        message = RULES[key].format(show(value))
+        message = RULES.get(key, "is not valid, got {}").format(show(value))
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 

@@ -27,10 +27,12 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.0",
-                 "ruff>=0.5", "triton>=3.0", "fastapi>=0.160", "uvicorn>=0.50", "httpx>=0.27",
+                 "ruff>=0.5", "triton>=3.0", "fastapi>=0.160", "pydantic>=2.7", "uvicorn>=0.50",
+                 "httpx>=0.27",
                  "matplotlib>=3.7", "jinja2>=3.1", "openai>=1.0"],
         # transformers and jinja2: tokenizers and chat templates (stories15m ships one)
-        "serve": ["fastapi>=0.160", "uvicorn>=0.50", "transformers>=5.0", "jinja2>=3.1"],
+        "serve": ["fastapi>=0.160", "pydantic>=2.7", "uvicorn>=0.50", "transformers>=5.0",
+                  "jinja2>=3.1"],
         "plot": ["matplotlib>=3.7"],
         "gpu": ["triton>=3.0"],
         "cuda12": ["triton>=3.0", "cupy-cuda12x>=13", "cuda-bindings>=12.3,<13"],

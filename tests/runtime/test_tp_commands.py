@@ -1,7 +1,7 @@
 """`bench --tp 2` and `serve --tp 2` on the CPU (gloo): the bench's per-GPU figures and a
 replayed schedule set; the server answers the `openai` client streamed and not with the tokens
 of tp = 1, drains every rank on SIGTERM, and ends non-zero within seconds, naming the rank, when
-a worker is killed (no process left behind)."""
+a worker is killed (no process left behind), once its open requests got an error."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import httpx
 import pytest
 from hf_models import make_hf
 from repo import DATA, ROOT
-from serve_helpers import tiny_folder, wait_healthy
+from serve_helpers import metrics, tiny_folder, wait_healthy
 from typer.testing import CliRunner
 
 from nanosched.cli import app
@@ -151,4 +152,48 @@ def test_a_killed_worker_ends_the_server_non_zero_within_10_s(tmp_path):
     text = log.read_text()
     assert code != 0 and took <= 10, (code, took, text)
     assert f"error: tensor-parallel rank 1 (pid {worker}) was killed by SIGKILL" in text, text
+    assert not alive(worker)
+
+
+def test_a_killed_worker_ends_open_requests_with_an_error_before_the_server_exits(tmp_path):
+    """Issue 45: when a rank dies, an open stream ends with an error event in OpenAI's shape
+    and [DONE], not cut, and a whole request gets a 500 with an error body."""
+    folder = served_folder(tmp_path)
+    log = tmp_path / "serve.log"
+    proc, url, worker = start(folder, log)
+    whole = {}
+    try:
+        long = {"model": "tiny", "prompt": [4, 5], "max_tokens": 250, "ignore_eos": True}
+        t = threading.Thread(target=lambda: whole.update(r=httpx.post(
+            f"{url}/v1/completions", json=long, timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 30
+        with httpx.Client(timeout=10) as c:
+            while metrics(c, url)["nanosched_requests_running"] < 1:
+                assert time.monotonic() < deadline and "r" not in whole, whole["r"].text
+                time.sleep(0.02)
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 200, "stream": True,
+                "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        os.kill(worker, signal.SIGKILL)
+        t.join(60)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code != 0, text
+    assert events[-1] == "[DONE]", (events[-3:], text)
+    err = json.loads(events[-2])["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
+    assert f"tensor-parallel rank 1 (pid {worker}) was killed by SIGKILL" in err["message"]
+    r = whole["r"]
+    assert r.status_code == 500, r.text
+    assert "tensor-parallel rank 1" in r.json()["error"]["message"]
     assert not alive(worker)

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -66,6 +67,7 @@ class RankGroup:
         self.size, self.procs, self.writer = size, procs, writer
         self.tp = TensorParallel(0, size)
         self.closing = False
+        self.on_death: Callable[[str], None] | None = None  # told before a dead rank ends us
         self._next_key = 0
         self._watchdog = threading.Thread(target=self._watch, name="nanosched-rank-watchdog",
                                           daemon=True)
@@ -89,18 +91,29 @@ class RankGroup:
                 raise RankDied(f"tensor-parallel rank {p.rank} (pid {p.pid}) "
                                f"{describe_exit(p.exitcode)}")
 
+    def dead_rank(self, wait_s: float | None = 0.0) -> str | None:
+        """Which worker is gone and how (waiting up to `wait_s` for one to go: None, for
+        ever), or None: e.g. why a collective failed."""
+        ready = wait([p.sentinel for p in self.procs], wait_s)
+        dead = next((p for p in self.procs if p.sentinel in ready), None)
+        if dead is None:
+            return None
+        dead.join(1.0)
+        how = "is gone" if dead.exitcode is None else describe_exit(dead.exitcode)
+        return f"tensor-parallel rank {dead.rank} (pid {dead.pid}) {how}"
+
     def _watch(self) -> None:
-        ready = wait([p.sentinel for p in self.procs])
+        what = self.dead_rank(None)
         if self.closing:
             return
-        dead = next(p for p in self.procs if p.sentinel in ready)
-        dead.join(1.0)
-        sys.stderr.write(f"error: tensor-parallel rank {dead.rank} (pid {dead.pid}) "
-                         f"{describe_exit(dead.exitcode)}; stopping every rank\n")
+        sys.stderr.write(f"error: {what}; stopping every rank\n")
         sys.stderr.flush()
         for p in self.procs:
             with contextlib.suppress(Exception):
                 p.kill()
+        if self.on_death is not None:  # e.g. the server answers its open requests (bounded)
+            with contextlib.suppress(Exception):
+                self.on_death(what)
         with contextlib.suppress(Exception):
             self.writer.unlink()
         os._exit(RANK_DIED_EXIT)

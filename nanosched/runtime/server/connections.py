@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import math
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,9 @@ OUT_OF_FDS = "socket.accept() out of system resource"  # asyncio's message for E
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0  # an 8 MiB body at 140 KB/s
 CLIENT_KEEPALIVE_S = 5.0  # httpx's default keepalive_expiry (the openai client's too)
+PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"  # an interim answer any HTTP/1.1 client skips
+PROBE_EVERY_S = 0.05  # how often a half-closed connection is asked whether its client is gone
+TCP_CLOSE = 7  # Linux's tcp_info state once a reset arrived
 
 
 def default_max_connections(cap: int = 1024, in_use: int = 0) -> int:
@@ -142,6 +146,8 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
         _timer: asyncio.TimerHandle | None = None
         _what = ""  # what the armed timer waits for: "headers" or "body"
         _seen: Any = None  # the request cycle whose headers have been seen
+        _half_closed = False  # the client sent FIN after a whole request
+        _probe: asyncio.TimerHandle | None = None  # the next look at a half-closed socket
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -159,11 +165,38 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            cycle = self.cycle
+            if self._half_closed and (cycle is None or cycle.response_complete):
+                self.transport.close()  # answered all it sent; it can send nothing more
             if not self.transport.is_closing():
                 self._disarm()  # the next request's headers get a deadline of their own
                 self._track()
 
+        def eof_received(self) -> bool | None:
+            """The client sent FIN: after a whole request, answer it (a half-close,
+            `shutdown(SHUT_WR)`); mid-request or between requests it has left (module notes)."""
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or cycle.more_body or \
+                    _tcp_state(self.transport) is None:
+                return super().eof_received()  # None: asyncio closes the transport
+            self._half_closed = True
+            if not cycle.response_started and cycle.scope.get("http_version") == "1.1":
+                self.transport.write(PROBE)  # a client that closed answers it with a reset
+                self._watch()
+            return True
+
+        def _watch(self) -> None:
+            if self.transport.is_closing():
+                return
+            if _tcp_state(self.transport) == TCP_CLOSE:
+                limits.count("client closed after its request")
+                self.transport.abort()  # the app sees http.disconnect: the request is aborted
+                return
+            self._probe = self.loop.call_later(PROBE_EVERY_S, self._watch)
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._probe is not None:
+                self._probe.cancel()
             self._disarm()
             super().connection_lost(exc)
             limits.open = len(self.connections)
@@ -209,3 +242,12 @@ def guarded(base: type[asyncio.Protocol], limits: ConnectionLimits) -> type[asyn
 
     Guarded.__name__ = f"Guarded{base.__name__}"
     return Guarded
+
+
+def _tcp_state(transport: Any) -> int | None:
+    """The kernel's TCP state of `transport`'s socket, None where it does not say."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    except (AttributeError, OSError, TypeError, IndexError):
+        return None

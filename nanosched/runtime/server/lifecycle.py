@@ -48,6 +48,8 @@ DRAIN_EXPIRED = "the server is shutting down and the drain time (--drain-timeout
                 "retry on another replica or after the restart"
 FORCED = "the server was stopped at once (a second Ctrl-C) before this request finished; " \
          "retry on another replica or after the restart"
+RANK_DIED = "the server is stopping: retry on another replica or after the restart"
+RANK_GRACE_S = 1.0  # after a collective failed: time for a dead rank's exit to be seen
 UVICORN_SLACK_S = 5.0  # uvicorn's own cut-off, after ours has answered every open request
 FORCED_FLUSH_S = 2.0  # after a second Ctrl-C: time for the handlers to write their 503s
 DRAIN_SIGNALS = (signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()  # besides uvicorn's
@@ -149,9 +151,26 @@ def _server_class(cfg: ServeConfig, worker: EngineWorker, limits: ConnectionLimi
                 await self._flush()
                 await self.lifespan.shutdown()
 
+        def rank_died(self, what: str) -> None:
+            """In the rank watchdog's thread, before the process exits: every open request
+            ends with a 500 (a JSON body, or an error event and [DONE] on a stream), written
+            within FORCED_FLUSH_S."""
+            loop = getattr(self, "_loop", None)
+            if loop is None or loop.is_closed():
+                return
+            log.error("%s: ending every open request with an error, then the server exits", what)
+            worker.fail(f"engine failed: {what}; {RANK_DIED}")  # as an engine step failing on it
+            future = asyncio.run_coroutine_threadsafe(self._flush(), loop)
+            with contextlib.suppress(Exception):
+                future.result(FORCED_FLUSH_S + 1.0)
+
         async def _flush(self) -> None:
+            """Wait (up to FORCED_FLUSH_S) until the handlers have ended and what they wrote
+            has left for the kernel."""
             deadline = time.monotonic() + FORCED_FLUSH_S
-            while self.server_state.tasks and time.monotonic() < deadline:
+            while (self.server_state.tasks or any(
+                    c.transport.get_write_buffer_size() for c in self.server_state.connections
+                    if not c.transport.is_closing())) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
 
     return DrainingServer
@@ -177,6 +196,10 @@ def build_server(cfg: ServeConfig) -> Any:
                             timeout_keep_alive=keep_alive_s(limits),
                             timeout_graceful_shutdown=cfg.drain_timeout_s + UVICORN_SLACK_S)
     server = _server_class(cfg, worker, limits)(config)
+    group = getattr(served.closer, "group", None)
+    if group is not None:  # a dead rank ends the process: first every open request is answered
+        group.on_death = server.rank_died
+        worker.explain = lambda: (what := group.dead_rank(RANK_GRACE_S)) and f"{what}; {RANK_DIED}"
     server.nanosched_worker = worker  # for tests and the bench: the engine behind the app
     server.nanosched_name = served.name
     server.nanosched_limits = limits

@@ -1,14 +1,32 @@
 """OpenAI request bodies → validated jobs, and OpenAI-style errors.
 
-More in docs/runtime.md, module notes.
+The bodies are pydantic models, as vLLM's and SGLang's protocol modules declare them; a body
+that fails is answered with the first failing field (in the order below) as an `ApiError` that
+names it, with this module's message for it. More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
-from nanosched.errors import ConfigError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
 from nanosched.runtime.requests import SamplingParams
 from nanosched.runtime.server.text import PromptTooLong, TemplateRefused, TextCodec
 
@@ -25,9 +43,14 @@ UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False),
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # choices per request (prompts x n): each is an engine request
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's bound on stop strings; a sane length
 WHY_UNSUPPORTED = {"seed": "the engine samples each batch with one generator, so a request's "
                            "draws would depend on the requests beside it; a per-request seed "
                            "cannot be honoured"}
+TOOL_FIELDS = ("tool_calls", "function_call", "tool_call_id")  # a message's tool fields
+TOOL_ROLES = ("tool", "function")
+MAX_NESTING = 32  # OpenAI bodies nest a handful of levels; deeper is refused before any work
+SHOW_CHARS = 80  # an echoed value is cut to this many characters
 
 
 class ApiError(Exception):
@@ -77,14 +100,6 @@ class Limits:
         return model == self.name or model in self.aliases
 
 
-MAX_NESTING = 32  # OpenAI bodies nest a handful of levels; deeper is refused before any work
-SHOW_CHARS = 80  # an echoed value is cut to this many characters
-
-
-def _bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
-
-
 def show(value: Any) -> str:
     """`repr(value)` cut to SHOW_CHARS, for error messages (a body may be megabytes)."""
     if isinstance(value, (list, dict)) and len(value) > SHOW_CHARS:
@@ -107,250 +122,390 @@ def check_nesting(body: Any) -> None:
                                                 else value)]
 
 
-def _text(param: str, value: str) -> str:
+# ---- refusals raised inside validation -----------------------------------------------------
+def _refuse(message: str, param: str | None = None, status: int = 400,
+            code: str = "invalid_value") -> PydanticCustomError:
+    """A refusal with this module's message; `param` when it is not the failing field."""
+    return PydanticCustomError("nanosched", "{message}", {"message": message, "param": param,
+                                                          "status": status, "code": code})
+
+
+def _utf8(value: str) -> str:
     """`value` if it is valid Unicode; a lone surrogate (JSON "\\ud800") cannot be encoded
     to UTF-8, so the tokenizer and the response writer would fail on it."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise _bad(param, f"contains a lone UTF-16 surrogate at character {exc.start} "
-                          f"({value[exc.start]!a}); send valid Unicode text") from None
+        raise _refuse(f"contains a lone UTF-16 surrogate at character {exc.start} "
+                      f"({value[exc.start]!a}); send valid Unicode text") from None
     return value
 
 
-def _number(body: dict, key: str, default: float) -> float:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(key, f"must be a number, got {show(v)}")
-    return float(v)
+Text = Annotated[str, Field(strict=True), AfterValidator(_utf8)]
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+Number = StrictFloat  # an int is taken as a float too; a bool is not a number
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
-def _int(body: dict, key: str, default: int | None) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise _bad(key, f"must be a positive integer, got {show(v)}")
-    return v
+# ---- the bodies ----------------------------------------------------------------------------
+class _Head(BaseModel):
+    """What both routes check first: the model's name, then the fields not served here."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown fields are ignored
+    model: StrictStr
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    seed: Any = None
+    suffix: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+
+    @field_validator("model")
+    @classmethod
+    def _served(cls, model: str, info: ValidationInfo) -> str:
+        limits: Limits = info.context["limits"]
+        if not limits.accepts(model):
+            others = "".join(f" (or {a!r})" for a in limits.aliases)
+            raise _refuse(f"{show(model)} is not served here; the served model is "
+                          f"{limits.name!r}{others}", status=404, code="model_not_found")
+        return model
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _neutral(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = UNSUPPORTED[info.field_name]
+        if value not in allowed:
+            why = WHY_UNSUPPORTED.get(info.field_name, "")
+            raise _refuse(f"{show(value)} is not supported by this server (allowed: "
+                          f"{', '.join(map(repr, allowed))}){'; ' + why if why else ''}")
+        return value
 
 
-def _bool(body: dict, key: str) -> bool:
-    v = body.get(key, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise _bad(key, f"must be true or false, got {show(v)}")
-    return v
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: StrictBool | None = None
 
 
-def _check_common(body: Any, limits: Limits) -> None:
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got "
-                            f"{type(body).__name__}", code="invalid_body")
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise _bad("model", f"must be the model's name as a string ({limits.name!r}), "
-                            f"got {show(model)}")
-    if not limits.accepts(model):
-        others = "".join(f" (or {a!r})" for a in limits.aliases)
-        raise ApiError(404, f"model: {show(model)} is not served here; the served model is "
-                            f"{limits.name!r}{others}", param="model", code="model_not_found")
-    for key, allowed in UNSUPPORTED.items():
-        if key in body and body[key] not in allowed:
-            why = WHY_UNSUPPORTED.get(key, "")
-            raise _bad(key, f"{show(body[key])} is not supported by this server (allowed: "
-                            f"{', '.join(map(repr, allowed))}){'; ' + why if why else ''}")
+class _Tail(BaseModel):
+    """What both routes check after the prompt: streaming, choices, sampling, stop strings."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    n: PositiveInt | None = Field(None, validate_default=True)
+    temperature: Number | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    ignore_eos: StrictBool | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = \
+        Field(None, union_mode="left_to_right")
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _with_stream(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("stream", True) is not True:
+            raise _refuse("is only allowed with \"stream\": true")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _choices(cls, n: int | None, info: ValidationInfo) -> int:
+        n = n or 1
+        prompts = info.data.get(cls.prompts_field)
+        if prompts is None:  # the prompt was refused
+            return n
+        num = len(prompts)
+        if n > MAX_N or n * num > MAX_CHOICES:
+            raise _refuse(f"{n} choices per prompt for {num} prompt(s); at most {MAX_N} per "
+                          f"prompt and {MAX_CHOICES} per request")
+        if info.data.get("stream") and n * num > 1:
+            raise _refuse(f"{n * num} choices ({num} prompt(s) x n={n}) are answered whole "
+                          f"only: send \"stream\": false, or one prompt with n 1 per streamed "
+                          f"request", param="stream")
+        return n
+
+    prompts_field: ClassVar[str] = "prompt"  # it holds the prompts' token ids once validated
+    _job: Any = PrivateAttr(None)
+
+    def _answer(self, prompts: list[list[int]], max_tokens: int, is_chat: bool,
+                limits: Limits) -> Job:
+        """The job, once the prompts and max_tokens are known to fit the context."""
+        for ids in prompts:
+            if len(ids) + max_tokens > limits.context:
+                raise _refuse(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                              f"the model's context of {limits.context} tokens",
+                              param="max_tokens")
+        params = SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, max_tokens=max_tokens,
+            ignore_eos=bool(self.ignore_eos))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        usage = bool(self.stream_options and self.stream_options.include_usage)
+        return Job(prompts[0], params, bool(self.stream), is_chat, stop, usage,
+                   tuple(prompts), self.n or 1)
 
 
-def _params(body: dict, max_tokens: int, prompt_len: int, limits: Limits) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0)
-    if not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN and Infinity
-        raise _bad("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got "
-                                  f"{temperature}")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise _bad("top_p", f"must be in (0, 1], got {top_p}")
-    if prompt_len + max_tokens > limits.context:
-        raise _bad("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
-                                 f"exceeds the model's context of {limits.context} tokens")
-    try:
-        return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                              ignore_eos=_bool(body, "ignore_eos"))
-    except ConfigError as exc:  # unreachable after the checks above; kept as a guard
-        raise _bad("params", str(exc)) from None
+class _CompletionHead(_Head):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr | list[Any]] = \
+        Field(union_mode="left_to_right")
+    max_tokens: PositiveInt | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _ids(cls, prompt: Any, info: ValidationInfo) -> list[list[int]]:
+        """One prompt (text, or a list of token ids) or a non-empty list of them."""
+        codec, limits = info.context["codec"], info.context["limits"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > MAX_CHOICES:
+                raise _refuse(f"{len(prompt)} prompts; at most {MAX_CHOICES} per request")
+            if len(prompt) == 1:  # one prompt in a batch of one
+                return [_prompt_ids(prompt[0], codec, limits)]
+            return [_prompt_ids(p, codec, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [_prompt_ids(prompt, codec, limits)]
 
 
-def _prompts(prompt: Any, codec: TextCodec, limits: Limits) -> list[list[int]]:
-    """One prompt (text, or a list of token ids) or a non-empty list of them."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > MAX_CHOICES:
-            raise _bad("prompt", f"{len(prompt)} prompts; at most {MAX_CHOICES} per request")
-        if len(prompt) == 1:  # one prompt in a batch of one
-            return [_prompt_ids(prompt[0], codec, limits)]
-        return [_prompt_ids(p, codec, limits, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_prompt_ids(prompt, codec, limits)]
+class CompletionRequest(_Tail, _CompletionHead):  # fields in checking order: head, prompt, tail
+    """A /v1/completions body; `prompt` holds the prompts' token ids once validated."""
+
+    @model_validator(mode="after")
+    def _fits(self, info: ValidationInfo) -> CompletionRequest:
+        self._job = self._answer(self.prompt, self.max_tokens or 16, False, info.context["limits"])
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: Text
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    tool_calls: Any = None
+    function_call: Any = None
+    tool_call_id: Any = None
+    role: Text
+    content: Text | list[TextPart] = Field(union_mode="left_to_right")
+
+    @field_validator(*TOOL_FIELDS)
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        """A message of a tool conversation is refused as `tools` is: the server runs no
+        tools, and a template would drop or mangle the calls silently."""
+        if value not in (None, [], ""):
+            raise _refuse(f"{show(value)} is not supported by this server: it serves no tools "
+                          f"(as `tools` is refused)")
+        return value
+
+    @field_validator("role")
+    @classmethod
+    def _no_tool_role(cls, role: str) -> str:
+        if role in TOOL_ROLES:
+            raise _refuse(f"{role!r} messages are not supported by this server: it serves no "
+                          f"tools (as `tools` is refused)")
+        return role
+
+    def text(self) -> str:
+        """The content: a string, or its text parts (as the openai SDK and LangChain send
+        them) joined by newlines; other parts (images, audio) are refused: the served models
+        read text only."""
+        return self.content if isinstance(self.content, str) else \
+            "\n".join(p.text for p in self.content)
+
+
+class _ChatHead(_Head):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    max_tokens: PositiveInt | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _ids(cls, msgs: list[Message], info: ValidationInfo) -> list[list[int]]:
+        codec: TextCodec = info.context["codec"]
+        limits: Limits = info.context["limits"]
+        if not codec.has_tokenizer:
+            raise _refuse(f"model {limits.name!r} has no tokenizer, so chat is not available: "
+                          f"use /v1/completions with token-id prompts")
+        turns = [{"role": m.role, "content": m.text()} for m in msgs]
+        try:
+            ids = codec.chat_prompt(turns, limits.context - 1)
+        except PromptTooLong as exc:
+            raise _too_long(exc, limits) from None
+        except TemplateRefused as exc:
+            raise _refuse(f"the model's chat template refused this conversation: "
+                          f"{show(str(exc))}") from None
+        return [_prompt_ids(ids, codec, limits)]
+
+
+class ChatRequest(_Tail, _ChatHead):
+    """A /v1/chat/completions body; `messages` holds the prompt's token ids once validated."""
+
+    prompts_field: ClassVar[str] = "messages"
+
+    @model_validator(mode="after")
+    def _fits(self, info: ValidationInfo) -> ChatRequest:
+        ids = self.messages[0]
+        given = self.max_completion_tokens or self.max_tokens
+        self._job = self._answer(self.messages, given or info.context["limits"].context - len(ids),
+                             True, info.context["limits"])
+        return self
 
 
 def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits,
                 param: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         if not codec.has_tokenizer:
-            raise _bad(param, f"model {limits.name!r} has no tokenizer: send the prompt as "
-                                 f"a list of token ids")
+            raise _refuse(f"model {limits.name!r} has no tokenizer: send the prompt as a list "
+                          f"of token ids", param)
         try:
-            ids = codec.encode(_text(param, prompt), limits.context - 1)
+            ids = codec.encode(_text(prompt, param), limits.context - 1)
         except PromptTooLong as exc:
-            raise _too_long(param, exc, limits) from None
+            raise _too_long(exc, limits, param) from None
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in prompt):
         ids = prompt
     else:
-        raise _bad(param, "must be a string, a list of token ids, or a list of such prompts")
+        raise _refuse(PROMPT_SHAPE, param)
     if not ids:
-        raise _bad(param, "is empty")
+        raise _refuse("is empty", param)
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise _bad(param, f"token {bad[0]} is outside the vocabulary "
-                             f"0..{limits.vocab_size - 1}")
+        raise _refuse(f"token {bad[0]} is outside the vocabulary 0..{limits.vocab_size - 1}",
+                      param)
     if len(ids) >= limits.context:
-        raise _bad(param, f"{len(ids)} tokens leave no room in the model's context of "
-                             f"{limits.context} tokens")
+        raise _refuse(f"{len(ids)} tokens leave no room in the model's context of "
+                      f"{limits.context} tokens", param)
     return ids
 
 
-def _too_long(param: str, exc: PromptTooLong, limits: Limits) -> ApiError:
-    return _bad(param, f"{exc}: more than fit in the model's context of {limits.context} "
-                       f"tokens")
+def _text(value: str, param: str) -> str:
+    try:
+        return _utf8(value)
+    except PydanticCustomError as exc:
+        raise _refuse(exc.context["message"], param) from None
 
 
-MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's bound on stop strings; a sane length
+def _too_long(exc: PromptTooLong, limits: Limits, param: str | None = None) -> Exception:
+    return _refuse(f"{exc}: more than fit in the model's context of {limits.context} tokens",
+                   param)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    """`stop`: a string or a list of at most MAX_STOPS non-empty strings."""
-    v = body.get("stop")
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not (isinstance(stops, list) and len(stops) <= MAX_STOPS
-            and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)):
-        raise _bad("stop", f"must be a string or a list of at most {MAX_STOPS} strings of 1 to "
-                           f"{MAX_STOP_CHARS} characters, got {show(v)}")
-    return tuple(_text("stop", x) for x in stops)
+# ---- validation errors -> ApiError ---------------------------------------------------------
+PROMPT_SHAPE = "must be a string, a list of token ids, or a list of such prompts"
+BOOL = "must be true or false, got {}"
+POSITIVE = "must be a positive integer, got {}"
+RULES = {  # a field (list indices as []) -> its message for pydantic's own errors
+    "prompt": PROMPT_SHAPE, "max_tokens": POSITIVE, "max_completion_tokens": POSITIVE,
+    "n": POSITIVE, "stream": BOOL, "ignore_eos": BOOL, "stream_options.include_usage": BOOL,
+    "stream_options": "must be an object with only include_usage (true or false), got {}",
+    "stop": f"must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+            f"{MAX_STOP_CHARS} characters, got {{}}",
+    "messages": "must be a non-empty list of {{role, content}} objects, got {}",
+    "messages[]": "must be an object with a string role and a content, got {}",
+    "messages[].content": "must be a string or an array of text parts, got {}",
+    "messages[].content[]": "only {{\"type\": \"text\", \"text\": ...}} parts are supported, "
+                            "got {}",
+    "messages[].content[].text": "must be a string, got {}",
+}
+RANGES = {"temperature": f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {{}}",
+          "top_p": "must be in (0, 1], got {}"}
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
-    """(`stream`, `stream_options.include_usage`); stream_options needs stream true."""
-    stream = _bool(body, "stream")
-    opts = body.get("stream_options")
-    if opts is None:
-        return stream, False
-    if not stream:
-        raise _bad("stream_options", "is only allowed with \"stream\": true")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise _bad("stream_options", f"must be an object with only include_usage (true or "
-                                     f"false), got {show(opts)}")
-    return stream, _bool({"stream_options.include_usage": opts.get("include_usage")},
-                         "stream_options.include_usage")
+def _first(exc: ValidationError, order: list[str]) -> dict[str, Any]:
+    """The error to answer: that of the first field in `order`, and of a union's alternatives
+    the one that went deepest (a list of parts is reported at the part, not as "not a
+    string")."""
+    errors = [dict(e, loc=tuple(p for p in e["loc"] if isinstance(p, int) or p in FIELDS))
+              for e in exc.errors()]
+    errors.sort(key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order
+                else len(order))
+    first = errors[0]
+    deeper = [e for e in errors if e["loc"][:len(first["loc"])] == first["loc"]]
+    return max(deeper, key=lambda e: len(e["loc"]))
 
 
-def _n(body: dict, num_prompts: int) -> int:
-    n = _int(body, "n", 1) or 1
-    if n > MAX_N or n * num_prompts > MAX_CHOICES:
-        raise _bad("n", f"{n} choices per prompt for {num_prompts} prompt(s); at most {MAX_N} "
-                        f"per prompt and {MAX_CHOICES} per request")
-    return n
+def _path(loc: tuple) -> tuple[str, str]:
+    """(the param as the error names it: messages[0].content, the rule's key: messages[].content)"""
+    param = key = ""
+    for p in loc:
+        param += f"[{p}]" if isinstance(p, int) else f".{p}" if param else p
+        key += "[]" if isinstance(p, int) else f".{p}" if key else p
+    return param, key
 
 
-def _job(body: dict, prompts: list[list[int]], max_tokens: int, limits: Limits,
-         is_chat: bool) -> Job:
-    stream, usage = _stream(body)
-    n = _n(body, len(prompts))
-    if stream and n * len(prompts) > 1:
-        raise _bad("stream", f"{n * len(prompts)} choices ({len(prompts)} prompt(s) x n={n}) "
-                             f"are answered whole only: send \"stream\": false, or one prompt "
-                             f"with n 1 per streamed request")
-    params = [_params(body, max_tokens, len(ids), limits) for ids in prompts]
-    return Job(prompts[0], params[0], stream, is_chat, _stop(body), usage, tuple(prompts), n)
+def _value(body: Any, loc: tuple) -> Any:
+    for p in loc:
+        try:
+            body = body[p]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
+
+
+def _api_error(exc: ValidationError, body: dict, order: list[str], limits: Limits) -> ApiError:
+    e = _first(exc, order)
+    loc = e["loc"]
+    if e["type"] == "nanosched":
+        ctx = e["ctx"]
+        while loc and _path(loc)[1] not in PARAMS:
+            loc = loc[:-1]  # a stop string's index: `stop`
+        param = ctx["param"] or _path(loc)[0]
+        return ApiError(ctx["status"], f"{param}: {ctx['message']}", param=param,
+                        code=ctx["code"])
+    if e["type"] == "missing" and _path(loc)[1] == "messages[].content":
+        loc = loc[:-1]  # a message without content is not a message
+    while loc and _path(loc)[1] not in RULES | RANGES | {"model": ""}:
+        loc = loc[:-1]  # a message's role, a part's type: the whole message or part
+    param, key = _path(loc)
+    value = _value(body, loc)
+    if key == "model":
+        message = f"must be the model's name as a string ({limits.name!r}), got {show(value)}"
+    elif e["type"] == "missing" and key == "prompt":
+        message = "is required"
+    elif key in RANGES:
+        message = RANGES[key].format(float(value)) if e["type"] != "float_type" else \
+            f"must be a number, got {show(value)}"
+    else:
+        message = RULES.get(key, "is not valid, got {}").format(show(value))
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+FIELDS = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields) | \
+    set(Message.model_fields) | set(TextPart.model_fields) | set(StreamOptions.model_fields)
+PARAMS = {*RULES, *RANGES, "model", *UNSUPPORTED, "messages[].role",
+          *(f"messages[].{f}" for f in TOOL_FIELDS)}  # what a refusal may name
+COMPLETION_ORDER = list(CompletionRequest.model_fields)
+CHAT_ORDER = list(ChatRequest.model_fields)
+
+
+def _parse(kind: type[_Tail], order: list[str], body: Any, codec: TextCodec,
+           limits: Limits) -> Job:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got "
+                            f"{type(body).__name__}", code="invalid_body")
+    try:
+        return kind.model_validate(body, context={"codec": codec, "limits": limits})._job
+    except ValidationError as exc:
+        raise _api_error(exc, body, order, limits) from None
 
 
 def parse_completion(body: Any, codec: TextCodec, limits: Limits) -> Job:
     """Validate a /v1/completions body."""
-    _check_common(body, limits)
-    if "prompt" not in body:
-        raise _bad("prompt", "is required")
-    prompts = _prompts(body["prompt"], codec, limits)
-    return _job(body, prompts, _int(body, "max_tokens", 16), limits, False)
-
-
-def _content(i: int, content: Any) -> str:
-    """A message's content: a string, or an array of text parts (`{"type": "text", "text":
-    ...}`, as the openai SDK and LangChain send) joined by newlines; other parts (images,
-    audio) are refused since the served models read text only."""
-    if isinstance(content, str):
-        return _text(f"messages[{i}].content", content)
-    if not isinstance(content, list):
-        raise _bad(f"messages[{i}].content", f"must be a string or an array of text parts, "
-                                             f"got {show(content)}")
-    texts = []
-    for j, part in enumerate(content):
-        param = f"messages[{i}].content[{j}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise _bad(param, f"only {{\"type\": \"text\", \"text\": ...}} parts are "
-                              f"supported, got {show(part)}")
-        if not isinstance(part.get("text"), str):
-            raise _bad(f"{param}.text", f"must be a string, got {show(part.get('text'))}")
-        texts.append(_text(f"{param}.text", part["text"]))
-    return "\n".join(texts)
-
-
-TOOL_FIELDS = ("tool_calls", "function_call", "tool_call_id")  # a message's tool fields
-TOOL_ROLES = ("tool", "function")
-
-
-def _no_tools(i: int, m: dict) -> None:
-    """A message of a tool conversation is refused as `tools` is: the server runs no tools,
-    and a template would drop or mangle the calls silently."""
-    for key in TOOL_FIELDS:
-        if m.get(key) not in (None, [], ""):
-            raise _bad(f"messages[{i}].{key}", f"{show(m[key])} is not supported by this "
-                                               f"server: it serves no tools (as `tools` is "
-                                               f"refused)")
-    if m.get("role") in TOOL_ROLES:
-        raise _bad(f"messages[{i}].role", f"{m['role']!r} messages are not supported by this "
-                                          f"server: it serves no tools (as `tools` is refused)")
-
-
-def _messages(body: dict) -> list[dict[str, str]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad("messages", f"must be a non-empty list of {{role, content}} objects, got "
-                               f"{show(msgs)}")
-    for i, m in enumerate(msgs):
-        if isinstance(m, dict):
-            _no_tools(i, m)
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
-            raise _bad(f"messages[{i}]", f"must be an object with a string role and a content, "
-                                         f"got {show(m)}")
-    return [{"role": _text(f"messages[{i}].role", m["role"]), "content": _content(i, m["content"])}
-            for i, m in enumerate(msgs)]
+    return _parse(CompletionRequest, COMPLETION_ORDER, body, codec, limits)
 
 
 def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:
     """Validate a /v1/chat/completions body."""
-    _check_common(body, limits)
-    msgs = _messages(body)
-    if not codec.has_tokenizer:
-        raise _bad("messages", f"model {limits.name!r} has no tokenizer, so chat is not "
-                               f"available: use /v1/completions with token-id prompts")
-    try:
-        ids = _prompt_ids(codec.chat_prompt(msgs, limits.context - 1), codec, limits)
-    except PromptTooLong as exc:
-        raise _too_long("messages", exc, limits) from None
-    except TemplateRefused as exc:
-        raise _bad("messages", f"the model's chat template refused this conversation: "
-                               f"{show(str(exc))}") from None
-    given = _int(body, "max_completion_tokens", None) or _int(body, "max_tokens", None)
-    return _job(body, [ids], given or limits.context - len(ids), limits, True)
+    return _parse(ChatRequest, CHAT_ORDER, body, codec, limits)

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,7 @@ class EngineWorker:
         self.max_queue = max_queue
         self.counters = _Counters()
         self.failed: str | None = None
+        self.explain: Callable[[], str | None] | None = None  # the cause of an engine failure
         self._cond = threading.Condition()
         self._inbox: list[Request] = []
         self._aborts: list[int] = []
@@ -186,7 +188,8 @@ class EngineWorker:
                     pass
         except Exception as exc:  # noqa: BLE001 - any engine failure ends every request
             log.exception("engine failed")
-            self._fail(f"engine failed: {type(exc).__name__}: {exc}")
+            why = self.explain() if self.explain is not None else None
+            self.fail(f"engine failed: {why or f'{type(exc).__name__}: {exc}'}")
 
     def _turn(self) -> bool:
         """One loop turn; False when the worker should end."""
@@ -235,7 +238,9 @@ class EngineWorker:
                 else:
                     _send(client, Update(tokens.get(rid, []), reasons.get(rid)))
 
-    def _fail(self, message: str) -> None:
+    def fail(self, message: str) -> None:
+        """Mark the worker failed (/health 503, new requests 503) and end every open request
+        with `message` (a 500); any thread."""
         with self._cond:
             self.failed = message
             clients, self._clients = self._clients, {}

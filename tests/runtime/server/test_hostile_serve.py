@@ -222,3 +222,41 @@ def test_per_message_tool_calls_are_refused_as_tools_is(srv, http, messages, par
                                                           "content": "yo", "tool_calls": []}])
     assert ok.status_code == 200, ok.text
     no_server_errors(caplog)
+
+
+def _half_closed(url: str, body: dict, version: str = "1.1") -> bytes:
+    """Send one request, shut the socket for writing (FIN) and read until the server closes."""
+    raw = json.dumps(body).encode()
+    sock = _connect(url)
+    sock.sendall(f"POST /v1/completions HTTP/{version}\r\nHost: x\r\nContent-Type: "
+                 f"application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    sock.shutdown(socket.SHUT_WR)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    sock.close()
+    return out
+
+
+@pytest.mark.parametrize("stream, version", [(False, "1.1"), (True, "1.1"), (False, "1.0")])
+def test_a_client_that_half_closes_after_its_request_gets_its_answer(srv, http, stream,
+                                                                       version):
+    """Issue 45: `shutdown(SHUT_WR)` after a whole request (as `nc -N` does) is not leaving:
+    the answer comes (an HTTP/1.1 client may first get a 100 Continue, which tells a client
+    that closed from one that half-closed), then the server closes; nothing is aborted."""
+    m0 = metrics(http, srv.url)
+    body = {"model": srv.model, "prompt": [1, 2, 3], "max_tokens": 20, "ignore_eos": True,
+            "stream": stream}
+    out = _half_closed(srv.url, body, version)
+    if version == "1.1":  # unless the answer had begun when the FIN was read
+        out = out.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert b"100 Continue" not in out
+    head, _, payload = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), out[:300]
+    if stream:
+        assert b"data: [DONE]" in payload and payload.count(b'"token_ids"') >= 2
+    else:
+        assert len(json.loads(payload)["choices"][0]["token_ids"]) == 20
+    m = metrics(http, srv.url)
+    assert m["nanosched_requests_aborted_total"] == m0["nanosched_requests_aborted_total"]
+    assert m["nanosched_requests_finished_total"] == m0["nanosched_requests_finished_total"] + 1

@@ -5,6 +5,22 @@ import random
 
 from repo import DATA  # noqa: F401  (re-exported: the tests import it from here)
 
+# the engine tests' model: two tiny Llama layers, seeded random weights, fp32 on the CPU
+TINY_SPEC_KW = dict(name="tiny", arch="llama", hidden_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=97,
+                    max_position_embeddings=256)
+
+
+def tiny_engine_model():
+    """A CausalLM of `TINY_SPEC_KW` with the weights of seed 0 (and its spec as `.spec`)."""
+    from nanosched.models.model import CausalLM
+    from nanosched.models.spec import ModelSpec
+    from nanosched.models.weights import init_random
+
+    m = CausalLM(ModelSpec(**TINY_SPEC_KW))
+    init_random(m, seed=0)
+    return m
+
 
 def tiny_llama(folder, seed=1):
     """The tiny Llama of tests/data/tiny_llama_config.json (what its schedule was made for),

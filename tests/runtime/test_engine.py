@@ -2,27 +2,21 @@
 
 import pytest
 import torch
-from runtime_helpers import apply_batch, make_engine, step
+from runtime_helpers import TINY_SPEC_KW, apply_batch, make_engine, step, tiny_engine_model
 
 from nanosched.errors import ConfigError
-from nanosched.models.model import CausalLM
 from nanosched.models.spec import ModelSpec
-from nanosched.models.weights import init_random
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.requests import Request, SamplingParams, make_requests
 from nanosched.runtime.strategies import TwoBatchOverlap
 
-SPEC = ModelSpec(name="tiny", arch="llama", hidden_size=64, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=97,
-                 max_position_embeddings=256)
+SPEC = ModelSpec(**TINY_SPEC_KW)
 
 
 @pytest.fixture(scope="module")
 def model():
-    m = CausalLM(SPEC)
-    init_random(m, seed=0)
-    return m
+    return tiny_engine_model()
 
 
 def reference(model, prompt, n):

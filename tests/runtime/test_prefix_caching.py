@@ -5,24 +5,18 @@ turn, the last prompt token always computed, and no leaked or over-held page aft
 
 import pytest
 import torch
-from runtime_helpers import make_engine
+from runtime_helpers import TINY_SPEC_KW, make_engine, tiny_engine_model
 
-from nanosched.models.model import CausalLM
 from nanosched.models.spec import ModelSpec
-from nanosched.models.weights import init_random
 from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams, make_requests
 
-SPEC = ModelSpec(name="tiny", arch="llama", hidden_size=64, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=97,
-                 max_position_embeddings=256)
+SPEC = ModelSpec(**TINY_SPEC_KW)
 
 
 @pytest.fixture(scope="module")
 def model():
-    m = CausalLM(SPEC)
-    init_random(m, seed=0)
-    return m
+    return tiny_engine_model()
 
 
 def shared_requests(n=12, max_tokens=10):

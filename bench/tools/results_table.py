@@ -64,11 +64,9 @@ def _short_workload(label: str) -> str:
     name, _, spec = label.partition(":")
     keys = dict(kv.split("=", 1) for kv in spec.split(",") if "=" in kv)
     if name == "shared-prefix" and {"groups", "prefix", "unique", "output"} <= keys.keys():
-        return (f"shared prefix: {keys['groups']} groups, {keys['prefix']} + "
-                f"{keys['unique']} / {keys['output']}")
+        return f"shared {keys['prefix']} + {keys['unique']} / {keys['output']} ({keys['groups']})"
     if name == "multi-turn" and {"turns", "prompt", "user", "output"} <= keys.keys():
-        return (f"multi-turn: {keys['turns']} turns, {keys['prompt']} + {keys['user']} a turn "
-                f"/ {keys['output']}")
+        return f"chat {keys['turns']} x ({keys['prompt']} + {keys['user']} / {keys['output']})"
     return label
 
 
@@ -80,7 +78,7 @@ def readme_key(e: Entry) -> tuple[str, ...]:
     weights = "fp8" if c.get("quantization") == "fp8" else "bf16"
     workload = _short_workload(workload_label(c).replace("in ", "").replace("out ", ""))
     if c.get("prefix_caching") is False:  # records from before the cache ran without one
-        workload += " (prefix cache off)"
+        workload += ", cache off"
     tp, net = str(c.get("tp") or 1), _records.collective(e.data)
     base = _records.sequential_collective(e.data)
     if net != _records.DEFAULT_COLLECTIVE or base != net:
@@ -159,7 +157,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-MAX_ROWS = 11  # the README's table stays a glance; INDEX.md lists every experiment
+MAX_ROWS = 10  # the README's table stays a glance; INDEX.md lists every experiment
 
 
 def newest_that_fit(records: list[Entry], max_rows: int = MAX_ROWS) -> list[Entry]:

@@ -261,3 +261,20 @@ def test_an_aba_against_another_collective_names_both(repo):
         {"4 (copy engine)", "4 (copy engine; Seq. NCCL)"}
     index = (repo / "bench" / "results" / "INDEX.md").read_text()
     assert "bench-ce.json" in index and "bench-aba.json" in index  # neither superseded
+
+
+def test_a_prefix_cache_off_run_is_its_own_row_and_a_shared_prefix_workload_reads_short(repo):
+    """Caching on (the default) and off on one shared-prefix workload are two experiments and
+    two README rows; the workload's spec is written in a few words."""
+    spec = "shared-prefix:groups=10,prefix=2000,unique=200,output=256"
+    for i, cache in enumerate((True, False)):
+        runs = {"sequential+graphs": {"strategy": "sequential", "graphs": True,
+                                      "results": _results(9_000.0 - 5_000 * i)}}
+        _write(repo, f"bench-p{i}.json", _bench(f"2026-12-0{i + 1}T00:00:00+00:00", runs,
+                                                workload=spec, input_len=None, output_len=None,
+                                                prefix_caching=cache))
+    assert rt.main([], root=repo, figures=()) == 0
+    rows = _table_rows((repo / "README.md").read_text())
+    assert sorted(r[3] for r in rows if r[3].startswith("shared")) == [
+        "shared 2000 + 200 / 256 (10)",
+        "shared 2000 + 200 / 256 (10), cache off"]

@@ -64,7 +64,7 @@ def test_auto_picks_a_shipped_set_only_when_it_pipelines_a_shape(tmp_path):
     from nanosched.schedules.sets import ScheduleSet
 
     spec = load_spec("llama3-8b")
-    shipped = next(p for p in shipped_schedules() if p.name.startswith("llama3-8b-tp1-h200"))
+    shipped = next(p for p in shipped_schedules() if p.name.startswith("llama3-8b-tp1-h200-in"))
     sset = ScheduleSet.from_json(json.loads(shipped.read_text()))
     assert not sset.pipelines
     (tmp_path / "a.set.json").write_text(shipped.read_text())

@@ -1,6 +1,7 @@
 """The docs hold together: every relative link in README.md and docs/ resolves (files, folders
 and heading anchors), every record docs/findings.md names is in bench/results/, no doc keeps a
-'Next' list, findings stay one page, and the figure tables give one figure per cell."""
+'Next' list, findings stay one page, the figure tables give one figure per cell, and
+docs/structure.md maps every module in rows of at most 160 characters."""
 
 import re
 from pathlib import Path
@@ -95,3 +96,44 @@ def test_bench_readme_maps_every_script():
                      and "results" not in p.parts)
     missing = [s for s in scripts if f"`{s}`" not in text and f"`{Path(s).name}`" not in text]
     assert scripts and not missing, f"bench/README.md does not name {missing}"
+
+
+def _structure_rows() -> list[str]:
+    text = (ROOT / "docs" / "structure.md").read_text()
+    return [line for line in text.splitlines() if line.startswith("| `")]
+
+
+def _expand(name: str) -> list[str]:
+    """`a/{b,c}.py` → `a/b.py`, `a/c.py`."""
+    m = re.search(r"\{([^}]*)\}", name)
+    if not m:
+        return [name]
+    return [e for alt in m.group(1).split(",")
+            for e in _expand(name[:m.start()] + alt + name[m.end():])]
+
+
+def test_structure_rows_fit_one_line():
+    """docs/structure.md is a map: a row is a file's role and its main names, at most 160
+    characters; the longer explanations live in the docs' module notes."""
+    long = [f"{line[:60]}… ({len(line)})" for line in _structure_rows() if len(line) > 160]
+    assert not long, f"docs/structure.md rows over 160 characters: {long}"
+
+
+def test_structure_maps_every_module():
+    """Every module under nanosched/ (a package's __init__.py aside) has a row: its own path
+    (`a/{b,c}.py` and names relative to the cell's first path count) or a folder row above it."""
+    named = set()
+    for line in _structure_rows():
+        folder = None
+        for name in re.findall(r"`([^`]+)`", line[2:].split(" | ")[0]):
+            for path in _expand(name):
+                if "/" in path:
+                    folder = path.rsplit("/", 1)[0]
+                elif folder:
+                    path = f"{folder}/{path}"
+                named.add(path)
+    modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "nanosched").rglob("*.py")
+               if p.name != "__init__.py"]
+    missing = sorted(m for m in modules if m not in named
+                     and not any(n.endswith("/") and m.startswith(n) for n in named))
+    assert modules and not missing, f"docs/structure.md has no row for {missing}"

@@ -266,17 +266,20 @@ class RequestScheduler:
         if self.prefix_seed is None or self.kv.num_held(r.request_id) or \
                 (self.pool is not None and self.pool.swapped(r)):
             return []
-        known = min(r.prefill_len - 1, r.prompt_len + len(r.output_ids))
-        pages = known // self.page_size
+        pages = self._shareable_pages(r)
         return self.kv.allocator.lookup(self._hashes(r, pages)[:pages])
+
+    def _shareable_pages(self, r: Request) -> int:
+        """Full pages of `r`'s prefill that a cached prefix may cover: its tokens known on the
+        host, the last prefill token left out (its logits must be computed)."""
+        return min(r.prefill_len - 1, r.prompt_len + len(r.output_ids)) // self.page_size
 
     def _prefix_pending(self, r: Request, hit: list[int]) -> bool:
         """Whether the page after `r`'s cached prefix is being prefilled by a running request
         (same hash, not yet indexed): `r` then waits to share it rather than compute it again
         (choices of one prompt, n > 1, admitted together)."""
         i = len(hit)
-        usable = min(r.prefill_len - 1, r.prompt_len + len(r.output_ids)) // self.page_size
-        if self.prefix_seed is None or i >= min(usable, len(r.page_hashes)):
+        if self.prefix_seed is None or i >= min(self._shareable_pages(r), len(r.page_hashes)):
             return False
         h = r.page_hashes[i]
         return any(q.is_prefilling and q.num_cached_pages <= i < len(q.page_hashes) and

@@ -170,7 +170,7 @@ class EngineWorker:
             "tokens_processed": eng.stats.tokens, "tokens_generated": c.generated_tokens,
             "prompt_tokens_processed": eng.stats.prefill_tokens,
             "batch_size": eng.stats.batch_sizes[-1] if eng.stats.batch_sizes else 0,
-            "kv_pages_total": alloc.num_pages, "kv_pages_in_use": alloc.num_pages - alloc.num_free,
+            "kv_pages_total": alloc.num_pages, "kv_pages_in_use": alloc.num_in_use,
             "throughput_tokens_per_s": recent / THROUGHPUT_WINDOW_S,
             "prefix_cache_queries": eng.batcher.stats.prefix_queries,
             "prefix_cache_hits": eng.batcher.stats.prefix_hits,

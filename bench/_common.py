@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -130,19 +131,10 @@ def batch_mix(batch: Any) -> BatchMix:
                     max((e.start + e.num_tokens for e in pre), default=0))
 
 
-def row_us(prof: Any, op: str, rows: int, context: float | None,
-           clamp: bool = False) -> float:
+def row_us(prof: Any, op: str, rows: int, context: float | None) -> float:
     """`op` over `rows` rows: the profile's rows linear between its 128-row grid points (the
-    smallest point for fewer rows: a GEMM then costs its weights' read). `clamp`: an attention
-    context outside the profile's measured ones is priced at the nearest (a quick profile holds
-    prefill at the workload's prompt length only, so a chunk ending earlier is priced over its
-    row; prefill attention is a few percent of a layer); else that is a ProfileError."""
+    smallest point for fewer rows: a GEMM then costs its weights' read)."""
     from nanosched.constants import TOKEN_QUANTUM
-
-    if clamp and context is not None:
-        have = sorted({r.context for r in prof.kernels if r.op == op})
-        if have and have != [0]:
-            context = min(max(context, have[0]), have[-1])
 
     lo = max(TOKEN_QUANTUM, rows // TOKEN_QUANTUM * TOKEN_QUANTUM)
     hi = max(TOKEN_QUANTUM, -(-rows // TOKEN_QUANTUM) * TOKEN_QUANTUM)
@@ -150,6 +142,25 @@ def row_us(prof: Any, op: str, rows: int, context: float | None,
     if hi == lo:
         return a
     return a + (prof.kernel_time_us(op, hi, None, context) - a) * (rows - lo) / (hi - lo)
+
+
+def context_clamp(prof: Any) -> Callable[[str, float | None], float | None]:
+    """A function of (op, context) giving an attention context within the contexts `prof`
+    measured for that op (the nearest end outside them); others unchanged. A quick profile
+    holds prefill at the workload's prompt length only, so a chunk ending earlier is priced
+    at that length (over its row; prefill attention is a few percent of a layer), where
+    `row_us` would refuse it. The ranges are read from the rows once."""
+    contexts: dict[str, set[float]] = {}
+    for r in prof.kernels:
+        contexts.setdefault(r.op, set()).add(r.context)
+    ranges = {op: (min(c), max(c)) for op, c in contexts.items() if c != {0}}
+
+    def clamp(op: str, context: float | None) -> float | None:
+        if context is None or op not in ranges:
+            return context
+        lo, hi = ranges[op]
+        return min(max(context, lo), hi)
+    return clamp
 
 
 def results_dir() -> Path:

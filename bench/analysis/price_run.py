@@ -26,7 +26,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench._common import BatchMix, batch_mix, results_dir, row_us
+from bench._common import BatchMix, batch_mix, context_clamp, results_dir, row_us
 from bench.analysis.kvsim import KVSim, sim_cost
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.models.spec import load_spec
@@ -76,7 +76,13 @@ def main() -> None:
     shapes = batches(cfg, run["kv_pages"])
     kinds: dict[str, list[float]] = {"full": [], "decode only": [], "other": []}
 
-    price = functools.partial(row_us, prof, clamp=args.clamp)
+    if args.clamp:
+        within = context_clamp(prof)
+
+        def price(op: str, rows: int, context: float | None) -> float:
+            return row_us(prof, op, rows, within(op, context))
+    else:
+        price = functools.partial(row_us, prof)
     for d, ctx, p, plen in shapes:
         batch = BatchInfo(d + p, d, max(1, plen or cfg["input_len"]), ctx or 1.0, 0.0)
         layer = sum(sequential_op_times(spec, 1, prof, batch, price).values())

@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from bench._common import batch_mix, environment, print_table, row_us, write_result
+from bench._common import (
+    batch_mix,
+    context_clamp,
+    environment,
+    print_table,
+    row_us,
+    write_result,
+)
 from bench.engine.kernel_trace import (
     TracedKernel,
     attribute,
@@ -87,6 +94,7 @@ def main() -> None:
     ap.add_argument("--trace", type=int, default=24, help="iterations traced")
     args = ap.parse_args()
     prof = load_named_profile(args.profile)
+    within = context_clamp(prof)  # a quick profile's prefill is at one prompt length
     cfg = EngineConfig(model=args.model, weights="random", schedule="sequential",
                        dense_batch=args.dense_batch, kv_dtype=args.kv_cache_dtype, graphs="on",
                        quantization=args.quantization)
@@ -144,7 +152,7 @@ def main() -> None:
                               max(1, shape["prompt_end"] or args.input_len),
                               shape["decode_context"] or 1.0, 0.0)
             rows = sequential_op_times(spec, 1, prof, batch,
-                                       lambda op, n, c: row_us(prof, op, n, c, clamp=True))
+                                       lambda op, n, c: row_us(prof, op, n, within(op, c)))
             med = att.median_us()
             span = ks[-1].start_us + ks[-1].duration_us - ks[0].start_us
             layer_kernels = sum(sum(layer.values()) for layer in att.per_layer)

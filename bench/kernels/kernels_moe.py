@@ -1,7 +1,7 @@
 """Triton grouped GEMM vs the torch loop over experts at Mixtral-8x7B tp=1 shapes, 128..2048 tokens.
 
     PYTHONPATH=. python bench/kernels/kernels_moe.py [--tokens 128,256,512,1024,2048] [--num-sms N]
-                                [--routing random|uniform]
+                                [--routing random|uniform] [--fp8]
 
 Shapes (E = 8 experts, top-2, bf16; rows = 2 T): gate_up out[2T, 28672] = x[T, 4096] rows
 (each token read twice through x_rows) @ w[e].T with w [8, 28672, 4096]; down out[2T, 4096] =
@@ -13,6 +13,10 @@ best is reported beside the torch loop (`reference.grouped_linear`, one cuBLAS G
 plus a host sync) and beside one dense cuBLAS GEMM of the same FLOPs (all rows on expert 0's
 weights: the ceiling a grouped GEMM aims at). TFLOP/s = 2 · rows · N · K / time. Random data,
 warm-up, medians (triton.testing.do_bench). JSON to $OUT or bench/results/; a table last.
+`--fp8` adds the W8A8 grouped GEMM (e4m3 x and experts, row scales; FP8_TILES, each grid and
+persistent), its error against the exact emulation (`reference.grouped_linear_fp8`), the dense
+`torch._scaled_mm` of the same FLOPs, and its speedup over the best bf16 Triton configuration;
+`gate_up` then includes the quantisation of its T input rows, as models/moe.py runs it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ TILES = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages)
     (128, 256, 64, 8, 8, 3),
     (64, 256, 64, 8, 8, 3),
 ]
+FP8_TILES = [  # e4m3: a byte an element, K-steps of 128
+    (128, 128, 128, 8, 8, 3),
+    (128, 256, 128, 8, 8, 3),
+    (128, 256, 128, 8, 8, 4),
+    (64, 256, 128, 8, 4, 4),
+    (128, 128, 128, 8, 4, 4),
+]
 
 
 def routing(tokens: int, kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -41,10 +52,63 @@ def routing(tokens: int, kind: str, gen: torch.Generator) -> torch.Tensor:
     return logits.topk(TOP_K, dim=-1).indices.flatten()
 
 
-def bench_shape(op: str, tokens: int, weights: torch.Tensor, kind: str, num_sms: int) -> dict:
+def _configs(tiles: list[tuple[int, ...]], num_sms: int):
+    """(name, GroupedGemmConfig) of each tile, on its upper-bound grid and persistent."""
+    from nanosched.kernels.grouped_gemm import GroupedGemmConfig
+
+    for bm, bn, bk, gm, warps, stages in tiles:
+        for programs in (None, num_sms):
+            yield (f"{bm}x{bn}x{bk}/g{gm}/w{warps}/s{stages}/"
+                   + ("grid" if programs is None else f"p{programs}"),
+                   GroupedGemmConfig(num_programs=programs, block_m=bm, block_n=bn, block_k=bk,
+                                     group_m=gm, num_warps=warps, num_stages=stages))
+
+
+def fp8_shape(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              x_rows: torch.Tensor | None, num_sms: int, bf16_ms: float) -> dict:
+    """The W8A8 grouped GEMM of one shape: every FP8_TILES config, its error, dense FP8."""
+    from nanosched.kernels import dispatch as K
+    from nanosched.kernels import reference as ref
+    from nanosched.kernels.grouped_gemm import grouped_linear
+
+    rows, (n, k) = ids.shape[0], SHAPES[op]
+    w8, wsc = ref.quantize_fp8(weights)  # [E, N, K] e4m3, [E, N]
+    x8, xs = ref.quantize_fp8(x)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    want = torch.empty_like(out)
+    ref.grouped_linear_fp8(x8, xs, w8, wsc, ids, x_rows, want)
+    flops = 2 * rows * n * k
+    opts = K.KernelOptions()
+    times, errors = {}, {}
+    for name, cfg in _configs(FP8_TILES, num_sms):
+        def run(cfg=cfg) -> None:
+            if x_rows is not None:  # gate_up: its normed rows quantised first
+                K.quantize_rows(x, x8, xs, opts)
+            grouped_linear(x8, w8, ids, x_rows, out, cfg, x_scale=xs, w_scale=wsc)
+        try:
+            run()
+            errors[name] = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            times[name] = median_ms(run)
+        except Exception as exc:  # e.g. out of shared memory for this tile
+            times[name] = f"failed: {exc}"[:200]
+    timed = {c: ms for c, ms in times.items() if isinstance(ms, float)}
+    best = min(timed, key=timed.get)
+    dense8 = x8 if x_rows is None else x8.index_select(0, x_rows)
+    one = torch.ones(rows, 1, device="cuda")
+    dense_ms = median_ms(lambda: torch._scaled_mm(
+        dense8, w8[0].t(), scale_a=one, scale_b=wsc[0].view(1, -1), out_dtype=torch.bfloat16,
+        use_fast_accum=True))
+    return {"fp8_ms_by_config": times, "fp8_rel_err_by_config": errors, "fp8_best_config": best,
+            "fp8_ms": timed[best], "fp8_tflops": flops / timed[best] / 1e9,
+            "fp8_dense_tflops": flops / dense_ms / 1e9, "fp8_speedup": bf16_ms / timed[best],
+            "fp8_rel_err": errors[best]}
+
+
+def bench_shape(op: str, tokens: int, weights: torch.Tensor, kind: str, num_sms: int,
+                fp8: bool = False) -> dict:
     """Time the torch loop, dense cuBLAS and every Triton config for one op and token count."""
     from nanosched.kernels import reference as ref
-    from nanosched.kernels.grouped_gemm import GroupedGemmConfig, grouped_linear
+    from nanosched.kernels.grouped_gemm import grouped_linear
 
     n, k = SHAPES[op]
     rows = TOP_K * tokens
@@ -63,23 +127,19 @@ def bench_shape(op: str, tokens: int, weights: torch.Tensor, kind: str, num_sms:
     dense_x = x if x_rows is None else x.index_select(0, x_rows)
     dense_ms = median_ms(lambda: torch.mm(dense_x, weights[0].t(), out=out))
     triton_ms, errors = {}, {}
-    for bm, bn, bk, gm, warps, stages in TILES:
-        for programs in (None, num_sms):
-            name = f"{bm}x{bn}x{bk}/g{gm}/w{warps}/s{stages}/" + (
-                "grid" if programs is None else f"p{programs}")
-            cfg = GroupedGemmConfig(num_programs=programs, block_m=bm, block_n=bn, block_k=bk,
-                                    group_m=gm, num_warps=warps, num_stages=stages)
-            try:
-                grouped_linear(x, weights, ids, x_rows, out, cfg)
-                errors[name] = ((out.float() - want).norm() / want.norm()).item()
-                triton_ms[name] = median_ms(
-                    lambda cfg=cfg: grouped_linear(x, weights, ids, x_rows, out, cfg))
-            except Exception as exc:  # e.g. out of shared memory for this tile
-                triton_ms[name] = f"failed: {exc}"[:200]
+    for name, cfg in _configs(TILES, num_sms):
+        try:
+            grouped_linear(x, weights, ids, x_rows, out, cfg)
+            errors[name] = ((out.float() - want).norm() / want.norm()).item()
+            triton_ms[name] = median_ms(
+                lambda cfg=cfg: grouped_linear(x, weights, ids, x_rows, out, cfg))
+        except Exception as exc:  # e.g. out of shared memory for this tile
+            triton_ms[name] = f"failed: {exc}"[:200]
     timed = {c: ms for c, ms in triton_ms.items() if isinstance(ms, float)}
     best = min(timed, key=timed.get)
     counts = torch.bincount(ids, minlength=NUM_EXPERTS).tolist()
-    return {"op": op, "tokens": tokens, "rows": rows, "n": n, "k": k, "expert_rows": counts,
+    extra = fp8_shape(op, x, weights, ids, x_rows, num_sms, timed[best]) if fp8 else {}
+    return extra | {"op": op, "tokens": tokens, "rows": rows, "n": n, "k": k, "expert_rows": counts,
             "loop_ms": loop_ms, "loop_tflops": flops / loop_ms / 1e9,
             "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
             "triton_ms_by_config": triton_ms, "rel_err_by_config": errors,
@@ -94,6 +154,7 @@ def main() -> None:
     ap.add_argument("--num-sms", type=int, default=None,
                     help="programs of the persistent variant (default: all SMs)")
     ap.add_argument("--routing", choices=("random", "uniform"), default="random")
+    ap.add_argument("--fp8", action="store_true", help="also the W8A8 grouped GEMM")
     args = ap.parse_args()
     env = environment()
     num_sms = args.num_sms or env["num_sms"]
@@ -103,10 +164,12 @@ def main() -> None:
         weights = (torch.randn(NUM_EXPERTS, n, k, device="cuda", generator=gen)
                    .mul_(k ** -0.5).to(torch.bfloat16))  # [E, N, K]
         for tokens in map(int, args.tokens.split(",")):
-            rows.append(bench_shape(op, tokens, weights, args.routing, num_sms))
+            rows.append(bench_shape(op, tokens, weights, args.routing, num_sms, args.fp8))
         del weights
     path = write_result("kernels_moe", {"env": env, "dtype": "bfloat16", "model": "mixtral-8x7b",
                                         "tp": 1, "routing": args.routing, "tiles": TILES,
+                                        "fp8": args.fp8, "fp8_tiles": FP8_TILES if args.fp8
+                                        else None,
                                         "num_sms": num_sms, "rows": rows})
     print(f"{env['device']} ({env['num_sms']} SMs), persistent programs = {num_sms}, "
           f"{args.routing} routing; results in {path}")
@@ -115,7 +178,11 @@ def main() -> None:
                        ("triton_tflops", "Triton TF/s", ".0f"),
                        ("dense_tflops", "dense cuBLAS TF/s", ".0f"),
                        ("speedup", "Triton/loop", ".2f"), ("max_rel_err", "max rel err", ".1e"),
-                       ("best_config", "best config", "")])
+                       ("best_config", "best config", "")]
+                + ([("fp8_tflops", "FP8 TF/s", ".0f"),
+                    ("fp8_dense_tflops", "dense FP8 TF/s", ".0f"),
+                    ("fp8_speedup", "FP8/bf16", ".2f"), ("fp8_rel_err", "FP8 err", ".1e"),
+                    ("fp8_best_config", "FP8 config", "")] if args.fp8 else []))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -368,3 +368,26 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,
         kernel(x, w, expert_ids, x_rows, out, GroupedGemmConfig(num_programs=programs))
     else:
         ref.grouped_linear(x, w, expert_ids, x_rows, out)
+
+
+def grouped_linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                       w_scale: torch.Tensor, expert_ids: torch.Tensor,
+                       x_rows: torch.Tensor | None, out: torch.Tensor, opts: KernelOptions,
+                       launch: Launch = None) -> None:
+    """The W8A8 MoE grouped GEMM: out[i] = (x[x_rows[i]] @ w[e].T) * x_scale[x_rows[i]] *
+    w_scale[e], e = expert_ids[i]. x [m0, K] e4m3 with one scale per row, w [E, N, K] e4m3
+    with w_scale [E, N], out [m, N] in the model dtype; launch as `grouped_linear`. The Triton
+    kernel (e4m3 wgmma on Hopper, sums never promoted, as `torch._scaled_mm`'s fast
+    accumulation) or the exact emulation of `reference`, which `torch` names."""
+    args = impls.read_launch(launch)
+    name = _chosen(args, impls.GROUPED, lambda: "triton" if use_triton(opts, x) else "torch")
+    if name == "triton":
+        _triton_ok(x)
+        from nanosched.kernels.grouped_gemm import FP8_CONFIG
+        from nanosched.kernels.grouped_gemm import grouped_linear as kernel
+
+        programs = impls.grouped_programs(args, num_sms(x.device))
+        kernel(x, w, expert_ids, x_rows, out, replace(FP8_CONFIG, num_programs=programs),
+               x_scale=x_scale, w_scale=w_scale)
+    else:
+        ref.grouped_linear_fp8(x, x_scale, w, w_scale, expert_ids, x_rows, out)

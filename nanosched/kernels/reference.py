@@ -233,3 +233,18 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,
     for e in torch.unique(expert_ids).tolist():
         idx = (expert_ids == e).nonzero().squeeze(1)  # [m_e]
         out.index_copy_(0, idx, x.index_select(0, rows_in[idx]) @ w[e].t())
+
+
+def grouped_linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                       w_scale: torch.Tensor, expert_ids: torch.Tensor,
+                       x_rows: torch.Tensor | None, out: torch.Tensor) -> None:
+    """The W8A8 grouped GEMM, emulated as `linear_fp8` is: out[i] = (x[r] @ w[e].T) *
+    x_scale[r] * w_scale[e] with r = x_rows[i] (i when None) and e = expert_ids[i]. x [m0, K]
+    and w [E, N, K] e4m3, x_scale [m0] and w_scale [E, N] fp32, out [m, N]."""
+    rows_in = torch.arange(out.shape[0], device=x.device) if x_rows is None else x_rows
+    for e in torch.unique(expert_ids).tolist():
+        idx = (expert_ids == e).nonzero().squeeze(1)  # [m_e]
+        r = rows_in[idx]
+        acc = torch.mm(x.index_select(0, r).float(), w[e].float().t())  # exact, fp32 sums
+        acc.mul_(x_scale[r].view(-1, 1)).mul_(w_scale[e].view(1, -1))
+        out.index_copy_(0, idx, acc.to(out.dtype))

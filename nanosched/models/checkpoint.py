@@ -135,9 +135,11 @@ def _targets(model: CausalLM) -> Iterator[Target]:
             continue
         moe = p + "block_sparse_moe."
         yield Target(moe + "gate.weight", (s.num_experts, hid), layer.router)
+        gate_up_scale, down_scale = _scale(layer, "w_gate_up"), _scale(layer, "w_down")
         for e in range(s.num_experts):
             yield from _ffn(f"{moe}experts.{e}.", ("w1", "w3", "w2"), layer.w_gate_up[e],
-                            layer.w_down[e], hid, s.intermediate_size, li, inter)
+                            layer.w_down[e], hid, s.intermediate_size, li, inter,
+                            _expert(gate_up_scale, e), _expert(down_scale, e))
     yield Target("model.norm.weight", (hid,), model.final_norm)
     if not s.tie_word_embeddings:
         yield Target("lm_head.weight", (s.vocab_size, hid), model.lm_head[:n_vocab], rows=vocab)
@@ -162,6 +164,11 @@ def _scale(layer: torch.nn.Module, weight: str) -> torch.Tensor | None:
 
 def _rows(scale: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
     return None if scale is None else scale[start:end]
+
+
+def _expert(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """Expert `e`'s row scales [N] of an e4m3 expert weight's [E, N] (None: model dtype)."""
+    return None if scale is None else scale[e]
 
 
 def _ignorable(name: str, model: CausalLM, weights: set[str]) -> bool:

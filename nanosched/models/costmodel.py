@@ -52,13 +52,13 @@ def fp8_gemm(name: str, quantization: str) -> bool:
 
 def weight_bytes(spec: ModelSpec, quantization: str = "none") -> float:
     """Bytes of all the model's weights: the model dtype's, the layer GEMM weights at a byte
-    an element under fp8 (kqv, o and, for dense models, ug and d)."""
+    an element under fp8 (kqv, o, and ug and d, or every MoE expert's)."""
     total = spec.num_params() * spec.dtype_bytes
     if not any(fp8_gemm(op, quantization) for op in FP8_GEMM_OPS):
         return total
     D, q = spec.hidden_size, spec.q_size
     per_layer = D * (q + 2 * spec.kv_size) + q * D + \
-        (0 if spec.is_moe else 3 * D * spec.intermediate_size)
+        3 * D * spec.intermediate_size * max(spec.num_experts, 1)
     return total - spec.num_layers * per_layer * (spec.dtype_bytes - 1)
 
 

@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
     w_qkv [(Hq + 2 Hkv) d, D] rows q | k | v; w_o [D, Hq d]; dense: w_gate_up [2I, D] rows
     gate | up, w_down [D, I]; MoE: router [E, D], w_gate_up [E, 2I, D], w_down [E, D, I].
     Quantised (`quant.FP8`): each weight named in `fp8_weights` is e4m3 beside its fp32 scale
-    per output row, `{name}_scale` [N] (models/quant.py).
+    per output row, `{name}_scale` [N] (experts: [E, N]; models/quant.py).
     """
 
     def __init__(self, spec: ModelSpec, local: LocalShapes, dtype: torch.dtype,
@@ -42,12 +42,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, inter = spec.hidden_size, local.intermediate
         kw = {"dtype": dtype, "device": device}
+        self.spec = spec
         self.fp8_weights = quant.fp8_weights(spec, quantization)
 
         def weight(name: str, *shape: int) -> nn.Parameter:
             if name not in self.fp8_weights:
                 return _param(*shape, **kw)
-            self.register_parameter(f"{name}_scale", _param(shape[0], dtype=torch.float32,
+            self.register_parameter(f"{name}_scale", _param(*shape[:-1], dtype=torch.float32,
                                                             device=device))
             return _param(*shape, dtype=quant.FP8_DTYPE, device=device)
 
@@ -58,8 +59,8 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = _param(d, **kw)
         if spec.is_moe:
             self.router = _param(spec.num_experts, d, **kw)
-            self.w_gate_up = _param(spec.num_experts, 2 * inter, d, **kw)
-            self.w_down = _param(spec.num_experts, d, inter, **kw)
+            self.w_gate_up = weight("w_gate_up", spec.num_experts, 2 * inter, d)
+            self.w_down = weight("w_down", spec.num_experts, d, inter)
         else:
             self.router = None
             self.w_gate_up = weight("w_gate_up", 2 * inter, d)
@@ -68,6 +69,11 @@ class DecoderLayer(nn.Module):
     def is_fp8(self, name: str) -> bool:
         """Whether weight `name` is e4m3 (its GEMM takes an e4m3 input with row scales)."""
         return name in self.fp8_weights
+
+    def e4m3_input(self, name: str) -> bool:
+        """Whether the kernel before weight `name`'s GEMM writes its input in e4m3
+        (`quant.producer_writes_e4m3`)."""
+        return quant.producer_writes_e4m3(self.spec, name, self.fp8_weights)
 
 
 class CausalLM(nn.Module):
@@ -123,9 +129,9 @@ class CausalLM(nn.Module):
     def normed_out(self, ws: Workspace, layer: int, weight: str, start: int,
                    end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Where a norm writes rows [start, end) for the GEMM of `weight` in layer `layer`
-        (past the last layer: the LM head): e4m3 rows and their scales when that weight is
-        e4m3, else the model-dtype `normed` rows."""
-        if layer < len(self.layers) and self.layers[layer].is_fp8(weight):
+        (past the last layer: the LM head): e4m3 rows and their scales when the norm writes
+        that GEMM's input in e4m3 (`DecoderLayer.e4m3_input`), else the model-dtype rows."""
+        if layer < len(self.layers) and self.layers[layer].e4m3_input(weight):
             return ws.normed8[start:end], ws.normed_scale[start:end]
         return ws.normed[start:end], None
 

@@ -116,7 +116,7 @@ def act(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
     """act = SiLU(gate) * up on the range's rows (k rows per token for MoE); e4m3 + row scales
     for an e4m3 w_down."""
     rows = ws.rows(s, e)
-    if m.layers[i].is_fp8("w_down"):
+    if m.layers[i].e4m3_input("w_down"):
         K.silu_mul(ws.gate_up[rows], ws.act8[rows], m.kernels, launch, out_scale=ws.act_scale[rows])
     else:
         K.silu_mul(ws.gate_up[rows], ws.act[rows], m.kernels, launch)

@@ -1,11 +1,12 @@
 """Weight quantisation: which layer weights are e4m3 (W8A8 on Hopper), and how they are made.
 
-`fp8`: each layer GEMM's weight [N, K] is e4m3 with one fp32 scale per output row (a per-tensor
-checkpoint scale is the same value on every row), its input e4m3 with one dynamic scale per
-token, written by the kernel that produces it (RMSNorm, SiLU·mul; the attention output by a
-one-pass kernel before `o`), and the product in the model dtype. The embedding, LM head, norms,
-router and (for now) MoE experts stay in the model dtype. `auto` follows the checkpoint's
-`quantization_config` (none for random weights and plain checkpoints).
+`fp8`: each layer GEMM's weight [N, K] (MoE experts: [E, N, K]) is e4m3 with one fp32 scale
+per output row (a per-tensor checkpoint scale is the same value on every row), its input e4m3
+with one dynamic scale per token, written by the kernel that produces it (RMSNorm, SiLU·mul; the
+attention output, and a MoE layer's normed rows, which its router reads in the model dtype, by a
+one-pass kernel before the GEMM), and the product in the model dtype. The embedding, LM head,
+norms and router stay in the model dtype. `auto` follows the checkpoint's `quantization_config`
+(none for random weights and plain checkpoints).
 """
 
 from __future__ import annotations
@@ -43,12 +44,19 @@ def check_model_dtype(quantization: str, dtype: torch.dtype) -> None:
 
 def fp8_weights(spec: ModelSpec, quantization: str) -> tuple[str, ...]:
     """The layer weights held in e4m3 under `quantization`: those of the FP8_GEMM_OPS the
-    model's layer has (MoE experts, `experts_ug` / `experts_d`, stay in the model dtype: their
-    grouped GEMM has no FP8 path yet)."""
+    model's layer has (dense GEMMs, or MoE experts' grouped GEMMs)."""
     if check_quantization(quantization) == NONE:
         return ()
     ops = {op.name for op in layer_ops(spec)}
     return tuple(GEMM_WEIGHT[op] for op in FP8_GEMM_OPS if op in ops)
+
+
+def producer_writes_e4m3(spec: ModelSpec, weight: str, e4m3: tuple[str, ...]) -> bool:
+    """Whether the kernel before `weight`'s GEMM (a norm, SiLU·mul) writes that GEMM's input in
+    e4m3 with row scales, `e4m3` being the e4m3 weights (`fp8_weights`): it does for each e4m3
+    weight but a MoE layer's `w_gate_up`, whose normed rows the router reads in the model dtype
+    (`experts_ug` quantises them itself)."""
+    return weight in e4m3 and not (spec.is_moe and weight == "w_gate_up")
 
 
 @torch.no_grad()

@@ -40,13 +40,14 @@ class Workspace:
     kv: KVCache
     experts_per_token: int = 1
     # FP8 GEMM inputs (models/quant.py), None in a model without e4m3 weights: e4m3 rows and
-    # one fp32 scale per row of the normed stream (kqv / ug), the attention output (o) and act (d)
+    # one fp32 scale per row of the normed stream (kqv / ug / experts_ug), the attention output
+    # (o) and act (d / experts_d)
     normed8: torch.Tensor | None = None  # [T, D]
     normed_scale: torch.Tensor | None = None  # [T]
     attn8: torch.Tensor | None = None  # [T, Hq d]
     attn_scale: torch.Tensor | None = None  # [T]
-    act8: torch.Tensor | None = None  # [T, I]
-    act_scale: torch.Tensor | None = None  # [T]
+    act8: torch.Tensor | None = None  # [T k, I]
+    act_scale: torch.Tensor | None = None  # [T k]
 
     def rows(self, start: int, end: int) -> slice:
         """Rows of the per-(token, expert) buffers that hold tokens [start, end)."""
@@ -75,7 +76,7 @@ def allocate_workspace(*, max_tokens: int, hidden: int, qkv_size: int, num_heads
     quant = {} if not fp8 else {
         "normed8": buf(t, hidden, dt=f8), "normed_scale": buf(t, dt=torch.float32),
         "attn8": buf(t, num_heads * head_dim, dt=f8), "attn_scale": buf(t, dt=torch.float32),
-        "act8": buf(t, intermediate, dt=f8), "act_scale": buf(t, dt=torch.float32)}
+        "act8": buf(t * k, intermediate, dt=f8), "act_scale": buf(t * k, dt=torch.float32)}
     return Workspace(
         **quant, max_tokens=t, token_ids=buf(t, dt=torch.int64), residual=buf(t, hidden),
         normed=buf(t, hidden), qkv=buf(t, qkv_size), q=buf(t, num_heads, head_dim),

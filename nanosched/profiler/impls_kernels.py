@@ -21,7 +21,7 @@ from nanosched.kernels import dispatch
 from nanosched.kernels.common import PrefillSegments, Segment
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
 from nanosched.models import ops as optable
-from nanosched.models.quant import FP8_DTYPE, fp8_weights
+from nanosched.models.quant import FP8_DTYPE, fp8_weights, producer_writes_e4m3
 from nanosched.profiler.backend import Unsupported
 from nanosched.profiler.impls import (
     Impl,
@@ -52,9 +52,16 @@ def _rows(call: OpCall) -> int:
 
 
 def _fp8(call: OpCall) -> bool:
-    """Whether `call`'s GEMM (or the GEMM whose input it writes) is e4m3 under its
-    quantization, as in the model (models/quant.fp8_weights)."""
+    """Whether `call`'s GEMM is e4m3 under its quantization, as in the model
+    (models/quant.fp8_weights)."""
     return WEIGHT_OF.get(call.op) in fp8_weights(call.spec, call.quantization)
+
+
+def _writes_e4m3(call: OpCall) -> bool:
+    """Whether `call` (a norm, SiLU·mul) writes the input of the GEMM after it in e4m3, as in
+    the model (models/quant.producer_writes_e4m3)."""
+    return producer_writes_e4m3(call.spec, WEIGHT_OF.get(call.op, ""),
+                                fp8_weights(call.spec, call.quantization))
 
 
 def _scales(call: OpCall, name: str, rows: int) -> torch.Tensor:
@@ -103,6 +110,8 @@ def _linear_fp8(call: OpCall, launch: Launch) -> Kernel:
 
 
 def _grouped(call: OpCall, launch: Launch) -> Kernel:
+    if _fp8(call):
+        return _grouped_fp8(call, launch)
     k, n = gemm_dims(call.spec, call.tp, call.op)
     e = call.spec.num_experts
     rows = gemm_rows(call.spec, call.op, call.tokens)
@@ -111,6 +120,35 @@ def _grouped(call: OpCall, launch: Launch) -> Kernel:
     out = call.ws.tensor("y_" + call.op, (rows, n))
     ids = torch.arange(rows, device=x.device) % e  # uniform routing
     return Kernel(lambda: dispatch.grouped_linear(x, w, ids, None, out, OPTS, launch))
+
+
+def _grouped_fp8(call: OpCall, launch: Launch) -> Kernel:
+    """The W8A8 grouped GEMM of the model's e4m3 experts (models/moe.py): `experts_ug` with the
+    quantisation of its normed rows before it and each token's rows gathered, as it runs;
+    `experts_d` on the e4m3 rows SiLU·mul wrote (`torch`: the exact emulation, which a
+    profile does not measure: plan.FP8_IMPLS)."""
+    k, n = gemm_dims(call.spec, call.tp, call.op)
+    e, top = call.spec.num_experts, call.spec.num_experts_per_tok
+    rows = gemm_rows(call.spec, call.op, call.tokens)
+    w8 = call.ws.tensor("w8_" + call.op, (e, n, k), dtype=FP8_DTYPE)  # [E, N, K] e4m3
+    w_scale = _scales(call, "ws_" + call.op, e * n).view(e, n)
+    out = call.ws.tensor("y_" + call.op, (rows, n))
+    ids = torch.arange(rows, device=out.device) % e  # uniform routing
+    if call.op != optable.EXPERTS_UG:
+        x8 = call.ws.tensor("x8_" + call.op, (rows, k), dtype=FP8_DTYPE)  # [T k, K]
+        xs = _scales(call, "xs_" + call.op, rows)
+        return Kernel(lambda: dispatch.grouped_linear_fp8(x8, xs, w8, w_scale, ids, None, out,
+                                                          OPTS, launch))
+    t = call.tokens
+    x = call.ws.tensor("x_" + call.op, (t, k))  # the normed rows, in the model dtype
+    x8 = call.ws.tensor("x8_" + call.op, (t, k), dtype=FP8_DTYPE)
+    xs = _scales(call, "xs_" + call.op, t)
+    x_rows = torch.arange(t, device=out.device).repeat_interleave(top)  # [T k]
+
+    def quantize_and_gemm() -> None:
+        dispatch.quantize_rows(x, x8, xs, OPTS)
+        dispatch.grouped_linear_fp8(x8, xs, w8, w_scale, ids, x_rows, out, OPTS, launch)
+    return Kernel(quantize_and_gemm)
 
 
 def _kv_pages(call: OpCall, prefix: str, pages: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -214,7 +252,7 @@ def _add_norm(call: OpCall, launch: Launch) -> Kernel:
     weight = call.ws.tensor("w_norm", (dim,))
     res_out = call.ws.tensor("res_out_norm", (rows, dim))[:t]  # not in place: values stay put
     eps = call.spec.rms_norm_eps
-    if _fp8(call):  # the e4m3 input of the FP8 GEMM after it, with its row scales
+    if _writes_e4m3(call):  # the e4m3 input of the FP8 GEMM after it, with its row scales
         out = call.ws.tensor("y_norm8", (rows, dim), dtype=FP8_DTYPE)[:t]
         scale = _scales(call, "y_norm_scale", rows)[:t]
         return Kernel(lambda: dispatch.rms_norm_add(x, res, weight, eps, out, res_out, OPTS,
@@ -229,7 +267,7 @@ def _act(call: OpCall, launch: Launch) -> Kernel:
     ug = optable.ffn_ops(call.spec)[0]
     rows, most = gemm_rows(call.spec, ug, call.tokens), gemm_rows(call.spec, ug, _rows(call))
     gate_up = call.ws.tensor("gate_up", (most, 2 * inter))[:rows]
-    if _fp8(call):  # e4m3 rows and their scales for the FP8 `d`
+    if _writes_e4m3(call):  # e4m3 rows and their scales for the FP8 `d` / `experts_d`
         out8 = call.ws.tensor("act_out8", (most, inter), dtype=FP8_DTYPE)[:rows]
         scale = _scales(call, "act_scale", most)[:rows]
         return Kernel(lambda: dispatch.silu_mul(gate_up, out8, OPTS, launch, out_scale=scale))

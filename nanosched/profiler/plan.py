@@ -17,7 +17,15 @@ from typing import Any
 from nanosched.constants import KV_DTYPES, QUANTIZATIONS, TOKEN_QUANTUM
 from nanosched.errors import ConfigError
 from nanosched.models import ops as optable
-from nanosched.models.ops import FP8_GEMM_OPS, MEMORY, NETWORK, layer_ops
+from nanosched.models.ops import (
+    FP8_GEMM_OPS,
+    GEMM,
+    GROUPED,
+    MEMORY,
+    NETWORK,
+    OP_FAMILY,
+    layer_ops,
+)
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.shapes import GEMM_OPS
 from nanosched.workloads import Workload
@@ -37,6 +45,9 @@ NETWORK_PAIR_LARGE = (1024, 2048)  # GEMM rows also paired with the network ops
 # the implementations of the W8A8 GEMM of FP8_GEMM_OPS (kernels/dispatch.linear_fp8:
 # torch._scaled_mm, `cublaslt` with its SM target; there is no persistent Triton FP8 GEMM)
 FP8_GEMM_IMPLS = ("cublas", "cublaslt")
+# and of the MoE experts' grouped one (dispatch.grouped_linear_fp8: the Triton kernel; `torch`
+# is the exact emulation, a correctness reference too slow to schedule)
+FP8_IMPLS = {GEMM: FP8_GEMM_IMPLS, GROUPED: ("triton",)}
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,8 @@ def quantized_impls(settings: ProfileSettings, impls: dict[str, list[ImplInfo]]
         return impls, []
     out, notes = {}, []
     for op, infos in impls.items():
-        keep = [i for i in infos if op not in FP8_GEMM_OPS or i.name in FP8_GEMM_IMPLS]
+        keep = [i for i in infos
+                if op not in FP8_GEMM_OPS or i.name in FP8_IMPLS[OP_FAMILY[op]]]
         notes += [f"{op}/{i.name} not measured: no FP8 GEMM of that implementation "
                   f"(--quantization fp8)" for i in infos if i not in keep]
         out[op] = keep

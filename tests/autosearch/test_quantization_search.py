@@ -55,8 +55,13 @@ def test_cost_model_prices_fp8_layer_gemms_on_e4m3_bytes():
         assert f8 == f0 and m0 - m8 == (w + x) * (SPEC.dtype_bytes - 1), op
     for op in ("attn_decode", "attn_prefill", "rope_append", "act", "add_norm_ffn"):
         assert op_demands(SPEC, 1, mix, op, "fp8") == op_demands(SPEC, 1, mix, op), op
-    # a MoE's experts stay in the model dtype (models/quant.fp8_weights); its kqv does not
-    assert op_demands(MOE, 1, mix, "experts_ug", "fp8") == op_demands(MOE, 1, mix, "experts_ug")
+    # a MoE's experts are e4m3 too: every touched expert's weights a byte an element
+    E, moe_inter, moe_d = MOE.num_experts, MOE.intermediate_size, MOE.hidden_size
+    for op, w, x in (("experts_ug", E * moe_d * 2 * moe_inter, 512 * moe_d),
+                     ("experts_d", E * moe_inter * moe_d, 512 * 2 * moe_inter)):
+        f0, m0, _ = op_demands(MOE, 1, mix, op)
+        f8, m8, _ = op_demands(MOE, 1, mix, op, "fp8")
+        assert f8 == f0 and m0 - m8 == w + x, op
     assert op_demands(MOE, 1, mix, "kqv", "fp8")[1] < op_demands(MOE, 1, mix, "kqv")[1]
     # the compute side at the FP8 GEMM's rate, the rest as before
     plain = {c.name: c for c in op_costs(SPEC, H100, 1, batch_mix(fixed(1024, 512), 1024))}
@@ -76,6 +81,9 @@ def test_fp8_weights_leave_more_memory_for_the_batch():
     wl = fixed(1024, 512)
     assert max_dense_batch(SPEC, H100, 1, wl, quantization="fp8") > max_dense_batch(SPEC, H100,
                                                                                      1, wl)
+    # Mixtral-8x7B: 93 GB in bf16, 47 GB with its experts and attention GEMMs in e4m3
+    assert weight_bytes(MOE) / 1e9 == pytest.approx(93.4, abs=0.1)
+    assert weight_bytes(MOE, "fp8") / 1e9 == pytest.approx(47.0, abs=0.1)
 
 
 def test_synthetic_fp8_profile_prices_fp8_gemms():

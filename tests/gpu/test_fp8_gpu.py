@@ -134,3 +134,67 @@ def test_fp8_model_against_bf16_and_in_a_graph(tmp_path):
     assert rel_err(a, b) < 0.1
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
     torch.testing.assert_close(_forward(fp8, ids, graph=True), a, rtol=0, atol=0)
+
+
+def _routing(tokens: int, experts: int, seed: int) -> torch.Tensor:
+    """Top-2 expert ids [tokens * 2] of random router logits (uneven counts), token-major."""
+    return randn(tokens, experts, seed=seed, dtype=torch.float32).topk(2, dim=-1).indices.flatten()
+
+
+@pytest.mark.parametrize("tokens", [ROWS, 7])
+@pytest.mark.parametrize("n,k,gathered", [(2 * INTER, HID, True), (HID, INTER, False)])
+def test_grouped_fp8_gemm_matches_the_emulation(n, k, gathered, tokens):
+    """The Triton W8A8 grouped GEMM at Mixtral-8x7B's expert shapes (gate_up gathers each
+    token's row twice; down reads the k rows of each token) against the exact emulation, in a
+    CUDA graph as well (its device-side tile schedule needs no host sync)."""
+    experts, rows = 8, 2 * tokens
+    x8, xs = ref.quantize_fp8(randn(tokens if gathered else rows, k, seed=10))
+    w8, ws = ref.quantize_fp8(randn(experts, n, k, seed=11) / 64)  # scales [E, N]
+    ids = _routing(tokens, experts, seed=12)
+    x_rows = torch.arange(tokens, device="cuda").repeat_interleave(2) if gathered else None
+    out, want = poisoned(rows, n, dtype=BF16), torch.empty(rows, n, dtype=BF16, device="cuda")
+    K.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, out, OPTS)
+    ref.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, want)
+    assert not torch.isnan(out).any(), "rows left unwritten"
+    # the sums are never promoted (as `torch._scaled_mm`'s fast accumulation): under 1e-2
+    err = rel_err(out, want)
+    assert err < 1e-2, f"relative error {err:.2e} against the emulation at {rows}x{k}x{n}"
+    graphed = poisoned(rows, n, dtype=BF16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        K.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, graphed, OPTS)
+    g.replay()
+    torch.testing.assert_close(graphed, out, rtol=0, atol=0)
+
+
+def _mixtral(backend: str):
+    from dataclasses import replace
+
+    from nanosched.models.model import CausalLM
+    from nanosched.models.weights import init_random
+
+    spec = replace(REGISTRY["mixtral-8x7b"], num_layers=2)
+    model = CausalLM(spec, dtype=BF16, device="cuda", quantization="fp8",
+                     kernels=K.KernelOptions(backend=backend))
+    init_random(model, seed=3)
+    return model
+
+
+def test_fp8_mixtral_on_the_kernels_is_the_emulation_and_graphs():
+    """Two layers of Mixtral-8x7B's shapes with e4m3 experts: the Triton kernels' logits near
+    the torch backend's (the exact emulation) and equal in a CUDA graph.
+
+    Against the bf16 model the gap says nothing about the kernels: random routers sit near
+    their ties, so e4m3 rounding flips a third of the tokens' experts in layer 1 and the logits
+    move by 42% relative L2 (measured on an H200; any FP8 path against any bf16 path alike),
+    while the Triton and emulated FP8 paths agree within 2%."""
+    fp8 = _mixtral("auto")
+    assert fp8.layers[0].w_gate_up.dtype == F8 and fp8.layers[0].w_down_scale.shape == (8, HID)
+    ids = torch.randint(0, REGISTRY["mixtral-8x7b"].vocab_size, (300,), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(9))
+    a = _forward(fp8, ids)
+    torch.testing.assert_close(_forward(fp8, ids, graph=True), a, rtol=0, atol=0)
+    del fp8
+    b = _forward(_mixtral("torch"), ids)
+    assert rel_err(a, b) < 0.05
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9

@@ -81,12 +81,42 @@ def test_fp8_norms_and_act_write_the_e4m3_inputs_of_the_gemms_after_them():
     torch.testing.assert_close(ws.cache["act_out8"][:24].float() * ws.cache["act_scale"][:24,
                                None], q.float() * s[:, None])
     assert "y_norm" not in ws.cache and "act_out" not in ws.cache
-    # unquantised rows and a MoE's FFN (its experts stay in the model dtype) write bf16 rows
+    # unquantised rows, and a MoE's FFN norm (its router reads the rows in the model dtype;
+    # experts_ug quantises them) write model-dtype rows; a MoE's act writes e4m3 rows
     plain = impls.ScratchSpace(torch.device("cpu"), torch.float32)
     impls.get("add_norm_ffn", "torch").kernel(call(TINY, "add_norm_ffn", plain, "none")).fn()
     impls.get("add_norm_ffn", "torch").kernel(call(TINY_MOE, "add_norm_ffn", ws)).fn()
     assert plain.cache["y_norm"].dtype == torch.float32 and "y_norm8" not in plain.cache
     assert ws.cache["y_norm"].dtype == torch.float32
+    moe = impls.ScratchSpace(torch.device("cpu"), torch.float32)
+    impls.get("act", "torch").kernel(call(TINY_MOE, "act", moe)).fn()
+    assert moe.cache["act_out8"].dtype == torch.float8_e4m3fn and "act_out" not in moe.cache
+
+
+@pytest.mark.parametrize("op", ["experts_ug", "experts_d"])
+def test_fp8_experts_rows_time_the_w8a8_grouped_gemm(op):
+    """Under fp8 a MoE's grouped GEMM rows run the e4m3 experts (`experts_ug` with its normed
+    rows quantised first and gathered per token, as models/moe.py runs it), computing the
+    exact emulation; no model-dtype expert weight is timed."""
+    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
+    kernel = impls.get(op, "torch").kernel(call(TINY_MOE, op, ws))
+    kernel.fn()
+    c = ws.cache
+    w8, w_scale = c["w8_" + op], c["ws_" + op]
+    assert w8.dtype == torch.float8_e4m3fn and w8.shape[0] == TINY_MOE.num_experts
+    assert "w_" + op not in c
+    top, rows = TINY_MOE.num_experts_per_tok, 24 * TINY_MOE.num_experts_per_tok
+    ids = torch.arange(rows) % TINY_MOE.num_experts
+    want = torch.empty_like(c["y_" + op])
+    if op == "experts_ug":
+        q, s = ref.quantize_fp8(c["x_experts_ug"])
+        assert torch.equal(c["x8_experts_ug"].float(), q.float())
+        x_rows = torch.arange(24).repeat_interleave(top)
+    else:
+        x_rows = None
+    ref.grouped_linear_fp8(c["x8_" + op], c["xs_" + op], w8, w_scale.view(w8.shape[:2]), ids,
+                           x_rows, want)
+    torch.testing.assert_close(c["y_" + op], want)
 
 
 def test_fake_fp8_profile_prices_fp8_gemms_and_records_the_quantization(tmp_path):

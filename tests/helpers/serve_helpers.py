@@ -1,4 +1,5 @@
-"""Test helpers for `nanosched serve`: a tiny random Llama folder and an in-thread server."""
+"""Test helpers for `nanosched serve`: a tiny random Llama folder, an in-thread server, and a
+gate that holds its engine between two steps."""
 
 from __future__ import annotations
 
@@ -61,6 +62,38 @@ class ThreadServer:
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive()
+
+
+class EngineGate:
+    """Holds a server's engine thread before its step after `after` steps, until `release()`:
+    the requests admitted so far keep their KV pages, and new ones wait, while a test reads
+    the server's state. A context manager that releases on exit."""
+
+    def __init__(self, engine, after: int = 1) -> None:
+        self.engine, self.after, self.num_steps = engine, after, 0
+        self.held, self._go = threading.Event(), threading.Event()
+        self._step = engine.step
+        engine.step = self._gated
+
+    def _gated(self):
+        if self.num_steps == self.after:
+            self.held.set()
+            self._go.wait(60)
+        self.num_steps += 1
+        return self._step()
+
+    def wait_held(self, timeout_s: float = 30.0) -> None:
+        assert self.held.wait(timeout_s), f"the engine did not reach step {self.after + 1}"
+
+    def release(self) -> None:
+        self._go.set()
+        self.engine.step = self._step
+
+    def __enter__(self) -> EngineGate:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def metrics(client, url: str) -> dict[str, float]:

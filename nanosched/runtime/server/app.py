@@ -2,9 +2,11 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 `"stream": true`, ending with `data: [DONE]`), GET /v1/models, /health (503 once the engine
-failed), /metrics (Prometheus text). Every error body is OpenAI's `{"error": {...}}`. With an
-API key the /v1/ routes need `Authorization: Bearer <key>` (401 otherwise) and the generated
-API pages (/docs, /redoc, /openapi.json) are off; /health and /metrics stay open for probes.
+failed), /metrics (Prometheus text), and what a router asks of a replica (`fleet.py`):
+/server_info, /model_info (each also as /get_...), /get_load. Every error body is OpenAI's
+`{"error": {...}}`. With an API key the /v1/ routes, /server_info and /model_info need
+`Authorization: Bearer <key>` (401 otherwise) and the generated API pages (/docs, /redoc,
+/openapi.json) are off; /health, /metrics and /get_load stay open for probes.
 A 429 (queue full) carries `Retry-After`. A body must be JSON: a Content-Type other than
 application/json (or `+json`) gets 415; none at all is read as JSON, as FastAPI does. A number
 too long to convert (more than Python's 4,300 digits) is a 400, as is invalid JSON. A client
@@ -27,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from nanosched.runtime.server import fleet
 from nanosched.runtime.server.handler import Handler
 from nanosched.runtime.server.protocol import (
     MAX_NESTING,
@@ -192,6 +195,22 @@ def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(render_metrics(worker.snapshot()),
                                  media_type="text/plain; version=0.0.4")
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info(request: Request) -> dict[str, Any]:
+        _authorize(request, api_key)
+        return fleet.server_info(served, handler.limits.context, worker.max_queue)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info(request: Request) -> dict[str, Any]:
+        _authorize(request, api_key)
+        return fleet.model_info(served)
+
+    @app.get("/get_load")
+    async def load() -> list[dict[str, int]]:
+        return fleet.load(worker.snapshot(), served.engine.batcher.page_size)
 
     return app
 

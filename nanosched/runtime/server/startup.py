@@ -57,6 +57,8 @@ class Served:
     strategy: str
     closer: LoadedEngine | None = None  # releases the replay's partitions at exit
     aliases: tuple[str, ...] = ()  # other names requests may give the model (`model_names`)
+    model_path: str = ""  # --model as given (a router reads it from /server_info)
+    tp: int = 1
 
 
 def check_flags(cfg: ServeConfig) -> None:
@@ -127,5 +129,5 @@ def prepare(cfg: ServeConfig) -> Served:
     name, aliases = model_names(cfg.engine.model, cfg.served_model_name)
     log.info("serving as model %r%s", name,
              "".join(f" (or {a!r})" for a in aliases))
-    return Served(name, loaded.spec, loaded.engine, codec,
-                  loaded.choice.name, loaded, aliases)
+    return Served(name, loaded.spec, loaded.engine, codec, loaded.choice.name, loaded, aliases,
+                  cfg.engine.model, c.tp)

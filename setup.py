@@ -29,8 +29,9 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=5.0",
                  "ruff>=0.5", "triton>=3.0", "fastapi>=0.160", "pydantic>=2.7", "uvicorn>=0.50",
                  "httpx>=0.27",
-                 "matplotlib>=3.7", "jinja2>=3.1", "openai>=1.0"],
-        # transformers and jinja2: tokenizers and chat templates (stories15m ships one)
+                 "matplotlib>=3.7", "jinja2>=3.1", "openai>=1.0", "sglang-router>=0.3.2,<0.4"],
+        # transformers and jinja2: tokenizers and chat templates (stories15m ships one);
+        # sglang-router: tests/runtime/server/test_router.py puts two replicas behind it
         "serve": ["fastapi>=0.160", "pydantic>=2.7", "uvicorn>=0.50", "transformers>=5.0",
                   "jinja2>=3.1"],
         "plot": ["matplotlib>=3.7"],

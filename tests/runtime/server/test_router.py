@@ -114,6 +114,8 @@ def test_answers_come_back_through_the_router_as_a_replica_gives_them(router, re
     assert [t for c in chunks for t in c["token_ids"]] == direct["choices"][0]["token_ids"]
     wrong = http.post(f"{url}/v1/completions", json=body | {"model": "other"})
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    ids = http.post(f"{url}/v1/completions", json=body | {"prompt": [3, 1, 4]})
+    assert ids.status_code == 422  # the router's own refusal (docs/usage.md: not covered)
 
 
 def test_requests_sharing_a_prefix_go_to_one_replica(router, replicas, http):

@@ -10,9 +10,11 @@ has no counterpart here:
   dp = 1 (one engine per process); `context_length` (what /v1/models calls max_model_len),
   `max_total_tokens` (the KV cache's tokens), `max_prefill_tokens` and `max_running_requests`
   (both the dense batch: each running request takes at least one of its tokens), `page_size`,
-  `max_queued_requests` (`--max-queue`), `disable_radix_cache` (prefix caching off).
-- /model_info: `model_path`, `tokenizer_path` (the model's, when it has a tokenizer),
-  `is_generation`, the HF `model_type` and the architecture nanosched runs it as.
+  `max_queued_requests` (`--max-queue`), `disable_radix_cache` (prefix caching off); also
+  the strategy, and nanosched's `version`.
+- /model_info: `model_path`, `tokenizer_path` (the folder the tokenizer loads from; none for
+  a tokenizer shipped in the package, which no path reaches), `is_generation`, the HF
+  `model_type` and the architecture nanosched runs it as.
 - /get_load: one entry for dp rank 0: `num_reqs` (running + waiting), `num_waiting_reqs`, and
   `num_tokens`, the tokens of the KV pages requests hold (SGLang also counts the prompts of
   waiting requests there; this server's snapshot does not hold their lengths).
@@ -23,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import nanosched
+from nanosched.models.checkpoint import model_folder
 from nanosched.runtime.server.startup import Served
 
 RUNS_AS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -43,9 +46,9 @@ def server_info(served: Served, context: int, max_queue: int) -> dict[str, Any]:
 
 def model_info(served: Served) -> dict[str, Any]:
     """/model_info: what the model is."""
-    arch = served.spec.arch
+    arch, folder = served.spec.arch, model_folder(served.model_path)
     return {"model_path": served.model_path,
-            "tokenizer_path": served.model_path if served.codec.has_tokenizer else None,
+            "tokenizer_path": str(folder) if folder and served.codec.has_tokenizer else None,
             "is_generation": True, "has_image_understanding": False,
             "has_audio_understanding": False, "model_type": arch,
             "architectures": [RUNS_AS[arch]]}

@@ -8,13 +8,16 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from repo import DATA
 from serve_helpers import EngineGate, ThreadServer, server_fixtures
 
-from nanosched.runtime.server.fleet import load
+from nanosched.models.spec import load_spec
+from nanosched.runtime.server.fleet import load, model_info
+from nanosched.runtime.server.text import TextCodec
 
 folder, srv, http = server_fixtures("fleet", timeout=30)
 
@@ -71,6 +74,19 @@ def _wait_load(http, url, pred, timeout_s=10.0):
             return entry
         assert time.monotonic() < deadline, entry
         time.sleep(0.02)
+
+
+def test_model_info_of_registered_models():
+    """A registered name is no path: a tokenizer shipped in the package has no tokenizer_path
+    a router could load; the HF model type and class follow the spec's architecture."""
+    for name, arch, cls, has_tokenizer in (("stories15m", "llama", "LlamaForCausalLM", True),
+                                           ("qwen2.5-0.5b", "qwen2", "Qwen2ForCausalLM", False)):
+        served = SimpleNamespace(spec=load_spec(name), model_path=name,
+                                 codec=TextCodec.for_model(name))
+        assert served.codec.has_tokenizer is has_tokenizer
+        info = model_info(served)
+        assert (info["model_path"], info["tokenizer_path"]) == (name, None)
+        assert (info["model_type"], info["architectures"]) == (arch, [cls])
 
 
 def test_load_from_a_snapshot():

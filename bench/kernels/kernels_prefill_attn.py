@@ -1,7 +1,8 @@
 """Triton paged prefill attention vs the torch path, at Llama-3-8B and Llama-3-70B tp=8 heads.
 
     PYTHONPATH=. python bench/kernels/kernels_prefill_attn.py [--models llama3-8b,llama3-70b-tp8]
-        [--cases all|NAME,...] [--page 16] [--configs BMxBNwWsS,...] [--no-sweep]
+        [--cases all|NAME,...] [--page 16] [--kv-dtype bf16|fp8] [--configs BMxBNwWsS,...]
+        [--no-sweep]
 
 Heads (Hq, Hkv, d): llama3-8b (32, 8, 128); llama3-70b-tp8 (8, 1, 128). Cases (bf16, paged
 cache of page 16 with shuffled pages): fresh prompts of 512 / 1024 / 2048 tokens and four of
@@ -13,7 +14,11 @@ its default tiles with prebuilt device segments (what the runtime launches) and 
 (start, end, first_pos) list (one H2D copy per call), and a sweep of tile configs
 (BLOCK_M x BLOCK_N, warps, stages). TFLOP/s count causal FLOPs: 4 · d · Hq per (query, key it
 sees). Medians of triton.testing.do_bench, random data; every Triton result is checked against
-the torch path (relative L2 error). JSON to $OUT or bench/results/; a table last.
+the torch path (relative L2 error). `--kv-dtype fp8` stores the cache in e4m3 with a scale per
+(token, KV head), as the engine's FP8 KV cache does (the torch path then dequantises). Beside
+them, a ceiling: torch SDPA on contiguous bf16 q/k/v of one fresh prompt (`is_causal`, GQA;
+flash attention where torch has it), for the single-segment fresh cases. JSON to $OUT or
+bench/results/; a table last.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ CASES = {  # name: segments (start, end, first_pos)
     "cont4x512of2048": [(i * 512, (i + 1) * 512, 1536) for i in range(4)],
 }
 SWEEP = ["128x64w8s2", "128x64w4s3", "128x64w8s3", "128x128w8s2", "64x64w4s3", "64x64w4s2",
-         "128x32w4s3", "64x128w4s2"]
+         "128x32w4s3", "64x128w4s2", "128x128w8s3", "64x128w4s3", "128x64w4s4", "64x64w4s4"]
 
 
 def parse_config(text: str):
@@ -81,32 +86,55 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def bench_case(model: str, case: str, page: int, configs: list) -> dict:
+def sdpa_ceiling_ms(segments, heads, gen: torch.Generator) -> float | None:
+    """torch SDPA on contiguous bf16 q/k/v [1, H, L, d] of one fresh prompt (None otherwise)."""
+    import torch.nn.functional as F
+
+    if len(segments) != 1 or segments[0][2] != 0:
+        return None
+    hq, hkv, d = heads
+    length = segments[0][1] - segments[0][0]
+    q = torch.randn(1, hq, length, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, hkv, length, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                            enable_gqa=True))
+
+
+def bench_case(model: str, case: str, page: int, configs: list, kv_dtype: str = "bf16") -> dict:
     from nanosched.kernels import reference as ref
     from nanosched.kernels.common import PrefillSegments
     from nanosched.kernels.prefill_attn import default_config, prefill_attention
 
     heads = MODELS[model]
     segments = CASES[case]
-    q, kc, vc, tables, out = make_case(segments, heads, page,
-                                       torch.Generator(device="cuda").manual_seed(0))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, kc, vc, tables, out = make_case(segments, heads, page, gen)
+    scales = {}
+    if kv_dtype == "fp8":  # e4m3 with a scale per (token, KV head), as models/kvcache.py holds it
+        (kc, ks), (vc, vs) = ref.quantize_fp8(kc), ref.quantize_fp8(vc)
+        scales = {"k_scale": ks, "v_scale": vs}
     scale = heads[2] ** -0.5
     flops = causal_flops(segments, heads[0], heads[2])
     want = torch.empty_like(q)
     torch_ms = median_ms(lambda: ref.prefill_attention(q, kc, vc, tables, segments, scale,
-                                                       want))
+                                                       want, **scales))
     meta = PrefillSegments.build(segments, "cuda")
     default = default_config()
-    row = {"model": model, "case": case, "tokens": segments[-1][1],
+    row = {"model": model, "case": case, "tokens": segments[-1][1], "kv_dtype": kv_dtype,
            "segments": len(segments), "flops": flops, "torch_us": 1e3 * torch_ms,
            "torch_tflops": flops / torch_ms / 1e9, "default_config": config_name(default)}
-    list_ms = median_ms(lambda: prefill_attention(q, kc, vc, tables, segments, scale, out))
+    ceiling_ms = sdpa_ceiling_ms(segments, heads, gen)
+    if ceiling_ms is not None:
+        row.update({"sdpa_bf16_us": 1e3 * ceiling_ms, "sdpa_bf16_tflops": flops / ceiling_ms / 1e9})
+    list_ms = median_ms(lambda: prefill_attention(q, kc, vc, tables, segments, scale, out,
+                                                  **scales))
     row["triton_list_us"] = 1e3 * list_ms
     sweep = []
     for cfg in [default] + [c for c in configs if c != default]:
         try:
             ms = median_ms(lambda cfg=cfg: prefill_attention(q, kc, vc, tables, meta, scale, out,
-                                                             cfg))
+                                                             cfg, **scales))
         except Exception as exc:  # e.g. out of shared memory for this tile
             sweep.append({"config": config_name(cfg), "error": f"{type(exc).__name__}: {exc}"})
             continue
@@ -128,6 +156,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     ap.add_argument("--cases", default="all", help=f"'all' or of {', '.join(CASES)}")
     ap.add_argument("--page", type=int, default=16, help="KV page size (tokens)")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="the cache's dtype (fp8: e4m3, a scale per token and KV head)")
     ap.add_argument("--configs", default=",".join(SWEEP),
                     help="tile configs BMxBNwWARPSsSTAGES, comma-separated")
     ap.add_argument("--no-sweep", action="store_true", help="default tiles only")
@@ -142,11 +172,12 @@ def main() -> None:
     rows = []
     for model in models:
         for case in cases:
-            rows.append(bench_case(model, case, args.page, configs))
+            rows.append(bench_case(model, case, args.page, configs, args.kv_dtype))
             torch.cuda.empty_cache()
     path = write_result("kernels_prefill_attn", {
         "env": env, "shapes": {"models": {m: MODELS[m] for m in models}, "page_size": args.page,
-                               "dtype": "bfloat16", "cases": {c: CASES[c] for c in cases}},
+                               "dtype": "bfloat16", "kv_dtype": args.kv_dtype,
+                               "cases": {c: CASES[c] for c in cases}},
         "rows": rows})
     print(f"{env['device']}: results in {path}")
     print_table([{"model": r["model"], "case": r["case"], **s} for r in rows
@@ -154,11 +185,13 @@ def main() -> None:
                 [("model", "model", ""), ("case", "case", ""), ("config", "tiles", ""),
                  ("us", "µs", ".1f"), ("tflops", "TFLOP/s", ".0f"), ("rel_err", "err", ".1e")])
     print()
-    print_table(rows, [("model", "model", ""), ("case", "case", ""), ("tokens", "T", ""),
+    print_table([{"sdpa_bf16_tflops": "-"} | r for r in rows], [
+                       ("model", "model", ""), ("case", "case", ""), ("tokens", "T", ""),
                        ("torch_us", "torch µs", ".1f"), ("triton_us", "triton µs", ".1f"),
                        ("triton_list_us", "+H2D µs", ".1f"), ("best_us", "best µs", ".1f"),
                        ("best_config", "best tiles", ""), ("best_tflops", "TFLOP/s", ".0f"),
-                       ("torch_tflops", "torch TF/s", ".0f"), ("speedup", "x torch", ".2f")])
+                       ("torch_tflops", "torch TF/s", ".0f"), ("speedup", "x torch", ".2f"),
+                       ("sdpa_bf16_tflops", "SDPA bf16 TF/s", ".0f")])
 
 
 if __name__ == "__main__":

@@ -156,8 +156,10 @@ def test_triton_decode_attention_on_fp8_cache(dtype, max_ctas, num_splits, confi
 
 
 @interpret
+@pytest.mark.parametrize("tiles", ["small", "default"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_prefill_attention_on_fp8_cache(dtype):
+def test_triton_prefill_attention_on_fp8_cache(dtype, tiles):
+    """Small tiles (several K/V tiles a segment) and the default tiles an e4m3 cache gets."""
     from nanosched.kernels.prefill_attn import PrefillConfig, prefill_attention
 
     gen = torch.Generator().manual_seed(2)
@@ -169,8 +171,8 @@ def test_triton_prefill_attention_on_fp8_cache(dtype):
     want, got = torch.zeros(q.shape), torch.full_like(q, float("nan"))
     ref.prefill_attention(q.float(), kc, vc, tables, segments, d ** -0.5, want, k_scale=ks,
                           v_scale=vs)
-    prefill_attention(q, kc, vc, tables, segments, d ** -0.5, got, PrefillConfig(32, 16, 4, 1),
-                      k_scale=ks, v_scale=vs)
+    cfg = PrefillConfig(32, 16, 4, 1) if tiles == "small" else None
+    prefill_attention(q, kc, vc, tables, segments, d ** -0.5, got, cfg, k_scale=ks, v_scale=vs)
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 

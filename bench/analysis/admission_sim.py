@@ -1,12 +1,13 @@
-"""CPU: admission policies on a benchmark's workload, through the real batcher and paged cache.
+"""CPU: admission policies on a benchmark's workload, through the request scheduler and paged cache.
 
 Runs `bench.analysis.kvsim.KVSim` (the engine's bookkeeping over a fake model, no GPU) on
 requests that all arrive at once, as `nanosched bench` serves them, with the KV cache of that
 benchmark's GPU run, and prints per policy: iterations, mean tokens per iteration (and the
 prompt + output tokens per iteration, which excludes recomputed ones), the share of iterations
 at the dense batch, preemptions and the tokens recomputed. Iterations are not time: a GPU run
-measures that; this shows what the batcher gives the GPU. With `--max-tokens` above the output
-length, requests declare that many but stop (EOS) at their output length, as chat requests do.
+measures that; this shows what the request scheduler gives the GPU. With `--max-tokens` above
+the output length, requests declare that many but stop (EOS) at their output length, as chat
+requests do.
 
     PYTHONPATH=. python bench/analysis/admission_sim.py --pages 24959 \\
         --input-len 1024 --output-len 512 --num-prompts 1000 --dense-batch 1024 --kv-bytes-per-token
@@ -59,11 +60,11 @@ def run_policy(args: argparse.Namespace, admission: dict) -> dict:
     t0 = time.perf_counter()
     steps = sim.run(10**7)
     sizes = sim.batch_sizes
-    stats = sim.batcher.pool.stats.as_dict() if sim.batcher.pool else {}
+    stats = sim.scheduler.pool.stats.as_dict() if sim.scheduler.pool else {}
     useful = sum(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
     return {"iterations": steps, "tokens_per_iteration": sum(sizes) / len(sizes),
             "useful_tokens_per_iteration": useful / len(sizes),
-            "full_batch_share": sim.batcher.stats.full_batches / sim.batcher.stats.batches,
+            "full_batch_share": sim.scheduler.stats.full_batches / sim.scheduler.stats.batches,
             "preemption": stats, "sim_s": time.perf_counter() - t0}
 
 
@@ -85,8 +86,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     chosen = set(args.policies.split(",")) if args.policies else None
-    out = {"what": "CPU simulation of the batcher and paged cache (bench/analysis/kvsim.py): "
-                   "iterations, not time", "command": " ".join(sys.argv),
+    out = {"what": "CPU simulation of the request scheduler and paged cache "
+                   "(bench/analysis/kvsim.py): iterations, not time", "command": " ".join(sys.argv),
            "date": datetime.date.today().isoformat(), "args": vars(args), "runs": {}}
     print(f"{'policy':22} {'iters':>6} {'tok/it':>7} {'useful':>7} {'full':>5} "
           f"{'recomp':>6} {'swap':>5} {'recomp tok':>10}")

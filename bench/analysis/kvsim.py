@@ -57,7 +57,7 @@ class KVSim:
         self.kv = KVCache(1, num_pages, 1, 1, torch.float32, page_size=page_size)
         pool = KVPool(self.kv, admission, cost or sim_cost(True)) \
             if admission.policy != "reserve" else None
-        self.batcher = RequestScheduler(dense_batch, num_pages, page_size, max_context,
+        self.scheduler = RequestScheduler(dense_batch, num_pages, page_size, max_context,
                                         decode_align=decode_align, pool=pool)
         self.async_loop, self.check = async_loop, check
         self.stop_at = stop_at or {}  # request id -> output count whose last token is an EOS
@@ -67,14 +67,14 @@ class KVSim:
         self.batch_sizes: list[int] = []
 
     def add(self, r: Request) -> None:
-        self.batcher.add(r)
+        self.scheduler.add(r)
 
     @property
     def has_work(self) -> bool:
-        return self.batcher.has_work or self._in_flight is not None
+        return self.scheduler.has_work or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        batch = self.batcher.form()
+        batch = self.scheduler.form()
         launched = self._run(batch) if batch.entries else None
         previous, self._in_flight = self._in_flight, launched
         if not self.async_loop:
@@ -156,6 +156,6 @@ class KVSim:
             ended.append(r)
         for r in ended:
             self.kv.release(r.request_id)
-        self.batcher.retire(ended)
+        self.scheduler.retire(ended)
         self.finished += ended
         return ended

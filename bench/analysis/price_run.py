@@ -4,7 +4,7 @@
         [--clamp]
 
 Replays the run's workload (its input/output lengths, prompts, dense batch, admission policy and
-the KV pages it had) through the engine's batcher and paged cache over a fake model
+the KV pages it had) through the engine's request scheduler and paged cache over a fake model
 (`kvsim.KVSim`, as bench/analysis/admission_sim.py does), and prices each iteration's batch
 with the profile's kernel rows: every op of a layer over its rows (decode rows, prompt rows or all),
 linear between the profile's 128-row grid points, decode attention at the batch's mean decode

@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/engine/engine_cpu.py [--num-prompts 1000] [--input-len 1024]
         [--output-len 512] [--dense-batch 1024] [--pages 48405] [--steps 900]
 
-The engine (batcher, paged cache, bucket layout as `graphs="layout"` lays a batch out for a
+The engine (scheduler, paged cache, bucket layout as `graphs="layout"` lays a batch out for a
 CUDA graph, sampling bookkeeping, post-processing) over a one-layer model of tiny width whose
 forward is replaced by a no-op, on `--num-prompts` requests that all arrive at once, as
 `nanosched bench` serves them. With the asynchronous loop a step's CPU work overlaps the GPU's

@@ -104,7 +104,7 @@ def main() -> None:
     loaded = load_engine(cfg, requests=reqs)
     engine = loaded.engine
     formed: list[Any] = []  # (batch, its graph bucket) of each iteration
-    form, bucket_of = engine.batcher.form, engine.graphs.bucket
+    form, bucket_of = engine.scheduler.form, engine.graphs.bucket
 
     def spy_form(now: float) -> Any:
         formed.append([form(now), None])
@@ -114,7 +114,7 @@ def main() -> None:
         formed[-1][1] = bucket_of(seqs)
         return formed[-1][1]
 
-    engine.batcher.form, engine.graphs.bucket = spy_form, spy_bucket
+    engine.scheduler.form, engine.graphs.bucket = spy_form, spy_bucket
     tele = open_telemetry(0)
     with loaded, torch.inference_mode():
         for r in reqs:

@@ -314,13 +314,13 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                 warm_graphs = engine.stats.graphs.as_dict() if engine.stats.graphs else None
                 engine.stats = EngineStats(graphs=engine.graphs.reset_stats()
                                            if engine.graphs else None)
-                engine.batcher.reset_stats()
+                engine.scheduler.reset_stats()
             token_times.clear()  # the warm-up's
             bar = _progress(len(reqs), progress)
             sent = engine.link.counters() if engine.link is not None else None
             elapsed = _drain(engine, reqs, bar)
             bar.close()
-            cache = engine.batcher.prefix_report()  # the run's, not the forward's after it
+            cache = engine.scheduler.prefix_report()  # the run's, not the forward's after it
             if sent is not None:
                 sent = _sent_per_step(sent, engine.link.counters())
             timeline = engine.gpu_timeline_report()
@@ -328,7 +328,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                                                   prompt, run.graphs)
             shapes = shape_report(engine.stats, run.choice.schedule,
                                   engine.forward_ms_by_shape())
-        stats, batches = engine.stats, engine.batcher.report() | {"prefix_cache": cache}
+        stats, batches = engine.stats, engine.scheduler.report() | {"prefix_cache": cache}
         pages = loaded.config.num_pages
         graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
     del engine, loaded  # the KV cache and graphs go before the next run allocates its own

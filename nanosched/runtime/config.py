@@ -47,7 +47,7 @@ class EngineConfig:
     event before and after each iteration's GPU work, never waiting on them
     (`Engine.gpu_timeline_report()` then says how long the GPU waited for the CPU between
     iterations);
-    `admission` how the batcher admits requests and preempts them when KV pages run out
+    `admission` how the request scheduler admits requests and preempts them when KV pages run out
     (runtime/preempt.py); `prefix_caching` keeps full KV pages indexed by content and
     shares them between requests with the same prefix (runtime/request_scheduler.py).
     """

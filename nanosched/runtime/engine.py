@@ -75,8 +75,8 @@ class Engine:
         # every change to the KV pages is journaled for them
         self.link = link
         journal = link.journal if link is not None else None
-        # the request scheduler (`batcher`: the name the server and benchmarks read it by)
-        self.batcher = RequestScheduler.for_engine(model, self.ws.kv, cfg, max_context, align,
+        # the request scheduler: waiting and running requests, admission, every KV page
+        self.scheduler = RequestScheduler.for_engine(model, self.ws.kv, cfg, max_context, align,
                                                    journal)
         self.strategy = strategy or Sequential()
         self.fallback = fallback or Sequential()
@@ -102,12 +102,12 @@ class Engine:
 
     # ---- public ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        self.batcher.add(req)
+        self.scheduler.add(req)
 
     def step(self) -> list[Request]:
         """One iteration: form batch -> run the scheduler -> post-process. Returns the
         requests whose end became known in this step."""
-        batch = self.batcher.form(self.clock() - self.t0)
+        batch = self.scheduler.form(self.clock() - self.t0)
         if not batch.entries and self._in_flight is None:
             time.sleep(1e-4)  # waiting for arrivals
         launched = self._run(batch) if batch.entries else None
@@ -119,13 +119,13 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """Whether a request is waiting, running, or has a token in flight."""
-        return self.batcher.has_work or self._in_flight is not None
+        return self.scheduler.has_work or self._in_flight is not None
 
     def abort(self, request_id: int) -> Request | None:
         """End a waiting or running request and free its KV pages; returns it (None when no
         such request is waiting or running)."""
         self._pending_row.pop(request_id, None)
-        return self.batcher.abort(request_id, self.clock() - self.t0)
+        return self.scheduler.abort(request_id, self.clock() - self.t0)
 
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(self, *args)` here and, at tp > 1, on every other rank's engine (work whose
@@ -151,7 +151,7 @@ class Engine:
         samples = [e.samples for e in batch.entries]
         if self.link is not None:  # the other ranks start on this batch while this one lays it
             self.link.step(chunks, samples, num_decode)
-        seqs = self.batcher.plan(chunks)
+        seqs = self.scheduler.plan(chunks)
         lay = self.lay_out(seqs, samples)
         write_token_ids(ws.token_ids, batch.entries, lay, self._pending_row,
                         self._in_flight.tokens if self._in_flight is not None else None)
@@ -194,7 +194,7 @@ class Engine:
     def follow(self, chunks: list[tuple[int, int, bool]], samples: list[bool]) -> None:
         """A tensor-parallel worker's step: plan rank 0's batch (its journaled KV changes
         replayed), run the same forward and LM head (whose all-gather every rank joins)."""
-        seqs = self.batcher.plan(chunks)
+        seqs = self.scheduler.plan(chunks)
         lay = self.lay_out(seqs, samples)
         self.forward(seqs, lay, sum(c.is_decode for c in seqs))
         if lay.rows:
@@ -221,7 +221,7 @@ class Engine:
             tokens = marked.clamp_min(0)  # what a decode on the device may read as its input
         else:  # every entry is a prompt chunk that does not end its prompt
             tokens = marked = torch.empty(0, dtype=torch.int64, device=dev)
-        self.batcher.launched(batch)
+        self.scheduler.launched(batch)
         self._pending_row.update((r.request_id, i) for i, r in enumerate(samplers))
         self.stats.count_batch(batch.num_tokens, batch.num_prefill)
         return _Launched(samplers, tokens, *to_host(marked))
@@ -238,7 +238,7 @@ class Engine:
     def _post_process(self, launched: _Launched) -> list[Request]:
         if launched.ready is not None:
             launched.ready.synchronize()
-        ended = self.batcher.update_from_output(launched.samplers, launched.host.tolist(),
+        ended = self.scheduler.update_from_output(launched.samplers, launched.host.tolist(),
                                                 self.clock() - self.t0, self.eos_ids,
                                                 self.on_token)
         for r in ended:

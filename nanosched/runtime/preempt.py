@@ -31,7 +31,7 @@ DEFAULT_LINK_GB_S = 25.0
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """How the batcher admits requests and what it does when KV pages run out."""
+    """How the request scheduler admits requests and what it does when KV pages run out."""
 
     # "reserve": peak if every request generates max_tokens; "use": pages needed now; "predict":
     # peak with outputs predicted from ended requests; the last two preempt when pages run out

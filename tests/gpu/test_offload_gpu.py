@@ -57,7 +57,7 @@ def test_engine_preemption_on_the_gpu_keeps_the_tokens(model, mode):
                         admission=AdmissionConfig(preemption=mode))  # room for all: none
     got, eng = serve_all(model, reqs(), 300, dense_batch=512, graphs="on",
                          admission=AdmissionConfig(preemption=mode))
-    stats = eng.batcher.pool.stats
+    stats = eng.scheduler.pool.stats
     assert stats.preemptions > 0 and (stats.swapped > 0) == (mode == "swap")
     assert all(len(x) == len(y) for x, y in zip(want, got, strict=True))
     # other batch shapes (and recomputed prefills) may still flip a rare near tie and the

@@ -53,7 +53,7 @@ def serve(model, cfg, group) -> tuple[list[list[int]], dict]:
             eng.run_to_completion()
         torch.cuda.synchronize()
         graphs = eng.stats.graphs.as_dict()
-        return [r.output_ids for r in reqs], graphs | eng.batcher.report()["preemptions"]
+        return [r.output_ids for r in reqs], graphs | eng.scheduler.report()["preemptions"]
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])

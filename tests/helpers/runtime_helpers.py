@@ -166,7 +166,7 @@ class ShuffledDevice:
                 self.done_events.add(item)
 
 
-def apply_batch(batcher, kv, batch):
+def apply_batch(scheduler, kv, batch):
     """The engine's step after `batch`, without a model: plan it into the cache, emit a token
     per sampler (its index in the output), retire and free the requests that reached
     max_tokens. Returns them."""
@@ -183,5 +183,5 @@ def apply_batch(batcher, kv, batch):
                 done.append(r)
     for r in done:
         kv.release(r.request_id)
-    batcher.retire(done)
+    scheduler.retire(done)
     return done

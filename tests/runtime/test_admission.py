@@ -1,5 +1,5 @@
-"""Admission policies and preemption of the batcher on synthetic requests (no model): a paged
-cache with one-element pages holds the block tables, `apply` stands in for the engine."""
+"""Admission policies and preemption of the request scheduler on synthetic requests (no model):
+a paged cache with one-element pages holds the block tables, `apply` stands in for the engine."""
 
 import re
 
@@ -12,7 +12,7 @@ from nanosched.errors import ConfigError
 from nanosched.models.kvcache import KVCache
 from nanosched.runtime.predict import OutputLengths
 from nanosched.runtime.preempt import AdmissionConfig, KVPool
-from nanosched.runtime.request_scheduler import RequestScheduler as Batcher
+from nanosched.runtime.request_scheduler import RequestScheduler
 from nanosched.runtime.requests import Request, SamplingParams
 
 PAGE = 4
@@ -22,13 +22,13 @@ def req(i, prompt, out):
     return Request(i, list(range(prompt)), SamplingParams(max_tokens=out, ignore_eos=True))
 
 
-def batcher(pages, dense=64, swap=False, **cfg):
+def scheduler(pages, dense=64, swap=False, **cfg):
     kv = KVCache(1, pages, 1, 1, torch.float32, page_size=PAGE)
     if cfg.get("policy") == "reserve":
-        return Batcher(dense, pages, PAGE, max_context=1024), kv
+        return RequestScheduler(dense, pages, PAGE, max_context=1024), kv
     admission = AdmissionConfig(preemption="swap" if swap else "recompute", **cfg)
     pool = KVPool(kv, admission, sim_cost(True))
-    return Batcher(dense, pages, PAGE, max_context=1024, pool=pool), kv
+    return RequestScheduler(dense, pages, PAGE, max_context=1024, pool=pool), kv
 
 
 def ids(rs):
@@ -37,8 +37,8 @@ def ids(rs):
 
 def test_use_admits_what_reserve_holds_back():
     # 4 requests of 8 prompt tokens that may generate 40: each peaks at 12 pages, 40 are free
-    reserve, _ = batcher(40, policy="reserve")
-    use, kv = batcher(40)
+    reserve, _ = scheduler(40, policy="reserve")
+    use, kv = scheduler(40)
     for b in (reserve, use):
         for i in range(4):
             b.add(req(i, 8, 40))
@@ -48,7 +48,7 @@ def test_use_admits_what_reserve_holds_back():
 
 
 def test_decode_that_lacks_a_page_preempts_the_newest_request_first():
-    b, kv = batcher(10)
+    b, kv = scheduler(10)
     reqs = [req(i, 12, 20) for i in range(3)]  # 3 pages each; every 4th decode needs a page
     for r in reqs:
         b.add(r)
@@ -73,7 +73,7 @@ def test_decode_that_lacks_a_page_preempts_the_newest_request_first():
 
 
 def test_victims_go_back_to_the_queue_head_in_admission_order():
-    b, kv = batcher(10, dense=256)
+    b, kv = scheduler(10, dense=256)
     for i, prompt in enumerate((16, 16, 4, 4)):  # 4, 4, 1 and 1 pages: the cache is full
         b.add(req(i, prompt, 8))
     b.add(req(9, 1, 1))
@@ -85,7 +85,7 @@ def test_victims_go_back_to_the_queue_head_in_admission_order():
 
 
 def test_headroom_holds_back_admission_unless_nothing_runs():
-    b, kv = batcher(20, headroom=0.5)  # 10 pages must stay free past an admission
+    b, kv = scheduler(20, headroom=0.5)  # 10 pages must stay free past an admission
     b.add(req(0, 40, 30))  # 10 pages: more than the headroom allows beside others
     b.add(req(1, 4, 1))
     apply_batch(b, kv, b.form())
@@ -95,7 +95,7 @@ def test_headroom_holds_back_admission_unless_nothing_runs():
 
 
 def test_done_request_frees_its_pages_before_its_last_token_is_read_back():
-    b, kv = batcher(10)
+    b, kv = scheduler(10)
     r = req(0, 4, 1)
     b.add(r)
     b.form()
@@ -106,7 +106,7 @@ def test_done_request_frees_its_pages_before_its_last_token_is_read_back():
 
 
 def test_swap_preemption_resumes_the_request_where_it_stopped():
-    b, kv = batcher(10, swap=True)
+    b, kv = scheduler(10, swap=True)
     for i in range(3):
         b.add(req(i, 12, 20))
     apply_batch(b, kv, b.form())
@@ -123,7 +123,7 @@ def test_swap_preemption_resumes_the_request_where_it_stopped():
 
 
 def test_requests_that_can_never_fit_are_refused_up_front():
-    b, _ = batcher(10)
+    b, _ = scheduler(10)
     with pytest.raises(ConfigError, match="needs 40 KV tokens \\(11 pages\\) but the cache holds "
                                           "40 tokens"):
         b.add(req(0, 30, 10))
@@ -157,14 +157,14 @@ def test_output_length_prediction():
 
 
 def test_predict_admits_by_the_peak_of_predicted_outputs():
-    b, kv = batcher(40, policy="predict")
+    b, kv = scheduler(40, policy="predict")
     for n in (2, 2, 2):
         b.output_lengths.record(n)  # requests so far ended after 2 tokens
     for i in range(4):
         b.add(req(i, 8, 40))
     b.form()
     assert len(b.running) == 4  # predicted peak 4 x 10 tokens, not 4 x 48
-    fresh, _ = batcher(40, policy="predict")
+    fresh, _ = scheduler(40, policy="predict")
     for i in range(4):
         fresh.add(req(i, 8, 40))
     fresh.form()

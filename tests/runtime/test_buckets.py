@@ -15,7 +15,7 @@ from nanosched.runtime.device import SerialDevice
 from nanosched.runtime.graphs import BucketRunner
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.opsched import run_program
-from nanosched.runtime.request_scheduler import RequestScheduler as Batcher
+from nanosched.runtime.request_scheduler import RequestScheduler
 from nanosched.runtime.requests import Request, SamplingParams
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
 from nanosched.runtime.strategies.replay import Replay
@@ -49,8 +49,8 @@ def test_bucket_rounds_decode_rows_and_rows_and_refuses_what_does_not_fit():
                              max_pages=8).num_segments == 8
 
 
-def test_batcher_leaves_the_padded_decode_rows_free():
-    b = Batcher(dense_batch=64, kv_capacity_pages=400, page_size=PAGE, max_context=512,
+def test_request_scheduler_leaves_the_padded_decode_rows_free():
+    b = RequestScheduler(dense_batch=64, kv_capacity_pages=400, page_size=PAGE, max_context=512,
                 decode_align=16)
     for i in range(5):
         r = Request(i, list(range(3, 23)), SamplingParams(max_tokens=4))

@@ -134,25 +134,25 @@ def test_async_loop_gives_the_same_tokens_as_the_synchronous_one(model):
     assert outs[1][-1][-1] == eos  # the EOS request ended there, its late token dropped
 
 
-def _plan_and_advance(kv, batcher):
+def _plan_and_advance(kv, scheduler):
     """One step without a model: plan the batch into the cache, emit a token per sampler."""
-    apply_batch(batcher, kv, batcher.form())
+    apply_batch(scheduler, kv, scheduler.form())
 
 
 @pytest.mark.slow
 def test_no_kv_page_leaks_over_10000_steps_with_random_arrivals():
-    """The batcher's batches planned into the real paged cache: pages never run out (plan
+    """The request scheduler's batches planned into the real paged cache: pages never run out (plan
     would raise) and all come back (no model: the cache only keeps block tables here)."""
     import random
 
     from nanosched.models.kvcache import KVCache
-    from nanosched.runtime.request_scheduler import RequestScheduler as Batcher
+    from nanosched.runtime.request_scheduler import RequestScheduler
 
     rng = random.Random(5)
     page, pages = 16, 96
     kv = KVCache(num_layers=1, num_pages=pages, num_kv_heads=1, head_dim=1,
                  dtype=torch.float32, page_size=page)
-    b = Batcher(dense_batch=64, kv_capacity_pages=pages, page_size=page, max_context=512)
+    b = RequestScheduler(dense_batch=64, kv_capacity_pages=pages, page_size=page, max_context=512)
     made = 0
     for _ in range(10_000):
         if rng.random() < 0.3:

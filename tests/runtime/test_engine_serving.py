@@ -45,8 +45,8 @@ def test_abort_running_and_waiting_requests_frees_their_pages(model, is_async):
         eng.add_request(r)
     for _ in range(4):  # requests 0 and 1 decode; 2 and 3 still wait for batch room
         eng.step()
-    running = {r.request_id for r in eng.batcher.running}
-    waiting = {r.request_id for r in eng.batcher.waiting}
+    running = {r.request_id for r in eng.scheduler.running}
+    waiting = {r.request_id for r in eng.scheduler.waiting}
     assert 0 in running and waiting, (running, waiting)
     victim, queued = reqs[0], reqs[max(waiting)]
     if is_async:

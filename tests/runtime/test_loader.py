@@ -128,7 +128,7 @@ def test_forced_schedule_replays_with_its_dense_batch(config_only):
         assert isinstance(loaded.engine.strategy, ReplaySet)
         assert loaded.config.eos_ids == frozenset()  # the config.json names none
         assert loaded.config.max_context is None  # unknown requests: the model's positions
-        assert loaded.engine.batcher.max_context == 512
+        assert loaded.engine.scheduler.max_context == 512
 
 
 def test_one_model_many_engines(config_only):

@@ -1,7 +1,7 @@
 """Fuzz of admission by use with preemption (recompute, swap, the cost rule) under tight caches:
 every request ends with the tokens of an uncontended run, no page or host byte leaks, no
-deadlock (bounded steps). First through `KVSim` (the batcher and cache over a fake model that
-checks every context it reads back), then through the engine on the tiny Llama."""
+deadlock (bounded steps). First through `KVSim` (the request scheduler and cache over a fake
+model that checks every context it reads back), then through the engine on the tiny Llama."""
 
 import random
 
@@ -37,7 +37,7 @@ def sim_outputs(reqs, stops, **kw):
         sim.add(r)
     steps = sim.run(max_steps=20_000)
     assert sim.kv.allocator.num_free == sim.kv.allocator.num_pages and not sim.kv.tables
-    pool = sim.batcher.pool
+    pool = sim.scheduler.pool
     assert pool is None or pool.swap is None or pool.swap.used_bytes == 0
     return [r.output_ids for r in reqs], steps, pool
 
@@ -121,7 +121,7 @@ def test_engine_fuzz_preemption_keeps_greedy_tokens(model, one_thread):
             else:
                 assert len(a) == len(b) or eos, (seed, r.request_id)
         for k in totals:
-            totals[k] += getattr(eng.batcher.pool.stats, k)
+            totals[k] += getattr(eng.scheduler.pool.stats, k)
     assert totals["recomputed"] >= 10 and totals["swapped"] >= 10
 
 
@@ -132,13 +132,13 @@ def test_abort_of_a_swapped_out_request_frees_its_host_copy(model, one_thread):
                                      admission=AdmissionConfig(preemption="swap")))
     for r in reqs:
         eng.add_request(r)
-    swap = eng.batcher.pool.swap
+    swap = eng.scheduler.pool.swap
     with torch.inference_mode():
         for _ in range(20):
             eng.step()
             if swap.used_bytes:
                 break
-        victim = next(r for r in eng.batcher.waiting if swap.holds(r.request_id))
+        victim = next(r for r in eng.scheduler.waiting if swap.holds(r.request_id))
         got = list(victim.output_ids)
         assert eng.abort(victim.request_id) is victim
         assert swap.used_bytes == 0 and victim.finish_reason == "abort"

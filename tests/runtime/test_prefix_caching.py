@@ -59,12 +59,12 @@ def test_greedy_tokens_are_the_same_with_the_cache_on_and_off(model, case):
     want, off = serve(model, shared_requests(), False, **kw)
     got, on = serve(model, shared_requests(), True, **kw)
     assert got == want
-    cache = on.batcher.prefix_report()
+    cache = on.scheduler.prefix_report()
     assert cache["enabled"] and cache["hits_tokens"] > 0 and cache["hits_tokens"] % 4 == 0
-    preempted = on.batcher.report()["preemptions"]["preemptions"]
+    preempted = on.scheduler.report()["preemptions"]["preemptions"]
     if not preempted:  # a request re-admitted after a preemption queries again
         assert cache["queries_tokens"] == sum(r.prompt_len for r in shared_requests())
-    assert off.batcher.prefix_report()["hits_tokens"] == 0
+    assert off.scheduler.prefix_report()["hits_tokens"] == 0
     assert on.stats.prefill_tokens < off.stats.prefill_tokens
     if case.startswith("evictions"):
         assert preempted > 0 and cache["evicted_pages"] > 0
@@ -81,7 +81,7 @@ def test_hits_are_counted_in_tokens_and_the_last_prompt_token_is_computed(model)
         eng.add_request(reqs[1])
         eng.step()
     # three pages hit: the fourth holds the last prompt token, whose logits must be computed
-    assert eng.batcher.stats.prefix_queries == 32 and eng.batcher.stats.prefix_hits == 12
+    assert eng.scheduler.stats.prefix_queries == 32 and eng.scheduler.stats.prefix_hits == 12
     assert eng.stats.prefill_tokens == 16 + 4
     with torch.inference_mode():
         eng.run_to_completion()
@@ -127,7 +127,7 @@ def test_a_later_turn_reuses_the_pages_its_decode_filled(model):
                        SamplingParams(max_tokens=4, ignore_eos=True))
         eng.add_request(turn)
         eng.run_to_completion()
-    assert eng.batcher.stats.prefix_hits == 20
+    assert eng.scheduler.stats.prefix_hits == 20
     want, _ = serve(model, [Request(1, list(turn.prompt_ids),
                                     SamplingParams(max_tokens=4, ignore_eos=True))], False)
     assert turn.output_ids == want[0]
@@ -153,7 +153,7 @@ def test_aborts_of_sharing_requests_leak_no_page(model, preemption):
                     aborted.add(rid)
     alloc = eng.ws.kv.allocator
     assert alloc.num_free == 20 and not any(alloc.refs) and not eng.ws.kv.tables
-    assert aborted and eng.batcher.prefix_report()["hits_tokens"] > 0
+    assert aborted and eng.scheduler.prefix_report()["hits_tokens"] > 0
     kept = [r for r in reqs if r.request_id not in aborted]
     want, _ = serve(model, [Request(r.request_id, list(r.prompt_ids), r.params) for r in kept],
                     False, pages=64)
@@ -168,4 +168,4 @@ def test_bench_workloads_hit_the_cache(model, workload):
 
     want, _ = serve(model, reqs(), False)
     got, eng = serve(model, reqs(), True)
-    assert got == want and eng.batcher.prefix_report()["hit_rate"] > 0.3
+    assert got == want and eng.scheduler.prefix_report()["hit_rate"] > 0.3

@@ -18,7 +18,7 @@ from nanosched.runtime.ranks.messages import Call, CloseEngine, OpenEngine, Step
 
 class _Engine:
     def __init__(self) -> None:
-        self.batcher = SimpleNamespace(pool=None)
+        self.scheduler = SimpleNamespace(pool=None)
         self.ws = SimpleNamespace(kv=None)
         self.followed = 0
 

@@ -64,7 +64,7 @@ def serve(model, cfg, ranks=None, abort_at: int | None = None) -> tuple[list, di
                     eng.abort(5)
         alloc = eng.ws.kv.allocator
         assert alloc.num_free == cfg.num_pages and not any(alloc.refs)
-        report = eng.batcher.report()
+        report = eng.scheduler.report()
         return [r.output_ids for r in reqs], report["preemptions"], report["prefix_cache"]
 
 

@@ -124,5 +124,5 @@ class Follower:
     def _replay(loaded: LoadedEngine, ops: list[tuple]) -> None:
         if ops:
             eng = loaded.engine
-            pool = eng.batcher.pool
+            pool = eng.scheduler.pool
             replay_kv_ops(ops, eng.ws.kv, pool.swap if pool is not None else None)

@@ -210,7 +210,7 @@ def create_app(served: Served, worker: EngineWorker, drain_timeout_s: float = 30
 
     @app.get("/get_load")
     async def load() -> list[dict[str, int]]:
-        return fleet.load(worker.snapshot(), served.engine.batcher.page_size)
+        return fleet.load(worker.snapshot(), served.engine.scheduler.page_size)
 
     return app
 

@@ -34,7 +34,7 @@ RUNS_AS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 def server_info(served: Served, context: int, max_queue: int) -> dict[str, Any]:
     """/server_info: how this replica serves (`context`: the longest request it runs)."""
-    b = served.engine.batcher
+    b = served.engine.scheduler
     return {"model_path": served.model_path, "served_model_name": served.name,
             "tp_size": served.tp, "dp_size": 1, "context_length": context,
             "max_total_tokens": b.capacity_pages * b.page_size,

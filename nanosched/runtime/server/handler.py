@@ -45,7 +45,7 @@ class Handler:
 
     def submit(self, job: Job) -> tuple[int, asyncio.Queue]:
         try:  # a request longer than the whole KV cache can never run
-            self.served.engine.batcher.check_fits(_probe(job))
+            self.served.engine.scheduler.check_fits(_probe(job))
         except ValueError as exc:
             raise ApiError(400, f"max_tokens: {exc}", param="max_tokens",
                            code="invalid_value") from None
@@ -180,9 +180,9 @@ def _name(job: Job) -> str:
 def served_context(engine: Any) -> int:
     """The longest request (prompt + output) the engine can ever run: the model's context, or
     less when the KV cache holds fewer tokens (a request needs ceil(tokens / page) + 1 pages,
-    `Batcher.check_fits`). /v1/models advertises it as max_model_len, and a chat request
+    `RequestScheduler.check_fits`). /v1/models advertises it as max_model_len, and a chat request
     without max_tokens gets what is left of it after the prompt."""
-    b = engine.batcher
+    b = engine.scheduler
     return max(1, min(b.max_context, (b.capacity_pages - 1) * b.page_size))
 
 

@@ -172,8 +172,8 @@ class EngineWorker:
             "batch_size": eng.stats.batch_sizes[-1] if eng.stats.batch_sizes else 0,
             "kv_pages_total": alloc.num_pages, "kv_pages_in_use": alloc.num_in_use,
             "throughput_tokens_per_s": recent / THROUGHPUT_WINDOW_S,
-            "prefix_cache_queries": eng.batcher.stats.prefix_queries,
-            "prefix_cache_hits": eng.batcher.stats.prefix_hits,
+            "prefix_cache_queries": eng.scheduler.stats.prefix_queries,
+            "prefix_cache_hits": eng.scheduler.stats.prefix_hits,
         }
 
     # ---- engine thread ---------------------------------------------------------------------
@@ -206,7 +206,7 @@ class EngineWorker:
             self.engine.abort(rid)
         if aborts:  # no step may follow (nothing else to run): keep /metrics current
             with self._cond:
-                self._num_running = len(self.engine.batcher.running)
+                self._num_running = len(self.engine.scheduler.running)
         if self.engine.has_work:
             ended = self.engine.step()
             self._publish(ended)
@@ -219,7 +219,7 @@ class EngineWorker:
         eng.finished.clear()  # a server keeps no history
         del eng.stats.batch_sizes[:-1]
         with self._cond:
-            self._num_running = len(eng.batcher.running)
+            self._num_running = len(eng.scheduler.running)
             self.counters.generated_tokens += sum(map(len, tokens.values()))
             now = time.perf_counter()
             self.counters.window.append((now, eng.stats.tokens - self._last_tokens))

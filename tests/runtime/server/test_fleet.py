@@ -24,7 +24,7 @@ folder, srv, http = server_fixtures("fleet", timeout=30)
 
 def test_server_info_reports_the_engines_own_figures(srv, http, folder):
     body = http.get(f"{srv.url}/server_info").json()
-    b = srv.worker.engine.batcher
+    b = srv.worker.engine.scheduler
     models = http.get(f"{srv.url}/v1/models").json()["data"][0]
     assert body == {"model_path": str(folder), "served_model_name": "tiny", "tp_size": 1,
                     "dp_size": 1, "context_length": models["max_model_len"],

@@ -6,8 +6,7 @@ import random
 import pytest
 
 from nanosched.errors import ConfigError
-from nanosched.runtime.request_scheduler import RequestScheduler as Batcher
-from nanosched.runtime.request_scheduler import peak_kv_tokens
+from nanosched.runtime.request_scheduler import RequestScheduler, peak_kv_tokens
 from nanosched.runtime.requests import Request, SamplingParams
 
 
@@ -16,7 +15,7 @@ def req(i, prompt, out, arrival=0.0):
                    arrival_s=arrival)
 
 
-def apply(batcher, batch):
+def apply(scheduler, batch):
     """What the engine does after a step: advance prefills, append tokens, retire."""
     finished = []
     for e in batch.entries:
@@ -29,12 +28,12 @@ def apply(batcher, batch):
             if len(r.output_ids) == r.params.max_tokens:
                 r.finished = True
                 finished.append(r)
-    batcher.retire(finished)
+    scheduler.retire(finished)
     return finished
 
 
-def kv_tokens_in_use(batcher):
-    return sum(r.num_prefilled + max(0, len(r.output_ids) - 1) + 1 for r in batcher.running)
+def kv_tokens_in_use(scheduler):
+    return sum(r.num_prefilled + max(0, len(r.output_ids) - 1) + 1 for r in scheduler.running)
 
 
 def test_peak_kv_tokens_by_brute_force():
@@ -49,7 +48,7 @@ def test_peak_kv_tokens_by_brute_force():
 
 
 def test_decode_first_then_chunked_prefill():
-    b = Batcher(dense_batch=8, kv_capacity_pages=100, page_size=4, max_context=100)
+    b = RequestScheduler(dense_batch=8, kv_capacity_pages=100, page_size=4, max_context=100)
     b.add(req(0, 10, 3))
     b.add(req(1, 5, 2))
     first = b.form()
@@ -66,7 +65,7 @@ def test_decode_first_then_chunked_prefill():
 
 
 def test_requests_that_never_fit_are_rejected():
-    b = Batcher(dense_batch=8, kv_capacity_pages=10, page_size=4, max_context=64)
+    b = RequestScheduler(dense_batch=8, kv_capacity_pages=10, page_size=4, max_context=64)
     with pytest.raises(ConfigError, match="prompt \\(60\\) \\+ max_tokens \\(10\\) = 70 exceeds"
                                           " the model's context of 64"):
         b.add(req(0, 60, 10))
@@ -79,7 +78,7 @@ def test_requests_that_never_fit_are_rejected():
 def test_random_arrivals_10000_steps_never_overflow_starve_or_lose():
     rng = random.Random(1)
     dense, pages, page = 64, 120, 16
-    b = Batcher(dense, pages, page, max_context=512)
+    b = RequestScheduler(dense, pages, page, max_context=512)
     made, done, step = [], [], 0
     while step < 10_000:
         if rng.random() < 0.3 and len(made) < 5000:

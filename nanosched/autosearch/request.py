@@ -2,12 +2,12 @@
 `resolve`, which turns a request's profile, tp and dense batch into a `Choice`.
 
 Profile: `--profile FILE` or a shipped NAME, else the closest shipped profile
-(profiler/catalog.py `pick_shipped`), else a synthetic one for `--gpu`, announced loudly. A
-profile of another GPU than the one asked for is never picked; without `--gpu` the GPU assumed
-is `DEFAULT_GPU`, and another GPU's profile is used only with a message that says so. Only
-profiles of the requested `--kv-cache-dtype` are picked or accepted (FP8 needs a measured one),
-and only of the requested `--quantization` (without a measured fp8 one the synthetic profile
-prices FP8 GEMMs).
+(profiler/catalog.py `pick_shipped_profile`), else a synthetic one for `--gpu`, announced
+loudly. A profile of another GPU than the one asked for is never picked; without `--gpu` the
+GPU assumed is `DEFAULT_GPU`, and another GPU's profile is used only with a message that says
+so. Only profiles of the requested `--kv-cache-dtype` are picked or accepted (FP8 needs a
+measured one), and only of the requested `--quantization` (without a measured fp8 one the
+synthetic profile prices FP8 GEMMs).
 tp: `--tp`, else the profile's, else the smallest power of two that leaves room for the dense
 batch's KV cache. Dense batch: `auto` is the largest multiple of 128 that fits
 (costmodel.max_dense_batch), capped at 2048 and at the profile's largest batch.
@@ -31,7 +31,7 @@ from nanosched.models.costmodel import (
     max_dense_batch,
 )
 from nanosched.models.spec import ModelSpec
-from nanosched.profiler.catalog import load_named_profile, pick_shipped
+from nanosched.profiler.catalog import load_named_profile, pick_shipped_profile
 from nanosched.profiler.format import RP_CLASSES, Profile, check_profile_for
 from nanosched.workloads import Workload
 
@@ -146,7 +146,7 @@ def resolve(spec: ModelSpec, tp: int | None, profile_arg: str | None, gpu_name: 
         check_rp_tables(prof, f"--profile {profile_arg}")
         msgs.append(f"profile: {profile_arg} ({prof.identity.gpu_name}, tp {prof.tp})")
     else:
-        prof, why = pick_shipped(spec, tp, gpu_name or DEFAULT_GPU, folder, kv_dtype,
+        prof, why = pick_shipped_profile(spec, tp, gpu_name or DEFAULT_GPU, folder, kv_dtype,
                                  assumed=gpu_name is None, quantization=quantization)
         if prof is None and kv_dtype != "auto":
             more = "" if quantization == "none" else f" --quantization {quantization}"

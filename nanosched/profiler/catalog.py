@@ -1,10 +1,10 @@
 """The profiles shipped with the package (`nanosched/profiler/profiles/`): listed, picked for a
 request, and loaded by name.
 
-`pick_shipped` returns the shipped profile closest to a request: same model, KV cache dtype and
-weight quantization required, then same tp, then same GPU, then the largest measured batch,
-then the fullest grid (most co-run pairs); it ranks the files by their headers and reads only
-the one it picks whole.
+`pick_shipped_profile` returns the shipped profile closest to a request: same model, KV cache
+dtype and weight quantization required, then same tp, then same GPU, then the largest measured
+batch, then the fullest grid (most co-run pairs); it ranks the files by their headers and reads
+only the one it picks whole.
 A profile of another GPU than the one asked for is returned only when that GPU was assumed, with
 a reason that says so. `load_named_profile` reads `--profile FILE` or a shipped NAME. Installed
 profiles and their headers are read once per process (profiles are immutable).
@@ -73,7 +73,7 @@ _load = _once_if_installed(lambda path: load_profile(path))
 
 @dataclass(frozen=True)
 class _Head:
-    """What `pick_shipped` ranks a profile by, read without building its rows."""
+    """What `pick_shipped_profile` ranks a profile by, read without building its rows."""
 
     model: str
     tp: int
@@ -103,7 +103,7 @@ def gpu_key(name: str) -> str:
     return prior.name if prior is not None else name.lower()
 
 
-def pick_shipped(spec: ModelSpec, tp: int | None, gpu: str | None,
+def pick_shipped_profile(spec: ModelSpec, tp: int | None, gpu: str | None,
                  folder: Path | None = None, kv_dtype: str = "auto",
                  assumed: bool = False, quantization: str = "none"
                  ) -> tuple[Profile | None, str]:

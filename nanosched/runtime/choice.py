@@ -89,9 +89,9 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
     from nanosched.schedules.sets import check_set_compatible, load_schedule_set
 
     if cfg.schedule == "auto":
-        from nanosched.schedules.shipped import pick_shipped
+        from nanosched.schedules.shipped import pick_shipped_schedule
 
-        pick = pick_shipped(spec, cfg.tp, gpu_name(device), kv_dtype=cfg.kv_dtype,
+        pick = pick_shipped_schedule(spec, cfg.tp, gpu_name(device), kv_dtype=cfg.kv_dtype,
                             quantization=engine_quantization(cfg))
         if pick.schedule is None:
             log.info("--schedule auto: running Sequential: %s", pick.reason)

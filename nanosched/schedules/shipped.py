@@ -1,6 +1,6 @@
 """The schedule sets shipped in `nanosched/schedules/shipped/`, and picking one for a setup.
 
-`pick_shipped(spec, tp, gpu_name)` returns the first shipped file (by name) that
+`pick_shipped_schedule(spec, tp, gpu_name)` returns the first shipped file (by name) that
 `check_compatible` accepts for that model, tp, GPU and KV cache dtype and that predicts a real
 gain somewhere: a set (`nanosched.schedule/2`) with at least one pipeline entry (each entry was
 kept only where it predicts its set's `min_gain`), or a single schedule (`/1`) predicting at
@@ -26,7 +26,7 @@ MIN_SPEEDUP = 1.05
 
 @dataclass(frozen=True)
 class Pick:
-    """The outcome of `pick_shipped`: a schedule and its file, or the reason for none."""
+    """The outcome of `pick_shipped_schedule`: a schedule and its file, or the reason for none."""
 
     path: Path | None
     schedule: ScheduleSet | None
@@ -38,7 +38,7 @@ def shipped_schedules(folder: Path = SHIPPED_DIR) -> list[Path]:
     return sorted(folder.glob("*.json"))
 
 
-def pick_shipped(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR,
+def pick_shipped_schedule(spec: Any, tp: int, gpu_name: str, folder: Path = SHIPPED_DIR,
                  kv_dtype: str = "auto", quantization: str = "none") -> Pick:
     """The first shipped schedule made for `spec`, `tp`, `gpu_name`, `kv_dtype` and
     `quantization`, or why none is."""

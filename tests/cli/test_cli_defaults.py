@@ -59,9 +59,9 @@ def test_numeric_flags_are_range_checked_with_their_own_message(args, message):
 
 def test_a_shipped_profile_is_picked_for_the_gpu_asked_for():
     spec = load_spec("llama3-8b")
-    prof, why = catalog.pick_shipped(spec, None, "h100", assumed=True)
+    prof, why = catalog.pick_shipped_profile(spec, None, "h100", assumed=True)
     assert prof.identity.gpu_name.startswith("NVIDIA H100") and "same GPU" in why
-    prof, why = catalog.pick_shipped(spec, None, "h200")
+    prof, why = catalog.pick_shipped_profile(spec, None, "h200")
     assert prof.identity.gpu_name == "NVIDIA H200"
     choice = request.resolve(spec, None, None, None, fixed(1024, 512), "256")
     assert choice.profile.identity.gpu_name.startswith("NVIDIA H100")
@@ -70,10 +70,10 @@ def test_a_shipped_profile_is_picked_for_the_gpu_asked_for():
 
 def test_another_gpus_profile_only_when_no_gpu_was_asked_for():
     spec = load_spec("llama3-70b")  # shipped: H200 only
-    prof, why = catalog.pick_shipped(spec, 8, "h100", assumed=True)
+    prof, why = catalog.pick_shipped_profile(spec, 8, "h100", assumed=True)
     assert prof is not None and prof.identity.gpu_name == "NVIDIA H200"
     assert "NOT the h100 assumed without --gpu" in why
-    prof, why = catalog.pick_shipped(spec, 8, "h100")
+    prof, why = catalog.pick_shipped_profile(spec, 8, "h100")
     assert prof is None and "no shipped profile for llama3-70b on h100" in why
     assert "pass --gpu h200 or --profile llama3-70b-tp8-h200-quick" in why
     choice = request.resolve(spec, 8, None, "h100", fixed(1024, 512), "256")
@@ -82,7 +82,7 @@ def test_another_gpus_profile_only_when_no_gpu_was_asked_for():
 
 def test_the_full_grid_is_picked_over_a_quick_one_of_the_same_setup():
     spec = load_spec("llama3-70b")  # tp 4 on H100: a full and a --quick profile, batches alike
-    prof, why = catalog.pick_shipped(spec, 4, "h100")
+    prof, why = catalog.pick_shipped_profile(spec, 4, "h100")
     assert "'llama3-70b-tp4-h100x4'" in why and "--quick" not in prof.identity.command
     quick = catalog.load_profile(catalog.shipped_profiles()["llama3-70b-tp4-h100x4-quick"])
     assert (quick.dense_batch, quick.tp) == (prof.dense_batch, prof.tp)

@@ -16,7 +16,7 @@ from nanosched.runtime import loader
 from nanosched.runtime.choice import engine_quantization
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.strategies import Sequential
-from nanosched.schedules.shipped import pick_shipped
+from nanosched.schedules.shipped import pick_shipped_schedule
 
 SCHEDULE = DATA / "tiny_llama_schedule.json"  # tiny, tp=1, dense batch 256, synthetic-h100
 
@@ -73,7 +73,7 @@ def test_engine_quantization_resolves_auto_before_the_weights_load(config_only):
 
 def test_auto_picks_only_shipped_sets_of_the_engines_weights():
     spec = load_spec("llama3-8b")
-    pick = pick_shipped(spec, 1, "NVIDIA H100 80GB HBM3", quantization="fp8")
+    pick = pick_shipped_schedule(spec, 1, "NVIDIA H100 80GB HBM3", quantization="fp8")
     assert pick.schedule is None and "with fp8 weights" in pick.reason
     cfg = EngineConfig(model="llama3-8b", schedule="auto", quantization="fp8")
     choice = loader.choose_strategy(cfg, spec, torch.device("cpu"))

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from nanosched.cli import app
 from nanosched.models.spec import load_spec
-from nanosched.schedules.shipped import pick_shipped, shipped_schedules
+from nanosched.schedules.shipped import pick_shipped_schedule, shipped_schedules
 
 CONFIG = str(DATA / "tiny_llama_config.json")
 NAME = "tiny_llama_config"  # the served model id: the config file's stem
@@ -42,18 +42,18 @@ def test_auto_picks_a_matching_schedule_only_when_it_predicts_a_gain(tmp_path):
     spec = load_spec("llama3-8b")
     data = json.loads((DATA / "llama3-8b-tp1-h200-b2048-single.json").read_text())
     (tmp_path / "a-weak.json").write_text(json.dumps(data))
-    weak = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
+    weak = pick_shipped_schedule(spec, 1, "NVIDIA H200", tmp_path)
     assert weak.schedule is None and "a-weak.json predicts only" in weak.reason
     assert "running Sequential" in weak.reason
     pred = data["prediction"]
     pred["sequential_iteration_us"] = 1.2 * pred["iteration_us"]  # a schedule worth replaying
     (tmp_path / "b-strong.json").write_text(json.dumps(data))
-    pick = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
+    pick = pick_shipped_schedule(spec, 1, "NVIDIA H200", tmp_path)
     assert pick.path == tmp_path / "b-strong.json"
-    none = pick_shipped(spec, 1, "NVIDIA H100 80GB HBM3", tmp_path)
+    none = pick_shipped_schedule(spec, 1, "NVIDIA H100 80GB HBM3", tmp_path)
     assert none.schedule is None and "no shipped schedule is for llama3-8b tp=1 on NVIDIA " \
         "H100" in none.reason and "b-strong.json" in none.reason
-    assert pick_shipped(spec, 2, "NVIDIA H200", tmp_path).schedule is None
+    assert pick_shipped_schedule(spec, 2, "NVIDIA H200", tmp_path).schedule is None
 
 
 def test_auto_picks_a_shipped_set_only_when_it_pipelines_a_shape(tmp_path):
@@ -68,7 +68,7 @@ def test_auto_picks_a_shipped_set_only_when_it_pipelines_a_shape(tmp_path):
     sset = ScheduleSet.from_json(json.loads(shipped.read_text()))
     assert not sset.pipelines
     (tmp_path / "a.set.json").write_text(shipped.read_text())
-    weak = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
+    weak = pick_shipped_schedule(spec, 1, "NVIDIA H200", tmp_path)
     assert weak.schedule is None and "a.set.json predicts only 1.00x" in weak.reason
     single = json.loads((DATA / "llama3-8b-tp1-h200-b2048-single.json").read_text())
     single["batch"] = single["batch"] | {"workload": sset.workload}
@@ -81,7 +81,7 @@ def test_auto_picks_a_shipped_set_only_when_it_pipelines_a_shape(tmp_path):
     data["entries"][i] = pipe | {"kind": "pipeline", "forward_us": pipe["sequential_us"] / 1.2,
                                  "schedule": single}
     (tmp_path / "b.set.json").write_text(json.dumps(data))
-    pick = pick_shipped(spec, 1, "NVIDIA H200", tmp_path)
+    pick = pick_shipped_schedule(spec, 1, "NVIDIA H200", tmp_path)
     assert pick.path == tmp_path / "b.set.json" and "1 of 152 batch shapes pipelined" in \
         pick.reason
 

@@ -7,6 +7,11 @@ KV_DTYPES = ("auto", "fp8")  # KV cache element types: the model's dtype, or e4m
 # layer weights a profile is measured on and a schedule runs on (models/quant.py: none | fp8)
 QUANTIZATIONS = ("none", "fp8")
 DEFAULT_NUM_SMS = 132  # SMs of an H100 / H200 SXM: the default where no GPU is at hand
+MAX_SMS = 4096  # the most SMs a profile or a schedule may name (a bound on hostile files)
+DEFAULT_GPU = "h100"  # the GPU prior assumed with no --gpu and no GPU present (hardware.py)
+# how a kernel shares the GPU, as profiles and schedules record it (autosearch/durations.py
+# `Mechanism`): the whole GPU, a green-context partition, a CTA-bounded grid, a stream priority
+MECHANISMS = ("full", "green_ctx", "cta_bound", "stream_priority")
 # NVLink multicast stays off on shared multi-GPU hosts: NCCL's NVLS, PyTorch symmetric memory's
 # and NVSHMEM's. Set in the environment before NCCL initialises (spawned ranks inherit it).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from nanosched.constants import DEFAULT_GPU
 from nanosched.errors import ConfigError
 
 GIB = 1 << 30
@@ -99,7 +100,7 @@ def prior_for(device_name: str) -> GPUSpec | None:
 def measured_gpu(device_name: str, memory_bytes: int, compute_tflops: float,
                  copy_gbs: float) -> GPUSpec:
     """A GPUSpec for a measured device: its prior (if known) with measured memory and ceilings."""
-    base = prior_for(device_name) or GPUS["h100"]
+    base = prior_for(device_name) or GPUS[DEFAULT_GPU]
     return replace(base, name=base.name, mem_gib=memory_bytes / GIB,
                    compute_gflops=compute_tflops * 1e3, mem_bw_gbs=copy_gbs,
                    source=f"measured on {device_name}")

@@ -19,6 +19,7 @@ from nanosched.autosearch.request import SearchRequest, resolve
 from nanosched.autosearch.search import SearchConfig, batch_info, search_batch
 from nanosched.autosearch.sets import SetSearchConfig, search_set
 from nanosched.autosearch.synthetic import context_grid, synthetic_profile
+from nanosched.constants import DEFAULT_GPU
 from nanosched.errors import ConfigError, ProfileError
 from nanosched.fileio import check_output_file
 from nanosched.hardware import get_gpu
@@ -75,7 +76,7 @@ def search_command(req: SearchRequest, echo: Progress) -> SearchOutcome:
     measured = prof
     if prof is None:
         b = batch_info(wl, choice.dense_batch)
-        prof = synthetic_profile(spec, get_gpu(req.gpu or "h100"), choice.tp,
+        prof = synthetic_profile(spec, get_gpu(req.gpu or DEFAULT_GPU), choice.tp,
                                  choice.dense_batch, context_grid(b.decode_context, b.prompt_len),
                                  req.quantization)
     cfg = SearchConfig(spec, choice.tp, prof, wl, choice.dense_batch, limit, req.workers,

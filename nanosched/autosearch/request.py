@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanosched.autosearch.sets import MIN_GAIN
+from nanosched.constants import DEFAULT_GPU
 from nanosched.errors import ConfigError, ProfileError
 from nanosched.hardware import get_gpu, measured_gpu
 from nanosched.models import ops as optable
@@ -99,7 +100,6 @@ class SearchRequest:
                               f"got {self.max_period_us}")
 
 
-DEFAULT_GPU = "h100"  # the GPU assumed without --gpu (the CLI passes the GPU present, if any)
 SYNTHETIC_BANNER = ("*** SYNTHETIC PROFILE: no measured profile for this request; kernel times "
                     "are a roofline model and NanoFlow's Table 3, NOT measurements. Run "
                     "`nanosched profile` on the GPU and search again. ***")

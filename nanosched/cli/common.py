@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 
 import typer
 
+from nanosched.constants import DEFAULT_GPU
 from nanosched.errors import ConfigError, NanoschedError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-DEFAULT_GPU = "h100"  # the prior assumed with no --gpu and no GPU present
 TP_FIT_BATCH = 1024  # the batch `analyze` and `models` size the smallest tp for, as the search
 
 

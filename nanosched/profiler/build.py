@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from nanosched.constants import DEFAULT_GPU
 from nanosched.errors import ProfileError
 from nanosched.hardware import GPUS, prior_for
 from nanosched.models.ops import NETWORK
@@ -130,8 +131,8 @@ def _xy(points: list[tuple[int, float]], size: int) -> tuple[list[float], list[f
 
 
 def _prior_busbw(gpu_name: str) -> float:
-    """One-way link bandwidth of the GPU's prior (the H100's when the GPU is unknown)."""
-    return (prior_for(gpu_name) or GPUS["h100"]).net_bw_one_way_gbs
+    """One-way link bandwidth of the GPU's prior (the default GPU's when the GPU is unknown)."""
+    return (prior_for(gpu_name) or GPUS[DEFAULT_GPU]).net_bw_one_way_gbs
 
 
 def mark_best(rows: list[KernelRow]) -> list[KernelRow]:

@@ -27,9 +27,7 @@ from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
 
 FORMAT = "nanosched.profile/1"
-MECHANISMS = ("full", "green_ctx", "cta_bound", "stream_priority")
 RP_CLASSES = ("memory", "network")
-MAX_SMS = 4096
 MAX_TOKENS = 1 << 20
 
 

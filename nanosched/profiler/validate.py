@@ -13,14 +13,12 @@ tp, so a hand-edited or foreign row is named rather than searched on.
 
 from __future__ import annotations
 
-from nanosched.constants import QUANTIZATIONS
+from nanosched.constants import MAX_SMS, MECHANISMS, QUANTIZATIONS
 from nanosched.errors import ConfigError, ProfileError
 from nanosched.models.ops import COLLECTIVE_FORMS, layer_ops
 from nanosched.models.spec import ModelSpec
 from nanosched.profiler.format import (
-    MAX_SMS,
     MAX_TOKENS,
-    MECHANISMS,
     RP_CLASSES,
     Ceilings,
     Profile,

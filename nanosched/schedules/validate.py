@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from nanosched.constants import TOKEN_QUANTUM
+from nanosched.constants import MAX_SMS, MECHANISMS, TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
 from nanosched.models import ops as optable
 
@@ -25,13 +25,11 @@ if TYPE_CHECKING:
     from nanosched.schedules.format import NanoOp, Schedule
 
 EPS_US = 1e-6
-RESOURCES = ("compute", "memory", "network", "other")
+RESOURCES = optable.RESOURCE_CLASSES
 DEP_KINDS = ("data", "prompt", "resource")
-MECHANISMS = ("full", "green_ctx", "cta_bound", "stream_priority")
 SIDES = ("", "compute", "other")
 FORMS = ("ar", "rs_ag")
 MAX_DENSE_BATCH = 1 << 20  # tokens per iteration
-MAX_SMS = 4096
 MAX_TP = 1024
 MAX_NANO_OPS_PER_OP = 64
 

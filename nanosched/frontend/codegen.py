@@ -15,6 +15,7 @@ from torch import fx
 
 from nanosched.frontend import ops
 from nanosched.frontend.boundary import Reads
+from nanosched.frontend.fuse import LINEAR
 from nanosched.frontend.partition import Group, is_tensor
 from nanosched.kernels import dispatch as K
 from nanosched.kernels.dispatch import KernelOptions
@@ -29,7 +30,6 @@ WITH_OUT = {torch.addmm, torch.mm, torch.matmul, torch.bmm, torch.baddbmm, torch
 UNARY_ATEN = {F.silu: torch.ops.aten.silu.out, F.gelu: torch.ops.aten.gelu.out}
 CONVERSIONS = {"float", "half", "bfloat16", "to", "type_as"}
 ALLOCATIONS = {"new_empty", "empty_like"}
-LINEAR = {F.linear, torch._C._nn.linear}
 
 
 def linear_out(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nanosched.kernels import dispatch as K
+from nanosched.kernels.dispatch import Launch
 from nanosched.models import moe
 from nanosched.models.batch import BatchMeta
 from nanosched.models.ops import GROUPED
@@ -23,8 +24,6 @@ from nanosched.models.workspace import Workspace
 
 if TYPE_CHECKING:
     from nanosched.models.model import CausalLM
-
-Launch = dict[str, Any] | None
 
 
 def kqv(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,

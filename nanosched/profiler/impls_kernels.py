@@ -19,6 +19,7 @@ import torch
 from nanosched.constants import PAGE_SIZE
 from nanosched.kernels import dispatch
 from nanosched.kernels.common import PrefillSegments, Segment
+from nanosched.kernels.dispatch import Launch
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
 from nanosched.models import ops as optable
 from nanosched.models.quant import FP8_DTYPE, fp8_weights, producer_writes_e4m3
@@ -41,10 +42,7 @@ LAYER_FLOW = {"x_kqv": "y_norm", "qkv_rope": "y_kqv", "q_decode": "q_rope", "x_o
               # the e4m3 inputs of FP8 GEMMs and their row scales (quantization fp8)
               "x8_kqv": "y_norm8", "xs_kqv": "y_norm_scale", "x8_ug": "y_norm8",
               "xs_ug": "y_norm_scale", "x8_d": "act_out8", "xs_d": "act_scale"}
-# the weight each op's GEMM multiplies, or (norms, act) writes the input of
-WEIGHT_OF = optable.WEIGHT_OF
 OPTS = dispatch.KernelOptions()  # every launch names its impl; this is never consulted
-Launch = dict[str, Any]
 
 
 def _rows(call: OpCall) -> int:
@@ -54,13 +52,13 @@ def _rows(call: OpCall) -> int:
 def _fp8(call: OpCall) -> bool:
     """Whether `call`'s GEMM is e4m3 under its quantization, as in the model
     (models/quant.fp8_weights)."""
-    return WEIGHT_OF.get(call.op) in fp8_weights(call.spec, call.quantization)
+    return optable.WEIGHT_OF.get(call.op) in fp8_weights(call.spec, call.quantization)
 
 
 def _writes_e4m3(call: OpCall) -> bool:
     """Whether `call` (a norm, SiLU·mul) writes the input of the GEMM after it in e4m3, as in
     the model (models/quant.producer_writes_e4m3)."""
-    return producer_writes_e4m3(call.spec, WEIGHT_OF.get(call.op, ""),
+    return producer_writes_e4m3(call.spec, optable.WEIGHT_OF.get(call.op, ""),
                                 fp8_weights(call.spec, call.quantization))
 
 

@@ -44,7 +44,7 @@ from nanosched.workloads import Workload
 STAGE1_SHARE = 0.65
 FIRST_SHARE = 0.7  # of stage I's time for its first solve (two nano-ops per op)
 MARGIN_S = 1.0  # at most (2% of the limit): kept for stage II's model building and the checks
-MIN_GAIN = 0.995  # a grown count is kept when it shortens the period by at least 0.5%
+GROW_MIN_GAIN = 0.995  # a grown count is kept when it shortens the period by at least 0.5%
 # of the time limit, for the decode/prompt split's stage I and stage II (each usually ends in
 # a few seconds, optimal; what it leaves goes to stage I's search and its allocation)
 BOUNDARY_STAGE1 = 0.05
@@ -166,7 +166,7 @@ def search_structure(prob: Stage1Problem, budget_s: float, workers: int, max_nan
             counts = {**prob.counts, op: prob.counts[op] + 1}
             if progress:
                 progress(f"stage I: trying {counts[op]} nano-ops for {op}")
-            cap = math.ceil(MIN_GAIN * best.period) - 1  # a trial is kept only below it
+            cap = math.ceil(GROW_MIN_GAIN * best.period) - 1  # a trial is kept only below it
             trial = replace(prob, counts=counts, max_period_ticks=cap)
             step = 0.25 * budget_s if deterministic else min(left, 0.25 * budget_s)
             st, rep = solve_stage1(trial, Limits(step, workers, deterministic), progress)

@@ -101,7 +101,7 @@ def summarize(reqs: list[Request], elapsed_s: float, tp: int, params: int,
     }
 
 
-GRAPH_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+GRAPH_RUNS = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def set_info(sset: Any, num_layers: int) -> dict[str, Any]:
@@ -170,7 +170,7 @@ def _runs(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str) 
         if c.schedule is not None:
             info = {"schedule": c.name.removeprefix("replay:"), "forced_past": c.forced_past,
                     **set_info(c.schedule, spec.num_layers)}
-        runs += [_Run(name + ("+graphs" if g else ""), c, info, g) for g in GRAPH_MODES[graphs]]
+        runs += [_Run(name + ("+graphs" if g else ""), c, info, g) for g in GRAPH_RUNS[graphs]]
     return runs
 
 
@@ -185,7 +185,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     spec.check_tp(eng.tp)
     device = resolve_device(eng.device, 0 if eng.tp > 1 else None)
     check_engine_flags(eng, spec, device)
-    graphs = resolve_graphs(eng.graphs, device, tuple(GRAPH_MODES))
+    graphs = resolve_graphs(eng.graphs, device, tuple(GRAPH_RUNS))
     runs = _runs(cfg, spec, device, graphs)
     dense = resolve_dense_batch(eng.dense_batch, runs[-1].choice, device)
     warm = cfg.warmup_prompts if cfg.warmup_prompts is not None else \

@@ -151,7 +151,7 @@ class CausalLM(nn.Module):
     def run_op(self, layer: int, name: str, ws: Workspace, meta: BatchMeta, start: int,
                end: int, launch: dict | None = None) -> None:
         """Run op `name` of layer `layer` on tokens [start, end) (global batch coordinates)."""
-        fn = op_impls.OPS.get(name)
+        fn = op_impls.OP_FUNCTIONS.get(name)
         if fn is None or name not in self._ops and name not in COLLECTIVES:
             raise ConfigError(f"op {name!r} is not an op of model {self.spec.name!r}; "
                               f"ops: {', '.join(self._ops)}")

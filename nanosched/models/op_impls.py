@@ -149,6 +149,6 @@ def add_norm_attn(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e
 
 
 # each op of the table runs the function of its name, here or (the grouped experts) in moe.py
-OPS: dict[str, Callable[..., None]] = {
+OP_FUNCTIONS: dict[str, Callable[..., None]] = {
     op.name: getattr(moe if op.family == GROUPED else sys.modules[__name__], op.name)
     for op in TABLE}

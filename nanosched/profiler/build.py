@@ -24,8 +24,8 @@ from nanosched.profiler.format import Ceilings, KernelRow, PairRow, Profile
 from nanosched.profiler.interference import FIT_LIMIT, AloneTime, derive_rp
 from nanosched.profiler.network_model import (
     CE_ALL_REDUCE,
+    COLLECTIVE_KINDS,
     IMPL_OF_KIND,
-    KINDS,
     OPS_OF_KIND,
     PRIOR_LATENCY_US,
     fit_ring,
@@ -97,7 +97,7 @@ def network_rows(settings: ProfileSettings, state: RunState, num_sms: int
     if state.network is None:
         bw, lat = _prior_busbw(state.identity.gpu_name), PRIOR_LATENCY_US
         for t in settings.token_grid():
-            for kind in KINDS:
+            for kind in COLLECTIVE_KINDS:
                 series[(kind, 0)].append((t, ring_time_us(kind, t * size, tp, bw, lat)))
         world, modelled = tp, True
         ceil = {"allreduce_busbw_gbs": bw, "allreduce_latency_us": lat}

@@ -33,7 +33,7 @@ from nanosched.profiler.backend import (
     Unsupported,
 )
 from nanosched.profiler.format import Ceilings, Identity
-from nanosched.profiler.network_model import CE_ALL_REDUCE, KINDS, ring_time_us
+from nanosched.profiler.network_model import CE_ALL_REDUCE, COLLECTIVE_KINDS, ring_time_us
 from nanosched.profiler.plan import (
     FP8_GEMM_OPS,
     ImplInfo,
@@ -170,7 +170,7 @@ class FakeBackend:
         self.network_calls.append(request)
         size = settings.model.hidden_size * settings.model.dtype_bytes
         result = NetworkResult(request.world)
-        for kind in KINDS:
+        for kind in COLLECTIVE_KINDS:
             for t in request.tokens:
                 for c in request.ctas:
                     bw = 230.0 * (min(1.0, c / 16) if c else 1.0)

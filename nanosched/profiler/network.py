@@ -25,7 +25,7 @@ from nanosched.constants import MULTICAST_OFF, SAFE_PATH
 from nanosched.errors import ProfileError
 from nanosched.kernels.impls import network_impl
 from nanosched.profiler.backend import NetworkPair, NetworkRequest, NetworkResult, PairTiming
-from nanosched.profiler.network_model import CE_ALL_REDUCE, KINDS
+from nanosched.profiler.network_model import CE_ALL_REDUCE, COLLECTIVE_KINDS
 from nanosched.profiler.plan import PairTask, ProfileSettings
 
 WARMUP, ITERS = 3, 20
@@ -199,7 +199,7 @@ def _collectives(net: _Net) -> dict[tuple[str, int, int], float]:
     import torch.distributed as dist
 
     request = net.request
-    keys = [(k, t, c) for k in KINDS for t in request.tokens for c in net.groups]
+    keys = [(k, t, c) for k in COLLECTIVE_KINDS for t in request.tokens for c in net.groups]
     times = [_fixed_bench_us(net.collective(k, t, c)) for k, t, c in keys]
     if net.ce_buf is not None:
         for c in request.copy_engine_ctas:

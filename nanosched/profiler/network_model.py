@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from nanosched.errors import ProfileError
 from nanosched.models import ops as optable
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # NCCL's, priced by the ring formula
+# NCCL's collectives, priced by the ring formula
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 CE_ALL_REDUCE = "ce_all_reduce"  # the copy-engine all-reduce (kernels/ce_allreduce.py): no ring
 _FORMS = [optable.COLLECTIVE_FORMS[ar] for ar in optable.COLLECTIVES]
 OPS_OF_KIND = {"all_reduce": optable.COLLECTIVES,
@@ -36,8 +37,8 @@ PRIOR_LATENCY_US = 15.0 - 2 * NVLINK_HOP_US
 
 def _factors(kind: str, world: int) -> tuple[float, float]:
     """(bytes factor, latency steps) of `kind` on `world` GPUs."""
-    if kind not in KINDS:
-        raise ProfileError(f"unknown collective {kind!r}; known: {', '.join(KINDS)}")
+    if kind not in COLLECTIVE_KINDS:
+        raise ProfileError(f"unknown collective {kind!r}; known: {', '.join(COLLECTIVE_KINDS)}")
     if world < 2:
         raise ProfileError(f"a collective needs at least 2 GPUs, got {world}")
     if kind == "all_reduce":

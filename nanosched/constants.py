@@ -7,6 +7,9 @@ KV_DTYPES = ("auto", "fp8")  # KV cache element types: the model's dtype, or e4m
 # layer weights a profile is measured on and a schedule runs on (models/quant.py: none | fp8)
 QUANTIZATIONS = ("none", "fp8")
 DEFAULT_NUM_SMS = 132  # SMs of an H100 / H200 SXM: the default where no GPU is at hand
+# the baseline strategy's name (runtime/strategies/sequential.py: one op after another, one
+# stream), and the kind of a schedule-set entry that runs it (schedules/sets.py)
+SEQUENTIAL = "sequential"
 MAX_SMS = 4096  # the most SMs a profile or a schedule may name (a bound on hostile files)
 DEFAULT_GPU = "h100"  # the GPU prior assumed with no --gpu and no GPU present (hardware.py)
 # how a kernel shares the GPU, as profiles and schedules record it (autosearch/durations.py

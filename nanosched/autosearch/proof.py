@@ -29,7 +29,7 @@ from nanosched.autosearch.opgraph import TokenMix, layer_graph
 from nanosched.autosearch.search import SearchConfig
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.autosearch.stage1_bounds import op_min_ticks
-from nanosched.constants import TOKEN_QUANTUM
+from nanosched.constants import SEQUENTIAL, TOKEN_QUANTUM
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import BatchInfo, Schedule
 from nanosched.schedules.sets import GAP_PROVEN, SetEntry
@@ -243,6 +243,6 @@ def with_proof(entry: SetEntry, sched: Schedule | None, ceiling: float | None,
     the best pipeline found (`sched`, None when the search found none) and, when the set runs
     Sequential there, its proof."""
     g1, g2 = stage_gaps(sched)
-    proof = no_gain_proof(sched, ceiling, min_gain) if entry.kind == "sequential" else None
+    proof = no_gain_proof(sched, ceiling, min_gain) if entry.kind == SEQUENTIAL else None
     return replace(entry, proof=proof, ceiling=ceiling, stage1_gap=g1, stage2_gap=g2,
                    structure_bound=structure_gain(sched) if sched is not None else None)

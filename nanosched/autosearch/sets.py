@@ -19,13 +19,14 @@ from datetime import datetime, timezone
 from nanosched.autosearch.cpsat import Progress
 from nanosched.autosearch.proof import resource_ceiling, with_proof
 from nanosched.autosearch.search import SearchConfig, run_search, search_batch
-from nanosched.constants import TOKEN_QUANTUM
+from nanosched.constants import SEQUENTIAL, TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
 from nanosched.models import ops as optable
 from nanosched.models.costmodel import kv_capacity_tokens
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
 from nanosched.schedules.format import BatchInfo, model_info
 from nanosched.schedules.sets import (
+    PIPELINE,
     ScheduleSet,
     SetEntry,
     fitting_context,
@@ -147,17 +148,17 @@ def rule_out(cfg: SetSearchConfig, batch: BatchInfo, key: tuple[int, int], seq: 
     neither bound was computed)."""
     d, t = key
     if t < 2 * TOKEN_QUANTUM:
-        return SetEntry(d, t, "sequential", seq, seq, "fewer than two 128-token nano-batches",
+        return SetEntry(d, t, SEQUENTIAL, seq, seq, "fewer than two 128-token nano-batches",
                         proof="small"), "small"
     if not cfg.bound:
         return None
     bound = overlap_bound(cfg.base, batch)
     if bound < cfg.min_gain:
-        return SetEntry(d, t, "sequential", seq, seq, f"bound: no schedule can beat "
+        return SetEntry(d, t, SEQUENTIAL, seq, seq, f"bound: no schedule can beat "
                         f"{bound:.3f}x (needs {cfg.min_gain:.2f}x)", proof="bound"), "bounded"
     top = resource_ceiling(cfg.base, batch).gain
     if top < cfg.min_gain:
-        return SetEntry(d, t, "sequential", seq, seq, f"ceiling: no pipeline can beat "
+        return SetEntry(d, t, SEQUENTIAL, seq, seq, f"ceiling: no pipeline can beat "
                         f"{top:.3f}x (needs {cfg.min_gain:.2f}x)", proof="ceiling",
                         ceiling=top), "ceiling"
     return top
@@ -172,7 +173,7 @@ def _unsearched(key: tuple[int, int], seq: float, ceiling: float | None,
                 min_gain: float) -> KeyResult:
     """A key left when the set's time limit ran out: Sequential, its NO GAIN unproven unless
     the ceiling computed before the search proves it."""
-    entry = SetEntry(key[0], key[1], "sequential", seq, seq,
+    entry = SetEntry(key[0], key[1], SEQUENTIAL, seq, seq,
                      "not searched: the time limit ran out (raise --time-limit)")
     return KeyResult(key, with_proof(entry, None, ceiling, min_gain), "unsearched", 0.0)
 
@@ -277,7 +278,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
         except ScheduleError as exc:
             if key == start:  # the steady state's batch is the one that matters: say why
                 raise
-            entry = SetEntry(d, t, "sequential", seq, seq, f"search failed: {exc}")
+            entry = SetEntry(d, t, SEQUENTIAL, seq, seq, f"search failed: {exc}")
             entry = with_proof(entry, None, _ceiling(ceilings[key], base, kcfg), cfg.min_gain)
             results[key] = KeyResult(key, entry, "failed", time.perf_counter() - t0)
         else:
@@ -285,10 +286,10 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
             forward = layer_times_us(sched)[0]
             gain = seq / forward
             if gain >= cfg.min_gain:
-                entry = SetEntry(d, t, "pipeline", forward, seq,
+                entry = SetEntry(d, t, PIPELINE, forward, seq,
                                  f"searched: {gain:.3f}x", sched)
             else:  # the steady state keeps the pipeline it found, for `show` (never run)
-                entry = SetEntry(d, t, "sequential", seq, seq, f"searched: the best pipeline "
+                entry = SetEntry(d, t, SEQUENTIAL, seq, seq, f"searched: the best pipeline "
                                  f"found predicts {gain:.3f}x (needs {cfg.min_gain:.2f}x)",
                                  sched if key == start else None)
             entry = with_proof(entry, sched, _ceiling(ceilings[key], base, kcfg), cfg.min_gain)

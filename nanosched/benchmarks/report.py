@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nanosched.constants import SEQUENTIAL
+
 # (key in a run's "results", label, scale, format); a row "" starts a section named by label.
 # A row whose value is None in every run is left out (% of optimal needs a measured GEMM peak:
 # a GPU), and so is throughput per GPU on one GPU.
@@ -92,7 +94,7 @@ def ratio_warnings(run: dict[str, Any], base: dict[str, Any]) -> list[str]:
     """Why the ratio of `run` over `base` (two runs of a bench report) may be noise: `run`'s
     strategy replayed in few of its iterations (the rest ran Sequential), or a short run."""
     out = []
-    if run.get("strategy") != "sequential":
+    if run.get("strategy") != SEQUENTIAL:
         iters, fell = run.get("iterations", 0), run.get("fallbacks", 0)
         replayed = run.get("pipelined_iterations", iters - fell)
         if replayed < MIN_REPLAYED_ITERATIONS or replayed < MIN_REPLAYED_SHARE * iters:
@@ -105,7 +107,7 @@ def ratio_warnings(run: dict[str, Any], base: dict[str, Any]) -> list[str]:
     return out
 
 
-AFTER = "sequential-after"  # --compare: Sequential again after the strategy
+AFTER = f"{SEQUENTIAL}-after"  # --compare: Sequential again after the strategy
 
 
 def run_ratio(runs: dict[str, dict[str, Any]], a: str, b: str) -> dict[str, Any]:
@@ -114,7 +116,7 @@ def run_ratio(runs: dict[str, dict[str, Any]], a: str, b: str) -> dict[str, Any]
     the runs falls on both sides), with the drift between the two and why it may be noise."""
     tps = {name: run["results"]["tokens_per_s"] for name, run in runs.items()}
     warnings = ratio_warnings(runs[a], runs[b])
-    after = AFTER + b.removeprefix("sequential") if b.startswith("sequential") else None
+    after = AFTER + b.removeprefix(SEQUENTIAL) if b.startswith(SEQUENTIAL) else None
     if after not in tps:
         return {"of": f"{a} / {b}", "tokens_per_s": tps[a] / tps[b], "warnings": warnings}
     drift = tps[after] / tps[b]

@@ -21,6 +21,7 @@ import torch
 from nanosched.benchmarks.common import environment, measured_gemm_tflops
 from nanosched.benchmarks.full_forward import engine_forward_ms, forward_pages
 from nanosched.benchmarks.report import AFTER, run_ratio
+from nanosched.constants import SEQUENTIAL
 from nanosched.errors import ConfigError
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.runtime.config import EngineConfig
@@ -157,10 +158,10 @@ def _runs(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str) 
     on both sides of the strategy); else the strategy alone. Each once per graph mode asked
     for (graphed runs are named `<name>+graphs`)."""
     eng = cfg.engine
-    seq = choose_strategy(replace(eng, schedule="sequential"), spec, device)
+    seq = choose_strategy(replace(eng, schedule=SEQUENTIAL), spec, device)
     main = choose_strategy(eng, spec, device)
-    named = [("sequential", seq)] if cfg.compare else []
-    if not (named and main.name == "sequential"):
+    named = [(SEQUENTIAL, seq)] if cfg.compare else []
+    if not (named and main.name == SEQUENTIAL):
         named.append(("schedule" if main.schedule is not None else main.name, main))
         if cfg.compare:
             named.append((AFTER, seq))
@@ -260,7 +261,7 @@ def _bench(cfg: BenchConfig, spec: ModelSpec, device: torch.device, graphs: str,
                                      group)
     done = out["runs"]
     # each strategy against Sequential in the same graph mode, then graphs against eager
-    seq = {False: "sequential", True: "sequential+graphs"}
+    seq = {False: SEQUENTIAL, True: f"{SEQUENTIAL}+graphs"}
     out["ratios"] = {r.name: run_ratio(done, r.name, seq[r.graphs]) for r in runs
                      if r.name != seq[r.graphs] and seq[r.graphs] in done
                      and not r.name.startswith(AFTER)}

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanosched.benchmarks.common import environment, synthetic_batch
-from nanosched.constants import MULTICAST_OFF, PAGE_SIZE, SAFE_PATH
+from nanosched.constants import MULTICAST_OFF, PAGE_SIZE, SAFE_PATH, SEQUENTIAL
 from nanosched.errors import ScheduleError
 from nanosched.kernels.impls import network_impl
 from nanosched.models.parallel import TensorParallel, launch
@@ -42,9 +42,10 @@ from nanosched.runtime.loader import (
 from nanosched.runtime.modelprogram import model_program
 from nanosched.runtime.opsched import run_program
 from nanosched.runtime.strategies import Sequential, TwoBatchOverlap
+from nanosched.runtime.strategies.replay import Replay
 from nanosched.schedules.format import Schedule, check_compatible, load_schedule
 
-STRATEGIES = (Sequential.name, "replay", TwoBatchOverlap.name)
+STRATEGIES = (Sequential.name, Replay.name, TwoBatchOverlap.name)
 
 
 @dataclass(frozen=True)
@@ -208,9 +209,9 @@ def run_rank(tp: TensorParallel, cfg: TimelineConfig) -> dict[str, Any]:
                               device).strategy
     plain = CudaDevice if cuda else SerialDevice
     base = r.model.kernels
-    runs = [("sequential" if i == 0 else f"sequential[{n}]", Sequential(), plain(), n)
+    runs = [(SEQUENTIAL if i == 0 else f"{SEQUENTIAL}[{n}]", Sequential(), plain(), n)
             for i, n in enumerate(networks)]
-    runs += [("replay", replay.strategy, streams.device if streams else plain(), base.network),
+    runs += [(Replay.name, replay.strategy, streams.device if streams else plain(), base.network),
              (TwoBatchOverlap.name, overlap, plain(), base.network)]
     out: dict[str, Any] = {"environment": environment(device), "rank": tp.rank, "tp": tp.size,
                            "layers": spec.num_layers, "dense_batch": sched.batch.dense_batch,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from nanosched.benchmarks.common import bucket_batch, fitting_context
-from nanosched.constants import PAGE_SIZE
+from nanosched.constants import PAGE_SIZE, SEQUENTIAL
 from nanosched.errors import ConfigError, ScheduleError
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.config import EngineConfig
@@ -31,7 +31,7 @@ from nanosched.runtime.graphs import BucketRunner
 from nanosched.runtime.opsched import OpScheduler
 from nanosched.runtime.strategies import Sequential
 from nanosched.runtime.strategies.replay_set import ReplaySet
-from nanosched.schedules.sets import ScheduleSet
+from nanosched.schedules.sets import PIPELINE, ScheduleSet
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         for i, e in enumerate(entries):
-            if e.kind != "pipeline":
+            if e.kind != PIPELINE:
                 continue
             d, t = e.key
             if progress:
@@ -135,15 +135,15 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
             seqs, ids = bucket_batch(ws, t, d, ctx, prompt, 10**8, EngineConfig.graph_align)
             max_pages = -(-max(ctx + 1, prompt) // ws.kv.page_size)
             try:
-                runs = {"sequential": _prepare(model, ws, Sequential(), seqs, max_pages, False,
+                runs = {SEQUENTIAL: _prepare(model, ws, Sequential(), seqs, max_pages, False,
                                                device, e.sequential_us),
-                        "pipeline": _prepare(model, ws, replay, seqs, max_pages, True, device,
+                        PIPELINE: _prepare(model, ws, replay, seqs, max_pages, True, device,
                                              e.forward_us)}
             except (ScheduleError, ConfigError) as err:  # one entry's replay, not the run
                 for r in ids:
                     ws.kv.release(r)
                 entries[i] = dataclasses.replace(
-                    e, kind="sequential", forward_us=e.sequential_us,
+                    e, kind=SEQUENTIAL, forward_us=e.sequential_us,
                     reason=f"{e.reason}; its replay failed on {device_name or 'this GPU'} "
                            f"({err}): runs Sequential")
                 rows.append({"num_decode": d, "num_tokens": t, "predicted_gain": e.speedup,
@@ -151,30 +151,30 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
                 if progress:
                     progress(f"  replay failed ({err}): made sequential")
                 continue
-            got: dict[str, list[dict[str, Any]]] = {"sequential": [], "pipeline": []}
+            got: dict[str, list[dict[str, Any]]] = {SEQUENTIAL: [], PIPELINE: []}
             for _ in range(cfg.rounds):
                 for name, timed in runs.items():
                     got[name].append(_sustained(timed, cfg, model.device, telemetry))
             for r in ids:
                 ws.kv.release(r)
             med = {name: statistics.median(x["forward_ms"] for x in xs) for name, xs in got.items()}
-            gain = med["sequential"] / med["pipeline"]
+            gain = med[SEQUENTIAL] / med[PIPELINE]
             measured = {"device": device_name, "date": date, "decode_context": ctx,
-                        "sequential_ms": round(med["sequential"], 4),
-                        "pipeline_ms": round(med["pipeline"], 4), "gain": round(gain, 4),
+                        "sequential_ms": round(med[SEQUENTIAL], 4),
+                        "pipeline_ms": round(med[PIPELINE], 4), "gain": round(gain, 4),
                         "settle_s": cfg.settle_s, "window_s": cfg.window_s,
                         "rounds": cfg.rounds,
-                        "sm_clock_mhz": [x.get("sm_clock_mhz") for x in got["pipeline"]],
-                        "power_w": [x.get("power_w") for x in got["pipeline"]],
+                        "sm_clock_mhz": [x.get("sm_clock_mhz") for x in got[PIPELINE]],
+                        "power_w": [x.get("power_w") for x in got[PIPELINE]],
                         "sequential_sm_clock_mhz": [x.get("sm_clock_mhz")
-                                                    for x in got["sequential"]],
-                        "sequential_power_w": [x.get("power_w") for x in got["sequential"]]}
+                                                    for x in got[SEQUENTIAL]],
+                        "sequential_power_w": [x.get("power_w") for x in got[SEQUENTIAL]]}
             keep = gain >= sset.min_gain
             if keep:
                 entries[i] = dataclasses.replace(e, measured=measured)
             else:
                 entries[i] = dataclasses.replace(
-                    e, kind="sequential", forward_us=e.sequential_us, measured=measured,
+                    e, kind=SEQUENTIAL, forward_us=e.sequential_us, measured=measured,
                     reason=f"{e.reason}; measured {gain:.3f}x on {device_name or 'this GPU'} "
                            f"(needs {sset.min_gain:.2f}x): runs Sequential")
             rows.append({"num_decode": d, "num_tokens": t, "predicted_gain": e.speedup,
@@ -182,8 +182,8 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
                          "predicted_pipeline_ms": e.forward_us / 1e3, **measured,
                          "kept": keep})
             if progress:
-                progress(f"  Sequential {med['sequential']:.3f} ms, pipeline "
-                         f"{med['pipeline']:.3f} ms: {gain:.3f}x (predicted {e.speedup:.3f}x, "
+                progress(f"  Sequential {med[SEQUENTIAL]:.3f} ms, pipeline "
+                         f"{med[PIPELINE]:.3f} ms: {gain:.3f}x (predicted {e.speedup:.3f}x, "
                          f"context {ctx}){'' if keep else ', made sequential'}")
     finally:
         if telemetry is not None:
@@ -213,7 +213,7 @@ def run_verify(path: str, out: str, device: str = "auto", cfg: VerifyConfig = Ve
     spec = load_spec(sset.model["name"])
     check_set_compatible(sset, spec, sset.tp, gpu_name(dev), force=dev.type != "cuda",
                          kv_dtype=sset.kv_dtype, quantization=sset.quantization)
-    pipes = [e for e in sset.entries if e.kind == "pipeline" and e.schedule is not None]
+    pipes = [e for e in sset.entries if e.kind == PIPELINE and e.schedule is not None]
     if not pipes:
         echo("the set runs no pipeline: nothing to verify; written unchanged")
         save_schedule_set(sset, out)

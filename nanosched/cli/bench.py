@@ -29,6 +29,7 @@ from nanosched.cli.options import (
     model_option,
     prefix_caching,
 )
+from nanosched.constants import SEQUENTIAL
 
 
 def bench(
@@ -50,7 +51,7 @@ def bench(
     num_prompts: int = typer.Option(100, "--num-prompts", help="Number of requests."),
     dense_batch: int | None = typer.Option(None, "--dense-batch", help="Tokens per iteration "
                                            "(default 2048 on a GPU, 256 on the CPU)."),
-    schedule: str = typer.Option("sequential", "--schedule", help="A strategy by name "
+    schedule: str = typer.Option(SEQUENTIAL, "--schedule", help="A strategy by name "
                                  "('sequential', or the TokenWeave-style two-batch overlap; "
                                  "nanosched.runtime.strategies.NAMED lists them), 'auto' (a "
                                  "matching shipped schedule, else Sequential) or a schedule "

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nanosched.constants import DEFAULT_NUM_SMS
+from nanosched.constants import DEFAULT_NUM_SMS, SEQUENTIAL
 from nanosched.kernels.impls import network_impl
 from nanosched.models.ops import NETWORK
 from nanosched.models.spec import ModelSpec
@@ -49,7 +49,9 @@ class StrategyChoice:
         s = self.schedule
         if s is None:
             return False
-        schedules = [e.schedule for e in s.entries if e.kind == "pipeline"] \
+        from nanosched.schedules.sets import PIPELINE
+
+        schedules = [e.schedule for e in s.entries if e.kind == PIPELINE] \
             if hasattr(s, "entries") else [s]
         return any(network_impl(n.alloc.impl)[0] == "copy_engine"
                    for sched in schedules for n in sched.nano_ops
@@ -95,7 +97,7 @@ def choose_strategy(cfg: EngineConfig, spec: ModelSpec, device: torch.device) ->
                             quantization=engine_quantization(cfg))
         if pick.schedule is None:
             log.info("--schedule auto: running Sequential: %s", pick.reason)
-            return StrategyChoice(Sequential(), "sequential")
+            return StrategyChoice(Sequential(), SEQUENTIAL)
         log.info("--schedule auto: replaying %s", pick.reason)
         sset, where, forced = pick.schedule, str(pick.path), []
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanosched.constants import PAGE_SIZE
+from nanosched.constants import PAGE_SIZE, SEQUENTIAL
 from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.kvcache import check_kv_dtype
@@ -56,7 +56,7 @@ class EngineConfig:
     weights: str | None = None
     tp: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    schedule: str = "sequential"
+    schedule: str = SEQUENTIAL
     force: bool = False
     mem_util: float = 0.85
     kernels: KernelOptions = field(default_factory=KernelOptions)

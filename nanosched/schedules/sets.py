@@ -23,14 +23,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from nanosched.constants import TOKEN_QUANTUM
+from nanosched.constants import SEQUENTIAL, TOKEN_QUANTUM
 from nanosched.errors import ScheduleError
 from nanosched.fileio import check_fields, read_json, write_json_atomic
 from nanosched.schedules.format import FORMAT as SINGLE_FORMAT
 from nanosched.schedules.format import REPLAYED_FORMS, Schedule, check_compatible
 
 SET_FORMAT = "nanosched.schedule/2"
-KINDS = ("pipeline", "sequential")
+PIPELINE = "pipeline"  # a searched schedule runs this batch shape
+KINDS = (PIPELINE, SEQUENTIAL)
 # how a sequential entry's NO GAIN is proven, strongest first (autosearch/proof.py), or not
 PROOFS = ("small", "bound", "ceiling", "gap", "unproven")
 GAP_PROVEN = 0.05  # a stage whose gap is at most this has converged, for the `gap` proof
@@ -171,11 +172,11 @@ class ScheduleSet:
         e = self.entry(num_decode, num_tokens)
         if seq is None or e is None:
             return None
-        return seq / e.speedup if e.kind == "pipeline" else seq
+        return seq / e.speedup if e.kind == PIPELINE else seq
 
     @property
     def pipelines(self) -> list[SetEntry]:
-        return [e for e in self.entries if e.kind == "pipeline"]
+        return [e for e in self.entries if e.kind == PIPELINE]
 
     @property
     def full(self) -> SetEntry | None:
@@ -188,7 +189,7 @@ class ScheduleSet:
                 and e.key == steady:
             return e
         at_b = [e for e in self.entries if e.num_tokens == self.dense_batch]
-        pipes = [e for e in at_b if e.kind == "pipeline"]
+        pipes = [e for e in at_b if e.kind == PIPELINE]
         kept = [e for e in at_b if e.schedule is not None]
         return max(pipes or kept or at_b, key=lambda e: (e.speedup, e.num_decode),
                    default=None)
@@ -303,7 +304,7 @@ def validate_set(s: ScheduleSet, where: str = "schedule set") -> None:
             raise ScheduleError(f"{at}: decode_context must be a positive finite number of "
                                 f"tokens, got {c!r}")
         _check_proof(e, at)
-        if e.kind == "pipeline" and e.schedule is None:
+        if e.kind == PIPELINE and e.schedule is None:
             raise ScheduleError(f"{at}: a pipeline entry holds a schedule")
         if e.schedule is not None:
             sb = e.schedule.batch
@@ -343,7 +344,7 @@ def not_run_note(s: ScheduleSet, key: str | None = None) -> str | None:
     entry is sequential (its pipeline predicts less than the set's --min-gain); None when it
     runs."""
     e = _entry_at(s, key)
-    if e.kind == "pipeline":
+    if e.kind == PIPELINE:
         return None
     gain = e.sequential_us / layer_times_us(e.schedule)[0]  # type: ignore[arg-type]
     return (f"NOT RUN: this set runs Sequential at D={e.num_decode} T={e.num_tokens}; the "
@@ -409,7 +410,7 @@ def layer_times_us(s: Schedule) -> tuple[float, float]:
 def from_single(s: Schedule) -> ScheduleSet:
     """A `/1` schedule as a set of one pipeline entry, at its own batch."""
     forward, sequential = layer_times_us(s)
-    entry = SetEntry(s.batch.num_decode, s.batch.dense_batch, "pipeline", max(forward, 1e-3),
+    entry = SetEntry(s.batch.num_decode, s.batch.dense_batch, PIPELINE, max(forward, 1e-3),
                      sequential, "a single schedule", s)
     return ScheduleSet(s.model, s.tp, s.gpu_name, s.num_sms, s.profile_digest,
                        s.batch.dense_batch, (entry,), s.kv_dtype, s.batch.workload, 1.0, None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from nanosched.constants import SEQUENTIAL
 from nanosched.errors import ConfigError
 from nanosched.schedules.format import Schedule
 from nanosched.schedules.sets import GAP_PROVEN, PROOFS, ScheduleSet, SetEntry
@@ -67,7 +68,7 @@ def summary_lines(s: Schedule) -> list[str]:
 def proof_text(e: SetEntry, min_gain: float) -> str:
     """Whether a sequential entry's NO GAIN is proven, and by what (autosearch/proof.py); ""
     for a pipeline or an entry of a set searched before proofs were recorded."""
-    if e.kind != "sequential" or e.proof is None:
+    if e.kind != SEQUENTIAL or e.proof is None:
         return ""
     gaps = "/".join("-" if g is None else f"{100 * g:.1f}%" for g in (e.stage1_gap,
                                                                       e.stage2_gap))
@@ -101,7 +102,7 @@ SET_COLUMNS = [("t", "T rows", ""), ("d", "D decode", ""), ("kind", "runs", ""),
 
 def proof_lines(s: ScheduleSet) -> list[str]:
     """How many sequential entries have their NO GAIN proven, by what, and where it is not."""
-    seq = [e for e in s.entries if e.kind == "sequential"]
+    seq = [e for e in s.entries if e.kind == SEQUENTIAL]
     if not seq:
         return []
     if all(e.proof is None for e in seq):
@@ -147,7 +148,7 @@ def set_summary_lines(s: ScheduleSet) -> list[str]:
         lines.append(f"steady state (D={full.num_decode}, T={full.num_tokens}): {full.kind}, "
                      f"predicted {full.forward_us / 1e3:.2f} ms vs sequential "
                      f"{full.sequential_us / 1e3:.2f} ms ({full.speedup:.2f}x: what the set "
-                     f"runs there{', Sequential' if full.kind == 'sequential' else ''})"
+                     f"runs there{', Sequential' if full.kind == SEQUENTIAL else ''})"
                      + (f"; NO GAIN {proof}" if proof else ""))
     lines += proof_lines(s)
     if not pipes:

@@ -204,3 +204,25 @@ def test_pick_strategy_falls_back_only_where_the_strategy_refuses():
     picky, fallback = Picky(), Sequential()
     assert pick_strategy(picky, fallback, big, 0) == (picky, False)
     assert pick_strategy(picky, fallback, small, 0) == (fallback, True)
+
+
+def test_each_strategy_name_is_a_literal_in_at_most_three_files():
+    """Issue 47 item 3: a strategy is its file plus its registry line, and its name is spelled
+    (as a string literal equal to it) in at most 3 files of nanosched/; everything else reads
+    the class's `name` or the constant (Sequential's: `constants.SEQUENTIAL`)."""
+    import ast
+    from pathlib import Path
+
+    from nanosched.runtime.strategies import NAMED
+    from nanosched.runtime.strategies.replay import Replay
+    from nanosched.runtime.strategies.replay_set import ReplaySet
+
+    root = Path(__file__).resolve().parents[2] / "nanosched"
+    names = {*NAMED, Replay.name, ReplaySet.name}
+    files: dict[str, set[str]] = {n: set() for n in names}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in files:
+                files[node.value].add(str(path.relative_to(root)))
+    assert len(names) >= 4 and all(files.values())  # the counter sees each definition
+    assert {n: sorted(f) for n, f in files.items() if len(f) > 3} == {}

@@ -18,7 +18,7 @@ from nanosched.runtime.opsched import OpScheduler, SchedContext
 from nanosched.runtime.program import Program
 from nanosched.runtime.strategies.replay import Replay, stream_key
 from nanosched.runtime.strategies.sequential import Sequential
-from nanosched.schedules.sets import ScheduleSet
+from nanosched.schedules.sets import PIPELINE, ScheduleSet
 
 log = logging.getLogger("nanosched.replay_set")
 
@@ -40,7 +40,7 @@ class ReplaySet(OpScheduler):
         entry = self.set.entry(num_decode, program.num_tokens)
         if entry is None:
             return None
-        if entry.kind != "pipeline" or entry.schedule is None:
+        if entry.kind != PIPELINE or entry.schedule is None:
             return self.sequential
         shape = (num_decode, program.num_tokens)
         if shape not in self._replays:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from nanosched.constants import SEQUENTIAL
 from nanosched.runtime.opsched import OpScheduler, SchedContext
 
 
 class Sequential(OpScheduler):
-    name = "sequential"
+    name = SEQUENTIAL
 
     def schedule(self, ctx: SchedContext) -> None:
         ctx.split([ctx.program.num_tokens])

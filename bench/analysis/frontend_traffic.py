@@ -95,7 +95,7 @@ def op_calls(fm: Any, rows: int) -> dict[str, list[dict[str, Any]]]:
     """The recorded calls of each op of the traced middle layer over `rows` tokens."""
     from nanosched.frontend.boundary import allocate, evaluate
     from nanosched.frontend.boundary import rows as row_view
-    from nanosched.frontend.ops import KV_APPEND
+    from nanosched.frontend.custom_ops import KV_APPEND
 
     def view(v: Any) -> torch.Tensor:
         return row_view(allocate(fm.values[v], rows, fm.device), fm.values[v], 0, rows)

@@ -45,8 +45,9 @@ from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.kernels.impls import DEFAULT_DECODE
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import load_spec
-from nanosched.profiler import impls, timing
+from nanosched.profiler import impl_registry, timing
 from nanosched.profiler.catalog import load_named_profile
+from nanosched.profiler.impl_registry import OpCall, ScratchSpace
 from nanosched.profiler.telemetry import open_telemetry
 from nanosched.runtime.loader import load_model
 from nanosched.schedules.format import BatchInfo
@@ -85,9 +86,9 @@ def alone(op: str, spec: Any, rows: int, ctx: int, max_tokens: int, dev: torch.d
           tele: Any, sustain_s: float) -> dict[str, Any]:
     """The op launched alone at this shape: the row's timing, a burst, sustained, in a graph."""
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    ws = impls.ScratchSpace(dev)
-    call = impls.OpCall(spec, 1, op, rows, ctx, num_sms, "full", num_sms, ws, max_tokens)
-    kernel = impls.get(op, IMPL.get(op, "triton")).kernel(call)
+    ws = ScratchSpace(dev)
+    call = OpCall(spec, 1, op, rows, ctx, num_sms, "full", num_sms, ws, max_tokens)
+    kernel = impl_registry.get(op, IMPL.get(op, "triton")).kernel(call)
     out: dict[str, Any] = {"op": op, "rows": rows, "context": ctx,
                            "impl": IMPL.get(op, "triton")}
     with kernel.scope():

@@ -37,7 +37,8 @@ import torch
 
 from bench._common import environment, key_batch, print_table, write_result
 from nanosched.models.spec import load_spec
-from nanosched.profiler import impls, timing
+from nanosched.profiler import impl_registry, timing
+from nanosched.profiler.impl_registry import OpCall, ScratchSpace
 from nanosched.profiler.telemetry import open_telemetry
 from nanosched.runtime.loader import load_model
 
@@ -134,9 +135,9 @@ def main() -> None:
     copy_us = timing.bench_us(lambda: dst.copy_(src), dev, flush=False)
     results: list[dict[str, Any]] = []
     for op in GEMMS:
-        ws = impls.ScratchSpace(dev)
-        call = impls.OpCall(spec, 1, op, args.rows, 0, num_sms, "full", num_sms, ws, args.rows)
-        kernel = impls.get(op, "cublas").kernel(call)
+        ws = ScratchSpace(dev)
+        call = OpCall(spec, 1, op, args.rows, 0, num_sms, "full", num_sms, ws, args.rows)
+        kernel = impl_registry.get(op, "cublas").kernel(call)
         with kernel.scope():
             kernel.fn()
             torch.cuda.synchronize()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from nanosched.frontend import ops
+from nanosched.frontend import custom_ops
 from nanosched.frontend.boundary import Reads
 from nanosched.frontend.fuse import LINEAR
 from nanosched.frontend.partition import Group, is_tensor
@@ -40,7 +40,7 @@ def linear_out(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         out.copy_(F.linear(x, w, bias))
         return out
     K.linear(x.reshape(-1, x.shape[-1]), w, bias, out.view(-1, out.shape[-1]),
-             ops.CALL.kernels or KernelOptions(), ops.CALL.launch)
+             custom_ops.CALL.kernels or KernelOptions(), custom_ops.CALL.launch)
     return out
 
 

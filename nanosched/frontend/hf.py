@@ -2,10 +2,11 @@
 
 `use_nanosched(model)` points the model's attention implementation (HF's `AttentionInterface`)
 and, for MoE models, its experts implementation (`ExpertsInterface`) at the functions below,
-which call the frontend's operators (ops.py): the same switch as `attn_implementation="sdpa"`,
-a setting of the model's config, not a change of its code. Without a mask function registered
-for it, HF builds no attention mask: the paged kernels take the batch layout from the batch
-metadata instead (decode rows first, then prompt chunks, all in one sequence of T tokens).
+which call the frontend's operators (custom_ops.py): the same switch as
+`attn_implementation="sdpa"`, a setting of the model's config, not a change of its code.
+Without a mask function registered for it, HF builds no attention mask: the paged kernels take
+the batch layout from the batch metadata instead (decode rows first, then prompt chunks, all in
+one sequence of T tokens).
 
 `llama_rules()` partitions HF Llama, Qwen2, Mistral and Mixtral into the project's named ops
 (models/ops.py), so that a schedule searched on the named-op model's profile replays on them.
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.frontend import ops
+from nanosched.frontend import custom_ops
 from nanosched.frontend.rules import Rule, Rules, SplitFunc, SplitModule
 from nanosched.models.ops import OPS
 
@@ -40,10 +41,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                           f"{query.shape[0]}")
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    ops.KV_APPEND(key, value, layer)
+    custom_ops.KV_APPEND(key, value, layer)
     out = query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
-    ops.ATTN_DECODE(query, out, layer, scale)
-    ops.ATTN_PREFILL(query, out, layer, scale)
+    custom_ops.ATTN_DECODE(query, out, layer, scale)
+    custom_ops.ATTN_PREFILL(query, out, layer, scale)
     return out, None
 
 
@@ -57,10 +58,10 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                           f"untransposed, bias-free expert weights")
     n, k = top_k_index.shape
     gate_up = hidden_states.new_empty((n * k, self.gate_up_proj.shape[1]))
-    ops.EXPERTS_UG(hidden_states, top_k_index, self.gate_up_proj, gate_up)
+    custom_ops.EXPERTS_UG(hidden_states, top_k_index, self.gate_up_proj, gate_up)
     act = self._apply_gate(gate_up)
     out = hidden_states.new_empty((n, hidden_states.shape[1]))
-    ops.EXPERTS_D(act, top_k_index, top_k_weights, self.down_proj, out)
+    custom_ops.EXPERTS_D(act, top_k_index, top_k_weights, self.down_proj, out)
     return out
 
 
@@ -80,15 +81,15 @@ def use_nanosched(model: torch.nn.Module) -> None:
 
 def table_rules(kinds: tuple[str, ...] = ("module", "func", "op")) -> tuple[Rule, ...]:
     """The op table's HF rules of `kinds` (models/ops.py `OpSpec.hf`), by rank: "op" names a
-    frontend operator (ops.py), "func" a function, "module" a module path glob."""
+    frontend operator (custom_ops.py), "func" a function, "module" a module path glob."""
     rules: list[tuple[int, Rule]] = []
     for spec in OPS:
         for rank, kind, target, inside in spec.hf:
             if kind not in kinds:
                 continue
             rule: Rule = (SplitModule(target, spec.name) if kind == "module" else
-                          SplitFunc(getattr(ops, target) if kind == "op" else target, spec.name,
-                                    inside=inside))
+                          SplitFunc(getattr(custom_ops, target) if kind == "op" else target,
+                                    spec.name, inside=inside))
             rules.append((rank, rule))
     return tuple(r for _, r in sorted(rules, key=lambda x: x[0]))
 

@@ -23,7 +23,7 @@ from torch import fx
 
 from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
-from nanosched.frontend import ops
+from nanosched.frontend import custom_ops
 from nanosched.frontend.boundary import (
     Value,
     allocate,
@@ -152,7 +152,7 @@ class FrontendModel:
             args.append(x)
         args += [evaluate(self.sizes[n], self.trace.symbol, len(rows_))
                  for n in sub.reads.symbols]
-        with ops.calling(ws.kv, None, 0, len(rows_), None, self.kernels, head.shift):
+        with custom_ops.calling(ws.kv, None, 0, len(rows_), None, self.kernels, head.shift):
             out = sub.module(*args)
         logits = next(t for t in out if isinstance(t, torch.Tensor))
         return logits.reshape(len(rows_), -1)
@@ -264,7 +264,7 @@ class FrontendModel:
 
     def _kv_geometry(self) -> tuple[int, int]:
         for n in self.trace.gm.graph.nodes:
-            if n.op == "call_function" and same_callable(n.target, ops.KV_APPEND):
+            if n.op == "call_function" and same_callable(n.target, custom_ops.KV_APPEND):
                 shape = example(n.args[0]).shape  # [1, Hkv, T, d]
                 return int(shape[1]), int(shape[3])
         raise ConfigError("the traced model writes no KV cache: route its attention through "
@@ -275,14 +275,14 @@ def _check_attention(trace: Trace, model: torch.nn.Module) -> None:
     """A model whose attention is not the frontend's (HF's own: `use_nanosched` not called)
     writes no paged KV cache, and its mask tensors would meet the partition as a shape error:
     say what is missing before that."""
-    if any(n.op == "call_function" and same_callable(n.target, ops.KV_APPEND)
+    if any(n.op == "call_function" and same_callable(n.target, custom_ops.KV_APPEND)
            for n in trace.gm.graph.nodes):
         return
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     have = f" (its attention implementation is {impl!r})" if impl else ""
     raise ConfigError(f"the traced model calls no frontend attention{have}: call "
                       f"nanosched.frontend.hf.use_nanosched(model) before FrontendModel(model, "
-                      f"rules), or route its attention through nanosched.frontend.ops")
+                      f"rules), or route its attention through nanosched.frontend.custom_ops")
 
 
 def _flatten(x: Any) -> list[Any]:

@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from nanosched.errors import ConfigError
-from nanosched.frontend import ops
+from nanosched.frontend import custom_ops
 from nanosched.frontend.rules import Rules, same_callable, target_name
 from nanosched.models import ops as optable
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
@@ -173,7 +173,7 @@ def mutated(n: fx.Node) -> list[fx.Node]:
         return []
     if n.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
         return [n.args[0]] if isinstance(n.args[0], fx.Node) else []
-    if same_callable(n.target, ops.KV_APPEND):  # writes the KV cache, not its arguments
+    if same_callable(n.target, custom_ops.KV_APPEND):  # writes the KV cache, not its arguments
         return []
     target = n.target
     if isinstance(target, torch._ops.OpOverloadPacket):
@@ -194,7 +194,8 @@ def infer_resource(nodes: list[fx.Node]) -> str:
     names = {target_name(n.target) for n in nodes if n.op in ("call_function", "call_method")}
     if names & COLLECTIVES:
         return NETWORK
-    if any(n.op == "call_function" and same_callable(n.target, ops.ATTN_DECODE) for n in nodes):
+    if any(n.op == "call_function" and same_callable(n.target, custom_ops.ATTN_DECODE)
+           for n in nodes):
         return MEMORY
     return COMPUTE if names & MATMULS else OTHER
 

@@ -23,14 +23,14 @@ import torch
 
 from nanosched.constants import PAGE_SIZE
 from nanosched.errors import ConfigError
-from nanosched.frontend import ops
+from nanosched.frontend import custom_ops
 from nanosched.frontend.program import runner
 from nanosched.frontend.rules import same_callable
 from nanosched.kernels.impls import cublaslt_missing, persistent_name
 from nanosched.models import ops as optable
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import ModelSpec
-from nanosched.profiler.impls import (
+from nanosched.profiler.impl_registry import (
     Impl,
     Kernel,
     OpCall,
@@ -46,8 +46,8 @@ BOUNDED = ("full", "green_ctx", "cta_bound")
 
 def model_spec(fm: Any, name: str) -> ModelSpec:
     """The shapes of frontend model `fm` as a `ModelSpec` (module docstring)."""
-    query = _operand(fm, ops.ATTN_DECODE, 0)  # [1, Hq, T, d]
-    key = _operand(fm, ops.KV_APPEND, 0)  # [1, Hkv, T, d]
+    query = _operand(fm, custom_ops.ATTN_DECODE, 0)  # [1, Hq, T, d]
+    key = _operand(fm, custom_ops.KV_APPEND, 0)  # [1, Hkv, T, d]
     hidden = fm.values[fm.head.reads()[0]].sizes[-1]
     vocab = int(next(n for n in fm.head.sub.returns).meta["example_value"].shape[-1])
     act = next(s for s in fm.steps if s.sub.group.op == optable.ACT)
@@ -75,7 +75,7 @@ def _operand(fm: Any, op: Any, index: int) -> torch.Tensor:
         if n.op == "call_function" and same_callable(n.target, op):
             return n.args[index].meta["example_value"]
     raise ConfigError("the traced model calls no frontend attention: run hf.use_nanosched "
-                      "on it (or route its attention through nanosched.frontend.ops)")
+                      "on it (or route its attention through nanosched.frontend.custom_ops)")
 
 
 class _Launch:

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from nanosched.errors import ConfigError
-from nanosched.frontend import ops
+from nanosched.frontend import custom_ops
 from nanosched.frontend.boundary import Value, evaluate, rows
 from nanosched.frontend.codegen import Subgraph
 from nanosched.frontend.fuse import JOIN
@@ -104,16 +104,16 @@ def program(fm: Any, ws: Any, meta: Any, segments: Sequence[tuple[int, int, bool
     out = []
     for step in fm.steps:
         span, kv_span = None, None
-        if step.has(ops.ATTN_PREFILL):
+        if step.has(custom_ops.ATTN_PREFILL):
             kv_span = prefill_kv
-            span = None if step.has(ops.ATTN_DECODE) else prefill
-        elif step.has(ops.ATTN_DECODE):
+            span = None if step.has(custom_ops.ATTN_DECODE) else prefill
+        elif step.has(custom_ops.ATTN_DECODE):
             span = kv_span = decode
         reads = [Access(fm.buffers[v], span) for v in step.reads()]
         writes = [Access(fm.buffers[v], span) for v in step.writes()]
         if kv_span is not None:
             reads.append(Access(f"kv{step.layer}", kv_span))
-        if step.has(ops.KV_APPEND):
+        if step.has(custom_ops.KV_APPEND):
             writes.append(Access(f"kv{step.layer}"))
         if "input_ids" in fm.inputs_of(step):
             reads.append(Access("token_ids"))
@@ -141,7 +141,7 @@ def runner(fm: Any, step: Step, ws: Any, meta: Any) -> Callable[[int, int, Launc
         args += [token_rows(ws, meta, x, s, e) if isinstance(x, str) else x for x in inputs]
         args += [evaluate(x, symbol, n) for x in syms]
         args += [rows(b, v, s, e) for b, v in outs]
-        with ops.calling(ws.kv, meta, s, e, cfg.launch_dict(op), kernels, shift):
+        with custom_ops.calling(ws.kv, meta, s, e, cfg.launch_dict(op), kernels, shift):
             module(*args)
 
     return run
@@ -185,7 +185,8 @@ def signature(sub: Subgraph, trace: Any, values: dict[fx.Node, Value]) -> tuple:
         if n.op == "placeholder":
             continue
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index.get(a, 'size')}")
-        if n.op == "call_function" and any(same_callable(n.target, op) for op in ops.LAYERED):
+        if n.op == "call_function" and any(same_callable(n.target, op)
+                                              for op in custom_ops.LAYERED):
             args = (args[0][:2] + (args[0][2] - layer,) + args[0][3:], args[1])
         body.append((n.op, str(n.target), repr(args)))
     return (tuple(values[v].signature() for v in (*sub.reads.values, *sub.outputs)),

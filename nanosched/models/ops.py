@@ -61,7 +61,7 @@ class OpSpec:
     weight: str | None = None  # the layer weight it reads first (fp8 GEMMs: e4m3 under fp8)
     fp8: bool = False  # a GEMM whose weight and input are e4m3 under --quantization fp8
     # HF frontend rules (rank, kind, target, inside): kind "module" (a module path glob),
-    # "func" (a function's name) or "op" (a frontend operator of frontend/ops.py); by rank
+    # "func" (a function's name) or "op" (a frontend operator of frontend/custom_ops.py); by rank
     hf: tuple[tuple[int, str, str, str | None], ...] = ()
     collective: str | None = None  # all-reduce: its group ("attn" | "ffn")
 

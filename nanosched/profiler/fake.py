@@ -22,7 +22,7 @@ from nanosched.kernels.impls import network_impl
 from nanosched.models import ops as optable
 from nanosched.models.costmodel import FP8_GEMM_SPEEDUP
 from nanosched.models.ops import MEMORY
-from nanosched.profiler import impls
+from nanosched.profiler import impl_registry
 from nanosched.profiler.backend import (
     LayerTiming,
     NetworkPair,
@@ -83,7 +83,8 @@ class FakeBackend:
     network_calls: list[NetworkRequest] = field(default_factory=list)
     reference_calls: int = 0
     copy_engine_reason: str | None = None  # why the copy-engine all-reduce cannot run here
-    registry: Any = None  # the implementations (default: profiler/impls.py's; a frontend's)
+    # the implementations (default: profiler/impl_registry.py's; a frontend's)
+    registry: Any = None
 
     def identity(self, command: str) -> Identity:
         return Identity(self.gpu_name, self.num_sms, 80 << 30, "fake", "fake", "fake", "fake",
@@ -98,7 +99,7 @@ class FakeBackend:
 
     def implementations(self) -> tuple[dict[str, list[ImplInfo]], list[str]]:
         ops = sorted(optable.OP_FAMILY)  # every op with a kernel on one GPU
-        return (self.registry or impls).available(ops)
+        return (self.registry or impl_registry).available(ops)
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
         peak = self.peak_tflops * (FP8_GEMM_SPEEDUP if settings.quantization == "fp8" else 1.0)

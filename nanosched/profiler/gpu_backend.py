@@ -27,7 +27,7 @@ import torch
 
 from nanosched.greenctx import PartitionPair, split_sms
 from nanosched.models import ops as optable
-from nanosched.profiler import impls, timing
+from nanosched.profiler import impl_registry, timing
 from nanosched.profiler.backend import (
     LayerTiming,
     NetworkRequest,
@@ -37,6 +37,7 @@ from nanosched.profiler.backend import (
     Unsupported,
 )
 from nanosched.profiler.format import Ceilings, Identity
+from nanosched.profiler.impl_registry import Kernel, OpCall, ScratchSpace
 from nanosched.profiler.plan import (
     ImplInfo,
     KernelTask,
@@ -71,18 +72,18 @@ def check_device(index: int) -> None:
 
 class GPUBackend:
     def __init__(self, index: int, rep_ms: float = 10.0, registry: Any = None) -> None:
-        """`registry`: the implementations measured (default profiler/impls.py's; a frontend
-        model's, nanosched/frontend/profiling.py)."""
+        """`registry`: the implementations measured (default profiler/impl_registry.py's;
+        a frontend model's, nanosched/frontend/profiling.py)."""
         check_device(index)
         self.index = index
-        self.registry = registry or impls
+        self.registry = registry or impl_registry
         self.device = torch.device("cuda", index)
         torch.cuda.set_device(self.device)
         self.rep_ms = rep_ms
         self.props = torch.cuda.get_device_properties(self.device)
         self.num_sms = self.props.multi_processor_count
         free, _ = torch.cuda.mem_get_info(self.device)
-        self.ws = impls.ScratchSpace(self.device, max_bytes=0.35 * free)
+        self.ws = ScratchSpace(self.device, max_bytes=0.35 * free)
         self.pairs: dict[int, PartitionPair] = {}  # by partition SM count -> its pair
         lo, hi = torch.cuda.Stream.priority_range()
         self.high = torch.cuda.Stream(self.device, priority=hi)
@@ -158,14 +159,14 @@ class GPUBackend:
         return pair.small.stream if pair.small.sms == sms else pair.rest.stream
 
     def _call(self, settings: ProfileSettings, op: str, tokens: int, context: int, sms: int,
-              mechanism: str, ws: impls.ScratchSpace | None = None) -> impls.OpCall:
+              mechanism: str, ws: ScratchSpace | None = None) -> OpCall:
         self.max_tokens = max(self.max_tokens, settings.dense_batch)
-        return impls.OpCall(settings.model, settings.tp, op, tokens, context, sms, mechanism,
-                            self.num_sms, ws or self.ws, settings.dense_batch, settings.kv_dtype,
-                            settings.quantization)
+        return OpCall(settings.model, settings.tp, op, tokens, context, sms, mechanism,
+                      self.num_sms, ws or self.ws, settings.dense_batch, settings.kv_dtype,
+                      settings.quantization)
 
     def _kernel(self, settings: ProfileSettings, op: str, impl: str, tokens: int, context: int,
-                sms: int, mechanism: str) -> impls.Kernel:
+                sms: int, mechanism: str) -> Kernel:
         call = self._call(settings, op, tokens, context, sms, mechanism)
         try:
             return self.registry.get(op, impl).kernel(call)
@@ -174,7 +175,7 @@ class GPUBackend:
             raise Unsupported(f"{op}/{impl} at {tokens} tokens: out of memory") from exc
 
     # ---- measurements --------------------------------------------------------------------
-    def _bench(self, kernel: impls.Kernel, stream: Any, rep_ms: float | None = None) -> float:
+    def _bench(self, kernel: Kernel, stream: Any, rep_ms: float | None = None) -> float:
         try:
             with kernel.scope(), torch.cuda.stream(stream):
                 return timing.bench_us(kernel.fn, self.device, rep_ms or self.rep_ms)
@@ -183,7 +184,7 @@ class GPUBackend:
             raise Unsupported(f"out of memory while timing: {exc}") from exc
 
     def ceilings(self, settings: ProfileSettings) -> Ceilings:
-        ws = impls.ScratchSpace(self.device)
+        ws = ScratchSpace(self.device)
         peak = timing.gemm_peak_tflops(self.device, "fp8" if settings.quantization == "fp8"
                                        else "bf16")
         flops = us = 0.0  # under fp8 the model's FP8 GEMMs (`o` with its input's quantisation)
@@ -273,7 +274,7 @@ class GPUBackend:
     def time_layer(self, settings: ProfileSettings, task: LayerTask) -> LayerTiming:
         self.ws.clear()  # the layer's tensors live together in a workspace of their own
         torch.cuda.empty_cache()
-        ws = impls.ScratchSpace(self.device, max_bytes=self.ws.max_bytes)
+        ws = ScratchSpace(self.device, max_bytes=self.ws.max_bytes)
         try:
             kernels = self.registry.layer_kernels([(self._call(settings, t.op, t.tokens, t.context,
                                                        t.sms, t.mechanism, ws), t.impl)

@@ -2,8 +2,8 @@
 
 Each setup builds the op's inputs and outputs at the row's shape and returns a `Kernel` that
 calls the dispatch function the model's op calls, with the runtime's launch dict
-(`impls.launch_of`), so a row times exactly what a replay launches. Names are those of
-nanosched/kernels/impls.py (GEMMs: cuBLAS, cuBLASLt with an SM target, persistent Triton;
+(`impl_registry.launch_of`), so a row times exactly what a replay launches. Names are those
+of nanosched/kernels/impls.py (GEMMs: cuBLAS, cuBLASLt with an SM target, persistent Triton;
 attention: the paged Triton kernels and torch; elementwise and grouped GEMM families).
 
 More in docs/profiler.md, module notes.
@@ -24,7 +24,7 @@ from nanosched.kernels.impls import cublaslt_missing, persistent_name
 from nanosched.models import ops as optable
 from nanosched.models.quant import FP8_DTYPE, fp8_weights, producer_writes_e4m3
 from nanosched.profiler.backend import Unsupported
-from nanosched.profiler.impls import (
+from nanosched.profiler.impl_registry import (
     Impl,
     Kernel,
     OpCall,

@@ -223,16 +223,17 @@ def _pair(settings: ProfileSettings, task: PairTask, net: _Net,
     every rank launches the collective the same number of times (its row is agreed)."""
     import torch
 
-    from nanosched.profiler import impls, timing
+    from nanosched.profiler import impl_registry, timing
+    from nanosched.profiler.impl_registry import Kernel, OpCall, ScratchSpace
 
-    ws = impls.ScratchSpace(torch.device("cuda", torch.cuda.current_device()))
+    ws = ScratchSpace(torch.device("cuda", torch.cuda.current_device()))
     device = ws.device
     settle_s, window_s = settings.pair_settle_ms / 1e3, settings.pair_window_ms / 1e3
 
-    def kernel(impl: str, sms: int) -> impls.Kernel:
-        call = impls.OpCall(settings.model, settings.tp, task.compute_op, task.tokens, 0, sms,
-                            "full", num_sms, ws, settings.dense_batch)
-        return impls.get(task.compute_op, impl).kernel(call)
+    def kernel(impl: str, sms: int) -> Kernel:
+        call = OpCall(settings.model, settings.tp, task.compute_op, task.tokens, 0, sms,
+                      "full", num_sms, ws, settings.dense_batch)
+        return impl_registry.get(task.compute_op, impl).kernel(call)
 
     lo, hi = torch.cuda.Stream.priority_range()
     s_comp, s_coll = torch.cuda.Stream(device, priority=lo), torch.cuda.Stream(device,

@@ -215,7 +215,7 @@ def kernel_tasks(settings: ProfileSettings, num_sms: int, partitions: list[tuple
         choices = [i for i in impls.get(op.name, []) if i.quick or not settings.quick]
         if not choices:
             raise ConfigError(f"no implementation registered for op {op.name!r}; see "
-                              f"nanosched/profiler/impls.py")
+                              f"nanosched/profiler/impl_registry.py")
         for context in op_contexts(settings, op.name):  # outer: one KV cache per context
             for tokens in settings.token_grid():
                 for impl in choices:

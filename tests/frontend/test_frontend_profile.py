@@ -25,7 +25,7 @@ from nanosched.frontend import FrontendModel
 from nanosched.frontend.boundary import rows
 from nanosched.frontend.profiling import FrontendImpls, load_frontend, model_spec
 from nanosched.models.spec import spec_from_hf_config
-from nanosched.profiler.impls import OpCall, ScratchSpace
+from nanosched.profiler.impl_registry import OpCall, ScratchSpace
 from nanosched.runtime.device import SerialDevice
 from nanosched.runtime.strategies import Sequential
 from nanosched.runtime.strategies.replay import Replay

@@ -97,12 +97,12 @@ def test_the_dispatcher_refuses_it_with_the_reason_where_it_cannot_run():
 
 
 def test_it_is_a_decode_implementation_the_profiler_knows():
-    from nanosched.profiler import impls as profiler_impls
+    from nanosched.profiler import impl_registry
     from nanosched.profiler.runner import PARTITION_MEMORY_IMPLS
 
     assert impls.check_op_impl("attn_decode", "cuda_bulk") == "cuda_bulk"
-    runnable, notes = profiler_impls.available(["attn_decode"])
-    reason = profiler_impls.bulk_missing()
+    runnable, notes = impl_registry.available(["attn_decode"])
+    reason = impl_registry.bulk_missing()
     if reason is None:
         assert "cuda_bulk" in [i.name for i in runnable["attn_decode"]]
     else:  # a machine without cupy (CI): the profile says why it skipped it

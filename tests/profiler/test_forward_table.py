@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from search_fixtures import small_profile
+from test_impl_registry import TINY, call
 from test_profile_format import tiny_profile
-from test_profiler_impls import TINY, call
 from typer.testing import CliRunner
 
 from nanosched.autosearch.check import check_schedule
@@ -21,7 +21,7 @@ from nanosched.cli import app
 from nanosched.errors import ProfileError
 from nanosched.models.ops import layer_ops
 from nanosched.models.spec import load_spec
-from nanosched.profiler import impls
+from nanosched.profiler import impl_registry
 from nanosched.profiler.fake import FakeBackend
 from nanosched.profiler.format import ForwardRow, Profile, load_profile, save_profile
 from nanosched.profiler.plan import ProfileSettings, layer_sizes, layer_tasks
@@ -189,11 +189,11 @@ def test_search_prices_ops_alone_on_the_whole_gpu_at_the_settled_factor():
 def test_a_layers_ops_read_the_op_before_its_output():
     """`layer_kernels`: each op's input is the output of the op before it (the first op reads
     the last op's), so the layer's ops find in L2 what a forward's find."""
-    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
+    ws = impl_registry.ScratchSpace(torch.device("cpu"), torch.float32)
     gemms = ("kqv", "o", "ug", "d")
     calls = [(call(TINY, op.name, ws), "cublas" if op.name in gemms else "torch")
              for op in layer_ops(TINY)]
-    kernels = impls.layer_kernels(calls)
+    kernels = impl_registry.layer_kernels(calls)
     assert len(kernels) == len(calls)
     for kern in kernels:
         kern.fn()

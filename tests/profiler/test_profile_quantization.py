@@ -15,7 +15,7 @@ from nanosched.errors import ConfigError, ProfileError
 from nanosched.kernels import reference as ref
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import ModelSpec, load_spec
-from nanosched.profiler import impls
+from nanosched.profiler import impl_registry
 from nanosched.profiler.backend import Unsupported
 from nanosched.profiler.fake import FP8_GEMM_SPEEDUP, FakeBackend
 from nanosched.profiler.format import Profile, check_profile_for, load_profile
@@ -33,9 +33,9 @@ SPEC = load_spec("llama3-8b")
 WEIGHTS = {"kqv": "w_qkv", "o": "w_o", "ug": "w_gate_up", "d": "w_down"}
 
 
-def call(spec: ModelSpec, op: str, ws: impls.ScratchSpace, quantization: str = "fp8"):
-    return impls.OpCall(spec, 1, op, 24, 40, 3, "full", 8, ws, max_tokens=32,
-                        quantization=quantization)
+def call(spec: ModelSpec, op: str, ws: impl_registry.ScratchSpace, quantization: str = "fp8"):
+    return impl_registry.OpCall(spec, 1, op, 24, 40, 3, "full", 8, ws, max_tokens=32,
+                                quantization=quantization)
 
 
 def run(tmp_path: Path, backend: FakeBackend, quantization: str, resume: bool = False,
@@ -47,8 +47,8 @@ def run(tmp_path: Path, backend: FakeBackend, quantization: str, resume: bool = 
 
 @pytest.mark.parametrize("op", ["kqv", "o", "ug", "d"])
 def test_fp8_gemm_rows_are_the_models_w8a8_gemm(op):
-    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
-    impls.get(op, "cublas").kernel(call(TINY, op, ws)).fn()
+    ws = impl_registry.ScratchSpace(torch.device("cpu"), torch.float32)
+    impl_registry.get(op, "cublas").kernel(call(TINY, op, ws)).fn()
     c = ws.cache
     x8, xs, w8, w_scale = c["x8_" + op][:24], c["xs_" + op][:24], c["w8_" + op], c["ws_" + op]
     # the weight and its scales have the dtype and shape of the FP8 model's layer weight
@@ -67,13 +67,13 @@ def test_fp8_gemm_rows_are_the_models_w8a8_gemm(op):
     assert "w_" + op not in c  # no bf16 weight was timed
     # the persistent Triton GEMMs have no FP8 kernel: refused, not timed as something else
     with pytest.raises(Unsupported, match="no FP8 GEMM"):
-        impls.get(op, "triton_persistent_128x128").kernel(call(TINY, op, ws))
+        impl_registry.get(op, "triton_persistent_128x128").kernel(call(TINY, op, ws))
 
 
 def test_fp8_norms_and_act_write_the_e4m3_inputs_of_the_gemms_after_them():
-    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
+    ws = impl_registry.ScratchSpace(torch.device("cpu"), torch.float32)
     for op in ("add_norm_attn", "add_norm_ffn", "act"):
-        impls.get(op, "torch").kernel(call(TINY, op, ws)).fn()
+        impl_registry.get(op, "torch").kernel(call(TINY, op, ws)).fn()
     assert ws.cache["y_norm8"].dtype == torch.float8_e4m3fn
     assert ws.cache["act_out8"].dtype == torch.float8_e4m3fn
     q, s = ref.quantize_fp8(torch.nn.functional.silu(ws.cache["gate_up"][:24, :96])
@@ -83,13 +83,14 @@ def test_fp8_norms_and_act_write_the_e4m3_inputs_of_the_gemms_after_them():
     assert "y_norm" not in ws.cache and "act_out" not in ws.cache
     # unquantised rows, and a MoE's FFN norm (its router reads the rows in the model dtype;
     # experts_ug quantises them) write model-dtype rows; a MoE's act writes e4m3 rows
-    plain = impls.ScratchSpace(torch.device("cpu"), torch.float32)
-    impls.get("add_norm_ffn", "torch").kernel(call(TINY, "add_norm_ffn", plain, "none")).fn()
-    impls.get("add_norm_ffn", "torch").kernel(call(TINY_MOE, "add_norm_ffn", ws)).fn()
+    plain = impl_registry.ScratchSpace(torch.device("cpu"), torch.float32)
+    impl_registry.get("add_norm_ffn", "torch").kernel(
+        call(TINY, "add_norm_ffn", plain, "none")).fn()
+    impl_registry.get("add_norm_ffn", "torch").kernel(call(TINY_MOE, "add_norm_ffn", ws)).fn()
     assert plain.cache["y_norm"].dtype == torch.float32 and "y_norm8" not in plain.cache
     assert ws.cache["y_norm"].dtype == torch.float32
-    moe = impls.ScratchSpace(torch.device("cpu"), torch.float32)
-    impls.get("act", "torch").kernel(call(TINY_MOE, "act", moe)).fn()
+    moe = impl_registry.ScratchSpace(torch.device("cpu"), torch.float32)
+    impl_registry.get("act", "torch").kernel(call(TINY_MOE, "act", moe)).fn()
     assert moe.cache["act_out8"].dtype == torch.float8_e4m3fn and "act_out" not in moe.cache
 
 
@@ -98,8 +99,8 @@ def test_fp8_experts_rows_time_the_w8a8_grouped_gemm(op):
     """Under fp8 a MoE's grouped GEMM rows run the e4m3 experts (`experts_ug` with its normed
     rows quantised first and gathered per token, as models/moe.py runs it), computing the
     exact emulation; no model-dtype expert weight is timed."""
-    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
-    kernel = impls.get(op, "torch").kernel(call(TINY_MOE, op, ws))
+    ws = impl_registry.ScratchSpace(torch.device("cpu"), torch.float32)
+    kernel = impl_registry.get(op, "torch").kernel(call(TINY_MOE, op, ws))
     kernel.fn()
     c = ws.cache
     w8, w_scale = c["w8_" + op], c["ws_" + op]
@@ -196,13 +197,13 @@ def test_cli_profiles_fp8_on_the_fake_gpu_and_show_prints_it(tmp_path):
 
 def test_an_fp8_layers_gemms_read_the_e4m3_rows_the_op_before_wrote():
     """The forward table's layer under fp8: kqv and ug read the norm's e4m3 rows and scales,
-    d reads act's, o quantises the attention output (impls.layer_kernels' aliases)."""
+    d reads act's, o quantises the attention output (impl_registry.layer_kernels' aliases)."""
     from nanosched.models.ops import layer_ops
 
-    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
+    ws = impl_registry.ScratchSpace(torch.device("cpu"), torch.float32)
     calls = [(call(TINY, op.name, ws), "cublas" if op.name in WEIGHTS else "torch")
              for op in layer_ops(TINY)]
-    kernels = impls.layer_kernels(calls)
+    kernels = impl_registry.layer_kernels(calls)
     for kern in kernels:
         kern.fn()
     c = ws.cache
@@ -237,15 +238,16 @@ def test_fp8_rows_of_every_available_impl_match_their_torch_twins():
 
     ops = ["kqv", "o", "ug", "d", "add_norm_attn", "add_norm_ffn", "act"]
     table, _ = quantized_impls(ProfileSettings(SPEC, 1, fixed(1024, 512), 256,
-                                               quantization="fp8"), impls.available(ops)[0])
+                                               quantization="fp8"),
+                                impl_registry.available(ops)[0])
     assert {i.name for i in table["ug"]} <= set(FP8_GEMM_IMPLS)
     assert {i.name for i in table["act"]} == {"triton", "torch"}
-    ws = impls.ScratchSpace(torch.device("cpu"), torch.float32)
+    ws = impl_registry.ScratchSpace(torch.device("cpu"), torch.float32)
     for op in (o.name for o in layer_ops(TINY) if o.name in ops):
         outputs = {}
         for name in [i.name for i in table[op]]:
-            impls.get(op, name).kernel(call(TINY, op, ws))  # fill the workspace
-            impls.get(op, name).kernel(call(TINY, op, ws)).fn()
+            impl_registry.get(op, name).kernel(call(TINY, op, ws))  # fill the workspace
+            impl_registry.get(op, name).kernel(call(TINY, op, ws)).fn()
             outputs[name] = {k: v[:24].float().clone() for k, v in ws.cache.items()
                              if k.startswith("y_") or k in ("act_out8", "act_scale")}
         first, *rest = outputs.values()

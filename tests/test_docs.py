@@ -1,8 +1,10 @@
 """The docs hold together: every relative link in README.md and docs/ resolves (files, folders
 and heading anchors), every record docs/findings.md names is in bench/results/, no doc keeps a
-'Next' list, findings stay one page, the figure tables give one figure per cell, and
-docs/structure.md maps every module in rows of at most 160 characters."""
+'Next' list, findings stay one page, the figure tables give one figure per cell,
+docs/structure.md maps every module in rows of at most 160 characters, and module docstrings
+are notes of at most 15 lines (the rest lives in docs/)."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -137,3 +139,29 @@ def test_structure_maps_every_module():
     missing = sorted(m for m in modules if m not in named
                      and not any(n.endswith("/") and m.startswith(n) for n in named))
     assert modules and not missing, f"docs/structure.md has no row for {missing}"
+
+
+MAX_DOCSTRING_LINES = 15
+
+
+def docstring_lines(path: Path) -> int:
+    """The lines of text in a module's docstring (0 without one), blank ones inside it too."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+    return len(doc.strip("\n").splitlines()) if doc else 0
+
+
+def test_module_docstrings_are_notes():
+    """Issue 47 item 7: a module's docstring says its contract and why, in at most 15 lines;
+    the longer explanation goes to the docs' module notes (docs/runtime.md, docs/profiler.md…)."""
+    lines = {p.relative_to(ROOT).as_posix(): docstring_lines(p)
+             for p in sorted((ROOT / "nanosched").rglob("*.py"))}
+    long = {p: n for p, n in lines.items() if n > MAX_DOCSTRING_LINES}
+    assert max(lines.values()) > 1 and long == {}, f"module docstrings over 15 lines: {long}"
+
+
+def test_the_docstring_counter_counts_every_line(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('"""One.\n\nThree.\n"""\n\nX = 1\n')
+    assert docstring_lines(module) == 3
+    module.write_text("X = 1\n")
+    assert docstring_lines(module) == 0

@@ -4,20 +4,11 @@ sglang-router (docs/usage.md, "Several replicas behind a router") registers a wo
 /health, then /server_info (falling back to /get_server_info on a 404) and /model_info (then
 /get_model_info); with its power_of_two policy it polls /get_load every few seconds. The bodies
 use SGLang's field names, each with this server's own value, and nothing SGLang reports that
-has no counterpart here:
+has no counterpart here: /server_info the model, served name, tp, context, KV tokens, dense
+batch, queue, page size and prefix caching; /model_info the model's paths and architecture;
+/get_load the requests running and waiting and the tokens their KV pages hold.
 
-- /server_info: the model as `--model` gave it (`model_path`) and the served name; tp, and
-  dp = 1 (one engine per process); `context_length` (what /v1/models calls max_model_len),
-  `max_total_tokens` (the KV cache's tokens), `max_prefill_tokens` and `max_running_requests`
-  (both the dense batch: each running request takes at least one of its tokens), `page_size`,
-  `max_queued_requests` (`--max-queue`), `disable_radix_cache` (prefix caching off); also
-  the strategy, and nanosched's `version`.
-- /model_info: `model_path`, `tokenizer_path` (the folder the tokenizer loads from; none for
-  a tokenizer shipped in the package, which no path reaches), `is_generation`, the HF
-  `model_type` and the architecture nanosched runs it as.
-- /get_load: one entry for dp rank 0: `num_reqs` (running + waiting), `num_waiting_reqs`, and
-  `num_tokens`, the tokens of the KV pages requests hold (SGLang also counts the prompts of
-  waiting requests there; this server's snapshot does not hold their lengths).
+More in docs/runtime.md, module notes.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import sys
 import time
 
 from bench.analysis.kvsim import KVSim, sim_cost
-from nanosched.runtime.preempt import AdmissionConfig
+from nanosched.runtime.kv_pool import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams, make_requests
 
 POLICIES = [("reserve", {"policy": "reserve"}), ("predict", {"policy": "predict"})] + [

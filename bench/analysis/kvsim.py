@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from nanosched.models.kvcache import KVCache
+from nanosched.runtime.kv_pool import AdmissionConfig, KVPool
 from nanosched.runtime.offload import SwapCost
-from nanosched.runtime.preempt import AdmissionConfig, KVPool
 from nanosched.runtime.request_scheduler import Batch, BatchEntry, RequestScheduler
 from nanosched.runtime.requests import Request
 

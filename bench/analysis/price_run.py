@@ -31,7 +31,7 @@ from bench.analysis.kvsim import KVSim, sim_cost
 from nanosched.autosearch.simulate import sequential_op_times
 from nanosched.models.spec import load_spec
 from nanosched.profiler.catalog import load_named_profile
-from nanosched.runtime.preempt import AdmissionConfig
+from nanosched.runtime.kv_pool import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams
 from nanosched.schedules.format import BatchInfo
 

@@ -124,7 +124,7 @@ def mem_util_kwargs(gpu_memory_utilization: float | None) -> dict[str, float]:
 def admission_config(admission: str, kv_headroom: float, preemption: str,
                      swap_space: float) -> Any:
     """The engine's AdmissionConfig from the four admission flags (checked by it)."""
-    from nanosched.runtime.preempt import AdmissionConfig
+    from nanosched.runtime.kv_pool import AdmissionConfig
 
     return AdmissionConfig(policy=admission, headroom=kv_headroom, preemption=preemption,
                            swap_space_gib=swap_space)

@@ -16,7 +16,7 @@ from nanosched.errors import ConfigError
 from nanosched.kernels.dispatch import KernelOptions
 from nanosched.models.kvcache import check_kv_dtype
 from nanosched.models.quant import check_quantization
-from nanosched.runtime.preempt import AdmissionConfig
+from nanosched.runtime.kv_pool import AdmissionConfig
 
 GRAPH_MODES = ("off", "on", "layout")  # what an Engine runs; the loader also takes "auto"
 
@@ -48,7 +48,7 @@ class EngineConfig:
     (`Engine.gpu_timeline_report()` then says how long the GPU waited for the CPU between
     iterations);
     `admission` how the request scheduler admits requests and preempts them when KV pages run out
-    (runtime/preempt.py); `prefix_caching` keeps full KV pages indexed by content and
+    (runtime/kv_pool.py); `prefix_caching` keeps full KV pages indexed by content and
     shares them between requests with the same prefix (runtime/request_scheduler.py).
     """
 

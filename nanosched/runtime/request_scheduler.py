@@ -5,7 +5,7 @@ sampled (`update_from_output`), so the engine itself plans and frees no page.
 Batches (NanoFlow §4.2.1): a fixed dense batch, decode first (rows rounded up to `decode_align`,
 a CUDA-graph bucket's), then prompt chunks (continuing prefills, then new requests, first come
 first served) until `dense_batch` tokens. Admission ("use", "reserve", "predict") and preemption
-by recompute or swap go through runtime/preempt.py (`KVPool`). Prefix caching (`prefix_seed`):
+by recompute or swap go through runtime/kv_pool.py (`KVPool`). Prefix caching (`prefix_seed`):
 an admitted request takes the cached full pages of its prompt's longest known prefix and
 prefills after them (never its last token); a fully written page is indexed by its content hash
 (models/prefix.py, models/kvcache.py); a request whose next page another is prefilling waits.
@@ -26,8 +26,8 @@ from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import round_up
 from nanosched.models.kvcache import KVCache
 from nanosched.models.prefix import page_hash, prefix_seed
+from nanosched.runtime.kv_pool import KVPool, PreemptStats, make_pool
 from nanosched.runtime.predict import OutputLengths
-from nanosched.runtime.preempt import KVPool, PreemptStats, make_pool
 from nanosched.runtime.requests import Request
 
 

@@ -9,8 +9,8 @@ from nanosched.models.kvcache import KVCache
 from nanosched.models.model import CausalLM
 from nanosched.models.spec import REGISTRY
 from nanosched.models.weights import init_random
+from nanosched.runtime.kv_pool import AdmissionConfig
 from nanosched.runtime.offload import HostSwap
-from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.requests import make_requests
 
 pytestmark = pytest.mark.gpu

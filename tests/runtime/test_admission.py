@@ -10,8 +10,8 @@ from runtime_helpers import apply_batch
 from bench.analysis.kvsim import sim_cost
 from nanosched.errors import ConfigError
 from nanosched.models.kvcache import KVCache
+from nanosched.runtime.kv_pool import AdmissionConfig, KVPool
 from nanosched.runtime.predict import OutputLengths
-from nanosched.runtime.preempt import AdmissionConfig, KVPool
 from nanosched.runtime.request_scheduler import RequestScheduler
 from nanosched.runtime.requests import Request, SamplingParams
 

@@ -7,7 +7,7 @@ from nanosched.models.model import CausalLM
 from nanosched.models.weights import init_random
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
-from nanosched.runtime.preempt import AdmissionConfig
+from nanosched.runtime.kv_pool import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams
 
 

@@ -12,7 +12,7 @@ from runtime_helpers import make_engine, tiny_llama
 from bench.analysis.kvsim import KVSim, sim_cost
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.engine import Engine
-from nanosched.runtime.preempt import AdmissionConfig
+from nanosched.runtime.kv_pool import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams
 
 MODES = ("recompute", "swap", "auto")

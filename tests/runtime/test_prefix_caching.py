@@ -8,7 +8,7 @@ import torch
 from runtime_helpers import TINY_SPEC_KW, make_engine, tiny_engine_model
 
 from nanosched.models.spec import ModelSpec
-from nanosched.runtime.preempt import AdmissionConfig
+from nanosched.runtime.kv_pool import AdmissionConfig
 from nanosched.runtime.requests import Request, SamplingParams, make_requests
 
 SPEC = ModelSpec(**TINY_SPEC_KW)

@@ -15,8 +15,8 @@ from hf_models import make_hf
 
 from nanosched.models.spec import load_spec
 from nanosched.runtime.config import EngineConfig
+from nanosched.runtime.kv_pool import AdmissionConfig
 from nanosched.runtime.loader import build_engine, load_model, named_choice
-from nanosched.runtime.preempt import AdmissionConfig
 from nanosched.runtime.ranks.group import start_ranks
 from nanosched.runtime.requests import Request, SamplingParams
 

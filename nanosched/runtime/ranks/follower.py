@@ -25,8 +25,8 @@ import torch.distributed as dist
 from nanosched.kernels.common import bind_device
 from nanosched.models.parallel import TensorParallel
 from nanosched.models.spec import load_spec
+from nanosched.runtime.kv_pool import replay_kv_ops
 from nanosched.runtime.loader import LoadedEngine, build_engine, load_model, named_choice
-from nanosched.runtime.preempt import replay_kv_ops
 from nanosched.runtime.ranks.channel import ChannelHandle, ChannelReader
 from nanosched.runtime.ranks.messages import (
     Call,

@@ -4,7 +4,7 @@ carries them, pickled).
 Per engine: `OpenEngine` (its resolved config and strategy, when rank 0 builds it), then per
 iteration a `Step`, any number of `Call`s (work on every rank, e.g. a benchmark's timed
 forward), and `CloseEngine`. `Stop` ends a worker. `Step` and `Call` carry the journal of KV
-changes rank 0's scheduler made since the last message (runtime/preempt.py `replay_kv_ops`):
+changes rank 0's scheduler made since the last message (runtime/kv_pool.py `replay_kv_ops`):
 pages reserved and released, swaps out and in, host copies dropped. A `Step`'s batch is what
 `KVCache.plan_chunks` takes, compacted: the request ids of its decode chunks (one token each,
 each sampling) as an int64 array, then (request id, tokens, samples) per prompt chunk.

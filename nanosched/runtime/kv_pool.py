@@ -1,4 +1,4 @@
-"""Admission settings, and the KV pages the "use" and "predict" policies give, take and move.
+"""`KVPool`: the KV pages the "use" and "predict" policies give, take and move; admission settings.
 
 `AdmissionConfig` is what the flags ask for (`--admission`, `--kv-headroom`, `--preemption`,
 `--swap-space`), range-checked with errors that name the flag. `KVPool` is the mechanism under

@@ -165,3 +165,10 @@ def test_the_docstring_counter_counts_every_line(tmp_path):
     assert docstring_lines(module) == 3
     module.write_text("X = 1\n")
     assert docstring_lines(module) == 0
+
+
+def test_structure_has_one_row_per_module():
+    """docs/structure.md: a module's facts in one row, not spread over two."""
+    firsts = [re.findall(r"`([^`]+)`", line[2:].split(" | ")[0])[0] for line in _structure_rows()]
+    assert len(firsts) > 100
+    assert sorted({f for f in firsts if firsts.count(f) > 1}) == []

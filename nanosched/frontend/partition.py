@@ -22,7 +22,7 @@ EMBED, HEAD = "embed", "head"
 MATMULS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d",
            optable.EXPERTS_UG, optable.EXPERTS_D, optable.ATTN_PREFILL,
            "scaled_dot_product_attention"}
-COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_reduce_",
+COLLECTIVE_CALLS = {"all_reduce", "all_gather", "reduce_scatter", "all_reduce_",
                "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "all_to_all_single"}
 VIEW_METHODS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten",
@@ -192,7 +192,7 @@ def mutated(n: fx.Node) -> list[fx.Node]:
 
 def infer_resource(nodes: list[fx.Node]) -> str:
     names = {target_name(n.target) for n in nodes if n.op in ("call_function", "call_method")}
-    if names & COLLECTIVES:
+    if names & COLLECTIVE_CALLS:
         return NETWORK
     if any(n.op == "call_function" and same_callable(n.target, custom_ops.ATTN_DECODE)
            for n in nodes):

@@ -20,7 +20,7 @@ from typing import Any
 
 from nanosched.kernels import impls
 
-Span = Callable[[int, int], tuple[int, int]]
+SpanFunc = Callable[[int, int], tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Access:
     """A buffer touched by an op; `span` maps the op's range to the rows touched (default: same)."""
 
     buffer: str
-    span: Span | None = None
+    span: SpanFunc | None = None
 
     def rows(self, start: int, end: int) -> tuple[int, int]:
         return (start, end) if self.span is None else self.span(start, end)

@@ -144,7 +144,7 @@ def _utf8(value: str) -> str:
 Text = Annotated[str, Field(strict=True), AfterValidator(_utf8)]
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 Number = StrictFloat  # an int is taken as a float too; a bool is not a number
-StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 # ---- the bodies ----------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class _Tail(BaseModel):
     temperature: Number | None = Field(None, ge=0, le=MAX_TEMPERATURE)
     top_p: Number | None = Field(None, gt=0, le=1)
     ignore_eos: StrictBool | None = None
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = \
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = \
         Field(None, union_mode="left_to_right")
 
     @field_validator("stream_options", mode="before")

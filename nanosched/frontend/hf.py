@@ -24,7 +24,8 @@ from nanosched.frontend.rules import Rule, Rules, SplitFunc, SplitModule
 from nanosched.models.ops import OPS
 
 IMPLEMENTATION = "nanosched"
-UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention variants the kernels lack
+# attention variants the kernels lack
+UNSUPPORTED_ATTENTION = ("sliding_window", "softcap", "s_aux")
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -32,7 +33,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF attention interface: causal paged attention of the batch's rows. query [1, Hq, T, d],
     key, value [1, Hkv, T, d] (rotated); returns [1, T, Hq, d] as HF's SDPA path does."""
-    for name in UNSUPPORTED:
+    for name in UNSUPPORTED_ATTENTION:
         if kwargs.get(name) is not None:
             raise ConfigError(f"attention with {name}={kwargs[name]!r} (layer "
                               f"{module.layer_idx}) is not supported by the frontend's kernels")

@@ -6,11 +6,15 @@ accumulation), with the error of each FP8 variant against the exact emulation; t
 the GEMMs' inputs with a bf16 and an e4m3 output (RMSNorm with residual add, SiLU·mul) and the
 row quantisation before `o`, whose cost is set against `o`'s FP8 GEMM. Every time is the median
 of CUDA-graph replays (20 calls a graph, so a Python call costs nothing), with the NVML clock
-and power read across the GEMM rows. Usage: `PYTHONPATH=. python bench/kernels/kernels_fp8.py`.
+and power read across the GEMM rows, and the weight bytes each FP8 GEMM streams per second (what
+bounds it at decode's few rows). Usage: `PYTHONPATH=. python bench/kernels/kernels_fp8.py
+[--model llama3-70b] [--rows 64,128,256]` (another model: its GEMM shapes, no producer rows).
 """
 
 # ruff: noqa: B023  (each lambda is timed at once, inside the loop iteration that made it)
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -40,10 +44,20 @@ def clock_power() -> tuple[float, float]:
     return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3
 
 
-def gemm_rows() -> list[dict]:
+def model_gemms(name: str) -> dict[str, tuple[int, int]]:
+    """(K, N) of each dense layer GEMM of model `name` at tp = 1."""
+    from nanosched.models.spec import load_spec
+
+    s = load_spec(name)
+    d, i = s.hidden_size, s.intermediate_size
+    return {"kqv": (d, s.q_size + 2 * s.kv_size), "o": (s.q_size, d), "ug": (d, 2 * i),
+            "d": (i, d)}
+
+
+def gemm_rows(gemms: dict[str, tuple[int, int]], row_counts: tuple[int, ...]) -> list[dict]:
     rows = []
-    for m in ROWS:
-        for name, (k, n) in GEMMS.items():
+    for m in row_counts:
+        for name, (k, n) in gemms.items():
             x, w = rand(m, k), rand(n, k, scale=k ** -0.5)
             out = torch.empty(m, n, dtype=BF16, device="cuda")
             (x8, xs), (w8, ws) = ref.quantize_fp8(x), ref.quantize_fp8(w)
@@ -64,16 +78,17 @@ def gemm_rows() -> list[dict]:
             flops = 2 * m * k * n
             row["bf16_tflops"] = flops / row["bf16_us"] / 1e6
             row["fp8_tflops"] = flops / row["fp8_us"] / 1e6
+            row["fp8_weight_tbps"] = k * n / row["fp8_us"] / 1e6
             row["speedup"] = row["bf16_us"] / row["fp8_us"]
             row["speedup_fast"] = row["bf16_us"] / row["fp8_fast_us"]
             rows.append(row)
     return rows
 
 
-def producer_rows(gemms: list[dict]) -> list[dict]:
+def producer_rows(gemms: list[dict], row_counts: tuple[int, ...]) -> list[dict]:
     f8 = torch.float8_e4m3fn
     rows = []
-    for m in ROWS:
+    for m in row_counts:
         x, r, w = rand(m, 4096), rand(m, 4096), rand(4096)
         out, res = torch.empty_like(x), torch.empty_like(x)
         out8, sc = torch.empty(m, 4096, dtype=f8, device="cuda"), torch.empty(m, device="cuda")
@@ -103,11 +118,20 @@ def peaks() -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b", help="model whose GEMM shapes to time")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)),
+                    help="comma-separated token counts M")
+    args = ap.parse_args()
+    row_counts = tuple(int(m) for m in args.rows.split(","))
     torch.manual_seed(0)
-    gemms = gemm_rows()
-    producers = producer_rows(gemms)
+    shapes = GEMMS if args.model == "llama3-8b" else model_gemms(args.model)
+    gemms = gemm_rows(shapes, row_counts)
+    producers = producer_rows(gemms, row_counts) if args.model == "llama3-8b" else []
     peak = peaks()
-    path = write_result("kernels_fp8", {"env": environment(), "gemms": gemms,
+    path = write_result("kernels_fp8", {"env": environment(), "model": args.model,
+                                        "command": "bench/kernels/kernels_fp8.py --model "
+                                        f"{args.model} --rows {args.rows}", "gemms": gemms,
                                         "producers": producers, "peaks": peak})
     print(f"wrote {path}")
     print(f"GEMM peak at 8192^3 (50 ms from idle): bf16 {peak['bf16_8192_tflops']:.0f}, "
@@ -115,12 +139,15 @@ def main() -> None:
     print_table(gemms, [("op", "op", ""), ("rows", "M", "d"), ("bf16_us", "bf16 us", ".1f"),
                         ("fp8_us", "fp8 us", ".1f"), ("fp8_fast_us", "fast us", ".1f"),
                         ("speedup", "x", ".2f"), ("speedup_fast", "x fast", ".2f"),
+                        ("fp8_weight_tbps", "w TB/s", ".2f"),
                         ("fp8_err", "err", ".1e"), ("fp8_fast_err", "err fast", ".1e"),
                         ("clock_mhz", "MHz", ".0f"), ("power_w", "W", ".0f")])
-    print_table(producers, [("rows", "M", "d"), ("rms_bf16_us", "rms bf16", ".1f"),
-                            ("rms_fp8_us", "rms fp8", ".1f"), ("silu_bf16_us", "silu bf16", ".1f"),
-                            ("silu_fp8_us", "silu fp8", ".1f"), ("quant_o_us", "quant o", ".1f"),
-                            ("o_fp8_us", "o fp8", ".1f"), ("quant_of_o", "quant/o", ".3f")])
+    if producers:
+        print_table(producers, [
+            ("rows", "M", "d"), ("rms_bf16_us", "rms bf16", ".1f"),
+            ("rms_fp8_us", "rms fp8", ".1f"), ("silu_bf16_us", "silu bf16", ".1f"),
+            ("silu_fp8_us", "silu fp8", ".1f"), ("quant_o_us", "quant o", ".1f"),
+            ("o_fp8_us", "o fp8", ".1f"), ("quant_of_o", "quant/o", ".3f")])
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ FIGURES: tuple[Figure, ...] = (
            ("runs.sequential+graphs.results.tokens_per_s",
             "runs.sequential+graphs.results.tokens_per_s"), "ratio", "{:.2f}×",
            "bench-tp1-fp8-llama3-8b-in1024-out512-n1000-H200-20261202.json"),
-    Figure("16,505", "bench-tp1-w8a8-fp8-llama3-8b-in1000-out1000-n3000-H200-20261202.json",
+    Figure("15,914", "bench-tp1-w8a8-fp8-llama3-8b-in1000-out1000-n3000-H200-20261203.json",
+           ("runs.sequential+graphs.results.output_tokens_per_s",), fmt="{:,.0f}"),
+    Figure("16,459", "bench-tp1-w8a8-fp8-reserve-llama3-8b-in1000-out1000-n3000-H200-20261203.json",
            ("runs.sequential+graphs.results.output_tokens_per_s",), fmt="{:,.0f}"),
     # Results: prefix caching on against off, 1,000 requests sharing a 2,000-token prefix in 10
     # groups (200 unique prompt tokens, 256 output), FP8 weights and KV

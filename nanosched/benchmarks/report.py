@@ -181,6 +181,13 @@ def run_lines(name: str, run: dict[str, Any]) -> list[str]:
         lines.append(f"  prefix cache: {100 * c['hit_rate']:.1f}% of prompt tokens hit "
                      f"({c['hits_tokens']} of {c['queries_tokens']}), {c['evicted_pages']} "
                      f"pages evicted" if c["enabled"] else "  prefix cache: off")
+    m = run.get("gpu_memory")
+    if m is not None:
+        lines.append(f"  GPU memory: {m['kv_bytes'] / 1e9:.1f} GB of KV pages, "
+                     f"{m['reserve_bytes'] / 1e9:.1f} GB kept beside them; torch's peak "
+                     f"{m['peak_reserved_bytes'] / 1e9:.1f} GB, {m['used_bytes_end'] / 1e9:.1f} "
+                     f"GB in use at the end, of a {m['budget_bytes'] / 1e9:.1f} GB budget "
+                     f"(--gpu-memory-utilization of {m['total_bytes'] / 1e9:.1f} GB)")
     if "gpu_timeline" in run:
         t, wall = run["gpu_timeline"], run["results"]["elapsed_s"]
         lines.append(f"  GPU: {t['busy_s']:.1f} s on {t['iterations']} iterations' work, "

@@ -32,6 +32,7 @@ from nanosched.runtime.loader import (
     choose_strategy,
     kv_pages,
     load_model,
+    reserve_bytes,
     resolve_dense_batch,
     resolve_device,
     resolve_graphs,
@@ -305,6 +306,8 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
         token_times.setdefault(req.request_id, []).append(time.perf_counter())
 
     run_cfg = replace(run_cfg, gpu_timeline=True)  # how long the GPU waited for the CPU
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
     with build_engine(model, run_cfg, run.choice, requests=reqs + warm_reqs,
                       on_token=on_token, ranks=group) as loaded:
         engine, dense = loaded.engine, loaded.config.dense_batch
@@ -331,6 +334,7 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
                                   engine.forward_ms_by_shape())
         stats, batches = engine.stats, engine.scheduler.report() | {"prefix_cache": cache}
         pages = loaded.config.num_pages
+        memory = gpu_memory(model, run_cfg, pages)
         graph_errors = dict(engine.graphs.errors) if engine.graphs else {}
     del engine, loaded  # the KV cache and graphs go before the next run allocates its own
     if model.device.type == "cuda":
@@ -346,6 +350,8 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
            "layer_us_full_batch": fwd * 1e3 / spec.num_layers,
            "results": summarize(reqs, elapsed, run_cfg.tp, spec.num_params(active=True), gemm,
                                token_times)}
+    if memory is not None:
+        out["gpu_memory"] = memory
     if timeline is not None:  # the compute stream over the timed run's iterations
         out["gpu_timeline"] = timeline
     if sent is not None:
@@ -355,6 +361,22 @@ def _serve(cfg: BenchConfig, run_cfg: EngineConfig, model: Any, gemm: float | No
         out["graph_stats_warmup"] = warm_graphs
         out["graph_errors"] = {f"{k[0]} {k[1]}": v for k, v in graph_errors.items()}
     return out
+
+
+def gpu_memory(model: Any, cfg: EngineConfig, pages: int) -> dict[str, int] | None:
+    """What the run's engine held on this GPU against what it was given (None on the CPU):
+    the budget (`mem_util` of the GPU), the KV pages' bytes, the reserve kept beside them
+    (runtime/loader.py reserve_bytes), torch's peak over the run (weights, KV, buffers, the
+    CUDA-graph pool, the sampler) and everything in use at its end, other processes' included."""
+    if model.device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(model.device)
+    page = cfg.page_size * model.spec.kv_bytes_per_token(
+        tp=model.tp.size, kv_dtype=cfg.kv_dtype, dtype_bytes=model.dtype.itemsize)
+    return {"budget_bytes": int(cfg.mem_util * total), "kv_bytes": pages * page,
+            "reserve_bytes": reserve_bytes(model, cfg.dense_batch),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(model.device),
+            "used_bytes_end": total - free, "total_bytes": total}
 
 
 def _sent_per_step(before: tuple[int, float, int],

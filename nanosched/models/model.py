@@ -5,6 +5,8 @@ More in docs/runtime.md, module notes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,15 +114,26 @@ class CausalLM(nn.Module):
                       kv_dtype: str = "auto") -> Workspace:
         """Buffers for batches of up to `max_tokens` tokens and a cache of `num_pages` pages
         (`kv_dtype`: "auto" = the model's dtype, "fp8" = e4m3 with scales; models/kvcache.py)."""
+        kv = KVCache(self.spec.num_layers, num_pages, self.local.num_kv_heads,
+                     self.spec.head_dim, self.dtype, self.device, page_size, kv_dtype)
+        return self._workspace(max_tokens, kv, self.device, self.tp.symmetric_zeros)
+
+    def buffer_bytes(self, max_tokens: int) -> int:
+        """Bytes of `new_workspace`'s activation buffers for `max_tokens` tokens, its KV cache
+        aside: the same buffers, laid out on the meta device (nothing allocated)."""
+        ws = self._workspace(max_tokens, None, torch.device("meta"), None)
+        return sum(t.numel() * t.element_size() for t in vars(ws).values()
+                   if isinstance(t, torch.Tensor))
+
+    def _workspace(self, max_tokens: int, kv: KVCache | None, device: torch.device,
+                   reduced: Any) -> Workspace:
         s, loc = self.spec, self.local
-        kv = KVCache(s.num_layers, num_pages, loc.num_kv_heads, s.head_dim, self.dtype,
-                     self.device, page_size, kv_dtype)
         k = s.num_experts_per_tok if s.is_moe else 1
         return allocate_workspace(
             max_tokens=max_tokens, hidden=s.hidden_size, qkv_size=loc.qkv_size,
             num_heads=loc.num_heads, head_dim=s.head_dim, intermediate=loc.intermediate,
-            experts_per_token=k, is_moe=s.is_moe, kv=kv, dtype=self.dtype, device=self.device,
-            reduced=self.tp.symmetric_zeros, fp8=self.quantization == quant.FP8)
+            experts_per_token=k, is_moe=s.is_moe, kv=kv, dtype=self.dtype, device=device,
+            reduced=reduced, fp8=self.quantization == quant.FP8)
 
     def norm_before(self, layer: int) -> torch.Tensor:
         """The RMSNorm weight applied before layer `layer` (the final norm after the last)."""

@@ -56,14 +56,14 @@ class Workspace:
 
 def allocate_workspace(*, max_tokens: int, hidden: int, qkv_size: int, num_heads: int,
                        head_dim: int, intermediate: int, experts_per_token: int,
-                       is_moe: bool, kv: KVCache, dtype: torch.dtype,
+                       is_moe: bool, kv: KVCache | None, dtype: torch.dtype,
                        device: torch.device | str,
                        reduced: Callable[..., torch.Tensor] | None = None,
                        fp8: bool = False) -> Workspace:
     """Allocate every buffer for up to `max_tokens` tokens (see `CausalLM.new_workspace`);
     `reduced(*shape, dtype=, device=)` allocates the two buffers all-reduces run in (o_out,
     ffn_out), e.g. `TensorParallel.symmetric_zeros` for the copy-engine all-reduce; `fp8` adds
-    the e4m3 GEMM inputs."""
+    the e4m3 GEMM inputs; `kv` None only for buffers sized on the meta device."""
     t, k = max_tokens, experts_per_token
 
     def buf(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:

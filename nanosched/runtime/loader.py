@@ -37,6 +37,7 @@ from nanosched.runtime.choice import (  # noqa: F401 (re-exported: the commands 
 from nanosched.runtime.config import GRAPH_MODES, EngineConfig
 from nanosched.runtime.engine import Engine
 from nanosched.runtime.requests import Request
+from nanosched.runtime.sampling import transient_bytes
 
 log = logging.getLogger("nanosched.loader")
 DEFAULT_DENSE_BATCH = {"cuda": 2048, "cpu": 256}
@@ -112,6 +113,20 @@ def load_model(spec: ModelSpec, weights: str, device: torch.device, seed: int = 
     return model
 
 
+RESERVE_MARGIN = 1 << 30  # cuBLAS and Triton workspaces, the CUDA-graph pool, fragmentation
+
+
+def reserve_bytes(model: Any, dense_batch: int) -> int:
+    """GPU memory an engine takes beside its weights and KV pages: the workspace's buffers for
+    `dense_batch` tokens (exact), the logits of `dense_batch` sampled rows (twice at tp > 1:
+    the gathered copy), the sampler's temporaries (runtime/sampling.py, drawn in chunks) and
+    RESERVE_MARGIN. `bench --json` records the peak it reached (`gpu_peak_bytes`)."""
+    vocab, itemsize = model.spec.vocab_size, model.dtype.itemsize
+    logits = dense_batch * vocab * itemsize * (2 if model.tp.size > 1 else 1)
+    return (model.buffer_bytes(dense_batch) + logits + transient_bytes(dense_batch, vocab)
+            + RESERVE_MARGIN)
+
+
 def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
              requests: list[Request] | None, kv_dtype: str = "auto") -> int:
     """Pages that fit in the GPU memory left after weights and buffers (CPU: what the
@@ -129,8 +144,7 @@ def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
     if requests is None:
         need = 1 << 62
     free, total = torch.cuda.mem_get_info(model.device)
-    workspace = 64 * dense_batch * (spec.hidden_size + spec.intermediate_size // tp) * 2
-    budget = free - (1 - mem_util) * total - workspace
+    budget = free - (1 - mem_util) * total - reserve_bytes(model, dense_batch)
     if budget < page_bytes * 2:
         raise ConfigError(f"no GPU memory left for the KV cache of {spec.name!r} "
                           f"({free / 2**30:.1f} GiB free)")

@@ -6,6 +6,18 @@ from typing import Any
 
 import torch
 
+# Rows drawn at once: a random draw holds ~TRANSIENT_BYTES_PER_LOGIT of temporaries per logit
+# (fp32 copies, the sort's values and int64 order, the cut, the noise), 1.6 GB for 256 rows of
+# Llama-3's 128k vocabulary; a batch's sampled rows go through in chunks this tall so the
+# engine's memory reserve (runtime/loader.py kv_pages) need not grow with the dense batch.
+CHUNK_ROWS = 256
+TRANSIENT_BYTES_PER_LOGIT = 48
+
+
+def transient_bytes(rows: int, vocab: int) -> int:
+    """The most memory `sample` takes beside its input for `rows` rows of `vocab` logits."""
+    return min(rows, CHUNK_ROWS) * vocab * TRANSIENT_BYTES_PER_LOGIT
+
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
            generator: torch.Generator | None = None, *,
@@ -21,6 +33,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     race on the device's generator. None reads it from `temperature`, which on a GPU waits for
     everything queued before it (the forward that made `logits`).
     """
+    if logits.shape[0] <= CHUNK_ROWS:
+        return _sample_rows(logits, temperature, top_p, generator, any_random)
+    if any_random is None:
+        any_random = bool((temperature > 0).any())
+    return torch.cat([_sample_rows(logits[i:i + CHUNK_ROWS], temperature[i:i + CHUNK_ROWS],
+                                   top_p[i:i + CHUNK_ROWS], generator, any_random)
+                      for i in range(0, logits.shape[0], CHUNK_ROWS)])
+
+
+def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                 generator: torch.Generator | None, any_random: bool | None) -> torch.Tensor:
     bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
     logits = logits.masked_fill(bad.unsqueeze(1), 0.0)
     greedy = logits.argmax(dim=-1)

@@ -212,3 +212,32 @@ def test_kv_pages_size_this_ranks_shard_of_the_cache():
     pages = [loader.kv_pages(CausalLM(spec, tp=TensorParallel(0, tp)), 256, PAGE_SIZE, 0.9,
                              reqs) for tp in (1, 2)]
     assert 2 * pages[0] <= pages[1] <= 2 * pages[0] + 1  # 1 GiB // page bytes, floored
+
+
+TINY_MOE = dict(name="tiny-moe", arch="mixtral", hidden_size=64, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=16, intermediate_size=96, vocab_size=100,
+                num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("moe_fp8", [False, True])
+def test_reserve_counts_the_buffers_a_workspace_allocates(moe_fp8):
+    """The memory kept beside weights and KV pages counts a workspace's activation buffers
+    exactly (laid out on the meta device), the logits of a full batch of sampled rows, the
+    sampler's chunked temporaries and the fixed margin."""
+    from nanosched.models.model import CausalLM
+    from nanosched.models.spec import ModelSpec
+    from nanosched.runtime.sampling import transient_bytes
+
+    if moe_fp8:
+        spec = ModelSpec(**TINY_MOE)
+        model = CausalLM(spec, dtype=torch.bfloat16, quantization="fp8")
+    else:
+        spec = load_spec("stories15m")
+        model = CausalLM(spec)
+    ws = model.new_workspace(384, 4)
+    allocated = sum(t.numel() * t.element_size() for t in vars(ws).values()
+                    if isinstance(t, torch.Tensor))
+    assert model.buffer_bytes(384) == allocated > 0
+    logits = 384 * spec.vocab_size * model.dtype.itemsize
+    assert loader.reserve_bytes(model, 384) == (allocated + logits + loader.RESERVE_MARGIN
+                                                + transient_bytes(384, spec.vocab_size))

@@ -88,3 +88,21 @@ def test_sampling_told_on_the_host_whether_any_row_is_random_draws_the_same():
         assert torch.equal(own, told)
     greedy = logits.argmax(-1)
     assert torch.equal(sample(logits, torch.zeros(6), top_p, any_random=False), greedy)
+
+
+def test_sampling_in_chunks_draws_what_one_call_draws(monkeypatch):
+    """A batch taller than CHUNK_ROWS is drawn chunk by chunk (the sampler's temporaries stay
+    bounded): the same tokens as one call, a failed row still -1, greedy rows their argmax."""
+    from nanosched.runtime import sampling
+
+    logits = torch.randn(10, 50, generator=torch.Generator().manual_seed(1))
+    logits[3, 7] = float("nan")
+    temp = torch.tensor([0.0, 0.7, 0.0, 1.0, 0.0, 0.3, 1.0, 1.2, 0.0, 0.5])
+    top_p = torch.full((10,), 0.9)
+    whole = sample(logits, temp, top_p, torch.Generator().manual_seed(2))
+    monkeypatch.setattr(sampling, "CHUNK_ROWS", 4)
+    chunked = sample(logits, temp, top_p, torch.Generator().manual_seed(2))
+    assert torch.equal(whole, chunked) and chunked[3] == -1
+    greedy = temp == 0
+    assert torch.equal(chunked[greedy], logits.argmax(-1)[greedy])
+    assert sampling.transient_bytes(10, 50) == 4 * 50 * sampling.TRANSIENT_BYTES_PER_LOGIT

@@ -136,14 +136,25 @@ def linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
     """out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] (+ bias): the W8A8 GEMM. x [n, K]
     e4m3 with one scale per row, w [N, K] e4m3 with one per output channel, out [n, N] in the
     model dtype. On a GPU `torch._scaled_mm` with rowwise scales (CUTLASS on Hopper; launch:
-    a `cublaslt` impl's SM target applies); elsewhere the exact emulation of `reference`."""
+    a `cublaslt` impl's SM target applies), or the persistent Triton GEMM where the launch or
+    `opts.gemm` names it (128-deep K steps: a byte an element); elsewhere the exact emulation
+    of `reference`."""
     if x.shape[0] == 0:
+        return
+    args = impls.read_launch(launch)
+    name = _chosen(args, impls.GEMM, lambda: opts.gemm_impl)
+    impl = impls.parse_gemm(name)
+    if impl.kind == impls.PERSISTENT:
+        _triton_ok(x)
+        from nanosched.kernels.gemm import GemmConfig, persistent_linear
+
+        cfg = GemmConfig(num_sms=args["num_sms"], block_m=impl.block_m, block_n=impl.block_n,
+                         block_k=128)
+        persistent_linear(x, w, bias, out, cfg, x_scale, w_scale)
         return
     if x.device.type != "cuda":
         ref.linear_fp8(x, x_scale, w, w_scale, bias, out)
         return
-    args = impls.read_launch(launch)
-    name = _chosen(args, impls.GEMM, lambda: opts.gemm_impl)
     target = impls.cublaslt_sm_target(impls.sm_target(args), num_sms(x.device)) \
         if name == "cublaslt" else contextlib.nullcontext()
     def mm(b: torch.Tensor | None) -> None:

@@ -85,12 +85,12 @@ def crossing_values(part: Partition, reads: list[Reads], symbol: sympy.Symbol
     for i, r in enumerate(reads):
         for v in r.values:
             if v not in out:
-                out[v] = describe(v, symbol, f"{part.groups[part.group_of[v]].name} (read by "
-                                             f"{part.groups[i].name})")
+                out[v] = crossing_value(v, symbol, f"{part.groups[part.group_of[v]].name} "
+                                                   f"(read by {part.groups[i].name})")
     return out
 
 
-def describe(node: fx.Node, symbol: sympy.Symbol, where: str) -> Value:
+def crossing_value(node: fx.Node, symbol: sympy.Symbol, where: str) -> Value:
     t = example(node)
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"{node.name} of op {where} is a {type(t).__name__}, not a tensor: "

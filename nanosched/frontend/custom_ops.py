@@ -25,7 +25,7 @@ Tensor = torch.Tensor
 
 
 @dataclass
-class Call:
+class SubgraphCall:
     """What the operators need to know about the subgraph call they run in."""
 
     kv: Any = None  # models.kvcache.KVCache
@@ -41,7 +41,7 @@ class Call:
         return self.kv is not None
 
 
-CALL = Call()
+CALL = SubgraphCall()
 
 
 @contextmanager

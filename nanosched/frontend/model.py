@@ -38,7 +38,7 @@ from nanosched.frontend.hf import table_rules
 from nanosched.frontend.inductor import AUTO, chosen_ops, compile_subgraphs, warm_up
 from nanosched.frontend.partition import EMBED, HEAD, Partition, example, partition
 from nanosched.frontend.program import (
-    Step,
+    BoundSubgraph,
     assign_buffers,
     check_same_layers,
     program,
@@ -168,7 +168,7 @@ class FrontendModel:
             op.run(0, meta.end, DEFAULT_LAUNCH)
         return self.logits(ws, rows_, num_tokens=meta.end)
 
-    def inputs_of(self, step: Step) -> list[Any]:
+    def inputs_of(self, step: BoundSubgraph) -> list[Any]:
         return step.bound
 
     def describe(self) -> dict[str, Any]:
@@ -217,7 +217,7 @@ class FrontendModel:
         return subs, traced
 
     def _steps(self, subs: list[Subgraph], traced: dict[fx.Node, Value]
-               ) -> tuple[list[Step], Step]:
+               ) -> tuple[list[BoundSubgraph], BoundSubgraph]:
         roles = {}
         for s in subs:
             for j, v in enumerate(s.outputs):
@@ -237,13 +237,13 @@ class FrontendModel:
             check_same_layers(by_layer[0], by_layer[1], self.trace, traced)
             middle = [(1, layer - 1) for layer in range(1, depth - 1)]
             plan = [(0, 0), *middle, (k - 1, depth - k)]
-        steps = [Step(s, 0, roles) for s in embed]
+        steps = [BoundSubgraph(s, 0, roles) for s in embed]
         for t, shift in plan:
-            steps += [Step(s, shift, roles) for s in by_layer[t]]
-        head = Step(subs[-1], depth - k, roles)
+            steps += [BoundSubgraph(s, shift, roles) for s in by_layer[t]]
+        head = BoundSubgraph(subs[-1], depth - k, roles)
         return steps, head
 
-    def _bind(self, step: Step) -> list[Any]:
+    def _bind(self, step: BoundSubgraph) -> list[Any]:
         """Per graph input the step reads: a token input's name or the constant tensor (the
         shifted layer's parameter for a layer's weight)."""
         out: list[Any] = []

@@ -1,7 +1,8 @@
 """The frontend's ops as the runtime's `Program`, over buffers shared by the whole forward.
 
-`Step` is one op of the forward: a subgraph (codegen.py) bound to one layer (`shift` layers
-after the traced layer it was built from: its weights and KV layer are the shifted ones).
+`BoundSubgraph` is one op of the forward, a step of its program: a subgraph (codegen.py)
+bound to one layer (`shift` layers after the traced layer it was built from: its weights and
+KV layer are the shifted ones).
 Every tensor one step computes for later steps is a value `(op, output index, layer)`;
 values of equal shape, dtype and layout share a buffer when their lifetimes (first writer to
 last reader, in program order) do not overlap, so the buffers hold about one layer's
@@ -37,7 +38,7 @@ ValueId = tuple[str, int, int]  # (producing op, its output index, real layer or
 
 
 @dataclass
-class Step:
+class BoundSubgraph:
     sub: Subgraph
     shift: int  # real layer - traced layer
     roles: dict[fx.Node, tuple[str, int, int]]  # value -> (op, output index, traced layer)
@@ -68,7 +69,7 @@ class Step:
                    for n in self.sub.group.nodes)
 
 
-def assign_buffers(steps: Sequence[Step], values: dict[ValueId, Value]
+def assign_buffers(steps: Sequence[BoundSubgraph], values: dict[ValueId, Value]
                    ) -> dict[ValueId, str]:
     """Buffer name of every value: reuse one whose last reader came strictly earlier."""
     first: dict[ValueId, int] = {}
@@ -122,7 +123,8 @@ def program(fm: Any, ws: Any, meta: Any, segments: Sequence[tuple[int, int, bool
     return Program(num_tokens, tuple(out))
 
 
-def runner(fm: Any, step: Step, ws: Any, meta: Any) -> Callable[[int, int, LaunchConfig], None]:
+def runner(fm: Any, step: BoundSubgraph, ws: Any, meta: Any
+           ) -> Callable[[int, int, LaunchConfig], None]:
     """`run(start, end, cfg)` of one step; what does not depend on the range is looked up once."""
     sub = step.sub
     ins = [(ws.buffers[fm.buffers[v]], fm.values[v]) for v in step.reads()]

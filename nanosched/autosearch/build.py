@@ -38,7 +38,7 @@ from nanosched.schedules.format import (
     Schedule,
     StageReport,
     StreamInfo,
-    model_info,
+    model_record,
 )
 from nanosched.schedules.validate import check_capacity
 
@@ -146,7 +146,7 @@ def _assemble(spec: ModelSpec, tp: int, profile: Profile, nanos: list[NanoOpDef]
     period = alloc.period / TICKS_PER_US
     pred = Prediction(period, period, period * spec.num_layers, 0.0, optimal, seq_period,
                       seq_iter)
-    return Schedule(model_info(spec), tp, profile.identity.gpu_name, profile.identity.num_sms,
+    return Schedule(model_record(spec), tp, profile.identity.gpu_name, profile.identity.num_sms,
                     profile.digest(), batch, ranges, dict(structure.forms), streams,
                     tuple(ops), pred, stages,
                     datetime.now(timezone.utc).isoformat(timespec="seconds"), command,

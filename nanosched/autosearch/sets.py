@@ -24,7 +24,7 @@ from nanosched.errors import ScheduleError
 from nanosched.models import ops as optable
 from nanosched.models.costmodel import kv_capacity_tokens
 from nanosched.models.ops import COMPUTE, MEMORY, NETWORK, OTHER
-from nanosched.schedules.format import BatchInfo, model_info
+from nanosched.schedules.format import BatchInfo, model_record
 from nanosched.schedules.sets import (
     PIPELINE,
     ScheduleSet,
@@ -302,7 +302,7 @@ def search_set(cfg: SetSearchConfig, progress: Progress | None = None,
     how = [r.how for r in results.values()]
     prof = base.profile
     return ScheduleSet(
-        model_info(base.spec), base.tp, prof.identity.gpu_name, prof.identity.num_sms,
+        model_record(base.spec), base.tp, prof.identity.gpu_name, prof.identity.num_sms,
         prof.digest(), base.dense_batch,
         tuple(replace(results[k].entry, decode_context=contexts[k] if k[0] else None)
               for k in sorted(results)),

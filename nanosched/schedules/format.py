@@ -210,7 +210,7 @@ def save_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> None:
     write_json_atomic(path, schedule.to_json())
 
 
-def model_info(spec: Any) -> dict[str, Any]:
+def model_record(spec: Any) -> dict[str, Any]:
     """The numbers of a ModelSpec that a schedule depends on."""
     return {k: getattr(spec, k) for k in MODEL_FIELDS} | {"params": spec.num_params()}
 
@@ -221,7 +221,7 @@ def check_compatible(schedule: Schedule, model_spec: Any, tp: int, gpu_name: str
     """Refuse a schedule made for another model, tp, GPU, KV cache dtype or weight
     quantization; with `force`, return the reasons."""
     reasons = []
-    want = model_info(model_spec)
+    want = model_record(model_spec)
     diff = [k for k in MODEL_FIELDS if schedule.model.get(k) != want[k]]
     if diff:
         k = diff[0]

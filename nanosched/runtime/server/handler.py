@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from nanosched.runtime.server.protocol import ApiError, Job, Limits
+from nanosched.runtime.server.protocol import ApiError, Job, ModelLimits
 from nanosched.runtime.server.responses import (
     chunk_event,
     completion_body,
@@ -40,8 +40,8 @@ class Handler:
     def __init__(self, served: Served, worker: EngineWorker) -> None:
         self.served, self.worker = served, worker
         spec = served.spec
-        self.limits = Limits(served.name, spec.vocab_size, served_context(served.engine),
-                             served.aliases)
+        self.limits = ModelLimits(served.name, spec.vocab_size, served_context(served.engine),
+                                  served.aliases)
 
     def submit(self, job: Job) -> tuple[int, asyncio.Queue]:
         try:  # a request longer than the whole KV cache can never run

@@ -88,7 +88,7 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Limits:
+class ModelLimits:
     """What the served model accepts."""
 
     name: str
@@ -100,7 +100,7 @@ class Limits:
         return model == self.name or model in self.aliases
 
 
-def show(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """`repr(value)` cut to SHOW_CHARS, for error messages (a body may be megabytes)."""
     if isinstance(value, (list, dict)) and len(value) > SHOW_CHARS:
         return f"a {type(value).__name__} of {len(value)} items"
@@ -176,10 +176,10 @@ class _Head(BaseModel):
     @field_validator("model")
     @classmethod
     def _served(cls, model: str, info: ValidationInfo) -> str:
-        limits: Limits = info.context["limits"]
+        limits: ModelLimits = info.context["limits"]
         if not limits.accepts(model):
             others = "".join(f" (or {a!r})" for a in limits.aliases)
-            raise _refuse(f"{show(model)} is not served here; the served model is "
+            raise _refuse(f"{short_repr(model)} is not served here; the served model is "
                           f"{limits.name!r}{others}", status=404, code="model_not_found")
         return model
 
@@ -189,7 +189,7 @@ class _Head(BaseModel):
         allowed = UNSUPPORTED[info.field_name]
         if value not in allowed:
             why = WHY_UNSUPPORTED.get(info.field_name, "")
-            raise _refuse(f"{show(value)} is not supported by this server (allowed: "
+            raise _refuse(f"{short_repr(value)} is not supported by this server (allowed: "
                           f"{', '.join(map(repr, allowed))}){'; ' + why if why else ''}")
         return value
 
@@ -240,7 +240,7 @@ class _Tail(BaseModel):
     _job: Any = PrivateAttr(None)
 
     def _answer(self, prompts: list[list[int]], max_tokens: int, is_chat: bool,
-                limits: Limits) -> Job:
+                limits: ModelLimits) -> Job:
         """The job, once the prompts and max_tokens are known to fit the context."""
         for ids in prompts:
             if len(ids) + max_tokens > limits.context:
@@ -305,8 +305,8 @@ class Message(BaseModel):
         """A message of a tool conversation is refused as `tools` is: the server runs no
         tools, and a template would drop or mangle the calls silently."""
         if value not in (None, [], ""):
-            raise _refuse(f"{show(value)} is not supported by this server: it serves no tools "
-                          f"(as `tools` is refused)")
+            raise _refuse(f"{short_repr(value)} is not supported by this server: it serves no "
+                          f"tools (as `tools` is refused)")
         return value
 
     @field_validator("role")
@@ -334,7 +334,7 @@ class _ChatHead(_Head):
     @classmethod
     def _ids(cls, msgs: list[Message], info: ValidationInfo) -> list[list[int]]:
         codec: TextCodec = info.context["codec"]
-        limits: Limits = info.context["limits"]
+        limits: ModelLimits = info.context["limits"]
         if not codec.has_tokenizer:
             raise _refuse(f"model {limits.name!r} has no tokenizer, so chat is not available: "
                           f"use /v1/completions with token-id prompts")
@@ -345,7 +345,7 @@ class _ChatHead(_Head):
             raise _too_long(exc, limits) from None
         except TemplateRefused as exc:
             raise _refuse(f"the model's chat template refused this conversation: "
-                          f"{show(str(exc))}") from None
+                          f"{short_repr(str(exc))}") from None
         return [_prompt_ids(ids, codec, limits)]
 
 
@@ -363,7 +363,7 @@ class ChatRequest(_Tail, _ChatHead):
         return self
 
 
-def _prompt_ids(prompt: Any, codec: TextCodec, limits: Limits,
+def _prompt_ids(prompt: Any, codec: TextCodec, limits: ModelLimits,
                 param: str = "prompt") -> list[int]:
     if isinstance(prompt, str):
         if not codec.has_tokenizer:
@@ -397,7 +397,7 @@ def _text(value: str, param: str) -> str:
         raise _refuse(exc.context["message"], param) from None
 
 
-def _too_long(exc: PromptTooLong, limits: Limits, param: str | None = None) -> Exception:
+def _too_long(exc: PromptTooLong, limits: ModelLimits, param: str | None = None) -> Exception:
     return _refuse(f"{exc}: more than fit in the model's context of {limits.context} tokens",
                    param)
 
@@ -454,7 +454,7 @@ def _value(body: Any, loc: tuple) -> Any:
     return body
 
 
-def _api_error(exc: ValidationError, body: dict, order: list[str], limits: Limits) -> ApiError:
+def _api_error(exc: ValidationError, body: dict, order: list[str], limits: ModelLimits) -> ApiError:
     e = _first(exc, order)
     loc = e["loc"]
     if e["type"] == "nanosched":
@@ -471,14 +471,14 @@ def _api_error(exc: ValidationError, body: dict, order: list[str], limits: Limit
     param, key = _path(loc)
     value = _value(body, loc)
     if key == "model":
-        message = f"must be the model's name as a string ({limits.name!r}), got {show(value)}"
+        message = f"must be the model's name as a string ({limits.name!r}), got {short_repr(value)}"
     elif e["type"] == "missing" and key == "prompt":
         message = "is required"
     elif key in RANGES:
         message = RANGES[key].format(float(value)) if e["type"] != "float_type" else \
-            f"must be a number, got {show(value)}"
+            f"must be a number, got {short_repr(value)}"
     else:
-        message = RULES.get(key, "is not valid, got {}").format(show(value))
+        message = RULES.get(key, "is not valid, got {}").format(short_repr(value))
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
@@ -491,7 +491,7 @@ CHAT_ORDER = list(ChatRequest.model_fields)
 
 
 def _parse(kind: type[_Tail], order: list[str], body: Any, codec: TextCodec,
-           limits: Limits) -> Job:
+           limits: ModelLimits) -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got "
                             f"{type(body).__name__}", code="invalid_body")
@@ -501,11 +501,11 @@ def _parse(kind: type[_Tail], order: list[str], body: Any, codec: TextCodec,
         raise _api_error(exc, body, order, limits) from None
 
 
-def parse_completion(body: Any, codec: TextCodec, limits: Limits) -> Job:
+def parse_completion(body: Any, codec: TextCodec, limits: ModelLimits) -> Job:
     """Validate a /v1/completions body."""
     return _parse(CompletionRequest, COMPLETION_ORDER, body, codec, limits)
 
 
-def parse_chat(body: Any, codec: TextCodec, limits: Limits) -> Job:
+def parse_chat(body: Any, codec: TextCodec, limits: ModelLimits) -> Job:
     """Validate a /v1/chat/completions body."""
     return _parse(ChatRequest, CHAT_ORDER, body, codec, limits)

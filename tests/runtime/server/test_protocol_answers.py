@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from nanosched.runtime.server.protocol import ApiError, Limits, parse_chat, parse_completion
+from nanosched.runtime.server.protocol import ApiError, ModelLimits, parse_chat, parse_completion
 from nanosched.runtime.server.text import TextCodec
 
 RECORD = Path(__file__).parents[2] / "data" / "protocol_answers.json"
-LIMITS = Limits("tiny", 100, 512, ("/models/tiny",))
+LIMITS = ModelLimits("tiny", 100, 512, ("/models/tiny",))
 TOOL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
 NEUTRAL = {"best_of": 1, "echo": False, "logprobs": False, "top_logprobs": 0, "suffix": "",
            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",

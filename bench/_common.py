@@ -91,7 +91,7 @@ def key_batch(model: Any, rows: int, decode: int, context: int, prompt: int, *,
     `prompt` tokens filling `rows` (`benchmarks.common.bucket_batch`), in a workspace of their
     own, on a Sequential `BucketRunner` (`capture`: a CUDA graph on the first run). The cache
     holds random K/V as `verify` fills it, or zeros (`random_cache=False`)."""
-    from nanosched.benchmarks.common import bucket_batch, fitting_context
+    from nanosched.benchmarks.common import bucket_batch, synthetic_decode_context
     from nanosched.benchmarks.throughput import forward_pages
     from nanosched.constants import PAGE_SIZE
     from nanosched.runtime.backend import Backend
@@ -104,7 +104,7 @@ def key_batch(model: Any, rows: int, decode: int, context: int, prompt: int, *,
                                                            PAGE_SIZE))
     if random_cache:
         ws.kv.fill_random(torch.Generator(model.device).manual_seed(0))
-    ctx = fitting_context(ws, rows, decode, context, prompt)
+    ctx = synthetic_decode_context(ws, rows, decode, context, prompt)
     seqs, _ = bucket_batch(ws, rows, decode, ctx, prompt, 10**8, EngineConfig.graph_align)
     runner = BucketRunner(model, ws, Backend(CudaDevice()), Sequential(),
                           align=EngineConfig.graph_align,

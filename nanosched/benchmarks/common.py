@@ -74,7 +74,8 @@ def decode_room(ws: Any, dense: int, num_decode: int, prompt: int) -> int:
     return ws.kv.allocator.num_free - -(-rest // ws.kv.page_size) - -(-rest // max(1, prompt)) - 8
 
 
-def fitting_context(ws: Any, dense: int, num_decode: int, context: int, prompt: int) -> int:
+def synthetic_decode_context(ws: Any, dense: int, num_decode: int, context: int, prompt: int
+                             ) -> int:
     """The decode context of a synthetic batch: `context`, or less where `num_decode` requests
     of it do not fit in the cache beside the prompt chunks (many decode rows at a long context
     exceed the GPU's memory; the engine never forms such a batch)."""

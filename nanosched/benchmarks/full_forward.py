@@ -15,7 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanosched.benchmarks.common import bucket_batch, decode_room, fitting_context, synthetic_batch
+from nanosched.benchmarks.common import (
+    bucket_batch,
+    decode_room,
+    synthetic_batch,
+    synthetic_decode_context,
+)
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.opsched import OpScheduler
 
@@ -44,7 +49,7 @@ def forward_ms(model: Any, ws: Any, strategy: OpScheduler, device: Any, dense: i
 
     page = ws.kv.page_size
     num_decode = max(0, min(num_decode, decode_room(ws, dense, num_decode, prompt)))
-    context = fitting_context(ws, dense, num_decode, context, prompt)
+    context = synthetic_decode_context(ws, dense, num_decode, context, prompt)
     runner = BucketRunner(model, ws, Backend(device), strategy, align=EngineConfig.graph_align,
                           max_pages=-(-max(context + 1, prompt) // page), capture=True) \
         if graphs else None

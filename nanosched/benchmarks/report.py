@@ -2,7 +2,7 @@
 `vllm bench` reports them) and the warnings a ratio between two runs carries.
 
 Both read only plain dicts (a run's `results` and its counters), so a new figure is one more
-row in `METRICS` and the JSON report keeps its keys. Units: the JSON holds seconds; the table
+row in `REPORT_ROWS` and the JSON report keeps its keys. Units: the JSON holds seconds; the table
 shows latencies in ms and throughput in tokens (or requests) per second.
 """
 
@@ -15,7 +15,7 @@ from nanosched.constants import SEQUENTIAL
 # (key in a run's "results", label, scale, format); a row "" starts a section named by label.
 # A row whose value is None in every run is left out (% of optimal needs a measured GEMM peak:
 # a GPU), and so is throughput per GPU on one GPU.
-METRICS: list[tuple[str, str, float, str]] = [
+REPORT_ROWS: list[tuple[str, str, float, str]] = [
     ("requests", "Successful requests", 1, "d"),
     ("elapsed_s", "Benchmark duration (s)", 1, ".2f"),
     ("prompt_tokens", "Total input tokens", 1, "d"),
@@ -61,7 +61,7 @@ def results_table(results: dict[str, dict[str, Any]]) -> list[str]:
     """The table's lines: `results` maps a run's name to its metrics (a run's "results")."""
     names = list(results)
     rows: list[list[str] | str] = []
-    for key, label, scale, fmt in METRICS:
+    for key, label, scale, fmt in REPORT_ROWS:
         if not key:
             rows.append(label)
             continue

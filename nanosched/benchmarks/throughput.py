@@ -74,7 +74,7 @@ def _spread(values: list[float], prefix: str) -> dict[str, float | None]:
 def summarize(reqs: list[Request], elapsed_s: float, tp: int, params: int,
               gemm_tflops: float | None,
               token_times: dict[int, list[float]] | None = None) -> dict[str, Any]:
-    """The figures of one run, in seconds and per second (`report.METRICS` names them).
+    """The figures of one run, in seconds and per second (`report.REPORT_ROWS` names them).
 
     TTFT: arrival to first token; TPOT (a request's time per output token after its first, as
     vLLM's): (last - first token) / (outputs - 1), requests with two or more outputs; ITL: the

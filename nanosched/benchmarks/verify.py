@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nanosched.benchmarks.common import bucket_batch, fitting_context
+from nanosched.benchmarks.common import bucket_batch, synthetic_decode_context
 from nanosched.constants import PAGE_SIZE, SEQUENTIAL
 from nanosched.errors import ConfigError, ScheduleError
 from nanosched.runtime.backend import Backend
@@ -131,7 +131,7 @@ def verify_set(model: Any, ws: Any, sset: ScheduleSet, context: int, prompt: int
             if progress:
                 progress(f"D={d} T={t}: Sequential vs the pipeline, {cfg.rounds} rounds of "
                          f"{cfg.settle_s:g} s + {cfg.window_s:g} s each")
-            ctx = fitting_context(ws, t, d, context, prompt)
+            ctx = synthetic_decode_context(ws, t, d, context, prompt)
             seqs, ids = bucket_batch(ws, t, d, ctx, prompt, 10**8, EngineConfig.graph_align)
             max_pages = -(-max(ctx + 1, prompt) // ws.kv.page_size)
             try:

@@ -4,7 +4,7 @@
 `small_sms` SMs (rounded up by the driver to its granularity, 8 on Hopper) and keeps the rest of
 the device as the other group; each group gets a green context (`cuGreenCtxCreate`) and a
 non-blocking stream in it (`cuGreenCtxStreamCreate`), wrapped as `torch.cuda.ExternalStream`.
-Work launched on the two streams runs on disjoint SMs. `Partition.sms` is what the driver
+Work launched on the two streams runs on disjoint SMs. `GreenPartition.sms` is what the driver
 granted. torch's own `GreenContext.create()` is not used: its contexts overlap (docs/design.md).
 
 The profiler and the runtime both use it (a top-level module: no layer owns it). cuda-python
@@ -50,7 +50,7 @@ def check(drv: Any, result: Any, call: str) -> Any:
 
 
 @dataclass
-class Partition:
+class GreenPartition:
     """One green context and its stream; `stream` is what torch code launches on."""
 
     sms: int
@@ -66,15 +66,15 @@ class Partition:
 
 @dataclass
 class PartitionPair:
-    small: Partition
-    rest: Partition
+    small: GreenPartition
+    rest: GreenPartition
 
     def close(self) -> None:
         self.small.close()
         self.rest.close()
 
 
-def _green(drv: Any, device: Any, resource: Any, index: int, priority: int) -> Partition:
+def _green(drv: Any, device: Any, resource: Any, index: int, priority: int) -> GreenPartition:
     import torch
 
     desc = check(drv, drv.cuDevResourceGenerateDesc([resource], 1), "cuDevResourceGenerateDesc")
@@ -83,7 +83,7 @@ def _green(drv: Any, device: Any, resource: Any, index: int, priority: int) -> P
     raw = check(drv, drv.cuGreenCtxStreamCreate(
         gctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, priority), "cuGreenCtxStreamCreate")
     stream = torch.cuda.ExternalStream(int(raw), device=torch.device("cuda", index))
-    return Partition(int(resource.sm.smCount), stream, gctx, raw)
+    return GreenPartition(int(resource.sm.smCount), stream, gctx, raw)
 
 
 def split_sms(device_index: int, small_sms: int, small_priority: int = 0,

@@ -118,15 +118,15 @@ class Impl:
         return self.setup(call, launch_of(call, self.name))
 
 
-REGISTRY: dict[str, list[Impl]] = {}
+REGISTERED_IMPLS: dict[str, list[Impl]] = {}
 
 
 def register(op: str, impl: Impl) -> None:
     """Add an implementation of `op` (replacing one of the same name); the name must be one of
     the op's in nanosched/kernels/impls.py."""
     kernel_impls.check_op_impl(op, impl.name)
-    impls = [i for i in REGISTRY.setdefault(op, []) if i.name != impl.name]
-    REGISTRY[op] = impls + [impl]
+    impls = [i for i in REGISTERED_IMPLS.setdefault(op, []) if i.name != impl.name]
+    REGISTERED_IMPLS[op] = impls + [impl]
 
 
 def available_in(table: dict[str, list[Impl]], ops: list[str]
@@ -149,12 +149,12 @@ def available(ops: list[str]) -> tuple[dict[str, list[ImplInfo]], list[str]]:
     """Per op the registered implementations that can run here, and a note for each that
     cannot."""
     _ensure_registered()
-    return available_in(REGISTRY, ops)
+    return available_in(REGISTERED_IMPLS, ops)
 
 
 def get(op: str, name: str) -> Impl:
     _ensure_registered()
-    for impl in REGISTRY.get(op, []):
+    for impl in REGISTERED_IMPLS.get(op, []):
         if impl.name == name:
             return impl
     raise KeyError(f"no implementation {name!r} of op {op!r}")

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 EPS_US = 1e-6
 RESOURCES = optable.RESOURCE_CLASSES
 DEP_KINDS = ("data", "prompt", "resource")
-SIDES = ("", "compute", "other")
+SIDE_VALUES = ("", "compute", "other")
 FORMS = ("ar", "rs_ag")
 MAX_DENSE_BATCH = 1 << 20  # tokens per iteration
 MAX_TP = 1024
@@ -184,8 +184,8 @@ def _check_alloc(s: Schedule, n: NanoOp, here: str, where: str) -> None:
         raise _fail(where, f"{here}.mechanism", f"{a.mechanism!r} is not one of {MECHANISMS}")
     if a.mechanism == "green_ctx" and a.units > s.num_sms:
         raise _fail(where, f"{here}.units", f"{a.units} SMs, the GPU has {s.num_sms}")
-    if a.side not in SIDES:
-        raise _fail(where, f"{here}.side", f"{a.side!r} is not one of {SIDES}")
+    if a.side not in SIDE_VALUES:
+        raise _fail(where, f"{here}.side", f"{a.side!r} is not one of {SIDE_VALUES}")
 
 
 def _check_horizon(s: Schedule, n: NanoOp, here: str, where: str) -> None:

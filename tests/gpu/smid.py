@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanosched.greenctx import Partition
+from nanosched.greenctx import GreenPartition
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def sm_ids(num_ctas: int, device: torch.device | str = "cuda") -> set[int]:
     return set(out.tolist())
 
 
-def partition_sm_ids(part: Partition, num_ctas: int = 1024) -> set[int]:
+def partition_sm_ids(part: GreenPartition, num_ctas: int = 1024) -> set[int]:
     """SM ids that `num_ctas` tiny programs launched on `part`'s stream ran on."""
     with torch.cuda.stream(part.stream):
         return sm_ids(num_ctas, device=part.stream.device)

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
-SHIPPED = {"stories15m": "stories15m.tokenizer.json.gz"}
+SHIPPED_TOKENIZERS = {"stories15m": "stories15m.tokenizer.json.gz"}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def has_shipped_tokenizer(model: str) -> bool:
-    return model in SHIPPED
+    return model in SHIPPED_TOKENIZERS
 
 
 @cache
@@ -32,7 +32,7 @@ def shipped_tokenizer(model: str) -> Any:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    raw = gzip.decompress((HERE / SHIPPED[model]).read_bytes()).decode("utf-8")
+    raw = gzip.decompress((HERE / SHIPPED_TOKENIZERS[model]).read_bytes()).decode("utf-8")
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(raw), unk_token="<unk>",
                                    bos_token="<s>", eos_token="</s>",
                                    chat_template=CHAT_TEMPLATE)

@@ -11,7 +11,7 @@ import pytest
 from repo import ROOT
 from serve_helpers import ThreadServer
 
-from nanosched.models.tokenizers import SHIPPED, shipped_tokenizer
+from nanosched.models.tokenizers import SHIPPED_TOKENIZERS, shipped_tokenizer
 
 README = ROOT / "README.md"
 
@@ -33,7 +33,7 @@ def test_the_shipped_tokenizer_covers_every_id_and_is_small():
     tok = shipped_tokenizer("stories15m")
     assert len(tok) == 32_000  # the model's vocab_size: every sampled id has a text
     assert (ROOT / "nanosched/models/tokenizers" /
-            SHIPPED["stories15m"]).stat().st_size < 400_000
+            SHIPPED_TOKENIZERS["stories15m"]).stat().st_size < 400_000
     ids = tok("Once upon a time, a cat 🐈 sat.")["input_ids"]
     assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == \
         "Once upon a time, a cat 🐈 sat."

@@ -91,7 +91,7 @@ class Batch:
             sms: int | None = None) -> torch.Tensor:
         """One launch of `config`'s Triton kernel on at most `ctas` programs, or of the
         `cuda_bulk` variant it names (BULK) under a bound of `ctas` CTAs or on `sms` SMs (its
-        CTAs per SM there: decode_attn_bulk.launch)."""
+        CTAs per SM there: decode_attn_bulk.kernel_and_grid)."""
         if not isinstance(config, DecodeConfig):
             with bulk_variant(config) as bulk:
                 bulk.decode_attention(
@@ -107,7 +107,7 @@ class Batch:
     def bulk_grid(self, name: str, ctas: int | None = None, sms: int | None = None) -> int:
         """The grid `run(name, ctas, sms)` launches."""
         with bulk_variant(name) as bulk:
-            return bulk.launch(self.q, self.k, self.kv_dtype == "fp8", ctas, sms)[1]
+            return bulk.kernel_and_grid(self.q, self.k, self.kv_dtype == "fp8", ctas, sms)[1]
 
 
 @contextlib.contextmanager

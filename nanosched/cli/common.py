@@ -160,7 +160,7 @@ def _listed(names: list[str]) -> str:
     return ", ".join(f"{i}: {n}" for i, n in enumerate(names)) or "none"
 
 
-def gpu_name(gpu: str) -> str:
+def gpu_prior_name(gpu: str) -> str:
     """`--gpu` of models, analyze and search as a GPU name: a name as given, or a device index
     as the name of the GPU at that index here. (`profile` takes both too: `gpu_index`.)"""
     if not gpu.strip().isdigit():
@@ -221,7 +221,7 @@ def default_gpu(gpu: str | None, assume: bool = True) -> str | None:
     """`--gpu` as given, else the GPU present, else (with `assume`) DEFAULT_GPU, said on
     stderr; without `assume` None is returned for the command to decide."""
     if gpu is not None:
-        return gpu_name(gpu)
+        return gpu_prior_name(gpu)
     here = gpu_here()
     if here is not None:
         typer.echo(f"--gpu not given: using {here}, the GPU present", err=True)

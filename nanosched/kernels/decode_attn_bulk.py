@@ -182,7 +182,7 @@ def _fp8_unsupported(k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @functools.cache
-def available() -> str | None:
+def missing_dependency() -> str | None:
     """Why the kernel cannot be built on this machine (no cupy or cuda-bindings), or None."""
     try:
         import cupy  # noqa: F401
@@ -253,8 +253,8 @@ def _build_error(b: _Build) -> str | None:
     return None
 
 
-def launch(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool, max_ctas: int | None,
-           sms: int | None) -> tuple[_Build, int]:
+def kernel_and_grid(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool, max_ctas: int | None,
+                    sms: int | None) -> tuple[_Build, int]:
     """The kernel and grid of a call: under a CTA bound (`max_ctas`), `max_ctas` CTAs of one
     per SM (the whole ring); on `sms` SMs (default: the device's), `ctas_per_sm` CTAs on each
     where that many rings fit an SM, else one."""
@@ -268,7 +268,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool, max_ctas: int | No
 def build_error(q: torch.Tensor, k_cache: torch.Tensor, fp8: bool) -> str | None:
     """Why the kernel for this call's shapes cannot be compiled (NVRTC) and loaded on q's GPU,
     or None; each shape is built once (here the whole GPU's). For a call `unsupported` accepts."""
-    return _build_error(launch(q, k_cache, fp8, None, None)[0])
+    return _build_error(kernel_and_grid(q, k_cache, fp8, None, None)[0])
 
 
 _MAPS: dict[tuple, torch.Tensor] = {}
@@ -347,19 +347,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      v_scale: torch.Tensor | None = None) -> None:
     """The `cuda_bulk` decode attention; contract of reference.decode_attention (an FP8 cache:
     e4m3 K/V with `k_scale`, `v_scale`; ConfigError names every reason a call cannot run here).
-    Its grid: a CTA bound of `max_ctas`, else `sms` SMs' worth (`launch`)."""
+    Its grid: a CTA bound of `max_ctas`, else `sms` SMs' worth (`kernel_and_grid`)."""
     n, num_q, d = q.shape
     if n == 0:
         return
     fp8 = k_scale is not None or v_scale is not None
-    why = available() or unsupported(q, k_cache, v_cache, k_scale, v_scale)
+    why = missing_dependency() or unsupported(q, k_cache, v_cache, k_scale, v_scale)
     if not why and (context_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
         why = "it needs int32 block tables and context lengths"
     if not why and (out.dtype != q.dtype or out.stride(2) != 1):
         why = "it writes out in q's dtype, each head's row contiguous"
     if why:
         raise ConfigError(f"decode attention 'cuda_bulk' cannot run: {why}")
-    build, grid = launch(q, k_cache, fp8, max_ctas, sms)
+    build, grid = kernel_and_grid(q, k_cache, fp8, max_ctas, sms)
     splits, per = plan(n, max_context_len, grid, num_splits)
     items = n * splits
     if splits == 1:

@@ -321,7 +321,7 @@ def _bulk_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return False
     from nanosched.kernels import decode_attn_bulk as bulk
 
-    if bulk.available() is not None or \
+    if bulk.missing_dependency() is not None or \
             bulk.unsupported(q, k_cache, v_cache, k_scale, v_scale) is not None:
         return False
     why = bulk.build_error(q, k_cache, k_scale is not None)

@@ -186,9 +186,9 @@ def triton_missing() -> str | None:
 
 def bulk_missing() -> str | None:
     """Why the `cuda_bulk` decode attention cannot run here (it merges splits with Triton)."""
-    from nanosched.kernels.decode_attn_bulk import available
+    from nanosched.kernels.decode_attn_bulk import missing_dependency
 
-    return triton_missing() or available()
+    return triton_missing() or missing_dependency()
 
 
 _registered = False

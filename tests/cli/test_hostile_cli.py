@@ -46,7 +46,7 @@ def test_gpu_names_and_indices_mean_the_same_everywhere(monkeypatch):
     here = ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
     monkeypatch.setattr(common, "visible_gpus", lambda: here)
     assert common.gpu_index("h100") == 1 and common.gpu_index("0") == 0
-    assert common.gpu_name("1") == "h100" and common.gpu_name("h200") == "h200"
+    assert common.gpu_prior_name("1") == "h100" and common.gpu_prior_name("h200") == "h200"
     r = RUNNER.invoke(app, ["models", "--gpu", "1", "--json"])
     assert r.exit_code == 0, r.output
     monkeypatch.setattr(common, "visible_gpus", lambda: [])

@@ -133,7 +133,7 @@ def test_an_fp8_cache_on_few_sms_launches_two_ctas_per_sm_each_with_half_the_rin
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
     k = torch.zeros(4, 16, 8, 128, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
-    build, got = bulk.launch(q, k, fp8, max_ctas, sms)
+    build, got = bulk.kernel_and_grid(q, k, fp8, max_ctas, sms)
     assert (got, build.ctas_per_sm, build.slots) == (grid, per_sm, slots)
     assert build.ctas_per_sm * (build.smem + 1024) <= bulk.SM_SMEM
 
@@ -144,5 +144,5 @@ def test_where_two_rings_do_not_fit_an_sm_one_cta_runs_there(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
     k = torch.zeros(4, 16, 16, 128, dtype=torch.float8_e4m3fn)  # 16 KV heads: 33 KB slots
-    build, grid = bulk.launch(q, k, True, None, 32)
+    build, grid = bulk.kernel_and_grid(q, k, True, None, 32)
     assert (build.ctas_per_sm, grid) == (1, 32) and build.slots >= 4

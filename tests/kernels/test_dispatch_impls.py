@@ -381,7 +381,7 @@ def test_a_cuda_bulk_that_cannot_be_built_here_is_warned_about_and_the_triton_ke
     q, k, v, scale = torch.zeros(2, 4, 8), torch.zeros(1, 16, 1, 8), torch.zeros(1, 16, 1, 8), \
         torch.ones(1, 16, 1)
     monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
-    monkeypatch.setattr(bulk, "available", lambda: None)
+    monkeypatch.setattr(bulk, "missing_dependency", lambda: None)
     monkeypatch.setattr(bulk, "unsupported", lambda *a: None)
     monkeypatch.setattr(bulk, "build_error", lambda *a: None)
     assert K._bulk_runs(q, k, v, scale, scale)

@@ -83,8 +83,8 @@ Seed = Annotated[int, typer.Option("--seed", help="Seed of random weights and of
 EngineDevice = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 
 # the workload a search or a profile is sized for (NanoFlow Table 4 names or mean lengths)
-Workload = Annotated[str | None, typer.Option("--workload",
-                                              help="sharegpt, lmsys, splitwise.")]
+WorkloadName = Annotated[str | None, typer.Option("--workload",
+                                                  help="sharegpt, lmsys, splitwise.")]
 MeanInputLen = Annotated[float | None, typer.Option("--input-len",
                                                     help="Mean prompt tokens p.")]
 MeanOutputLen = Annotated[float | None, typer.Option("--output-len",

@@ -20,7 +20,7 @@ from nanosched.cli.options import (
     MeanOutputLen,
     NoProgress,
     ProfileOut,
-    Workload,
+    WorkloadName,
     model_option,
 )
 from nanosched.errors import ConfigError
@@ -55,7 +55,7 @@ def profile(
                                            "(default: what fits, capped at 2048)."),
     input_len: MeanInputLen = None,
     output_len: MeanOutputLen = None,
-    workload: Workload = None,
+    workload: WorkloadName = None,
     no_progress: NoProgress = False,
     fake_gpu: bool = typer.Option(False, "--fake-gpu", help="Dry run on a simulated GPU "
                                   "(deterministic numbers, no CUDA needed)."),
@@ -170,7 +170,7 @@ def profile_forward(
                                            "the profile was measured for (default 1024)."),
     output_len: float | None = typer.Option(None, "--output-len", help="Mean output tokens d "
                                             "(default 512)."),
-    workload: Workload = None,
+    workload: WorkloadName = None,
     no_progress: NoProgress = False,
     fake_gpu: bool = typer.Option(False, "--fake-gpu", help="Dry run on a simulated GPU."),
 ) -> None:

@@ -9,7 +9,7 @@ import sys
 import typer
 
 from nanosched.cli.common import default_gpu, literal, require_matplotlib, sigterm_as_interrupt
-from nanosched.cli.options import MeanInputLen, MeanOutputLen, Workload, model_option
+from nanosched.cli.options import MeanInputLen, MeanOutputLen, WorkloadName, model_option
 from nanosched.cli.report import VERIFY_COLUMNS, print_search_report, print_table, verdict_lines
 
 
@@ -26,7 +26,7 @@ def search(
                                    "(default: the GPU present, else h100, said)."),
     input_len: MeanInputLen = None,
     output_len: MeanOutputLen = None,
-    workload: Workload = None,
+    workload: WorkloadName = None,
     dense_batch: str = typer.Option("auto", "--dense-batch", help="Tokens per iteration "
                                     "(multiple of 128) or 'auto'."),
     time_limit: float | None = typer.Option(None, "--time-limit", help="Solver work for the "

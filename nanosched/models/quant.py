@@ -23,13 +23,13 @@ from nanosched.models.ops import FP8_GEMM_OPS, GEMM_WEIGHT, layer_ops
 from nanosched.models.spec import ModelSpec
 
 AUTO, NONE, FP8 = "auto", "none", "fp8"
-QUANTIZATIONS = (AUTO, *constants.QUANTIZATIONS)
+QUANTIZATION_FLAGS = (AUTO, *constants.QUANTIZATIONS)  # what --quantization accepts: auto too
 FP8_DTYPE = torch.float8_e4m3fn
 
 
 def check_quantization(name: str, allow_auto: bool = False) -> str:
     """`name` when it is a quantisation the model runs (`auto` too where `allow_auto`)."""
-    allowed = QUANTIZATIONS if allow_auto else constants.QUANTIZATIONS
+    allowed = QUANTIZATION_FLAGS if allow_auto else constants.QUANTIZATIONS
     if name not in allowed:
         raise ConfigError(f"--quantization must be one of {', '.join(allowed)}; got {name!r}")
     return name

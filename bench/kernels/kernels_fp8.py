@@ -8,7 +8,8 @@ row quantisation before `o`, whose cost is set against `o`'s FP8 GEMM. Every tim
 of CUDA-graph replays (20 calls a graph, so a Python call costs nothing), with the NVML clock
 and power read across the GEMM rows, and the weight bytes each FP8 GEMM streams per second (what
 bounds it at decode's few rows). Usage: `PYTHONPATH=. python bench/kernels/kernels_fp8.py
-[--model llama3-70b] [--rows 64,128,256]` (another model: its GEMM shapes, no producer rows).
+[--model llama3-70b] [--rows 64,128,256] [--triton-tiles]` (another model: its GEMM shapes, no
+producer rows; --triton-tiles: the persistent Triton GEMM's W8A8 path beside `_scaled_mm`).
 """
 
 # ruff: noqa: B023  (each lambda is timed at once, inside the loop iteration that made it)
@@ -54,7 +55,33 @@ def model_gemms(name: str) -> dict[str, tuple[int, int]]:
             "d": (i, d)}
 
 
-def gemm_rows(gemms: dict[str, tuple[int, int]], row_counts: tuple[int, ...]) -> list[dict]:
+# persistent Triton GEMM tiles timed on the W8A8 path (BLOCK_M, BLOCK_N, warps, stages; K-steps
+# of 128), each on a persistent grid of one program per SM and on one program per tile
+TRITON_TILES = ((64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3),
+                (256, 64, 8, 3), (64, 256, 8, 3))
+
+
+def persistent_rows(x8, xs, w8, ws, out, want) -> dict:
+    """The fastest persistent Triton W8A8 tile of TRITON_TILES for one GEMM: its time, name
+    and error against the emulation."""
+    from nanosched.kernels.gemm import GemmConfig, persistent_linear
+
+    best = None
+    for bm, bn, warps, stages in TRITON_TILES:
+        for grid in (None, 1 << 20):  # one program per SM, or per tile
+            cfg = GemmConfig(num_sms=grid, block_m=bm, block_n=bn, block_k=128,
+                             num_warps=warps, num_stages=stages)
+            us = graph_us(lambda: persistent_linear(x8, w8, None, out, cfg, xs, ws))
+            if best is None or us < best[0]:
+                best = (us, f"{bm}x{bn}/w{warps}/s{stages}" + ("" if grid is None else
+                                                                "/per-tile"), cfg)
+    persistent_linear(x8, w8, None, out, best[2], xs, ws)
+    return {"triton_us": best[0], "triton_tile": best[1],
+            "triton_err": ((out.float() - want.float()).norm() / want.float().norm()).item()}
+
+
+def gemm_rows(gemms: dict[str, tuple[int, int]], row_counts: tuple[int, ...],
+              triton_tiles: bool = False) -> list[dict]:
     rows = []
     for m in row_counts:
         for name, (k, n) in gemms.items():
@@ -74,11 +101,15 @@ def gemm_rows(gemms: dict[str, tuple[int, int]], row_counts: tuple[int, ...]) ->
                 row[key.replace("_us", "_err")] = \
                     ((out.float() - want.float()).norm() / want.float().norm()).item()
             K.FP8_FAST_ACCUM = default
+            if triton_tiles:
+                row |= persistent_rows(x8, xs, w8, ws, out, want)
             row["clock_mhz"], row["power_w"] = clock_power()
             flops = 2 * m * k * n
             row["bf16_tflops"] = flops / row["bf16_us"] / 1e6
             row["fp8_tflops"] = flops / row["fp8_us"] / 1e6
             row["fp8_weight_tbps"] = k * n / row["fp8_us"] / 1e6
+            if triton_tiles:
+                row["triton_weight_tbps"] = k * n / row["triton_us"] / 1e6
             row["speedup"] = row["bf16_us"] / row["fp8_us"]
             row["speedup_fast"] = row["bf16_us"] / row["fp8_fast_us"]
             rows.append(row)
@@ -122,16 +153,20 @@ def main() -> None:
     ap.add_argument("--model", default="llama3-8b", help="model whose GEMM shapes to time")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)),
                     help="comma-separated token counts M")
+    ap.add_argument("--triton-tiles", action="store_true",
+                    help="also time the persistent Triton GEMM's W8A8 path over TRITON_TILES")
     args = ap.parse_args()
     row_counts = tuple(int(m) for m in args.rows.split(","))
     torch.manual_seed(0)
     shapes = GEMMS if args.model == "llama3-8b" else model_gemms(args.model)
-    gemms = gemm_rows(shapes, row_counts)
+    gemms = gemm_rows(shapes, row_counts, args.triton_tiles)
     producers = producer_rows(gemms, row_counts) if args.model == "llama3-8b" else []
     peak = peaks()
     path = write_result("kernels_fp8", {"env": environment(), "model": args.model,
                                         "command": "bench/kernels/kernels_fp8.py --model "
-                                        f"{args.model} --rows {args.rows}", "gemms": gemms,
+                                        f"{args.model} --rows {args.rows}"
+                                        + (" --triton-tiles" if args.triton_tiles else ""),
+                                        "gemms": gemms,
                                         "producers": producers, "peaks": peak})
     print(f"wrote {path}")
     print(f"GEMM peak at 8192^3 (50 ms from idle): bf16 {peak['bf16_8192_tflops']:.0f}, "
@@ -140,6 +175,9 @@ def main() -> None:
                         ("fp8_us", "fp8 us", ".1f"), ("fp8_fast_us", "fast us", ".1f"),
                         ("speedup", "x", ".2f"), ("speedup_fast", "x fast", ".2f"),
                         ("fp8_weight_tbps", "w TB/s", ".2f"),
+                        *([("triton_us", "triton us", ".1f"), ("triton_weight_tbps",
+                                                                "triton TB/s", ".2f"),
+                           ("triton_tile", "tile", "")] if args.triton_tiles else []),
                         ("fp8_err", "err", ".1e"), ("fp8_fast_err", "err fast", ".1e"),
                         ("clock_mhz", "MHz", ".0f"), ("power_w", "W", ".0f")])
     if producers:

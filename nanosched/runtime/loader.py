@@ -120,7 +120,7 @@ def reserve_bytes(model: Any, dense_batch: int) -> int:
     """GPU memory an engine takes beside its weights and KV pages: the workspace's buffers for
     `dense_batch` tokens (exact), the logits of `dense_batch` sampled rows (twice at tp > 1:
     the gathered copy), the sampler's temporaries (runtime/sampling.py, drawn in chunks) and
-    RESERVE_MARGIN. `bench --json` records the peak it reached (`gpu_peak_bytes`)."""
+    RESERVE_MARGIN. `bench --json` records the peak a run reached (`gpu_memory`)."""
     vocab, itemsize = model.spec.vocab_size, model.dtype.itemsize
     logits = dense_batch * vocab * itemsize * (2 if model.tp.size > 1 else 1)
     return (model.buffer_bytes(dense_batch) + logits + transient_bytes(dense_batch, vocab)

@@ -24,7 +24,7 @@ from nanosched.kernels import dispatch as K
 from nanosched.kernels import reference as ref
 from nanosched.profiler.timing import captured
 
-GEMMS = {"kqv": (4096, 6144), "o": (4096, 4096), "ug": (4096, 28672), "d": (14336, 4096)}
+GEMMS = ("kqv", "o", "ug", "d")  # the dense layer GEMMs, op names of models/ops.py
 ROWS = (256, 1024, 2048)
 CALLS = 20  # calls per graph
 OPTS = K.KernelOptions()
@@ -46,13 +46,12 @@ def clock_power() -> tuple[float, float]:
 
 
 def model_gemms(name: str) -> dict[str, tuple[int, int]]:
-    """(K, N) of each dense layer GEMM of model `name` at tp = 1."""
+    """(K, N) of each dense layer GEMM of model `name` at tp = 1 (the profiler's shapes)."""
     from nanosched.models.spec import load_spec
+    from nanosched.profiler.shapes import gemm_dims
 
-    s = load_spec(name)
-    d, i = s.hidden_size, s.intermediate_size
-    return {"kqv": (d, s.q_size + 2 * s.kv_size), "o": (s.q_size, d), "ug": (d, 2 * i),
-            "d": (i, d)}
+    spec = load_spec(name)
+    return {op: gemm_dims(spec, 1, op) for op in GEMMS}
 
 
 # persistent Triton GEMM tiles timed on the W8A8 path (BLOCK_M, BLOCK_N, warps, stages; K-steps
@@ -158,7 +157,7 @@ def main() -> None:
     args = ap.parse_args()
     row_counts = tuple(int(m) for m in args.rows.split(","))
     torch.manual_seed(0)
-    shapes = GEMMS if args.model == "llama3-8b" else model_gemms(args.model)
+    shapes = model_gemms(args.model)
     gemms = gemm_rows(shapes, row_counts, args.triton_tiles)
     producers = producer_rows(gemms, row_counts) if args.model == "llama3-8b" else []
     peak = peaks()

@@ -32,6 +32,7 @@ from nanosched.runtime.loader import (
     choose_strategy,
     kv_pages,
     load_model,
+    page_bytes,
     reserve_bytes,
     resolve_dense_batch,
     resolve_device,
@@ -371,9 +372,8 @@ def gpu_memory(model: Any, cfg: EngineConfig, pages: int) -> dict[str, int] | No
     if model.device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(model.device)
-    page = cfg.page_size * model.spec.kv_bytes_per_token(
-        tp=model.tp.size, kv_dtype=cfg.kv_dtype, dtype_bytes=model.dtype.itemsize)
-    return {"budget_bytes": int(cfg.mem_util * total), "kv_bytes": pages * page,
+    return {"budget_bytes": int(cfg.mem_util * total),
+            "kv_bytes": pages * page_bytes(model, cfg.page_size, cfg.kv_dtype),
             "reserve_bytes": reserve_bytes(model, cfg.dense_batch),
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(model.device),
             "used_bytes_end": total - free, "total_bytes": total}

@@ -127,28 +127,33 @@ def reserve_bytes(model: Any, dense_batch: int) -> int:
             + RESERVE_MARGIN)
 
 
+def page_bytes(model: Any, page_size: int, kv_dtype: str) -> int:
+    """Bytes of one KV page on this rank: its shard of the KV heads (a tp-sharded page is
+    smaller), with the e4m3 cache's scales."""
+    return page_size * model.spec.kv_bytes_per_token(tp=model.tp.size, kv_dtype=kv_dtype,
+                                                     dtype_bytes=model.dtype.itemsize)
+
+
 def kv_pages(model: Any, dense_batch: int, page_size: int, mem_util: float,
              requests: list[Request] | None, kv_dtype: str = "auto") -> int:
     """Pages that fit in the GPU memory left after weights and buffers (CPU: what the
     requests could ever need, at most 1 GiB). Unknown requests (None, a server): all the GPU
     memory left, or on the CPU room for 64 requests of the model's full context."""
-    spec, tp = model.spec, model.tp.size
-    # this rank's shard of the cache: its KV heads only (a tp-sharded page is smaller)
-    page_bytes = page_size * spec.kv_bytes_per_token(tp=tp, kv_dtype=kv_dtype,
-                                                     dtype_bytes=model.dtype.itemsize)
+    spec = model.spec
+    page = page_bytes(model, page_size, kv_dtype)
     peaks = [r.peak_tokens for r in requests] if requests is not None else \
         [spec.max_position_embeddings] * 64
     need = sum(-(-p // page_size) + 1 for p in peaks)
     if model.device.type != "cuda":
-        return max(1, min(need, (1 << 30) // page_bytes))
+        return max(1, min(need, (1 << 30) // page))
     if requests is None:
         need = 1 << 62
     free, total = torch.cuda.mem_get_info(model.device)
     budget = free - (1 - mem_util) * total - reserve_bytes(model, dense_batch)
-    if budget < page_bytes * 2:
+    if budget < page * 2:
         raise ConfigError(f"no GPU memory left for the KV cache of {spec.name!r} "
                           f"({free / 2**30:.1f} GiB free)")
-    return int(min(need, budget // page_bytes))
+    return int(min(need, budget // page))
 
 
 def resolve_graphs(mode: str, device: torch.device, allowed: tuple[str, ...]) -> str:

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanosched.errors import ConfigError
 from nanosched.kernels.common import dot_precision, num_sms
 
 
@@ -86,7 +87,7 @@ def persistent_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     scaled = x_scale is not None
     if scaled != (w_scale is not None) or (scaled and (
             x_scale.shape != (x.shape[0],) or w_scale.shape != (w.shape[0],))):
-        raise ValueError(f"persistent_linear: x_scale and w_scale must both be given, as "
+        raise ConfigError(f"persistent_linear: x_scale and w_scale must both be given, as "
                          f"[{x.shape[0]}] and [{w.shape[0]}], or neither")
     cfg = config or GemmConfig()
     m, k = x.shape

@@ -8,8 +8,9 @@ row quantisation before `o`, whose cost is set against `o`'s FP8 GEMM. Every tim
 of CUDA-graph replays (20 calls a graph, so a Python call costs nothing), with the NVML clock
 and power read across the GEMM rows, and the weight bytes each FP8 GEMM streams per second (what
 bounds it at decode's few rows). Usage: `PYTHONPATH=. python bench/kernels/kernels_fp8.py
-[--model llama3-70b] [--rows 64,128,256] [--triton-tiles]` (another model: its GEMM shapes, no
-producer rows; --triton-tiles: the persistent Triton GEMM's W8A8 path beside `_scaled_mm`).
+[--model llama3-70b] [--rows 64,128,256] [--triton-tiles] [--narrow]` (another model: its GEMM
+shapes, no producer rows; --triton-tiles: the persistent Triton GEMM's W8A8 path beside
+`_scaled_mm`; --narrow: the narrow W8A8 GEMM of decode-sized rows, kernels/gemm_narrow.py).
 """
 
 # ruff: noqa: B023  (each lambda is timed at once, inside the loop iteration that made it)
@@ -79,8 +80,44 @@ def persistent_rows(x8, xs, w8, ws, out, want) -> dict:
             "triton_err": ((out.float() - want.float()).norm() / want.float().norm()).item()}
 
 
+# the narrow W8A8 GEMM's launches timed with --narrow (BLOCK_N, BLOCK_K, warps, stages, split K)
+NARROW_CONFIGS = ((64, 128, 4, 4, 1), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (64, 128, 8, 4, 2),
+                  (128, 128, 4, 4, 1), (128, 128, 8, 4, 1), (128, 128, 8, 3, 2),
+                  (128, 128, 8, 4, 2), (128, 128, 8, 4, 4), (64, 256, 4, 3, 2),
+                  (256, 128, 8, 3, 1), (128, 256, 8, 2, 1))
+
+
+# the fp8 columns name torch._scaled_mm: the default W8A8 GEMM is the narrow one at some rows
+SCALED_MM = {"impl": "cublas"}
+
+
+def narrow_rows(x8, xs, w8, ws, out, want) -> dict:
+    """The fastest launch of NARROW_CONFIGS of the narrow W8A8 GEMM for one GEMM (a launch
+    that does not fit an SM's shared memory is skipped): its time, name and error, and every
+    launch's time."""
+    from nanosched.kernels.gemm_narrow import NarrowConfig, narrow_linear_fp8
+
+    best, every = None, {}
+    for bn, bk, warps, stages, split in NARROW_CONFIGS:
+        cfg = NarrowConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                           split_k=split)
+        name = f"{bn}x{bk}/w{warps}/s{stages}/k{split}"
+        try:
+            narrow_linear_fp8(x8, xs, w8, ws, None, out, cfg)
+        except Exception as err:  # noqa: BLE001 - triton's OutOfResources and kin
+            every[name] = type(err).__name__
+            continue
+        us = graph_us(lambda: narrow_linear_fp8(x8, xs, w8, ws, None, out, cfg))
+        every[name] = round(us, 2)
+        if best is None or us < best[0]:
+            best = (us, name, cfg)
+    narrow_linear_fp8(x8, xs, w8, ws, None, out, best[2])
+    return {"narrow_us": best[0], "narrow_config": best[1], "narrow_every": every,
+            "narrow_err": ((out.float() - want.float()).norm() / want.float().norm()).item()}
+
+
 def gemm_rows(gemms: dict[str, tuple[int, int]], row_counts: tuple[int, ...],
-              triton_tiles: bool = False) -> list[dict]:
+              triton_tiles: bool = False, narrow: bool = False) -> list[dict]:
     rows = []
     for m in row_counts:
         for name, (k, n) in gemms.items():
@@ -95,13 +132,16 @@ def gemm_rows(gemms: dict[str, tuple[int, int]], row_counts: tuple[int, ...],
             for fast in (False, True):
                 K.FP8_FAST_ACCUM = fast
                 key = "fp8_fast_us" if fast else "fp8_us"
-                row[key] = graph_us(lambda: K.linear_fp8(x8, xs, w8, ws, None, out, OPTS))
-                K.linear_fp8(x8, xs, w8, ws, None, out, OPTS)
+                row[key] = graph_us(lambda: K.linear_fp8(x8, xs, w8, ws, None, out, OPTS,
+                                                         SCALED_MM))
+                K.linear_fp8(x8, xs, w8, ws, None, out, OPTS, SCALED_MM)
                 row[key.replace("_us", "_err")] = \
                     ((out.float() - want.float()).norm() / want.float().norm()).item()
             K.FP8_FAST_ACCUM = default
             if triton_tiles:
                 row |= persistent_rows(x8, xs, w8, ws, out, want)
+            if narrow:
+                row |= narrow_rows(x8, xs, w8, ws, out, want)
             row["clock_mhz"], row["power_w"] = clock_power()
             flops = 2 * m * k * n
             row["bf16_tflops"] = flops / row["bf16_us"] / 1e6
@@ -109,6 +149,8 @@ def gemm_rows(gemms: dict[str, tuple[int, int]], row_counts: tuple[int, ...],
             row["fp8_weight_tbps"] = k * n / row["fp8_us"] / 1e6
             if triton_tiles:
                 row["triton_weight_tbps"] = k * n / row["triton_us"] / 1e6
+            if narrow:
+                row["narrow_weight_tbps"] = k * n / row["narrow_us"] / 1e6
             row["speedup"] = row["bf16_us"] / row["fp8_us"]
             row["speedup_fast"] = row["bf16_us"] / row["fp8_fast_us"]
             rows.append(row)
@@ -154,17 +196,21 @@ def main() -> None:
                     help="comma-separated token counts M")
     ap.add_argument("--triton-tiles", action="store_true",
                     help="also time the persistent Triton GEMM's W8A8 path over TRITON_TILES")
+    ap.add_argument("--narrow", action="store_true",
+                    help="also time the narrow W8A8 GEMM (kernels/gemm_narrow.py) over "
+                         "NARROW_CONFIGS; rows up to 256")
     args = ap.parse_args()
     row_counts = tuple(int(m) for m in args.rows.split(","))
     torch.manual_seed(0)
     shapes = model_gemms(args.model)
-    gemms = gemm_rows(shapes, row_counts, args.triton_tiles)
+    gemms = gemm_rows(shapes, row_counts, args.triton_tiles, args.narrow)
     producers = producer_rows(gemms, row_counts) if args.model == "llama3-8b" else []
     peak = peaks()
     path = write_result("kernels_fp8", {"env": environment(), "model": args.model,
                                         "command": "bench/kernels/kernels_fp8.py --model "
                                         f"{args.model} --rows {args.rows}"
-                                        + (" --triton-tiles" if args.triton_tiles else ""),
+                                        + (" --triton-tiles" if args.triton_tiles else "")
+                                        + (" --narrow" if args.narrow else ""),
                                         "gemms": gemms,
                                         "producers": producers, "peaks": peak})
     print(f"wrote {path}")
@@ -177,6 +223,10 @@ def main() -> None:
                         *([("triton_us", "triton us", ".1f"), ("triton_weight_tbps",
                                                                 "triton TB/s", ".2f"),
                            ("triton_tile", "tile", "")] if args.triton_tiles else []),
+                        *([("narrow_us", "narrow us", ".1f"), ("narrow_weight_tbps",
+                                                              "narrow TB/s", ".2f"),
+                           ("narrow_config", "narrow", ""), ("narrow_err", "n err", ".1e")]
+                          if args.narrow else []),
                         ("fp8_err", "err", ".1e"), ("fp8_fast_err", "err fast", ".1e"),
                         ("clock_mhz", "MHz", ".0f"), ("power_w", "W", ".0f")])
     if producers:

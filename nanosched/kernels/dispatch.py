@@ -117,6 +117,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: tor
     """out = x @ w.T (+ bias). x [n, K], w [N, K], out [n, N]; launch: impl, num_sms."""
     args = impls.read_launch(launch)
     impl = impls.parse_gemm(_chosen(args, impls.GEMM, lambda: opts.gemm_impl))
+    if impl.kind == NARROW:
+        raise ConfigError(f"{NARROW} is the W8A8 GEMM only; a {x.dtype} GEMM runs cublas, "
+                          f"cublaslt or {impls.PERSISTENT}_<BM>x<BN>")
     if impl.kind == impls.PERSISTENT:
         _triton_ok(x)
         from nanosched.kernels.gemm import GemmConfig, persistent_linear
@@ -136,14 +139,21 @@ def linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
     """out = (x @ w.T) * x_scale[:, None] * w_scale[None, :] (+ bias): the W8A8 GEMM. x [n, K]
     e4m3 with one scale per row, w [N, K] e4m3 with one per output channel, out [n, N] in the
     model dtype. On a GPU `torch._scaled_mm` with rowwise scales (CUTLASS on Hopper; launch:
-    a `cublaslt` impl's SM target applies), or the persistent Triton GEMM where the launch or
-    `opts.gemm` names it (128-deep K steps: a byte an element); elsewhere the exact emulation
-    of `reference`."""
+    a `cublaslt` impl's SM target applies), the narrow Triton GEMM (`triton_narrow`) at the
+    shapes and rows of NARROW_LAUNCHES or where a launch names it, or the persistent Triton
+    GEMM where the launch or `opts.gemm` names it (128-deep K steps: a byte an element);
+    elsewhere the exact emulation of `reference`."""
     if x.shape[0] == 0:
         return
     args = impls.read_launch(launch)
-    name = _chosen(args, impls.GEMM, lambda: opts.gemm_impl)
+    name = _chosen(args, impls.GEMM, lambda: fp8_default_gemm(opts, x, w))
     impl = impls.parse_gemm(name)
+    if impl.kind == NARROW:
+        _triton_ok(x)
+        from nanosched.kernels.gemm_narrow import narrow_linear_fp8
+
+        narrow_linear_fp8(x, x_scale, w, w_scale, bias, out, narrow_config(x.shape[0], *w.shape))
+        return
     if impl.kind == impls.PERSISTENT:
         _triton_ok(x)
         from nanosched.kernels.gemm import GemmConfig, persistent_linear
@@ -163,6 +173,57 @@ def linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
 
     with target:
         bias_epilogue_or_add(mm, (x.shape[0], w.shape[0], w.shape[1]), bias, out)
+
+
+NARROW = "triton_narrow"
+# The narrow Triton GEMM's launches (block_n, block_k, warps, stages, split_k) for the [N, K]
+# weights where it was measured faster than torch._scaled_mm, each for rows up to its bound;
+# a W8A8 GEMM that names no implementation runs it for NARROW_ABOVE < rows <= the last bound.
+# CUTLASS's 128-row tiles compute 256 rows for 129-255; on an H200 under the power cap the
+# narrow GEMM takes Llama-3-70B's layer (tp = 1) in 335-359 us at 160 rows and 386-400 at 192
+# against _scaled_mm's 454 and 434, and loses at 128 and from 224 (docs/quantization.md).
+NARROW_ABOVE = 128
+NARROW_LAUNCHES: dict[tuple[int, int], tuple[tuple[int, tuple[int, ...]], ...]] = {
+    (10240, 8192): ((160, (64, 128, 4, 4, 1)), (192, (128, 128, 8, 4, 1))),
+    (8192, 8192): ((160, (64, 128, 4, 4, 2)), (192, (64, 128, 4, 4, 1))),
+    (57344, 8192): ((160, (64, 128, 4, 4, 1)), (192, (256, 128, 8, 3, 1))),
+    (8192, 28672): ((160, (64, 128, 4, 4, 2)), (192, (128, 128, 8, 3, 2))),
+}
+
+
+def narrow_launch(rows: int, n: int, k: int) -> tuple[int, ...] | None:
+    """The measured narrow launch for `rows` rows of an [n, k] weight, or None where the
+    narrow GEMM was not measured faster (any shape, rows outside the bounds)."""
+    if rows <= NARROW_ABOVE:
+        return None
+    for bound, launch in NARROW_LAUNCHES.get((n, k), ()):
+        if rows <= bound:
+            return launch
+    return None
+
+
+def fp8_default_gemm(opts: KernelOptions, x: torch.Tensor, w: torch.Tensor) -> str:
+    """The W8A8 GEMM of `x`'s rows by `w` where no launch names one: `opts.gemm`'s, except
+    that the default (cublas) gives way to the narrow Triton GEMM where NARROW_LAUNCHES holds
+    the shape and row count, on a GPU with triton."""
+    name = opts.gemm_impl
+    if (name == "cublas" and narrow_launch(x.shape[0], *w.shape) is not None and x.is_cuda
+            and triton_available()):
+        return NARROW
+    return name
+
+
+def narrow_config(rows: int, n: int, k: int):
+    """The narrow GEMM's launch for `rows` rows of an [n, k] weight: the measured one of
+    NARROW_LAUNCHES, else NarrowConfig's defaults (a named launch at any shape)."""
+    from nanosched.kernels.gemm_narrow import NarrowConfig
+
+    launch = narrow_launch(rows, n, k)
+    if launch is None:
+        return NarrowConfig()
+    bn, bk, warps, stages, split = launch
+    return NarrowConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                        split_k=split)
 
 
 # (rows, N, K) of the FP8 GEMMs whose bias epilogue cuBLASLt has refused in this process

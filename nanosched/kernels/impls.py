@@ -31,7 +31,7 @@ OP_FAMILY = {
     "ar_attn": NETWORK, "ar_ffn": NETWORK,
 }
 FIXED_NAMES = {
-    GEMM: ("cublas", "cublaslt"),
+    GEMM: ("cublas", "cublaslt", "triton_narrow"),
     DECODE: ("triton_paged", "triton_pipelined", "triton_pipelined_2w", "cuda_bulk", "torch"),
     ELEMENTWISE: ("triton", "torch"),
     GROUPED: ("triton", "torch"),
@@ -66,7 +66,7 @@ ELEMENTWISE_CTAS_PER_SM = {"rms_norm_add": 4, "silu_mul": 8, "rope_append": 4}
 class GemmImpl:
     """A parsed GEMM implementation name: kind, and tiles for the persistent Triton GEMM."""
 
-    kind: str  # cublas | cublaslt | triton_persistent
+    kind: str  # cublas | cublaslt | triton_narrow (W8A8, <= 256 rows) | triton_persistent
     block_m: int = 0
     block_n: int = 0
 

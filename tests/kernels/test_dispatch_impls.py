@@ -36,7 +36,8 @@ def test_names_parse_and_bad_names_are_refused_with_the_known_ones():
                                                                           64, 256)
     assert impls.parse_gemm("cublaslt") == impls.GemmImpl("cublaslt")
     with pytest.raises(ConfigError, match=r"'triton_persistent_100x128' is unknown; known: "
-                                          r"cublas, cublaslt, triton_persistent_<BM>x<BN>"):
+                                          r"cublas, cublaslt, triton_narrow, "
+                                          r"triton_persistent_<BM>x<BN>"):
         impls.parse_gemm("triton_persistent_100x128")
     with pytest.raises(ConfigError, match=r"'triton' is unknown for op 'kqv'; known: cublas"):
         impls.check_op_impl("kqv", "triton")

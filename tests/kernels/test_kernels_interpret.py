@@ -321,3 +321,52 @@ def test_model_on_triton_kernels_matches_torch(tmp_path):
         with torch.inference_mode():
             logits.append(model(ws, meta))
     assert rel_err(logits[1], logits[0]) < 1e-5
+
+
+@pytest.mark.parametrize("rows,split", [(1, 1), (37, 3), (130, 1), (200, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_narrow_gemm_fp8_is_the_exact_emulation(rows, split, bias):
+    """The decode-sized W8A8 GEMM (weights as the wide operand, rows in at most two pieces,
+    K shared by `split` programs): what `reference.linear_fp8` computes, to fp32 rounding, into
+    a row slice of a buffer; a K that is no multiple of its step and an N that is none of its
+    block."""
+    from nanosched.kernels.gemm_narrow import NarrowConfig, narrow_linear_fp8, pieces
+
+    gen = torch.Generator().manual_seed(6)
+    x8, xs = ref.quantize_fp8(torch.randn(rows, 80, generator=gen))
+    w8, ws = ref.quantize_fp8(torch.randn(70, 80, generator=gen))
+    b = torch.randn(70, generator=gen) if bias else None
+    want, out = torch.empty(rows, 70), torch.full((rows + 3, 70), float("nan"))[1:rows + 1]
+    ref.linear_fp8(x8, xs, w8, ws, b, want)
+    narrow_linear_fp8(x8, xs, w8, ws, b, out, NarrowConfig(block_n=32, block_k=32,
+                                                           split_k=split))
+    assert rel_err(out, want) < 1e-5
+    assert sum(pieces(rows)) < rows + 64
+    with pytest.raises(ConfigError, match="x_scale"):
+        narrow_linear_fp8(x8, ws, w8, ws, b, out)
+    with pytest.raises(ConfigError, match="257"):
+        pieces(257)
+    from nanosched.kernels import dispatch
+
+    got = torch.empty(rows, 70)
+    dispatch.linear_fp8(x8, xs, w8, ws, b, got, KernelOptions(), {"impl": dispatch.NARROW})
+    assert rel_err(got, want) < 1e-5
+    with pytest.raises(ConfigError, match="W8A8 GEMM only"):
+        dispatch.linear(want, want, None, got, KernelOptions(), {"impl": dispatch.NARROW})
+    assert dispatch.fp8_default_gemm(KernelOptions(), x8, w8) == "cublas"  # no GPU, no shape
+
+
+def test_narrow_gemm_runs_by_default_only_where_it_was_measured_faster():
+    """NARROW_LAUNCHES: Llama-3-70B's [N, K] weights at 129-192 rows, each row bound its own
+    launch; nothing at 128 rows or fewer, above the last bound, or at another shape."""
+    from nanosched.kernels import dispatch
+
+    d = (8192, 28672)
+    assert dispatch.narrow_launch(128, *d) is None and dispatch.narrow_launch(193, *d) is None
+    assert dispatch.narrow_launch(129, *d) == dispatch.narrow_launch(160, *d)
+    assert dispatch.narrow_launch(161, *d) == dispatch.narrow_launch(192, *d) is not None
+    assert dispatch.narrow_launch(160, 4096, 4096) is None
+    cfg = dispatch.narrow_config(170, *d)
+    assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_k) == \
+        dispatch.narrow_launch(170, *d)
+    assert dispatch.narrow_config(100, 4096, 4096).split_k == 1  # a named launch elsewhere

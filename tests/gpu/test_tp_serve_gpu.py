@@ -23,11 +23,13 @@ import pytest
 import torch
 from repo import ROOT
 from runtime_helpers import llama3_8b_layers
-from serve_helpers import wait_healthy
 
+# the server's packages first: serve_helpers imports the app, which imports fastapi
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
+from serve_helpers import wait_healthy  # noqa: E402
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 

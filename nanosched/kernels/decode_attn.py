@@ -24,13 +24,14 @@ from nanosched.kernels.common import PAGED, DecodeConfig, dot_precision, num_sms
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, start_ptr, o_ptr, lse_ptr,
     num_items, num_kv_heads, num_splits, split_len, scale,
     s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_sp, s_ss, s_sh, s_btn,
     s_on, s_oh, s_os, s_ln, s_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
     NUM_STAGES: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr,
+    HAS_START: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
@@ -44,6 +45,8 @@ def _decode_partial_kernel(
         req = item // (num_splits * num_kv_heads)
         ctx = tl.load(lens_ptr + req)
         lo = split * split_len
+        if HAS_START:  # the row's splits start at its first token not read elsewhere
+            lo += tl.load(start_ptr + req)
         hi = tl.minimum(lo + split_len, ctx)
         heads = kvh * GROUP + offs_g  # [BG]
         q = tl.load(q_ptr + req * s_qn + heads[:, None] * s_qh + offs_d[None, :],
@@ -175,7 +178,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if fp8 and k_scale.stride() != v_scale.stride():
         raise ValueError("k_scale and v_scale must share a layout")
     _decode_partial_kernel[(min(max_ctas, num_items),)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, part, lse,
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, context_lens, part, lse,
         num_items, num_kv, splits, split_len, scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *ks.stride()[:3], block_tables.stride(0), *s_part,
@@ -183,7 +186,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, STORE_LSE=splits > 1,
         DOT_PREC=dot_precision(q.dtype), NUM_STAGES=config.num_stages, FP8=fp8,
-        F16_DOTS=fp8 and q.dtype == torch.bfloat16,
+        F16_DOTS=fp8 and q.dtype == torch.bfloat16, HAS_START=False,
         num_warps=config.num_warps)
     if splits > 1:
         merge_splits(part, lse, out, max_ctas)

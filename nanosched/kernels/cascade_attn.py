@@ -1,0 +1,272 @@
+"""Cascade decode attention in Triton: a group's shared prefix pages are read once for all its rows.
+
+Computes what `reference.decode_attention` computes over each row's whole context. The rows come
+in contiguous groups (`CascadeGroups`): group g holds rows starts[g] .. starts[g+1]-1 (the groups
+partition the rows) and its rows' block tables begin with the same prefix_lens[g] / S pages. Rows
+that share nothing sit in a group of prefix 0. Three launches, no host sync: (1) the prefix kernel,
+one work item per (group, KV head, prefix split, tile of rows), M = the tile's rows x the GQA
+group's query heads, streams the prefix once per tile through `tl.dot` (a tile's K/V items are
+adjacent, so tiles of one group meet in L2), writes partials + LSE and each row's suffix start;
+(2) decode_attn's partial kernel from that start to the row's context; (3) decode_attn's
+`merge_splits` over the prefix and suffix partials by log-sum-exp. bf16/fp16/fp32, and the e4m3
+cache with its per-(token, KV head) scales, as decode_attention takes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanosched.errors import ConfigError
+from nanosched.kernels.common import (
+    PIPELINED,
+    DecodeConfig,
+    dot_precision,
+    host_to_device,
+    num_sms,
+)
+from nanosched.kernels.decode_attn import _decode_partial_kernel, merge_splits, plan_splits
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """Launch shape of the prefix kernel: M rows of a tile (tile rows x GQA heads, a power of
+    two >= 16), tokens per loop step, pipelining depth, warps."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_stages: int = 2
+    num_warps: int = 4
+
+
+PREFIX = PrefixConfig()
+
+
+@dataclass(frozen=True)
+class CascadeGroups:
+    """The grouping on the device: starts [G+1] and prefix_lens [G] int32 (tokens, multiples of
+    the page size). `max_rows` and `max_prefix_len` are host bounds (a CUDA-graph bucket's) on
+    any group's rows and prefix: they size the prefix grid, never read the device."""
+
+    starts: torch.Tensor  # [G + 1] int32
+    prefix_lens: torch.Tensor  # [G] int32
+    max_rows: int
+    max_prefix_len: int
+
+    @property
+    def num_groups(self) -> int:
+        return self.prefix_lens.shape[0]
+
+    @classmethod
+    def build(cls, rows: Sequence[int], prefix_lens: Sequence[int], page: int,
+              device: torch.device | str, num_groups: int | None = None,
+              max_rows: int | None = None, max_prefix_len: int | None = None) -> CascadeGroups:
+        """From rows per group and prefix tokens per group (host lists): checked, copied without
+        waiting for the GPU; `num_groups` pads with empty groups, the bounds default to the
+        largest group and prefix."""
+        if len(rows) != len(prefix_lens):
+            raise ConfigError(f"cascade groups: {len(rows)} row counts but {len(prefix_lens)} "
+                              "prefix lengths; give one of each per group")
+        for g, (r, p) in enumerate(zip(rows, prefix_lens, strict=True)):
+            if r < 0 or p < 0 or p % page:
+                raise ConfigError(f"cascade group {g}: rows {r}, prefix_len {p}; rows >= 0 and "
+                                  f"a prefix of whole pages of {page} tokens (a multiple of it)")
+        count = len(rows) if num_groups is None else num_groups
+        if count < len(rows):
+            raise ConfigError(f"{len(rows)} cascade groups do not fit in num_groups={count}")
+        pad = count - len(rows)
+        max_rows = max(rows, default=0) if max_rows is None else max_rows
+        max_prefix_len = max(prefix_lens, default=0) if max_prefix_len is None \
+            else max_prefix_len
+        if max_rows < max(rows, default=0) or max_prefix_len < max(prefix_lens, default=0):
+            raise ConfigError(f"cascade groups: max_rows {max_rows} / max_prefix_len "
+                              f"{max_prefix_len} below the largest group {max(rows)} / prefix "
+                              f"{max(prefix_lens)}")
+        starts = [0]
+        for r in [*rows, *[0] * pad]:
+            starts.append(starts[-1] + r)
+        return cls(host_to_device(starts, torch.int32, device),
+                   host_to_device([*prefix_lens, *[0] * pad], torch.int32, device),
+                   max_rows, max_prefix_len)
+
+
+@triton.jit
+def _prefix_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, starts_ptr, plens_ptr, o_ptr, lse_ptr,
+    row_start_ptr, num_items, num_kv_heads, num_splits, num_tiles, split_len, scale,
+    s_qn, s_qh, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_sp, s_ss, s_sh, s_btn,
+    s_on, s_oh, s_os, s_ln, s_lh,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)  # m = tile row * GROUP + query head within the GQA group
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    for item in tl.range(pid, num_items, tl.num_programs(0), num_stages=1):
+        tile = item % num_tiles  # innermost: a group's tiles read the same K/V side by side
+        split = (item // num_tiles) % num_splits
+        kvh = (item // (num_tiles * num_splits)) % num_kv_heads
+        grp = item // (num_tiles * num_splits * num_kv_heads)
+        first = tl.load(starts_ptr + grp)
+        end = tl.load(starts_ptr + grp + 1)
+        r_lo = first + tile * ROWS
+        if r_lo < end:
+            rows = r_lo + offs_m // GROUP  # [BM]
+            heads = kvh * GROUP + offs_m % GROUP
+            m_mask = (offs_m < ROWS * GROUP) & (rows < end)
+            plen = tl.load(plens_ptr + grp)
+            ctx = tl.load(lens_ptr + rows, mask=m_mask, other=0)  # a row reads only its context
+            if (kvh == 0) & (split == 0):  # where the row's own tokens start (suffix kernel)
+                tl.store(row_start_ptr + rows, tl.minimum(ctx, plen),
+                         mask=m_mask & (offs_m % GROUP == 0))
+            lo = split * split_len
+            hi = tl.minimum(lo + split_len, plen)
+            q = tl.load(q_ptr + rows[:, None] * s_qn + heads[:, None] * s_qh + offs_d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BM, BD]
+            if F16_DOTS:  # bf16 q, e4m3 cache: the dots run in fp16, as in decode_attn
+                q = q.to(tl.float16)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            bt_row = bt_ptr + first.to(tl.int64) * s_btn  # the group's first row holds the prefix
+            k_head = k_ptr + kvh * s_kh
+            v_head = v_ptr + kvh * s_vh
+            ks_head = ks_ptr + kvh * s_sh
+            vs_head = vs_ptr + kvh * s_sh
+            for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+                tok = start + offs_n  # [BN]
+                t_mask = tok < hi
+                page = tl.load(bt_row + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+                slot = tok % PAGE
+                kv_mask = t_mask[:, None] & d_mask[None, :]
+                k = tl.load(k_head + page[:, None] * s_kp + slot[:, None] * s_ks
+                            + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+                v = tl.load(v_head + page[:, None] * s_vp + slot[:, None] * s_vs
+                            + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+                if FP8:
+                    ks = tl.load(ks_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
+                    vs = tl.load(vs_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
+                    k = k.to(q.dtype)
+                    v = v.to(q.dtype)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BM, BN]
+                if FP8:
+                    s = s * ks[None, :]
+                s = tl.where(t_mask[None, :] & (tok[None, :] < ctx[:, None]), s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no token yet
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if FP8:
+                    pv = (p * vs[None, :]).to(v.dtype)
+                else:
+                    pv = p.to(v.dtype)
+                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+                m_i = m_new
+            has = l_i > 0
+            res = acc / tl.where(has, l_i, 1.0)[:, None]
+            tl.store(o_ptr + rows[:, None] * s_on + heads[:, None] * s_oh + split * s_os
+                     + offs_d[None, :], res, mask=m_mask[:, None] & d_mask[None, :])
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + rows * s_ln + heads * s_lh + split, lse, mask=m_mask)
+
+
+def check_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+               groups: CascadeGroups) -> None:
+    """Refuse, naming the input, shapes the kernels would misread (host shapes only)."""
+    n, num_q, d = q.shape
+    num_kv, page = k_cache.shape[2], k_cache.shape[1]
+    if out.shape != q.shape:
+        raise ConfigError(f"cascade attention: out {tuple(out.shape)} != q {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != d:
+        raise ConfigError(f"cascade attention: k_cache {tuple(k_cache.shape)} and v_cache "
+                          f"{tuple(v_cache.shape)} must both be [P, S, Hkv, {d}]")
+    if num_q % num_kv:
+        raise ConfigError(f"cascade attention: q's {num_q} heads are not a multiple of the "
+                          f"cache's {num_kv} KV heads")
+    if block_tables.dim() != 2 or block_tables.shape[0] != n or context_lens.shape != (n,):
+        raise ConfigError(f"cascade attention: block_tables {tuple(block_tables.shape)} and "
+                          f"context_lens {tuple(context_lens.shape)} must be [{n}, pages], [{n}]")
+    g = groups.num_groups
+    if groups.starts.shape != (g + 1,) or groups.starts.dtype != torch.int32 \
+            or groups.prefix_lens.dtype != torch.int32:
+        raise ConfigError(f"cascade groups: starts {tuple(groups.starts.shape)} "
+                          f"{groups.starts.dtype} must be [{g + 1}] int32 beside prefix_lens "
+                          f"[{g}] int32")
+    if groups.max_prefix_len % page or groups.max_prefix_len < 0:
+        raise ConfigError(f"cascade groups: max_prefix_len {groups.max_prefix_len} is not a "
+                          f"multiple of the page size {page}")
+    if groups.max_prefix_len > block_tables.shape[1] * page:
+        raise ConfigError(f"cascade groups: max_prefix_len {groups.max_prefix_len} exceeds the "
+                          f"block tables' {block_tables.shape[1]} pages of {page}")
+
+
+def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, context_lens: torch.Tensor,
+                             max_context_len: int, scale: float, out: torch.Tensor,
+                             groups: CascadeGroups, *, max_suffix_len: int | None = None,
+                             max_ctas: int | None = None, prefix_splits: int | None = None,
+                             suffix_splits: int | None = None, config: DecodeConfig = PIPELINED,
+                             prefix: PrefixConfig = PREFIX, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> None:
+    """out [n, Hq, d] = decode attention of q over each row's whole context, the prefix of
+    each group read once per row tile. Arguments as decode_attn.decode_attention, plus `groups`;
+    `max_suffix_len` bounds any row's tokens past its prefix (default max_context_len);
+    `config` is the suffix kernel's DecodeConfig, `prefix` the prefix kernel's."""
+    check_args(q, k_cache, v_cache, block_tables, context_lens, out, groups)
+    n, num_q, d = q.shape
+    if n == 0:
+        return
+    num_kv, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_q // num_kv
+    fp8 = k_scale is not None
+    if fp8 and (v_scale is None or k_scale.stride() != v_scale.stride()):
+        raise ConfigError("cascade attention: k_scale and v_scale must both be given and share "
+                          "a layout")
+    if max_ctas is None:
+        max_ctas = config.ctas_per_sm * num_sms(q.device)
+    block_m = max(prefix.block_m, 16, triton.next_power_of_2(group))
+    rows_per_tile = block_m // group
+    num_tiles = max(1, math.ceil(groups.max_rows / rows_per_tile))
+    p_splits, p_len = plan_splits(groups.num_groups * num_tiles, num_kv,
+                                  max(groups.max_prefix_len, 1), max_ctas, prefix_splits,
+                                  prefix.block_n)
+    suffix_max = max_context_len if max_suffix_len is None else max_suffix_len
+    block_n = config.block_for(fp8)
+    s_splits, s_len = plan_splits(n, num_kv, max(suffix_max, 1), max_ctas, suffix_splits,
+                                  block_n)
+    slots = p_splits + s_splits
+    part = torch.empty((n, num_q, slots, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((n, num_q, slots), dtype=torch.float32, device=q.device)
+    row_start = torch.empty((n,), dtype=torch.int32, device=q.device)
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused without FP8
+    strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+               *ks.stride()[:3], block_tables.stride(0), *part.stride()[:3], *lse.stride()[:2])
+    common = dict(HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
+                  DOT_PREC=dot_precision(q.dtype), FP8=fp8,
+                  F16_DOTS=fp8 and q.dtype == torch.bfloat16)
+    p_items = groups.num_groups * num_kv * p_splits * num_tiles
+    _prefix_kernel[(max(1, min(max_ctas, p_items)),)](
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, groups.starts,
+        groups.prefix_lens, part, lse, row_start, p_items, num_kv, p_splits, num_tiles, p_len,
+        scale, *strides, GROUP=group, ROWS=rows_per_tile, BLOCK_M=block_m,
+        BLOCK_N=prefix.block_n, NUM_STAGES=prefix.num_stages, num_warps=prefix.num_warps,
+        **common)
+    s_items = n * num_kv * s_splits
+    s_part, s_lse = part[:, :, p_splits:], lse[:, :, p_splits:]  # the suffix's slots
+    _decode_partial_kernel[(min(max_ctas, s_items),)](
+        q, k_cache, v_cache, ks, vs, block_tables, context_lens, row_start, s_part, s_lse,
+        s_items, num_kv, s_splits, s_len, scale, *strides,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        STORE_LSE=True, NUM_STAGES=config.num_stages, HAS_START=True,
+        num_warps=config.num_warps, **common)
+    merge_splits(part, lse, out, max_ctas)

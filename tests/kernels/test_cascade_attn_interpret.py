@@ -1,0 +1,173 @@
+"""Cascade decode attention against `reference.decode_attention` over the rows' whole contexts,
+on CPU through TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU), fp32 and fp16.
+
+The kernel gets block tables whose shared prefix pages are poisoned past each group's first row
+(an index that faults if read): the suffix kernel must start at the prefix, and the prefix
+kernel must read the group's first row only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from nanosched.errors import ConfigError
+from nanosched.kernels import reference as ref
+from nanosched.kernels.common import PAGED, PIPELINED
+from nanosched.kernels.dispatch import triton_available
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
+    reason="needs triton and TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
+
+PAGE, HKV, GQA, D = 16, 2, 4, 32
+POISON = 10 ** 6  # a page id far past the cache
+# (prefix pages, contexts of its rows): 7 rows on an odd prefix of 3 pages, one of them
+# exactly the prefix (an empty suffix); a group of one row; rows that share nothing, one of
+# them a padded row of context 0
+GROUPS = [(3, [48, 49, 60, 100, 77, 48, 90]), (1, [40]), (0, [33, 0, 17])]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def make_case(groups, dtype=torch.float32, seed=0, fp8=False):
+    """Cache, real block tables, poisoned block tables, context lengths, q, and the
+    reference's output over the real tables."""
+    gen = torch.Generator().manual_seed(seed)
+    need = sum(p + sum(max(0, math.ceil(c / PAGE) - p) for c in ctxs) for p, ctxs in groups)
+    num_pages = need + 3
+    perm = iter(torch.randperm(num_pages, generator=gen).tolist())
+    contexts = [c for _, ctxs in groups for c in ctxs]
+    width = max(math.ceil(c / PAGE) for c in contexts)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int32)
+    poisoned = tables.clone()
+    row = 0
+    for p, ctxs in groups:
+        shared = [next(perm) for _ in range(p)]
+        for i, c in enumerate(ctxs):
+            own = [next(perm) for _ in range(max(0, math.ceil(c / PAGE) - p))]
+            tables[row, :p + len(own)] = torch.tensor(shared + own, dtype=torch.int32)
+            poisoned[row] = tables[row]
+            if i > 0:
+                poisoned[row, :p] = POISON
+            if c == 0:
+                poisoned[row] = POISON
+            row += 1
+    kc = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
+    vc = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
+    scales = {}
+    if fp8:
+        kc, ks = ref.quantize_fp8(kc * 2)
+        vc, vs = ref.quantize_fp8(vc)
+        scales = {"k_scale": ks, "v_scale": vs}
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    q = torch.randn(len(contexts), HKV * GQA, D, generator=gen).to(dtype)
+    want = torch.empty_like(q)
+    ref.decode_attention(q, kc, vc, tables, lens, max(contexts), D ** -0.5, want, **scales)
+    return kc, vc, poisoned, lens, q, want, scales
+
+
+def run(groups, case, **kwargs):
+    from nanosched.kernels.cascade_attn import CascadeGroups, cascade_decode_attention
+
+    kc, vc, tables, lens, q, _, scales = case
+    meta = CascadeGroups.build([len(c) for _, c in groups], [p * PAGE for p, _ in groups],
+                               PAGE, "cpu", num_groups=kwargs.pop("num_groups", None))
+    got = torch.full_like(q, float("nan"))
+    cascade_decode_attention(q, kc, vc, tables, lens, int(lens.max()), D ** -0.5, got, meta,
+                             **kwargs, **scales)
+    return got
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("max_ctas, prefix_splits, suffix_splits",
+                         [(3, None, None), (2, 1, 1), (16, 3, 2)])
+def test_matches_decode_attention(dtype, tol, max_ctas, prefix_splits, suffix_splits):
+    from nanosched.kernels.cascade_attn import PrefixConfig
+
+    case = make_case(GROUPS, dtype)
+    # tiles of 4 rows (16 = 4 rows x 4 query heads): the 7-row group takes two
+    got = run(GROUPS, case, max_ctas=max_ctas, prefix_splits=prefix_splits,
+              suffix_splits=suffix_splits, prefix=PrefixConfig(block_m=16, block_n=16))
+    want = case[5]
+    assert not got.isnan().any()
+    assert torch.all(got[9] == 0)  # the padded row
+    assert rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("config", [PAGED, PIPELINED])
+def test_one_tile_per_group_and_suffix_configs(config):
+    """The default prefix tile (64 = 16 rows), each suffix DecodeConfig, a padding group
+    (empty) at the end of fixed-size metadata, and 5 prefix splits of one 80-token prefix."""
+    from nanosched.kernels.cascade_attn import PrefixConfig
+
+    groups = [(5, [80, 95, 130]), (2, [40, 32])]
+    case = make_case(groups, seed=1)
+    got = run(groups, case, max_ctas=4, prefix_splits=5, config=config, num_groups=4,
+              prefix=PrefixConfig(block_n=16))
+    assert rel_err(got, case[5]) < 1e-5
+
+
+def test_every_row_alone_is_decode_attention():
+    """One group of prefix 0 holding every row: the cascade is plain decode attention."""
+    groups = [(0, [1, 17, 100, 64])]
+    case = make_case(groups, seed=2)
+    assert rel_err(run(groups, case, max_ctas=3), case[5]) < 1e-5
+
+
+def test_fp8_cache_with_scales():
+    """An e4m3 cache with per-(token, KV head) scales, fp32 queries: to fp32 rounding of the
+    reference on the same e4m3 values."""
+    case = make_case(GROUPS, fp8=True, seed=3)
+    from nanosched.kernels.cascade_attn import PrefixConfig
+
+    got = run(GROUPS, case, max_ctas=4, prefix_splits=2, prefix=PrefixConfig(block_m=16,
+                                                                              block_n=16))
+    assert rel_err(got, case[5]) < 1e-5
+
+
+def test_builder_refuses_bad_groups():
+    from nanosched.kernels.cascade_attn import CascadeGroups
+
+    with pytest.raises(ConfigError, match="cascade group 1: rows 2, prefix_len 20"):
+        CascadeGroups.build([3, 2], [32, 20], PAGE, "cpu")
+    with pytest.raises(ConfigError, match="2 row counts but 1 prefix lengths"):
+        CascadeGroups.build([3, 2], [32], PAGE, "cpu")
+    with pytest.raises(ConfigError, match="do not fit in num_groups=1"):
+        CascadeGroups.build([3, 2], [32, 16], PAGE, "cpu", num_groups=1)
+    with pytest.raises(ConfigError, match="max_rows 2"):
+        CascadeGroups.build([3, 2], [32, 16], PAGE, "cpu", max_rows=2)
+    meta = CascadeGroups.build([3, 2], [32, 0], PAGE, "cpu", num_groups=3)
+    assert meta.starts.tolist() == [0, 3, 5, 5] and meta.prefix_lens.tolist() == [32, 0, 0]
+    assert (meta.max_rows, meta.max_prefix_len) == (3, 32)
+
+
+def test_kernel_refuses_bad_shapes():
+    from nanosched.kernels.cascade_attn import CascadeGroups, cascade_decode_attention
+
+    groups = [(1, [20, 30])]
+    kc, vc, tables, lens, q, _, _ = make_case(groups)
+    meta = CascadeGroups.build([2], [16], PAGE, "cpu")
+    args = (q, kc, vc, tables, lens, 30, D ** -0.5)
+    with pytest.raises(ConfigError, match=r"out \(2, 8, 16\) != q \(2, 8, 32\)"):
+        cascade_decode_attention(*args, torch.empty(2, 8, 16), meta)
+    with pytest.raises(ConfigError, match="max_prefix_len 24 is not a multiple"):
+        cascade_decode_attention(*args, torch.empty_like(q),
+                                 CascadeGroups(meta.starts, meta.prefix_lens, 2, 24))
+    with pytest.raises(ConfigError, match=r"starts \(2,\) torch.int64"):
+        cascade_decode_attention(*args, torch.empty_like(q),
+                                 CascadeGroups(meta.starts.long(), meta.prefix_lens, 2, 16))
+    with pytest.raises(ConfigError, match=r"context_lens \(1,\)"):
+        cascade_decode_attention(q, kc, vc, tables, lens[:1], 30, D ** -0.5,
+                                 torch.empty_like(q), meta)
+    with pytest.raises(ConfigError, match="q's 8 heads are not a multiple of the cache's 3"):
+        cascade_decode_attention(q, kc[:, :, :1].expand(-1, -1, 3, -1),
+                                 vc[:, :, :1].expand(-1, -1, 3, -1), tables, lens, 30,
+                                 D ** -0.5, torch.empty_like(q), meta)

@@ -210,6 +210,36 @@ def check_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           f"block tables' {block_tables.shape[1]} pages of {page}")
 
 
+@dataclass(frozen=True)
+class CascadePlan:
+    """Host-side launch sizes: the prefix tile (M, rows, tiles per group), prefix splits and
+    their tokens, suffix splits and their tokens; the partials hold p_splits + s_splits slots."""
+
+    block_m: int
+    rows_per_tile: int
+    num_tiles: int
+    p_splits: int
+    p_len: int
+    s_splits: int
+    s_len: int
+
+
+def cascade_plan(groups: CascadeGroups, num_rows: int, num_kv: int, group: int,
+                 max_suffix_len: int, max_ctas: int, prefix_splits: int | None = None,
+                 suffix_splits: int | None = None, suffix_block: int = PIPELINED.block_n,
+                 prefix: PrefixConfig = PREFIX) -> CascadePlan:
+    """The launch sizes `cascade_decode_attention` uses (decode_attn.plan_splits for both)."""
+    block_m = max(prefix.block_m, 16, triton.next_power_of_2(group))
+    rows_per_tile = block_m // group
+    num_tiles = max(1, math.ceil(groups.max_rows / rows_per_tile))
+    p_splits, p_len = plan_splits(groups.num_groups * num_tiles, num_kv,
+                                  max(groups.max_prefix_len, 1), max_ctas, prefix_splits,
+                                  prefix.block_n)
+    s_splits, s_len = plan_splits(num_rows, num_kv, max(max_suffix_len, 1), max_ctas,
+                                  suffix_splits, suffix_block)
+    return CascadePlan(block_m, rows_per_tile, num_tiles, p_splits, p_len, s_splits, s_len)
+
+
 def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, context_lens: torch.Tensor,
                              max_context_len: int, scale: float, out: torch.Tensor,
@@ -234,17 +264,10 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                           "a layout")
     if max_ctas is None:
         max_ctas = config.ctas_per_sm * num_sms(q.device)
-    block_m = max(prefix.block_m, 16, triton.next_power_of_2(group))
-    rows_per_tile = block_m // group
-    num_tiles = max(1, math.ceil(groups.max_rows / rows_per_tile))
-    p_splits, p_len = plan_splits(groups.num_groups * num_tiles, num_kv,
-                                  max(groups.max_prefix_len, 1), max_ctas, prefix_splits,
-                                  prefix.block_n)
-    suffix_max = max_context_len if max_suffix_len is None else max_suffix_len
-    block_n = config.block_for(fp8)
-    s_splits, s_len = plan_splits(n, num_kv, max(suffix_max, 1), max_ctas, suffix_splits,
-                                  block_n)
-    slots = p_splits + s_splits
+    plan = cascade_plan(groups, n, num_kv, group, max_context_len if max_suffix_len is None
+                        else max_suffix_len, max_ctas, prefix_splits, suffix_splits,
+                        config.block_for(fp8), prefix)
+    slots = plan.p_splits + plan.s_splits
     part = torch.empty((n, num_q, slots, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, num_q, slots), dtype=torch.float32, device=q.device)
     row_start = torch.empty((n,), dtype=torch.int32, device=q.device)
@@ -254,19 +277,21 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     common = dict(HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page,
                   DOT_PREC=dot_precision(q.dtype), FP8=fp8,
                   F16_DOTS=fp8 and q.dtype == torch.bfloat16)
-    p_items = groups.num_groups * num_kv * p_splits * num_tiles
+    p_items = groups.num_groups * num_kv * plan.p_splits * plan.num_tiles
     _prefix_kernel[(max(1, min(max_ctas, p_items)),)](
         q, k_cache, v_cache, ks, vs, block_tables, context_lens, groups.starts,
-        groups.prefix_lens, part, lse, row_start, p_items, num_kv, p_splits, num_tiles, p_len,
-        scale, *strides, GROUP=group, ROWS=rows_per_tile, BLOCK_M=block_m,
+        groups.prefix_lens, part, lse, row_start, p_items, num_kv, plan.p_splits,
+        plan.num_tiles, plan.p_len, scale, *strides, GROUP=group, ROWS=plan.rows_per_tile,
+        BLOCK_M=plan.block_m,
         BLOCK_N=prefix.block_n, NUM_STAGES=prefix.num_stages, num_warps=prefix.num_warps,
         **common)
-    s_items = n * num_kv * s_splits
-    s_part, s_lse = part[:, :, p_splits:], lse[:, :, p_splits:]  # the suffix's slots
+    s_items = n * num_kv * plan.s_splits
+    s_part, s_lse = part[:, :, plan.p_splits:], lse[:, :, plan.p_splits:]  # the suffix's slots
     _decode_partial_kernel[(min(max_ctas, s_items),)](
         q, k_cache, v_cache, ks, vs, block_tables, context_lens, row_start, s_part, s_lse,
-        s_items, num_kv, s_splits, s_len, scale, *strides,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        s_items, num_kv, plan.s_splits, plan.s_len, scale, *strides,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=config.block_for(fp8),
         STORE_LSE=True, NUM_STAGES=config.num_stages, HAS_START=True,
         num_warps=config.num_warps, **common)
     merge_splits(part, lse, out, max_ctas)

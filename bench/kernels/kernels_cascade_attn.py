@@ -1,0 +1,155 @@
+"""Cascade decode attention against the engine's default decode attention, shared prefixes.
+
+    PYTHONPATH=. python bench/kernels/kernels_cascade_attn.py [--groups 10] [--rows 100]
+        [--prefix 2000] [--own 328] [--kv-dtype auto,fp8]
+
+Llama-3-8B heads (Hq 32, Hkv 8, d 128), page 16, bf16 queries, pages shuffled, random data:
+`--groups` groups of `--rows` requests, each group's requests sharing a `--prefix`-token prompt
+(whole pages), each request with `--own` tokens of its own (200 unique + 128 decoded). Times
+`dispatch.decode_attention` (KernelOptions() defaults: what the engine launches) reading every
+row's full context, and `cascade_attn.cascade_decode_attention` (each PrefixConfig of PREFIXES),
+as medians of CUDA-graph replays (`graph_us`, 20 calls a graph), after checking both against the
+fp32 reference. Bytes: the K/V (+ scales) each must read, q and out, and the cascade's fp32
+partials (written, read); `prefix_tile_gb` is the prefix bytes times tiles per group, what the
+prefix kernel reads where L2 serves no tile. TB/s = a kernel's bytes / its time. JSON through
+bench._common.write_result; table last.
+"""
+
+# ruff: noqa: B023  (each lambda is timed at once, inside the loop iteration that made it)
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from bench._common import environment, median_ms, print_table, write_result
+from nanosched.kernels import dispatch as K
+from nanosched.kernels import reference as ref
+from nanosched.kernels.cascade_attn import (
+    CascadeGroups,
+    PrefixConfig,
+    cascade_decode_attention,
+    cascade_plan,
+)
+from nanosched.kernels.common import PIPELINED, num_sms
+from nanosched.profiler.timing import captured
+
+HQ, HKV, HD, PAGE = 32, 8, 128, 16
+CALLS = 20  # calls per graph
+OPTS = K.KernelOptions()
+# prefix tiles timed: M (rows x 4 query heads), tokens per step, stages, warps
+PREFIXES = (PrefixConfig(64, 64, 2, 4), PrefixConfig(64, 32, 3, 4), PrefixConfig(128, 64, 2, 8),
+            PrefixConfig(128, 32, 3, 8), PrefixConfig(32, 64, 3, 4))
+
+
+def graph_us(fn) -> float:
+    """Median time of one call of `fn`, from replays of a graph of CALLS calls."""
+    g = captured(lambda: [fn() for _ in range(CALLS)], torch.cuda.Stream())
+    return median_ms(g.replay, warmup_ms=50, rep_ms=200) * 1e3 / CALLS
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def make_batch(groups: int, rows: int, prefix: int, own: int, kv_dtype: str):
+    """q, cache (+ scales), block tables (shared prefix pages per group), lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p_pages, o_pages = prefix // PAGE, math.ceil(own / PAGE)
+    num_pages = groups * p_pages + groups * rows * o_pages
+    perm = torch.randperm(num_pages, device="cuda", generator=gen).int()
+    shared = perm[:groups * p_pages].view(groups, 1, p_pages).expand(groups, rows, p_pages)
+    mine = perm[groups * p_pages:].view(groups, rows, o_pages)
+    tables = torch.cat([shared, mine], dim=2).reshape(groups * rows, p_pages + o_pages)
+    k = torch.randn(num_pages, PAGE, HKV, HD, device="cuda", generator=gen)
+    v = torch.randn(num_pages, PAGE, HKV, HD, device="cuda", generator=gen)
+    if kv_dtype == "fp8":
+        (kc, ks), (vc, vs) = ref.quantize_fp8(k), ref.quantize_fp8(v)
+        scales = {"k_scale": ks, "v_scale": vs}
+    else:
+        kc, vc, scales = k.bfloat16(), v.bfloat16(), {}
+    del k, v
+    n = groups * rows
+    q = torch.randn(n, HQ, HD, device="cuda", generator=gen).bfloat16()
+    lens = torch.full((n,), prefix + own, dtype=torch.int32, device="cuda")
+    return q, kc, vc, tables.contiguous(), lens, scales
+
+
+def token_bytes(kv_dtype: str) -> int:
+    """K + V bytes of one token (all KV heads), with the FP8 cache's fp32 scales."""
+    return 2 * HKV * (HD * (1 if kv_dtype == "fp8" else 2) + (4 if kv_dtype == "fp8" else 0))
+
+
+def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
+    q, kc, vc, tables, lens, scales = make_batch(args.groups, args.rows, args.prefix, args.own,
+                                                 kv_dtype)
+    n, ctx, scale = q.shape[0], args.prefix + args.own, HD ** -0.5
+    want = torch.empty(q.shape, device="cuda")
+    for i in range(0, n, 50):  # the fp32 reference in slices (its gathered K/V are large)
+        ref.decode_attention(q[i:i + 50].float(), kc, vc, tables[i:i + 50], lens[i:i + 50], ctx,
+                             scale, want[i:i + 50], **scales)
+    out = torch.empty_like(q)
+    io = 2 * n * HQ * HD * q.element_size()  # q in, out back
+    tok = token_bytes(kv_dtype)
+    impl = K._default_decode(OPTS, q, kc, vc, scales.get("k_scale"), scales.get("v_scale"))
+    K.decode_attention(q, kc, vc, tables, lens, ctx, scale, out, OPTS, **scales)
+    decode_gb = (n * ctx * tok + io) / 1e9
+    decode_us = graph_us(lambda: K.decode_attention(q, kc, vc, tables, lens, ctx, scale, out,
+                                                    OPTS, **scales))
+    rows = [{"kv": kv_dtype, "kernel": f"decode {impl}", "us": decode_us, "gb": decode_gb,
+             "tbps": decode_gb / decode_us * 1e3, "err": rel_err(out, want),
+             "speedup": 1.0}]
+    groups = CascadeGroups.build([args.rows] * args.groups, [args.prefix] * args.groups, PAGE,
+                                 "cuda")
+    for pc in PREFIXES:
+        plan = cascade_plan(groups, n, HKV, HQ // HKV, args.own,
+                            PIPELINED.ctas_per_sm * num_sms(q.device), suffix_block=PIPELINED
+                            .block_for(kv_dtype == "fp8"), prefix=pc)
+        slots = plan.p_splits + plan.s_splits
+        partial = 2 * n * HQ * slots * (HD + 1) * 4  # fp32 partials + LSE, written then read
+        kv = args.groups * args.prefix * tok + n * args.own * tok
+        gb = (kv + io + partial) / 1e9
+
+        def call() -> None:
+            cascade_decode_attention(q, kc, vc, tables, lens, ctx, scale, out, groups,
+                                     max_suffix_len=args.own, prefix=pc, **scales)
+
+        out.fill_(float("nan"))
+        call()
+        us = graph_us(call)
+        rows.append({"kv": kv_dtype, "kernel": f"cascade m{pc.block_m}/n{pc.block_n}/"
+                     f"s{pc.num_stages}/w{pc.num_warps}", "us": us, "gb": gb,
+                     "tbps": gb / us * 1e3, "err": rel_err(out, want),
+                     "speedup": decode_us / us, "kv_gb": kv / 1e9, "partial_gb": partial / 1e9,
+                     "prefix_tile_gb": args.groups * plan.num_tiles * args.prefix * tok / 1e9,
+                     "tiles": plan.num_tiles, "prefix_splits": plan.p_splits,
+                     "suffix_splits": plan.s_splits})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--groups", type=int, default=10, help="groups sharing a prefix")
+    ap.add_argument("--rows", type=int, default=100, help="requests per group")
+    ap.add_argument("--prefix", type=int, default=2000, help="shared tokens (whole pages)")
+    ap.add_argument("--own", type=int, default=328, help="each request's own tokens")
+    ap.add_argument("--kv-dtype", default="auto,fp8", help="comma-separated: auto (bf16), fp8")
+    args = ap.parse_args()
+    if args.prefix % PAGE:
+        ap.error(f"--prefix {args.prefix} is not a multiple of the page size {PAGE}")
+    torch.manual_seed(0)
+    rows = [r for kv in args.kv_dtype.split(",") for r in measure(args, kv)]
+    path = write_result("kernels_cascade_attn", {
+        "env": environment(), "command": "bench/kernels/kernels_cascade_attn.py --groups "
+        f"{args.groups} --rows {args.rows} --prefix {args.prefix} --own {args.own} "
+        f"--kv-dtype {args.kv_dtype}", "shape": {"hq": HQ, "hkv": HKV, "d": HD, "page": PAGE},
+        "rows": rows})
+    print(f"wrote {path}")
+    print_table(rows, [("kv", "kv", ""), ("kernel", "kernel", ""), ("us", "us", ".1f"),
+                       ("gb", "GB read", ".3f"), ("tbps", "TB/s", ".2f"),
+                       ("speedup", "x decode", ".2f"), ("err", "err", ".1e")])
+
+
+if __name__ == "__main__":
+    main()

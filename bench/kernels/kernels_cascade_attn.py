@@ -7,8 +7,8 @@ Llama-3-8B heads (Hq 32, Hkv 8, d 128), page 16, bf16 queries, pages shuffled, r
 `--groups` groups of `--rows` requests, each group's requests sharing a `--prefix`-token prompt
 (whole pages), each request with `--own` tokens of its own (200 unique + 128 decoded). Times
 `dispatch.decode_attention` (KernelOptions() defaults: what the engine launches) reading every
-row's full context, and `cascade_attn.cascade_decode_attention` (each PrefixConfig of PREFIXES),
-as medians of CUDA-graph replays (`graph_us`, 20 calls a graph), after checking both against the
+row's full context, and `cascade_attn.cascade_decode_attention` (PREFIXES x PREFIX_SPLITS), as
+medians of CUDA-graph replays (`graph_us`, 20 calls a graph), after checking both against the
 fp32 reference. Bytes: the K/V (+ scales) each must read, q and out, and the cascade's fp32
 partials (written, read); `prefix_tile_gb` is the prefix bytes times tiles per group, what the
 prefix kernel reads where L2 serves no tile. TB/s = a kernel's bytes / its time. JSON through
@@ -19,6 +19,7 @@ bench._common.write_result; table last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 
 import torch
@@ -36,11 +37,13 @@ from nanosched.kernels.common import PIPELINED, num_sms
 from nanosched.profiler.timing import captured
 
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
+DEVICE = "cuda"
 CALLS = 20  # calls per graph
 OPTS = K.KernelOptions()
 # prefix tiles timed: M (rows x 4 query heads), tokens per step, stages, warps
 PREFIXES = (PrefixConfig(64, 64, 2, 4), PrefixConfig(64, 32, 3, 4), PrefixConfig(128, 64, 2, 8),
             PrefixConfig(128, 32, 3, 8), PrefixConfig(32, 64, 3, 4))
+PREFIX_SPLITS = (None, 4)  # the planned prefix splits, or more (shorter prefix work items)
 
 
 def graph_us(fn) -> float:
@@ -55,15 +58,15 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def make_batch(groups: int, rows: int, prefix: int, own: int, kv_dtype: str):
     """q, cache (+ scales), block tables (shared prefix pages per group), lengths."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     p_pages, o_pages = prefix // PAGE, math.ceil(own / PAGE)
     num_pages = groups * p_pages + groups * rows * o_pages
-    perm = torch.randperm(num_pages, device="cuda", generator=gen).int()
+    perm = torch.randperm(num_pages, device=DEVICE, generator=gen).int()
     shared = perm[:groups * p_pages].view(groups, 1, p_pages).expand(groups, rows, p_pages)
     mine = perm[groups * p_pages:].view(groups, rows, o_pages)
     tables = torch.cat([shared, mine], dim=2).reshape(groups * rows, p_pages + o_pages)
-    k = torch.randn(num_pages, PAGE, HKV, HD, device="cuda", generator=gen)
-    v = torch.randn(num_pages, PAGE, HKV, HD, device="cuda", generator=gen)
+    k = torch.randn(num_pages, PAGE, HKV, HD, device=DEVICE, generator=gen)
+    v = torch.randn(num_pages, PAGE, HKV, HD, device=DEVICE, generator=gen)
     if kv_dtype == "fp8":
         (kc, ks), (vc, vs) = ref.quantize_fp8(k), ref.quantize_fp8(v)
         scales = {"k_scale": ks, "v_scale": vs}
@@ -71,8 +74,8 @@ def make_batch(groups: int, rows: int, prefix: int, own: int, kv_dtype: str):
         kc, vc, scales = k.bfloat16(), v.bfloat16(), {}
     del k, v
     n = groups * rows
-    q = torch.randn(n, HQ, HD, device="cuda", generator=gen).bfloat16()
-    lens = torch.full((n,), prefix + own, dtype=torch.int32, device="cuda")
+    q = torch.randn(n, HQ, HD, device=DEVICE, generator=gen).bfloat16()
+    lens = torch.full((n,), prefix + own, dtype=torch.int32, device=DEVICE)
     return q, kc, vc, tables.contiguous(), lens, scales
 
 
@@ -85,7 +88,7 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
     q, kc, vc, tables, lens, scales = make_batch(args.groups, args.rows, args.prefix, args.own,
                                                  kv_dtype)
     n, ctx, scale = q.shape[0], args.prefix + args.own, HD ** -0.5
-    want = torch.empty(q.shape, device="cuda")
+    want = torch.empty(q.shape, device=DEVICE)
     for i in range(0, n, 50):  # the fp32 reference in slices (its gathered K/V are large)
         ref.decode_attention(q[i:i + 50].float(), kc, vc, tables[i:i + 50], lens[i:i + 50], ctx,
                              scale, want[i:i + 50], **scales)
@@ -101,11 +104,11 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
              "tbps": decode_gb / decode_us * 1e3, "err": rel_err(out, want),
              "speedup": 1.0}]
     groups = CascadeGroups.build([args.rows] * args.groups, [args.prefix] * args.groups, PAGE,
-                                 "cuda")
-    for pc in PREFIXES:
+                                 DEVICE)
+    for pc, ps in itertools.product(PREFIXES, PREFIX_SPLITS):
         plan = cascade_plan(groups, n, HKV, HQ // HKV, args.own,
-                            PIPELINED.ctas_per_sm * num_sms(q.device), suffix_block=PIPELINED
-                            .block_for(kv_dtype == "fp8"), prefix=pc)
+                            PIPELINED.ctas_per_sm * num_sms(q.device), prefix_splits=ps,
+                            suffix_block=PIPELINED.block_for(kv_dtype == "fp8"), prefix=pc)
         slots = plan.p_splits + plan.s_splits
         partial = 2 * n * HQ * slots * (HD + 1) * 4  # fp32 partials + LSE, written then read
         kv = args.groups * args.prefix * tok + n * args.own * tok
@@ -113,13 +116,14 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
 
         def call() -> None:
             cascade_decode_attention(q, kc, vc, tables, lens, ctx, scale, out, groups,
-                                     max_suffix_len=args.own, prefix=pc, **scales)
+                                     max_suffix_len=args.own, prefix_splits=ps, prefix=pc,
+                                     **scales)
 
         out.fill_(float("nan"))
         call()
         us = graph_us(call)
         rows.append({"kv": kv_dtype, "kernel": f"cascade m{pc.block_m}/n{pc.block_n}/"
-                     f"s{pc.num_stages}/w{pc.num_warps}", "us": us, "gb": gb,
+                     f"s{pc.num_stages}/w{pc.num_warps}/p{plan.p_splits}", "us": us, "gb": gb,
                      "tbps": gb / us * 1e3, "err": rel_err(out, want),
                      "speedup": decode_us / us, "kv_gb": kv / 1e9, "partial_gb": partial / 1e9,
                      "prefix_tile_gb": args.groups * plan.num_tiles * args.prefix * tok / 1e9,

@@ -7,6 +7,8 @@ kernel runs on `max_ctas` programs that loop over the work items (persistent gri
 bounds the kernel's SM footprint; each item handles the whole GQA group of its KV head with one
 `tl.dot`. With more than one split, a second kernel (same CTA bound) merges the partial results
 by their log-sum-exp. `max_ctas` and `num_splits` are launch arguments: the profiler sweeps them.
+The partial kernel can start each row's splits at a per-row token (HAS_START): cascade_attn
+reads each row's suffix past its group's shared prefix that way.
 
 More in docs/runtime.md, module notes.
 """

@@ -30,7 +30,13 @@ from nanosched.kernels.common import (
     host_to_device,
     num_sms,
 )
-from nanosched.kernels.decode_attn import _decode_partial_kernel, merge_splits, plan_splits
+from nanosched.kernels.decode_attn import (
+    _decode_partial_kernel,
+    attend_block,
+    finish_block,
+    merge_splits,
+    plan_splits,
+)
 
 
 @dataclass(frozen=True)
@@ -146,36 +152,14 @@ def _prefix_kernel(
                 t_mask = tok < hi
                 page = tl.load(bt_row + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
                 slot = tok % PAGE
-                kv_mask = t_mask[:, None] & d_mask[None, :]
-                k = tl.load(k_head + page[:, None] * s_kp + slot[:, None] * s_ks
-                            + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
-                v = tl.load(v_head + page[:, None] * s_vp + slot[:, None] * s_vs
-                            + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
-                if FP8:
-                    ks = tl.load(ks_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
-                    vs = tl.load(vs_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
-                    k = k.to(q.dtype)
-                    v = v.to(q.dtype)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BM, BN]
-                if FP8:
-                    s = s * ks[None, :]
-                s = tl.where(t_mask[None, :] & (tok[None, :] < ctx[:, None]), s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no token yet
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if FP8:
-                    pv = (p * vs[None, :]).to(v.dtype)
-                else:
-                    pv = p.to(v.dtype)
-                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
-                m_i = m_new
-            has = l_i > 0
-            res = acc / tl.where(has, l_i, 1.0)[:, None]
+                keep = t_mask[None, :] & (tok[None, :] < ctx[:, None])  # a row's own context
+                m_i, l_i, acc = attend_block(q, k_head, v_head, ks_head, vs_head, page, slot,
+                                             t_mask, keep, d_mask, offs_d, m_i, l_i, acc,
+                                             scale, s_kp, s_ks, s_vp, s_vs, s_sp, s_ss, FP8,
+                                             DOT_PREC, True)
+            res, lse = finish_block(m_i, l_i, acc)  # a row past its context: 0 and -inf
             tl.store(o_ptr + rows[:, None] * s_on + heads[:, None] * s_oh + split * s_os
                      + offs_d[None, :], res, mask=m_mask[:, None] & d_mask[None, :])
-            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + rows * s_ln + heads * s_lh + split, lse, mask=m_mask)
 
 

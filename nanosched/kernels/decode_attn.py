@@ -25,6 +25,53 @@ from nanosched.kernels.common import PAGED, DecodeConfig, dot_precision, num_sms
 
 
 @triton.jit
+def attend_block(q, k_head, v_head, ks_head, vs_head, page, slot, t_mask, s_mask, d_mask, offs_d,
+                 m_i, l_i, acc, scale, s_kp, s_ks, s_vp, s_vs, s_sp, s_ss,
+                 FP8: tl.constexpr, DOT_PREC: tl.constexpr, SAFE: tl.constexpr):
+    """One online-softmax step over a block of cached tokens (page, slot [BN]; t_mask [BN]
+    the tokens that exist, s_mask the scores kept, broadcast to [M, BN]): loads K/V (e4m3 ->
+    q's dtype, a token's scale folded into its score and its probability column) and returns
+    the updated (m_i, l_i, acc). SAFE: rows may have kept no score yet (their max stays -inf)."""
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_head + page[:, None] * s_kp + slot[:, None] * s_ks + offs_d[None, :],
+                mask=kv_mask, other=0.0)  # [BN, BD]
+    v = tl.load(v_head + page[:, None] * s_vp + slot[:, None] * s_vs + offs_d[None, :],
+                mask=kv_mask, other=0.0)  # [BN, BD]
+    if FP8:
+        ks = tl.load(ks_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
+        vs = tl.load(vs_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [M, BN]
+    if FP8:
+        s = s * ks[None, :]
+    s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SAFE:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        pv = (p * vs[None, :]).to(v.dtype)
+    else:
+        pv = p.to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def finish_block(m_i, l_i, acc):
+    """A split's normalised output and log-sum-exp (0 and -inf where no token was kept)."""
+    has = l_i > 0
+    res = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    return res, lse
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, start_ptr, o_ptr, lse_ptr,
     num_items, num_kv_heads, num_splits, split_len, scale,
@@ -76,37 +123,15 @@ def _decode_partial_kernel(
             nxt = tok + BLOCK_N
             page_next = tl.load(bt_row + nxt // PAGE, mask=nxt < hi, other=0)
             slot = tok % PAGE
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_head + page[:, None] * s_kp + slot[:, None] * s_ks + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BN, BD]
-            v = tl.load(v_head + page[:, None] * s_vp + slot[:, None] * s_vs + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BN, BD]
-            if FP8:  # e4m3 -> q's dtype (fp16 for bf16); a token's scale folds into its column
-                ks = tl.load(ks_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
-                vs = tl.load(vs_head + page * s_sp + slot * s_ss, mask=t_mask, other=0.0)
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale  # [BG, BN]
-            if FP8:
-                s = s * ks[None, :]
-            s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if FP8:
-                pv = (p * vs[None, :]).to(v.dtype)
-            else:
-                pv = p.to(v.dtype)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
-            m_i = m_new
-        has = l_i > 0
-        res = acc / tl.where(has, l_i, 1.0)[:, None]
+            m_i, l_i, acc = attend_block(q, k_head, v_head, ks_head, vs_head, page, slot,
+                                         t_mask, t_mask[None, :], d_mask, offs_d, m_i, l_i,
+                                         acc, scale, s_kp, s_ks, s_vp, s_vs, s_sp, s_ss,
+                                         FP8, DOT_PREC, False)
+        res, lse = finish_block(m_i, l_i, acc)
         o_off = req * s_on + heads[:, None] * s_oh + split * s_os + offs_d[None, :]
         tl.store(o_ptr + o_off, res.to(o_ptr.dtype.element_ty),
                  mask=g_mask[:, None] & d_mask[None, :])
         if STORE_LSE:
-            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + req * s_ln + heads * s_lh + split, lse, mask=g_mask)
 
 

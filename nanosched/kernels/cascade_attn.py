@@ -29,6 +29,7 @@ from nanosched.kernels.common import (
     dot_precision,
     host_to_device,
     num_sms,
+    padding,
 )
 from nanosched.kernels.decode_attn import (
     _decode_partial_kernel,
@@ -82,10 +83,7 @@ class CascadeGroups:
             if r < 0 or p < 0 or p % page:
                 raise ConfigError(f"cascade group {g}: rows {r}, prefix_len {p}; rows >= 0 and "
                                   f"a prefix of whole pages of {page} tokens (a multiple of it)")
-        count = len(rows) if num_groups is None else num_groups
-        if count < len(rows):
-            raise ConfigError(f"{len(rows)} cascade groups do not fit in num_groups={count}")
-        pad = count - len(rows)
+        pad = padding(len(rows), num_groups, "cascade groups (num_groups)")
         max_rows = max(rows, default=0) if max_rows is None else max_rows
         max_prefix_len = max(prefix_lens, default=0) if max_prefix_len is None \
             else max_prefix_len

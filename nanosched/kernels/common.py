@@ -165,6 +165,14 @@ class PrefillSegments:
         return [(s, s + n, p) for s, n, p in zip(starts, lens, first, strict=True) if n > 0]
 
 
+def padding(n: int, size: int | None, what: str) -> int:
+    """How many empty entries pad `n` entries of `what` to a fixed `size` (None: n, no
+    padding): a CUDA graph's metadata keeps its shape. ConfigError where n does not fit."""
+    if size is not None and size < n:
+        raise ConfigError(f"{n} {what} do not fit in {size}")
+    return 0 if size is None else size - n
+
+
 def segment_rows(segments: Sequence[Segment], num_segments: int | None = None) -> list[list[int]]:
     """[starts, lengths, first positions] of `segments`, padded with empty ones to
     `num_segments`."""
@@ -172,9 +180,6 @@ def segment_rows(segments: Sequence[Segment], num_segments: int | None = None) -
         if not 0 <= s <= e or p < 0:
             raise ConfigError(f"prefill segment {(s, e, p)} needs 0 <= start <= end and "
                               f"first_pos >= 0")
-    count = len(segments) if num_segments is None else num_segments
-    if count < len(segments):
-        raise ConfigError(f"{len(segments)} prefill segments do not fit in {count}")
-    pad = count - len(segments)
+    pad = padding(len(segments), num_segments, "prefill segments")
     return [[s for s, _, _ in segments] + [0] * pad, [e - s for s, e, _ in segments] + [0] * pad,
             [p for _, _, p in segments] + [0] * pad]

@@ -140,7 +140,7 @@ def test_builder_refuses_bad_groups():
         CascadeGroups.build([3, 2], [32, 20], PAGE, "cpu")
     with pytest.raises(ConfigError, match="2 row counts but 1 prefix lengths"):
         CascadeGroups.build([3, 2], [32], PAGE, "cpu")
-    with pytest.raises(ConfigError, match="do not fit in num_groups=1"):
+    with pytest.raises(ConfigError, match=r"cascade groups \(num_groups\) do not fit in 1"):
         CascadeGroups.build([3, 2], [32, 16], PAGE, "cpu", num_groups=1)
     with pytest.raises(ConfigError, match="max_rows 2"):
         CascadeGroups.build([3, 2], [32, 16], PAGE, "cpu", max_rows=2)

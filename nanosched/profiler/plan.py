@@ -43,9 +43,9 @@ COPY_ENGINE_CTAS = (8, 16)
 PAIR_COMPUTE_OPS = GEMM_OPS  # the compute kernels co-run with memory and network kernels
 NETWORK_PAIR_LARGE = (1024, 2048)  # GEMM rows also paired with the network ops
 # the implementations of the W8A8 GEMM of FP8_GEMM_OPS (kernels/dispatch.linear_fp8:
-# torch._scaled_mm, `cublaslt` with its SM target; the persistent Triton GEMM and the narrow
-# one run W8A8 too, the narrow one by default at dispatch.NARROW_LAUNCHES, but have no
-# profiled rows yet: a profile prices those shapes at _scaled_mm's rows)
+# torch._scaled_mm, `cublaslt` with its SM target; the persistent Triton GEMM runs W8A8 too
+# but has no profiled rows yet; the narrow one runs by default only at 129-192 rows
+# (dispatch.NARROW_LAUNCHES), which the grid's multiples of TOKEN_QUANTUM never meet)
 FP8_GEMM_IMPLS = ("cublas", "cublaslt")
 # and of the MoE experts' grouped one (dispatch.grouped_linear_fp8: the Triton kernel; `torch`
 # is the exact emulation, a correctness reference too slow to schedule)

@@ -205,12 +205,18 @@ def narrow_launch(rows: int, n: int, k: int) -> tuple[int, ...] | None:
 def fp8_default_gemm(opts: KernelOptions, x: torch.Tensor, w: torch.Tensor) -> str:
     """The W8A8 GEMM of `x`'s rows by `w` where no launch names one: `opts.gemm`'s, except
     that the default (cublas) gives way to the narrow Triton GEMM where NARROW_LAUNCHES holds
-    the shape and row count, on a GPU with triton."""
+    the shape and row count, on a Hopper GPU (where it was measured) with triton."""
     name = opts.gemm_impl
     if (name == "cublas" and narrow_launch(x.shape[0], *w.shape) is not None and x.is_cuda
-            and triton_available()):
+            and _hopper(x.device.index) and triton_available()):
         return NARROW
     return name
+
+
+@functools.cache
+def _hopper(index: int | None) -> bool:
+    """Whether CUDA device `index` (None: the current one) is a Hopper GPU (sm_90)."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def narrow_config(rows: int, n: int, k: int):

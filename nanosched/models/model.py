@@ -88,6 +88,7 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.quantization = quant.check_quantization(quantization)
         quant.check_model_dtype(self.quantization, dtype)
+        quant.check_fp8_device(self.quantization, device)
         self.tp = tp or TensorParallel()
         self.local = local_shapes(spec, self.tp)
         self.dtype = dtype

@@ -42,6 +42,24 @@ def check_model_dtype(quantization: str, dtype: torch.dtype) -> None:
                           "scales write bfloat16; use --dtype auto or bfloat16")
 
 
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) on
+
+
+def check_fp8_device(quantization: str, device: torch.device | str) -> None:
+    """Refuse fp8 weights on a GPU without FP8 tensor cores (before Ada), where the W8A8 GEMMs
+    would fail at the first forward; the CPU runs the exact emulation."""
+    device = torch.device(device)
+    if quantization != FP8 or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"--quantization fp8 needs FP8 tensor cores (compute capability "
+                          f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later: Ada, Hopper); "
+                          f"{device} is {name} ({capability[0]}.{capability[1]}): use "
+                          f"--quantization none and a bf16 checkpoint")
+
+
 def fp8_weights(spec: ModelSpec, quantization: str) -> tuple[str, ...]:
     """The layer weights held in e4m3 under `quantization`: those of the FP8_GEMM_OPS the
     model's layer has (dense GEMMs, or MoE experts' grouped GEMMs)."""

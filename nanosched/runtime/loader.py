@@ -22,7 +22,7 @@ from nanosched.models.checkpoint import (
 )
 from nanosched.models.model import CausalLM
 from nanosched.models.parallel import TensorParallel
-from nanosched.models.quant import check_model_dtype, resolve_quantization
+from nanosched.models.quant import check_fp8_device, check_model_dtype, resolve_quantization
 from nanosched.models.spec import ModelSpec, load_spec
 from nanosched.models.weights import init_random
 from nanosched.runtime.choice import (  # noqa: F401 (re-exported: the commands import them here)
@@ -284,8 +284,9 @@ def load_engine(cfg: EngineConfig, *, requests: list[Request] | None = None,
     resolve_dense_batch(cfg.dense_batch, choice, device)
     weights = resolve_weights(cfg.model, cfg.weights)
     # refused before any rank starts (the model refuses it too, on every path)
-    check_model_dtype(resolve_quantization(cfg.quantization, weights),
-                      model_dtype(device, cfg.dtype))
+    quantization = resolve_quantization(cfg.quantization, weights)
+    check_model_dtype(quantization, model_dtype(device, cfg.dtype))
+    check_fp8_device(quantization, device)
     if weights == "random":
         log.info("%s: random weights (seed %d)", cfg.model, cfg.seed)
     group = None

@@ -415,3 +415,25 @@ def test_fp8_weights_refused_in_a_float16_model(tmp_path):
     with pytest.raises(ConfigError, match=r"--dtype float16 with --quantization fp8"):
         CausalLM(load_spec(str(tmp_path)), dtype=torch.float16, quantization="fp8")
     CausalLM(load_spec(str(tmp_path)), dtype=torch.float16)  # unquantised float16 is fine
+
+
+def test_fp8_weights_refused_on_a_gpu_without_fp8_tensor_cores(tmp_path, monkeypatch):
+    """An A100 (compute capability 8.0) has no FP8 tensor cores: the model refuses fp8 weights
+    there, naming the GPU and what to do, before it allocates anything; Ada (8.9) and Hopper
+    (9.0) pass the check, as does the CPU (the exact emulation)."""
+    make_hf("llama", tmp_path, seed=0)
+    from nanosched.models import quant
+    from nanosched.models.spec import load_spec
+
+    capability = {"cc": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["cc"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ConfigError, match=r"needs FP8 tensor cores .* cuda:0 is NVIDIA A100 "
+                                          r"\(8\.0\): use --quantization none"):
+        CausalLM(load_spec(str(tmp_path)), dtype=torch.bfloat16, device="cuda:0",
+                 quantization="fp8")
+    quant.check_fp8_device("none", "cuda:0")  # bf16 weights run there
+    for cc in ((8, 9), (9, 0)):
+        capability["cc"] = cc
+        quant.check_fp8_device("fp8", "cuda:0")
+    quant.check_fp8_device("fp8", "cpu")

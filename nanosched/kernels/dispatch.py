@@ -437,6 +437,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor,
     num_sms, max_ctas (impls.grouped_programs)."""
     args = impls.read_launch(launch)
     name = _chosen(args, impls.GROUPED, lambda: "triton" if use_triton(opts, x) else "torch")
+    if name == NARROW:
+        raise ConfigError(f"{NARROW} is the W8A8 grouped GEMM only; a {x.dtype} grouped GEMM "
+                          f"runs triton or torch")
     if name == "triton":
         _triton_ok(x)
         from nanosched.kernels.grouped_gemm import GroupedGemmConfig
@@ -456,10 +459,18 @@ def grouped_linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     w_scale[e], e = expert_ids[i]. x [m0, K] e4m3 with one scale per row, w [E, N, K] e4m3
     with w_scale [E, N], out [m, N] in the model dtype; launch as `grouped_linear`. The Triton
     kernel (e4m3 wgmma on Hopper, sums never promoted, as `torch._scaled_mm`'s fast
-    accumulation) or the exact emulation of `reference`, which `torch` names."""
+    accumulation), the narrow grouped GEMM (`triton_narrow`, each expert's weight slab read
+    once by all its rows; only where a launch names it, with its default launch, which was
+    not measured; one program per expert and channel block, num_sms and max_ctas unused) or
+    the exact emulation of `reference`, which `torch` names."""
     args = impls.read_launch(launch)
     name = _chosen(args, impls.GROUPED, lambda: "triton" if use_triton(opts, x) else "torch")
-    if name == "triton":
+    if name == NARROW:
+        _triton_ok(x)
+        from nanosched.kernels.grouped_narrow import grouped_narrow_fp8
+
+        grouped_narrow_fp8(x, x_scale, w, w_scale, expert_ids, x_rows, out)
+    elif name == "triton":
         _triton_ok(x)
         from nanosched.kernels.grouped_gemm import FP8_CONFIG
         from nanosched.kernels.grouped_gemm import grouped_linear as kernel

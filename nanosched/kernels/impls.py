@@ -34,7 +34,7 @@ FIXED_NAMES = {
     GEMM: ("cublas", "cublaslt", "triton_narrow"),
     DECODE: ("triton_paged", "triton_pipelined", "triton_pipelined_2w", "cuda_bulk", "torch"),
     ELEMENTWISE: ("triton", "torch"),
-    GROUPED: ("triton", "torch"),
+    GROUPED: ("triton", "triton_narrow", "torch"),  # triton_narrow: W8A8 only
     PREFILL: ("triton", "torch"),
     NETWORK: ("nccl", "copy_engine"),
 }

@@ -252,7 +252,7 @@ def test_grouped_programs_follow_the_launch_bounds():
     assert impls.grouped_programs(args({"num_sms": 100, "max_ctas": 16}), 132) == 16
     assert impls.grouped_programs(args({"num_sms": 132, "max_ctas": 200}), 132) == 200
     with pytest.raises(ConfigError, match=r"'cublas' is unknown for op 'experts_d'; known: "
-                                          r"triton, torch"):
+                                          r"triton, triton_narrow, torch"):
         impls.check_op_impl("experts_d", "cublas")
     x, w, ids = torch.randn(4, 8), torch.randn(2, 6, 8), torch.tensor([0, 1, 1, 0])
     with pytest.raises(ConfigError, match=r"'cublas' is unknown for grouped"):

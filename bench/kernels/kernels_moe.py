@@ -1,7 +1,7 @@
 """Triton grouped GEMM vs the torch loop over experts at Mixtral-8x7B tp=1 shapes, 128..2048 tokens.
 
     PYTHONPATH=. python bench/kernels/kernels_moe.py [--tokens 128,256,512,1024,2048] [--num-sms N]
-                                [--routing random|uniform] [--fp8]
+                                [--routing random|uniform] [--fp8] [--narrow]
 
 Shapes (E = 8 experts, top-2, bf16; rows = 2 T): gate_up out[2T, 28672] = x[T, 4096] rows
 (each token read twice through x_rows) @ w[e].T with w [8, 28672, 4096]; down out[2T, 4096] =
@@ -17,6 +17,10 @@ warm-up, medians (triton.testing.do_bench). JSON to $OUT or bench/results/; a ta
 persistent), its error against the exact emulation (`reference.grouped_linear_fp8`), the dense
 `torch._scaled_mm` of the same FLOPs, and its speedup over the best bf16 Triton configuration;
 `gate_up` then includes the quantisation of its T input rows, as models/moe.py runs it.
+`--narrow` adds the narrow W8A8 grouped GEMM (kernels/grouped_narrow.py) over NARROW_LAUNCHES
+beside the FP8 grouped GEMM's default launch (FP8_CONFIG), both the GEMM alone and timed as the
+median of CUDA-graph replays (CALLS calls a graph): time, TFLOP/s of the real rows, the experts'
+weight bytes a second (each expert with rows read once), the best launch and its error.
 """
 
 from __future__ import annotations
@@ -42,6 +46,20 @@ FP8_TILES = [  # e4m3: a byte an element, K-steps of 128
     (64, 256, 128, 8, 4, 4),
     (128, 128, 128, 8, 4, 4),
 ]
+
+# the narrow grouped GEMM's launches timed with --narrow (BLOCK_N, BLOCK_K, piece rows, warps,
+# stages, split K), every one with 256-row chunks
+NARROW_LAUNCHES = [
+    (128, 128, 32, 8, 3, 1),
+    (128, 128, 64, 8, 3, 1),
+    (128, 128, 32, 8, 4, 1),
+    (64, 128, 32, 4, 4, 1),
+    (64, 128, 32, 8, 4, 1),
+    (256, 128, 32, 8, 3, 1),
+    (128, 128, 32, 8, 3, 2),
+    (64, 128, 32, 4, 4, 2),
+]
+CALLS = 20  # calls per CUDA graph of the --narrow rows
 
 
 def routing(tokens: int, kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -104,8 +122,62 @@ def fp8_shape(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
             "fp8_rel_err": errors[best]}
 
 
+def graph_us(fn) -> float:
+    """Median time of one call of `fn`, from replays of a graph of CALLS calls."""
+    from nanosched.profiler.timing import captured
+
+    g = captured(lambda: [fn() for _ in range(CALLS)], torch.cuda.Stream())
+    return median_ms(g.replay, warmup_ms=50, rep_ms=200) * 1e3 / CALLS
+
+
+def narrow_shape(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 x_rows: torch.Tensor | None) -> dict:
+    """The narrow W8A8 grouped GEMM of one shape over NARROW_LAUNCHES (a launch that does not
+    fit an SM is skipped) beside the FP8 grouped GEMM's default launch, in CUDA graphs."""
+    from nanosched.kernels import reference as ref
+    from nanosched.kernels.grouped_gemm import FP8_CONFIG, grouped_linear
+    from nanosched.kernels.grouped_narrow import GroupedNarrowConfig, grouped_narrow_fp8
+
+    rows, (n, k) = ids.shape[0], SHAPES[op]
+    w8, wsc = ref.quantize_fp8(weights)
+    x8, xs = ref.quantize_fp8(x)
+    out = torch.empty(rows, n, device=x.device, dtype=torch.bfloat16)
+    want = torch.empty_like(out)
+    ref.grouped_linear_fp8(x8, xs, w8, wsc, ids, x_rows, want)
+
+    def err() -> float:
+        return ((out.float() - want.float()).norm() / want.float().norm()).item()
+
+    grouped_us = graph_us(lambda: grouped_linear(x8, w8, ids, x_rows, out, FP8_CONFIG,
+                                                 x_scale=xs, w_scale=wsc))
+    grouped_err = err()
+    best, every = None, {}
+    for bn, bk, piece, warps, stages, split in NARROW_LAUNCHES:
+        cfg = GroupedNarrowConfig(block_n=bn, block_k=bk, piece=piece, num_warps=warps,
+                                  num_stages=stages, split_k=split)
+        name = f"{bn}x{bk}/p{piece}/w{warps}/s{stages}/k{split}"
+        try:
+            grouped_narrow_fp8(x8, xs, w8, wsc, ids, x_rows, out, cfg)
+        except Exception as exc:  # noqa: BLE001 - triton's OutOfResources and kin
+            every[name] = type(exc).__name__
+            continue
+        us = graph_us(lambda cfg=cfg: grouped_narrow_fp8(x8, xs, w8, wsc, ids, x_rows, out, cfg))
+        every[name] = round(us, 2)
+        if best is None or us < best[0]:
+            best = (us, name, cfg)
+    grouped_narrow_fp8(x8, xs, w8, wsc, ids, x_rows, out, best[2])
+    weight_bytes = int((torch.bincount(ids, minlength=NUM_EXPERTS) > 0).sum()) * n * k
+    flops = 2 * rows * n * k
+    return {"narrow_us": best[0], "narrow_config": best[1], "narrow_us_by_config": every,
+            "narrow_rel_err": err(), "narrow_tflops": flops / best[0] / 1e6,
+            "narrow_weight_tbps": weight_bytes / best[0] / 1e6,
+            "grouped_fp8_us": grouped_us, "grouped_fp8_tflops": flops / grouped_us / 1e6,
+            "grouped_fp8_weight_tbps": weight_bytes / grouped_us / 1e6,
+            "grouped_fp8_rel_err": grouped_err, "narrow_speedup": grouped_us / best[0]}
+
+
 def bench_shape(op: str, tokens: int, weights: torch.Tensor, kind: str, num_sms: int,
-                fp8: bool = False) -> dict:
+                fp8: bool = False, narrow: bool = False) -> dict:
     """Time the torch loop, dense cuBLAS and every Triton config for one op and token count."""
     from nanosched.kernels import reference as ref
     from nanosched.kernels.grouped_gemm import grouped_linear
@@ -139,6 +211,8 @@ def bench_shape(op: str, tokens: int, weights: torch.Tensor, kind: str, num_sms:
     best = min(timed, key=timed.get)
     counts = torch.bincount(ids, minlength=NUM_EXPERTS).tolist()
     extra = fp8_shape(op, x, weights, ids, x_rows, num_sms, timed[best]) if fp8 else {}
+    if narrow:
+        extra |= narrow_shape(op, x, weights, ids, x_rows)
     return extra | {"op": op, "tokens": tokens, "rows": rows, "n": n, "k": k, "expert_rows": counts,
             "loop_ms": loop_ms, "loop_tflops": flops / loop_ms / 1e9,
             "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
@@ -155,6 +229,9 @@ def main() -> None:
                     help="programs of the persistent variant (default: all SMs)")
     ap.add_argument("--routing", choices=("random", "uniform"), default="random")
     ap.add_argument("--fp8", action="store_true", help="also the W8A8 grouped GEMM")
+    ap.add_argument("--narrow", action="store_true",
+                    help="also the narrow W8A8 grouped GEMM (kernels/grouped_narrow.py) over "
+                         "NARROW_LAUNCHES beside the FP8 grouped GEMM, in CUDA graphs")
     args = ap.parse_args()
     env = environment()
     num_sms = args.num_sms or env["num_sms"]
@@ -164,12 +241,15 @@ def main() -> None:
         weights = (torch.randn(NUM_EXPERTS, n, k, device="cuda", generator=gen)
                    .mul_(k ** -0.5).to(torch.bfloat16))  # [E, N, K]
         for tokens in map(int, args.tokens.split(",")):
-            rows.append(bench_shape(op, tokens, weights, args.routing, num_sms, args.fp8))
+            rows.append(bench_shape(op, tokens, weights, args.routing, num_sms, args.fp8,
+                                    args.narrow))
         del weights
     path = write_result("kernels_moe", {"env": env, "dtype": "bfloat16", "model": "mixtral-8x7b",
                                         "tp": 1, "routing": args.routing, "tiles": TILES,
                                         "fp8": args.fp8, "fp8_tiles": FP8_TILES if args.fp8
                                         else None,
+                                        "narrow": args.narrow, "narrow_launches":
+                                        NARROW_LAUNCHES if args.narrow else None,
                                         "num_sms": num_sms, "rows": rows})
     print(f"{env['device']} ({env['num_sms']} SMs), persistent programs = {num_sms}, "
           f"{args.routing} routing; results in {path}")
@@ -182,7 +262,14 @@ def main() -> None:
                 + ([("fp8_tflops", "FP8 TF/s", ".0f"),
                     ("fp8_dense_tflops", "dense FP8 TF/s", ".0f"),
                     ("fp8_speedup", "FP8/bf16", ".2f"), ("fp8_rel_err", "FP8 err", ".1e"),
-                    ("fp8_best_config", "FP8 config", "")] if args.fp8 else []))
+                    ("fp8_best_config", "FP8 config", "")] if args.fp8 else [])
+                + ([("grouped_fp8_us", "FP8 grouped us", ".0f"),
+                    ("narrow_us", "narrow us", ".0f"), ("narrow_tflops", "narrow TF/s", ".0f"),
+                    ("narrow_weight_tbps", "narrow TB/s", ".2f"),
+                    ("grouped_fp8_weight_tbps", "grouped TB/s", ".2f"),
+                    ("narrow_speedup", "narrow/grouped", ".2f"),
+                    ("narrow_rel_err", "narrow err", ".1e"),
+                    ("narrow_config", "narrow launch", "")] if args.narrow else []))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ expert, no host sync): it reads its weight slab once per chunk of `max_rows` row
 it by the chunk's rows. The count is known only on the device, so a runtime branch picks, per
 chunk, the kernel body for ceil(rows / piece) pieces (1 to max_rows / piece, each a constexpr
 specialisation whose rows are at most three power-of-two dots): the tensor cores compute the
-rows there are plus less than one piece. An expert without rows costs two loads. A row-tiled
+rows there are plus less than one piece. An expert without rows runs no K step. A row-tiled
 grouped GEMM instead computes whole 128-row tiles and reads the slab once a tile.
 `split_k` > 1 shares a slab's K among that many programs; fp32 partials, summed by a second
 kernel. Legend: m = rows, E = experts, N = output channels, K = input features, BN = block_n.

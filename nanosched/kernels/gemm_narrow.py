@@ -113,6 +113,29 @@ def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, MN, N, s_om, SPLIT: tl.const
     tl.store(ptr, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def split_k_plan(k: int, block_k: int, split_k: int, out: torch.Tensor
+                 ) -> tuple[int, int, torch.Tensor]:
+    """(splits, K per split (a multiple of block_k), where the programs write) for `split_k`
+    programs sharing a K of `k`: `out` itself for one split, else fp32 partials
+    [splits, *out.shape] for `sum_splits`."""
+    steps = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(steps, max(1, min(split_k, steps))) * block_k
+    split = triton.cdiv(k, k_per_split)
+    dest = out if split == 1 else torch.empty((split, *out.shape), dtype=torch.float32,
+                                              device=out.device)
+    return split, k_per_split, dest
+
+
+def sum_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = part.sum(0) (+ bias), cast to out's dtype: part [S, M, N] fp32 contiguous, out
+    [M, N] with unit stride along N."""
+    split, m, n = part.shape
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+        part, bias if bias is not None else out, out, m * n, n, out.stride(0), SPLIT=split,
+        HAS_BIAS=bias is not None, BLOCK=block)
+
+
 def narrow_linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                       w_scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                       config: NarrowConfig | None = None) -> None:
@@ -130,12 +153,7 @@ def narrow_linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                           f"{list(x_scale.shape)} and {list(w_scale.shape)}")
     t1, t2 = pieces(m)
     cfg = config or NarrowConfig()
-    steps = triton.cdiv(k, cfg.block_k)
-    split = max(1, min(cfg.split_k, steps))
-    k_per_split = triton.cdiv(steps, split) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
-                                              device=out.device)
+    split, k_per_split, dest = split_k_plan(k, cfg.block_k, cfg.split_k, out)
     _narrow_fp8_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, w, dest, x_scale, w_scale, bias if bias is not None else out, m, n, k,
         x.stride(0), w.stride(0), dest.stride(-2), k_per_split,
@@ -143,7 +161,4 @@ def narrow_linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, T1=t1, T2=t2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            dest, bias if bias is not None else out, out, m * n, n, out.stride(0),
-            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block)
+        sum_splits(dest, bias, out)

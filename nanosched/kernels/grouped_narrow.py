@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from nanosched.errors import ConfigError
-from nanosched.kernels.gemm_narrow import _sum_splits_kernel
+from nanosched.kernels.gemm_narrow import split_k_plan, sum_splits
 from nanosched.kernels.grouped_gemm import tile_schedule
 
 MAX_PIECES = 8  # row pieces of one chunk: at most three dots (4 + 2 + 1 pieces, or 8)
@@ -178,12 +178,7 @@ def grouped_narrow_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     if m == 0:
         return
     sched = tile_schedule(expert_ids, num_experts, cfg.max_rows)
-    steps = triton.cdiv(k, cfg.block_k)
-    split = max(1, min(cfg.split_k, steps))
-    k_per_split = triton.cdiv(steps, split) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
-                                              device=out.device)
+    split, k_per_split, dest = split_k_plan(k, cfg.block_k, cfg.split_k, out)
     _grouped_narrow_kernel[(triton.cdiv(n, cfg.block_n), num_experts, split)](
         x, w, dest, x_rows if x_rows is not None else sched.perm, sched.perm, sched.offsets,
         x_scale, w_scale, m, n, k, x.stride(0), w.stride(0), w.stride(1), dest.stride(-2),
@@ -192,6 +187,4 @@ def grouped_narrow_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
         PIECE=cfg.piece, NUM_PIECES=cfg.max_rows // cfg.piece, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            dest, out, out, m * n, n, out.stride(0), SPLIT=split, HAS_BIAS=False, BLOCK=block)
+        sum_splits(dest, None, out)

@@ -145,6 +145,26 @@ def _routing(tokens: int, experts: int, seed: int) -> torch.Tensor:
     return randn(tokens, experts, seed=seed, dtype=torch.float32).topk(2, dim=-1).indices.flatten()
 
 
+def _grouped_matches_and_graphs(run, x8, xs, w8, ws, ids, x_rows, rows: int, n: int,
+                                k: int) -> None:
+    """`run(out)` computes the W8A8 grouped GEMM into [rows, n]: every row written, within
+    1e-2 of the exact emulation (sums never promoted, as `torch._scaled_mm`'s fast
+    accumulation), and the same bits replayed in a CUDA graph (a device-side schedule, no host
+    sync)."""
+    out, want = poisoned(rows, n, dtype=BF16), torch.empty(rows, n, dtype=BF16, device="cuda")
+    run(out)
+    ref.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, want)
+    assert not torch.isnan(out).any(), "rows left unwritten"
+    err = rel_err(out, want)
+    assert err < 1e-2, f"relative error {err:.2e} against the emulation at {rows}x{k}x{n}"
+    graphed = poisoned(rows, n, dtype=BF16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run(graphed)
+    g.replay()
+    torch.testing.assert_close(graphed, out, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("tokens", [ROWS, 7])
 @pytest.mark.parametrize("n,k,gathered", [(2 * INTER, HID, True), (HID, INTER, False)])
 def test_grouped_fp8_gemm_matches_the_emulation(n, k, gathered, tokens):
@@ -156,19 +176,9 @@ def test_grouped_fp8_gemm_matches_the_emulation(n, k, gathered, tokens):
     w8, ws = ref.quantize_fp8(randn(experts, n, k, seed=11) / 64)  # scales [E, N]
     ids = _routing(tokens, experts, seed=12)
     x_rows = torch.arange(tokens, device="cuda").repeat_interleave(2) if gathered else None
-    out, want = poisoned(rows, n, dtype=BF16), torch.empty(rows, n, dtype=BF16, device="cuda")
-    K.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, out, OPTS)
-    ref.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, want)
-    assert not torch.isnan(out).any(), "rows left unwritten"
-    # the sums are never promoted (as `torch._scaled_mm`'s fast accumulation): under 1e-2
-    err = rel_err(out, want)
-    assert err < 1e-2, f"relative error {err:.2e} against the emulation at {rows}x{k}x{n}"
-    graphed = poisoned(rows, n, dtype=BF16)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        K.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, graphed, OPTS)
-    g.replay()
-    torch.testing.assert_close(graphed, out, rtol=0, atol=0)
+    _grouped_matches_and_graphs(
+        lambda out: K.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, out, OPTS),
+        x8, xs, w8, ws, ids, x_rows, rows, n, k)
 
 
 def _mixtral(backend: str):
@@ -252,15 +262,4 @@ def test_grouped_narrow_gemm_matches_the_emulation_and_graphs(n, k, gathered, to
 
         def run(out: torch.Tensor) -> None:
             grouped_narrow_fp8(x8, xs, w8, ws, ids, x_rows, out, cfg)
-    out, want = poisoned(rows, n, dtype=BF16), torch.empty(rows, n, dtype=BF16, device="cuda")
-    run(out)
-    ref.grouped_linear_fp8(x8, xs, w8, ws, ids, x_rows, want)
-    assert not torch.isnan(out).any(), "rows left unwritten"
-    err = rel_err(out, want)
-    assert err < 1e-2, f"relative error {err:.2e} against the emulation at {rows}x{k}x{n}"
-    graphed = poisoned(rows, n, dtype=BF16)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run(graphed)
-    g.replay()
-    torch.testing.assert_close(graphed, out, rtol=0, atol=0)
+    _grouped_matches_and_graphs(run, x8, xs, w8, ws, ids, x_rows, rows, n, k)

@@ -22,7 +22,11 @@ DECODE_ATTENTION_HELP = ("Decode attention kernel where a schedule names none: '
                          "(cuda_bulk on an FP8 cache where it can run: a Hopper GPU with cupy "
                          "and cuda-bindings; else triton_pipelined), or triton_pipelined, "
                          "triton_pipelined_2w, triton_paged (on a CPU without Triton: the torch "
-                         "reference).")
+                         "reference), or 'cascade' (off by default): decode rows that share at "
+                         "least one full prefix page with another decode row of the batch (prefix "
+                         "caching) read those pages once per tile of rows; a batch without such "
+                         "rows runs what 'auto' picks; it also overrides a schedule's decode "
+                         "kernel.")
 ADMISSION_HELP = (
     "KV admission: 'use' (default, as vLLM and SGLang: admit while the request's prompt pages "
     "plus --kv-headroom are free; when a decode lacks a page, preempt the most recently "

@@ -15,7 +15,6 @@ cache with its per-(token, KV head) scales, as decode_attention takes them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +24,10 @@ import triton.language as tl
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import (
     PIPELINED,
+    CascadeGroups,
     DecodeConfig,
     dot_precision,
-    host_to_device,
     num_sms,
-    padding,
 )
 from nanosched.kernels.decode_attn import (
     _decode_partial_kernel,
@@ -52,51 +50,6 @@ class PrefixConfig:
 
 
 PREFIX = PrefixConfig()
-
-
-@dataclass(frozen=True)
-class CascadeGroups:
-    """The grouping on the device: starts [G+1] and prefix_lens [G] int32 (tokens, multiples of
-    the page size). `max_rows` and `max_prefix_len` are host bounds (a CUDA-graph bucket's) on
-    any group's rows and prefix: they size the prefix grid, never read the device."""
-
-    starts: torch.Tensor  # [G + 1] int32
-    prefix_lens: torch.Tensor  # [G] int32
-    max_rows: int
-    max_prefix_len: int
-
-    @property
-    def num_groups(self) -> int:
-        return self.prefix_lens.shape[0]
-
-    @classmethod
-    def build(cls, rows: Sequence[int], prefix_lens: Sequence[int], page: int,
-              device: torch.device | str, num_groups: int | None = None,
-              max_rows: int | None = None, max_prefix_len: int | None = None) -> CascadeGroups:
-        """From rows per group and prefix tokens per group (host lists): checked, copied without
-        waiting for the GPU; `num_groups` pads with empty groups, the bounds default to the
-        largest group and prefix."""
-        if len(rows) != len(prefix_lens):
-            raise ConfigError(f"cascade groups: {len(rows)} row counts but {len(prefix_lens)} "
-                              "prefix lengths; give one of each per group")
-        for g, (r, p) in enumerate(zip(rows, prefix_lens, strict=True)):
-            if r < 0 or p < 0 or p % page:
-                raise ConfigError(f"cascade group {g}: rows {r}, prefix_len {p}; rows >= 0 and "
-                                  f"a prefix of whole pages of {page} tokens (a multiple of it)")
-        pad = padding(len(rows), num_groups, "cascade groups (num_groups)")
-        max_rows = max(rows, default=0) if max_rows is None else max_rows
-        max_prefix_len = max(prefix_lens, default=0) if max_prefix_len is None \
-            else max_prefix_len
-        if max_rows < max(rows, default=0) or max_prefix_len < max(prefix_lens, default=0):
-            raise ConfigError(f"cascade groups: max_rows {max_rows} / max_prefix_len "
-                              f"{max_prefix_len} below the largest group {max(rows)} / prefix "
-                              f"{max(prefix_lens)}")
-        starts = [0]
-        for r in [*rows, *[0] * pad]:
-            starts.append(starts[-1] + r)
-        return cls(host_to_device(starts, torch.int32, device),
-                   host_to_device([*prefix_lens, *[0] * pad], torch.int32, device),
-                   max_rows, max_prefix_len)
 
 
 @triton.jit

@@ -26,7 +26,14 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels import impls
 from nanosched.kernels import reference as ref
-from nanosched.kernels.common import PrefillSegments, Segment, is_interpret, num_sms
+from nanosched.kernels.common import (
+    PIPELINED,
+    CascadeGroups,
+    PrefillSegments,
+    Segment,
+    is_interpret,
+    num_sms,
+)
 
 BACKENDS = ("auto", "torch", "triton")
 GEMM_ALIASES = {"torch": "cublas", "triton": impls.persistent_name(128, 128)}
@@ -40,7 +47,7 @@ class KernelOptions:
     backend: str = "auto"  # auto | torch | triton
     gemm: str = "torch"  # torch (cuBLAS/CPU BLAS) | triton (persistent GEMM) | a GEMM impl name
     # auto: cuda_bulk on an FP8 cache where it can run the call, else DEFAULT_DECODE (impls);
-    # or one of impls.DECODE_CONFIGS
+    # one of impls.DECODE_CONFIGS; or cascade (impls.CASCADE_DECODE)
     decode_impl: str = impls.AUTO_DECODE
     # the all-reduce of ar_attn / ar_ffn at tp > 1: nccl | copy_engine (impls: network family)
     network: str = "nccl"
@@ -339,11 +346,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_context_len: int, scale: float, out: torch.Tensor,
                      opts: KernelOptions, launch: Launch = None, *,
                      k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> None:
+                     v_scale: torch.Tensor | None = None,
+                     groups: CascadeGroups | None = None) -> None:
     """Paged GQA decode attention. q, out [n, Hq, d]; launch: impl, max_ctas or num_sms,
-    num_splits; k_scale, v_scale [P, S, Hkv] for an FP8 cache."""
+    num_splits; k_scale, v_scale [P, S, Hkv] for an FP8 cache. With `opts.decode_impl`
+    "cascade" and `groups` (the rows' prefix groups, models/cascade.py), the cascade kernel
+    runs whatever the launch names (its grid bound kept); on torch, the reference over each
+    row's whole context, which is what cascade computes."""
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     args = impls.read_launch(launch)
+    if groups is not None and opts.decode_impl == impls.CASCADE_DECODE:
+        if use_triton(opts, q):
+            from nanosched.kernels.cascade_attn import cascade_decode_attention
+
+            bound = impls.grid_bound(args["max_ctas"], args["num_sms"], PIPELINED.ctas_per_sm)
+            cascade_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                     max_context_len, scale, out, groups, max_ctas=bound,
+                                     **scales)
+        else:
+            ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                 max_context_len, scale, out, **scales)
+        return
     name = _chosen(args, impls.DECODE,
                    lambda: _default_decode(opts, q, k_cache, v_cache, k_scale, v_scale))
     if name in impls.DECODE_CONFIGS:
@@ -370,10 +393,10 @@ def _default_decode(opts: KernelOptions, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, k_scale: torch.Tensor | None,
                     v_scale: torch.Tensor | None) -> str:
     """The decode attention a call runs when its launch names none (`KernelOptions.decode_impl`;
-    `auto`: see impls.AUTO_DECODE)."""
+    `auto`, and `cascade` on rows without groups: see impls.AUTO_DECODE)."""
     if not use_triton(opts, q):
         return "torch"
-    if opts.decode_impl != impls.AUTO_DECODE:
+    if opts.decode_impl not in (impls.AUTO_DECODE, impls.CASCADE_DECODE):  # cascade: no groups
         return opts.decode_impl
     if k_scale is not None and _bulk_runs(q, k_cache, v_cache, k_scale, v_scale):
         return impls.BULK_DECODE

@@ -53,7 +53,12 @@ DEFAULT_DECODE = "triton_pipelined"  # what the models launch when no launch dic
 # contexts 512-1,536), while on a bf16 cache the two are within 3% (triton_pipelined ahead on
 # small batches), so bf16 keeps the Triton kernel. "auto" in `KernelOptions.decode_impl`.
 AUTO_DECODE = "auto"
-DECODE_OPTIONS = (AUTO_DECODE, *DECODE_CONFIGS)  # what `KernelOptions.decode_impl` may name
+# decode rows of a batch that share prefix pages run kernels/cascade_attn.py (the prefix read
+# once per tile of rows); a batch without such rows runs what "auto" picks. An option, not an
+# implementation name: it needs the batch's groups (models/cascade.py), which a launch lacks.
+CASCADE_DECODE = "cascade"
+# what `KernelOptions.decode_impl` may name
+DECODE_OPTIONS = (AUTO_DECODE, *DECODE_CONFIGS, CASCADE_DECODE)
 BULK_DECODE = "cuda_bulk"
 # programs per SM of each elementwise Triton kernel when a launch bounds SMs but not CTAs
 # (rms_norm_add: 8 warps a row; silu_mul: 4 warps a 2048-wide chunk; rope_append: 8 warps a

@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.kernels.common import PrefillSegments, host_to_device
+from nanosched.kernels.common import CascadeGroups, PrefillSegments, host_to_device
+from nanosched.models.cascade import decode_groups, starts_of
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class BatchMeta(TokenRange):
     context_lens_cpu: tuple[int, ...]
     _slices: dict[tuple[int, int], BatchMeta] = field(default_factory=dict, repr=False)
     _prefill: PrefillSegments | None = field(default=None, repr=False)
+    _groups: CascadeGroups | None = field(default=None, repr=False)
 
     @property
     def max_decode_context(self) -> int:
@@ -70,6 +73,11 @@ class BatchMeta(TokenRange):
         """(block tables, context lengths) of the range's decode tokens, one row each."""
         nd = self.num_decode
         return self.block_tables[:nd], self.context_lens[:nd]
+
+    def cascade_groups(self) -> CascadeGroups | None:
+        """The decode rows' prefix groups (models/cascade.py), when built with `cascade` and
+        some rows share a page; None otherwise and for a range without all the decode rows."""
+        return self._groups
 
     def prefill_block_tables(self) -> torch.Tensor:
         """Block tables of the range's prefill segments, in `prefill_tensors()` order."""
@@ -91,8 +99,9 @@ class BatchMeta(TokenRange):
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], page_size: int,
-              device: torch.device | str = "cpu") -> BatchMeta:
-        """Metadata of a full batch whose segments are `chunks`, decode chunks first."""
+              device: torch.device | str = "cpu", cascade: bool = False) -> BatchMeta:
+        """Metadata of a full batch whose segments are `chunks`, decode chunks first; with
+        `cascade`, the decode rows' prefix groups too (`cascade_groups`)."""
         _check_chunks(chunks, page_size)
         positions, slots, starts, ends = [], [], [], []
         for c in chunks:
@@ -104,8 +113,11 @@ class BatchMeta(TokenRange):
         width = max((len(c.block_table) for c in chunks), default=1) or 1
         tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
         lens = tuple(c.first_pos + c.num_tokens for c in chunks)
+        num_decode = sum(c.is_decode for c in chunks)
+        groups = _groups(tables[:num_decode], lens[:num_decode], page_size, device) \
+            if cascade else None
         return _with_prefill(cls(
-            start=0, end=len(positions), num_decode=sum(c.is_decode for c in chunks),
+            start=0, end=len(positions), num_decode=num_decode,
             page_size=page_size,
             positions=host_to_device(positions, torch.int64, device),
             slot_mapping=host_to_device(slots, torch.int64, device),
@@ -113,7 +125,7 @@ class BatchMeta(TokenRange):
             context_lens=host_to_device(lens, torch.int32, device),
             seg_starts=tuple(starts), seg_ends=tuple(ends),
             seg_first_pos=tuple(c.first_pos for c in chunks),
-            seg_request=tuple(range(len(chunks))), context_lens_cpu=lens))
+            seg_request=tuple(range(len(chunks))), context_lens_cpu=lens, _groups=groups))
 
     def slice(self, start: int, end: int) -> BatchMeta:
         """Metadata of the global token range [start, end) ⊆ [self.start, self.end)."""
@@ -147,7 +159,22 @@ class BatchMeta(TokenRange):
             block_tables=self.block_tables.index_select(0, index),
             context_lens=host_to_device(lens, torch.int32, device),
             seg_starts=tuple(starts), seg_ends=tuple(ends), seg_first_pos=tuple(first_pos),
-            seg_request=tuple(self.seg_request[r] for r in rows), context_lens_cpu=lens))
+            seg_request=tuple(self.seg_request[r] for r in rows), context_lens_cpu=lens,
+            _groups=self._groups if start == self.start and b >= self.num_decode else None))
+
+
+def _groups(tables: list[list[int]], lens: Sequence[int], page: int,
+            device: torch.device | str) -> CascadeGroups | None:
+    """The prefix groups of decode rows (tables padded to one width), None without any."""
+    if len(lens) < 2:
+        return None
+    rows, pages = decode_groups(np.asarray(tables, dtype=np.int32),
+                                np.asarray(lens, dtype=np.int32), page)
+    if not pages.any():
+        return None
+    return CascadeGroups(host_to_device(starts_of(rows).tolist(), torch.int32, device),
+                         host_to_device((pages * page).tolist(), torch.int32, device),
+                         int(rows.max()), int(pages.max()) * page)
 
 
 def _with_prefill(meta: BatchMeta) -> BatchMeta:

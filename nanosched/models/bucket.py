@@ -7,6 +7,9 @@ per block table) fixes that layout:
 - rows [0, D) are decode rows: the batch's decode tokens, then padding;
 - rows [D, T) are prefill rows: the batch's prompt chunks in order, then padding.
 
+With cascade decode attention, the bucket also holds its decode rows' prefix groups: a fixed
+`BUCKET_GROUPS` groups (models/cascade.py), the padding rows in one of prefix 0.
+
 More in docs/runtime.md, module notes.
 """
 
@@ -20,8 +23,9 @@ import numpy as np
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.kernels.common import PrefillSegments, segment_rows
+from nanosched.kernels.common import CascadeGroups, PrefillSegments, segment_rows
 from nanosched.models.batch import SeqChunk, TokenRange
+from nanosched.models.cascade import BUCKET_GROUPS, decode_groups, starts_of
 
 
 def round_up(x: int, step: int) -> int:
@@ -64,7 +68,8 @@ class Bucket:
 class _Layout:
     """Host arrays of one batch laid out in a bucket (see the module docstring)."""
 
-    def __init__(self, chunks: Sequence[SeqChunk], b: Bucket, page: int, scratch: int) -> None:
+    def __init__(self, chunks: Sequence[SeqChunk], b: Bucket, page: int, scratch: int,
+                 num_groups: int = 0) -> None:
         decode = [c for c in chunks if c.is_decode]
         prefill = [c for c in chunks if not c.is_decode]
         nd = len(decode)
@@ -88,6 +93,15 @@ class _Layout:
             self.dec_lens[i] = c.first_pos + 1
             self.positions[i] = c.first_pos
             self.slots[i] = table[c.first_pos // page] * page + c.first_pos % page
+        # prefix groups [G + 1] and [G] (with `num_groups`): the decode rows' groups, then one
+        # of prefix 0 for the padded rows, then empty ones
+        self.group_starts = np.zeros(num_groups + 1, dtype=np.int32)
+        self.group_plens = np.zeros(num_groups, dtype=np.int32)
+        if num_groups:
+            rows, pages = decode_groups(self.dec_tables[:nd], self.dec_lens[:nd], page,
+                                        num_groups - 1)
+            self.group_starts[:] = starts_of(np.append(rows, b.num_decode - nd), num_groups)
+            self.group_plens[:len(pages)] = pages * page
         # prefill chunks: (first row, end row, first position, block table [W])
         self.chunks: list[tuple[int, int, int, np.ndarray]] = []
         row = b.num_decode
@@ -127,8 +141,10 @@ class BucketMeta(TokenRange):
     """Static attention metadata of one bucket, or of one token range of it (`slice`)."""
 
     def __init__(self, bucket: Bucket, page_size: int, scratch_slot: int,
-                 device: torch.device | str, *, _root: BucketMeta | None = None,
+                 device: torch.device | str, *, cascade: bool = False,
+                 _root: BucketMeta | None = None,
                  _range: tuple[int, int] | None = None) -> None:
+        """`cascade`: hold the decode rows' prefix groups (`cascade_groups`)."""
         self.bucket, self.page_size, self.scratch_slot = bucket, page_size, scratch_slot
         self.device = torch.device(device)
         self.root = _root or self
@@ -146,6 +162,10 @@ class BucketMeta(TokenRange):
             self._i64 = torch.zeros(2, bucket.num_tokens, dtype=torch.int64, device=device)
             self._dec_tables = torch.zeros(d, w, dtype=torch.int32, device=device)
             self._dec_lens = torch.zeros(d, dtype=torch.int32, device=device)
+            self.num_groups = BUCKET_GROUPS if cascade and d else 0
+            g = self.num_groups
+            self._group_starts = torch.zeros(g + 1, dtype=torch.int32, device=device)
+            self._group_plens = torch.zeros(g, dtype=torch.int32, device=device)
             self._host: tuple[torch.Tensor, torch.Tensor] | None = None
             self._i32: torch.Tensor | None = None
             self._copied: Any = None  # CUDA event behind the last H2D copy from pinned memory
@@ -172,6 +192,15 @@ class BucketMeta(TokenRange):
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         s, nd = self.start, self.num_decode
         return self.root._dec_tables[s:s + nd], self.root._dec_lens[s:s + nd]
+
+    def cascade_groups(self) -> CascadeGroups | None:
+        """The decode rows' prefix groups (a bucket made with `cascade`, a range holding all
+        its decode rows), with the bucket's bounds: its decode rows and its W pages."""
+        root = self.root
+        if not root.num_groups or self.start != 0 or self.end < self.bucket.num_decode:
+            return None
+        return CascadeGroups(root._group_starts, root._group_plens, self.bucket.num_decode,
+                             self.bucket.max_pages * self.page_size)
 
     def prefill_block_tables(self) -> torch.Tensor:
         return self._tables
@@ -202,12 +231,15 @@ class BucketMeta(TokenRange):
         """Lay the batch `chunks` (decode first) out in the bucket, on the current stream."""
         if self.root is not self:
             raise ConfigError("write a batch into the bucket's root metadata, not a slice")
-        layout = _Layout(chunks, self.bucket, self.page_size, self.scratch_slot)
+        layout = _Layout(chunks, self.bucket, self.page_size, self.scratch_slot,
+                         self.num_groups)
         self._layout = layout
         if not self.frozen:
             self._i64.copy_(torch.from_numpy(np.stack([layout.positions, layout.slots])))
             self._dec_tables.copy_(torch.from_numpy(layout.dec_tables))
             self._dec_lens.copy_(torch.from_numpy(layout.dec_lens))
+            self._group_starts.copy_(torch.from_numpy(layout.group_starts))
+            self._group_plens.copy_(torch.from_numpy(layout.group_plens))
             for m in self._parts():
                 m._fill_prefill()
             return
@@ -226,7 +258,7 @@ class BucketMeta(TokenRange):
         """Move every tensor into two packed device buffers (see the module docstring)."""
         if self.frozen:
             return
-        parts = [self._dec_tables, self._dec_lens]
+        parts = [self._dec_tables, self._dec_lens, self._group_starts, self._group_plens]
         parts += [t for m in self._parts() for t in (m._tables, m._segs)]
         size = sum(t.numel() for t in parts)
         self._i32 = torch.zeros(size, dtype=torch.int32, device=self.device)
@@ -239,8 +271,9 @@ class BucketMeta(TokenRange):
             views[-1].copy_(t)
             at += t.numel()
         self._dec_tables, self._dec_lens = views[0], views[1]
+        self._group_starts, self._group_plens = views[2], views[3]
         for k, m in enumerate(self._parts()):
-            m._tables, m._segs = views[2 + 2 * k], views[3 + 2 * k]
+            m._tables, m._segs = views[4 + 2 * k], views[5 + 2 * k]
         self.frozen = True
 
     def _parts(self) -> list[BucketMeta]:
@@ -260,6 +293,8 @@ class BucketMeta(TokenRange):
 
         take(*lay.dec_tables.shape)[...] = lay.dec_tables
         take(*lay.dec_lens.shape)[...] = lay.dec_lens
+        take(*lay.group_starts.shape)[...] = lay.group_starts
+        take(*lay.group_plens.shape)[...] = lay.group_plens
         for m in self._parts():
             tables, segs = take(b.num_segments, b.max_pages), take(3, b.num_segments)
             lay.prefill_part(*m.prefill_rows, tables, segs)

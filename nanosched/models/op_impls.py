@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from nanosched.kernels import dispatch as K
 from nanosched.kernels.dispatch import Launch
+from nanosched.kernels.impls import CASCADE_DECODE
 from nanosched.models import moe
 from nanosched.models.batch import BatchMeta
 from nanosched.models.ops import GROUPED
@@ -47,15 +48,17 @@ def rope_append(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: 
 
 def attn_decode(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,
                 launch: Launch) -> None:
-    """Decode tokens of the range attend to their requests' cached context."""
+    """Decode tokens of the range attend to their requests' cached context; with the cascade
+    option, a range holding all the batch's decode rows passes their prefix groups."""
     r = meta.slice(s, e)
     nd = r.num_decode
     if nd == 0:
         return
     tables, lens = r.decode_tables()
     kv = ws.kv.layer(i)
+    groups = r.cascade_groups() if m.kernels.decode_impl == CASCADE_DECODE else None
     K.decode_attention(ws.q[s:s + nd], kv.k, kv.v, tables, lens, r.max_decode_context, m.scale,
-                       ws.attn[s:s + nd], m.kernels, launch, **kv.scales)
+                       ws.attn[s:s + nd], m.kernels, launch, **kv.scales, groups=groups)
 
 
 def attn_prefill(m: CausalLM, i: int, ws: Workspace, meta: BatchMeta, s: int, e: int,

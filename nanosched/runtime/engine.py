@@ -23,6 +23,7 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import host_to_device
 from nanosched.models.batch import BatchMeta, SeqChunk
+from nanosched.models.cascade import uses_cascade
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.config import EngineConfig
 from nanosched.runtime.device import CudaDevice, SerialDevice
@@ -185,7 +186,8 @@ class Engine:
             return entry.strategy, entry.fell_back
         if self.graphs:
             self.graphs.stats.unbucketed += 1
-        meta = BatchMeta.build(seqs, ws.kv.page_size, self.model.device)
+        meta = BatchMeta.build(seqs, ws.kv.page_size, self.model.device,
+                               cascade=uses_cascade(self.model))
         program = model_program(self.model, ws, meta, lay.segments)
         strategy, fell_back = pick_strategy(self.strategy, self.fallback, program, num_decode)
         run_program(program, strategy, self.backend, self.stream_configs)

@@ -23,6 +23,7 @@ import torch
 from nanosched.errors import ConfigError
 from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import Bucket, BucketMeta
+from nanosched.models.cascade import uses_cascade
 from nanosched.runtime.backend import Backend
 from nanosched.runtime.config import GRAPH_MODES
 from nanosched.runtime.modelprogram import model_program
@@ -120,7 +121,8 @@ class BucketRunner:
         """The bucket's entry (made at its first batch, with the strategy that runs it)."""
         if bucket not in self._entries:
             kv = self.ws.kv
-            meta = BucketMeta(bucket, kv.page_size, kv.scratch_slot, self.model.device)
+            meta = BucketMeta(bucket, kv.page_size, kv.scratch_slot, self.model.device,
+                              cascade=uses_cascade(self.model))
             program = model_program(self.model, self.ws, meta, bucket_segments(bucket))
             strategy, fell_back = pick_strategy(self.strategy, self.fallback, program,
                                                 bucket.num_decode)

@@ -24,6 +24,7 @@ from typing import Any
 from nanosched.errors import ConfigError
 from nanosched.models.batch import SeqChunk
 from nanosched.models.bucket import round_up
+from nanosched.models.cascade import group_order, uses_cascade
 from nanosched.models.kvcache import KVCache
 from nanosched.models.prefix import page_hash, prefix_seed
 from nanosched.runtime.kv_pool import KVPool, PreemptStats, make_pool
@@ -89,12 +90,14 @@ class RequestScheduler:
     (docs/admission.md). `kv`: the cache whose pages `plan`, `update_from_output` and `abort`
     take and free, each change also appended to `journal` when given (tp > 1: the other
     ranks replay it); None for the policy alone, its caller planning the batches.
-    `prefix_seed`: the hash page 0 chains from (models/prefix.py); None: no prefix caching."""
+    `prefix_seed`: the hash page 0 chains from (models/prefix.py); None: no prefix caching.
+    `group_decodes` (cascade decode attention): decode entries of one first page side by side
+    (models/cascade.py `group_order`); every later step reads the batch in that order."""
 
     def __init__(self, dense_batch: int, kv_capacity_pages: int, page_size: int,
                  max_context: int, decode_align: int = 1, pool: KVPool | None = None,
                  kv: KVCache | None = None, journal: list[tuple] | None = None,
-                 prefix_seed: int | None = None) -> None:
+                 prefix_seed: int | None = None, group_decodes: bool = False) -> None:
         if dense_batch < 1:
             raise ConfigError(f"--dense-batch must be positive, got {dense_batch}")
         if decode_align < 1:
@@ -108,6 +111,7 @@ class RequestScheduler:
         self.kv = kv
         self.journal = journal
         self.prefix_seed = prefix_seed if kv is not None else None
+        self.group_decodes = group_decodes and kv is not None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -124,7 +128,7 @@ class RequestScheduler:
                            cfg.tp, cfg.page_size) if cfg.prefix_caching else None
         return cls(cfg.dense_batch, cfg.num_pages, cfg.page_size, max_context,
                    decode_align=decode_align, pool=pool, kv=kv, journal=journal,
-                   prefix_seed=seed)
+                   prefix_seed=seed, group_decodes=uses_cascade(model))
 
     @property
     def policy(self) -> str:
@@ -218,6 +222,10 @@ class RequestScheduler:
         entries = [BatchEntry(r, r.prompt_len + r.num_output - 1, 1, True)
                    for r in self.running if not r.is_prefilling and not r.finished
                    and r.num_output < r.params.max_tokens]
+        if self.group_decodes and len(entries) > 1:  # rows of a shared first page side by side
+            order = group_order([(self.kv.tables.get(e.request.request_id) or [-1])[0]
+                                 for e in entries])
+            entries = [entries[i] for i in order]
         # decode rows are counted rounded up to `decode_align` (a CUDA-graph bucket pads them)
         budget = self.dense_batch - min(round_up(len(entries), self.decode_align),
                                         self.dense_batch)

@@ -89,6 +89,18 @@ def test_bench_records_the_decode_attention_it_was_given(tmp_path):
     assert json.loads(path.read_text())["config"]["decode_attention"] == "triton_paged"
 
 
+def test_bench_runs_cascade_decode_attention_on_a_shared_prefix_workload(tmp_path):
+    path = tmp_path / "b.json"
+    r = run("bench", "--model", CONFIG, "--workload",
+            "shared-prefix:groups=2,prefix=40,unique=5,output=4", "--num-prompts", "8",
+            "--dense-batch", "64", "--device", "cpu", "--warmup-prompts", "0",
+            "--decode-attention", "cascade", "--json", str(path))
+    assert r.exit_code == 0, r.output
+    assert json.loads(path.read_text())["config"]["decode_attention"] == "cascade"
+    text = " ".join(run("bench", "--help").output.replace("│", " ").split())
+    assert "'cascade' (off by default): decode rows that share" in text
+
+
 def test_bench_reports_the_prefix_cache_hit_rate_on_a_shared_prefix_workload(tmp_path):
     workload = "shared-prefix:groups=2,prefix=40,unique=5,output=4"
     outs = {}

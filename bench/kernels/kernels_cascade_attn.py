@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from bench._common import environment, median_ms, print_table, write_result
+from bench._common import environment, graph_us, print_table, write_result
 from nanosched.kernels import dispatch as K
 from nanosched.kernels import reference as ref
 from nanosched.kernels.cascade_attn import (
@@ -34,22 +34,15 @@ from nanosched.kernels.cascade_attn import (
     cascade_plan,
 )
 from nanosched.kernels.common import PIPELINED, num_sms
-from nanosched.profiler.timing import captured
 
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
 DEVICE = "cuda"
-CALLS = 20  # calls per graph
 OPTS = K.KernelOptions()
 # prefix tiles timed: M (rows x 4 query heads), tokens per step, stages, warps
 PREFIXES = (PrefixConfig(64, 64, 2, 4), PrefixConfig(64, 32, 3, 4), PrefixConfig(128, 64, 2, 8),
             PrefixConfig(128, 32, 3, 8), PrefixConfig(32, 64, 3, 4))
 PREFIX_SPLITS = (None, 4)  # the planned prefix splits, or more (shorter prefix work items)
 
-
-def graph_us(fn) -> float:
-    """Median time of one call of `fn`, from replays of a graph of CALLS calls."""
-    g = captured(lambda: [fn() for _ in range(CALLS)], torch.cuda.Stream())
-    return median_ms(g.replay, warmup_ms=50, rep_ms=200) * 1e3 / CALLS
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -20,22 +20,15 @@ import argparse
 
 import torch
 
-from bench._common import environment, median_ms, print_table, write_result
+from bench._common import environment, fastest, graph_us, print_table, write_result
 from nanosched.kernels import dispatch as K
 from nanosched.kernels import reference as ref
-from nanosched.profiler.timing import captured
 
 GEMMS = ("kqv", "o", "ug", "d")  # the dense layer GEMMs, op names of models/ops.py
 ROWS = (256, 1024, 2048)
-CALLS = 20  # calls per graph
 OPTS = K.KernelOptions()
 BF16 = torch.bfloat16
 
-
-def graph_us(fn) -> float:
-    """Median time of one call of `fn`, from replays of a graph of CALLS calls."""
-    g = captured(lambda: [fn() for _ in range(CALLS)], torch.cuda.Stream())
-    return median_ms(g.replay, warmup_ms=50, rep_ms=200) * 1e3 / CALLS
 
 
 def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -97,22 +90,15 @@ def narrow_rows(x8, xs, w8, ws, out, want) -> dict:
     launch's time."""
     from nanosched.kernels.gemm_narrow import NarrowConfig, narrow_linear_fp8
 
-    best, every = None, {}
-    for bn, bk, warps, stages, split in NARROW_CONFIGS:
+    def launch(bn: int, bk: int, warps: int, stages: int, split: int):
         cfg = NarrowConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
                            split_k=split)
-        name = f"{bn}x{bk}/w{warps}/s{stages}/k{split}"
-        try:
-            narrow_linear_fp8(x8, xs, w8, ws, None, out, cfg)
-        except Exception as err:  # noqa: BLE001 - triton's OutOfResources and kin
-            every[name] = type(err).__name__
-            continue
-        us = graph_us(lambda: narrow_linear_fp8(x8, xs, w8, ws, None, out, cfg))
-        every[name] = round(us, 2)
-        if best is None or us < best[0]:
-            best = (us, name, cfg)
-    narrow_linear_fp8(x8, xs, w8, ws, None, out, best[2])
-    return {"narrow_us": best[0], "narrow_config": best[1], "narrow_every": every,
+        return lambda: narrow_linear_fp8(x8, xs, w8, ws, None, out, cfg)
+
+    launches = {"{}x{}/w{}/s{}/k{}".format(*c): launch(*c) for c in NARROW_CONFIGS}
+    us, name, every = fastest(launches)
+    launches[name]()  # the fastest's output, for its error
+    return {"narrow_us": us, "narrow_config": name, "narrow_every": every,
             "narrow_err": ((out.float() - want.float()).norm() / want.float().norm()).item()}
 
 

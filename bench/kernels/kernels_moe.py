@@ -19,7 +19,7 @@ persistent), its error against the exact emulation (`reference.grouped_linear_fp
 `gate_up` then includes the quantisation of its T input rows, as models/moe.py runs it.
 `--narrow` adds the narrow W8A8 grouped GEMM (kernels/grouped_narrow.py) over NARROW_LAUNCHES
 beside the FP8 grouped GEMM's default launch (FP8_CONFIG), both the GEMM alone and timed as the
-median of CUDA-graph replays (CALLS calls a graph): time, TFLOP/s of the real rows, the experts'
+median of CUDA-graph replays (bench/_common.graph_us): time, TFLOP/s of the real rows, the experts'
 weight bytes a second (each expert with rows read once), the best launch and its error.
 """
 
@@ -29,7 +29,7 @@ import argparse
 
 import torch
 
-from bench._common import environment, median_ms, print_table, write_result
+from bench._common import environment, fastest, graph_us, median_ms, print_table, write_result
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 4096, 14336
 SHAPES = {"gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}  # (N, K)
@@ -59,7 +59,6 @@ NARROW_LAUNCHES = [
     (128, 128, 32, 8, 3, 2),
     (64, 128, 32, 4, 4, 2),
 ]
-CALLS = 20  # calls per CUDA graph of the --narrow rows
 
 
 def routing(tokens: int, kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -122,13 +121,6 @@ def fp8_shape(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
             "fp8_rel_err": errors[best]}
 
 
-def graph_us(fn) -> float:
-    """Median time of one call of `fn`, from replays of a graph of CALLS calls."""
-    from nanosched.profiler.timing import captured
-
-    g = captured(lambda: [fn() for _ in range(CALLS)], torch.cuda.Stream())
-    return median_ms(g.replay, warmup_ms=50, rep_ms=200) * 1e3 / CALLS
-
 
 def narrow_shape(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  x_rows: torch.Tensor | None) -> dict:
@@ -151,29 +143,23 @@ def narrow_shape(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Ten
     grouped_us = graph_us(lambda: grouped_linear(x8, w8, ids, x_rows, out, FP8_CONFIG,
                                                  x_scale=xs, w_scale=wsc))
     grouped_err = err()
-    best, every = None, {}
-    for bn, bk, piece, warps, stages, split in NARROW_LAUNCHES:
+
+    def launch(bn: int, bk: int, piece: int, warps: int, stages: int, split: int):
         cfg = GroupedNarrowConfig(block_n=bn, block_k=bk, piece=piece, num_warps=warps,
                                   num_stages=stages, split_k=split)
-        name = f"{bn}x{bk}/p{piece}/w{warps}/s{stages}/k{split}"
-        try:
-            grouped_narrow_fp8(x8, xs, w8, wsc, ids, x_rows, out, cfg)
-        except Exception as exc:  # noqa: BLE001 - triton's OutOfResources and kin
-            every[name] = type(exc).__name__
-            continue
-        us = graph_us(lambda cfg=cfg: grouped_narrow_fp8(x8, xs, w8, wsc, ids, x_rows, out, cfg))
-        every[name] = round(us, 2)
-        if best is None or us < best[0]:
-            best = (us, name, cfg)
-    grouped_narrow_fp8(x8, xs, w8, wsc, ids, x_rows, out, best[2])
+        return lambda: grouped_narrow_fp8(x8, xs, w8, wsc, ids, x_rows, out, cfg)
+
+    launches = {"{}x{}/p{}/w{}/s{}/k{}".format(*c): launch(*c) for c in NARROW_LAUNCHES}
+    us, name, every = fastest(launches)
+    launches[name]()  # the fastest's output, for its error
     weight_bytes = int((torch.bincount(ids, minlength=NUM_EXPERTS) > 0).sum()) * n * k
     flops = 2 * rows * n * k
-    return {"narrow_us": best[0], "narrow_config": best[1], "narrow_us_by_config": every,
-            "narrow_rel_err": err(), "narrow_tflops": flops / best[0] / 1e6,
-            "narrow_weight_tbps": weight_bytes / best[0] / 1e6,
+    return {"narrow_us": us, "narrow_config": name, "narrow_us_by_config": every,
+            "narrow_rel_err": err(), "narrow_tflops": flops / us / 1e6,
+            "narrow_weight_tbps": weight_bytes / us / 1e6,
             "grouped_fp8_us": grouped_us, "grouped_fp8_tflops": flops / grouped_us / 1e6,
             "grouped_fp8_weight_tbps": weight_bytes / grouped_us / 1e6,
-            "grouped_fp8_rel_err": grouped_err, "narrow_speedup": grouped_us / best[0]}
+            "grouped_fp8_rel_err": grouped_err, "narrow_speedup": grouped_us / us}
 
 
 def bench_shape(op: str, tokens: int, weights: torch.Tensor, kind: str, num_sms: int,

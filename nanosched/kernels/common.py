@@ -7,6 +7,7 @@ No triton import here, so the dispatcher and the models can use these on machine
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -186,6 +187,13 @@ def segment_rows(segments: Sequence[Segment], num_segments: int | None = None) -
             [p for _, _, p in segments] + [0] * pad]
 
 
+def group_starts(rows: Sequence[int], num_groups: int | None = None) -> list[int]:
+    """starts [G + 1] of groups of `rows[g]` rows each, in order, padded with empty groups to
+    `num_groups` (None: no padding)."""
+    starts = [0, *itertools.accumulate(int(r) for r in rows)]
+    return starts + [starts[-1]] * padding(len(rows), num_groups, "cascade groups (num_groups)")
+
+
 @dataclass(frozen=True)
 class CascadeGroups:
     """The grouping on the device: starts [G+1] and prefix_lens [G] int32 (tokens, multiples of
@@ -215,7 +223,8 @@ class CascadeGroups:
             if r < 0 or p < 0 or p % page:
                 raise ConfigError(f"cascade group {g}: rows {r}, prefix_len {p}; rows >= 0 and "
                                   f"a prefix of whole pages of {page} tokens (a multiple of it)")
-        pad = padding(len(rows), num_groups, "cascade groups (num_groups)")
+        starts = group_starts(rows, num_groups)
+        pad = len(starts) - 1 - len(rows)
         max_rows = max(rows, default=0) if max_rows is None else max_rows
         max_prefix_len = max(prefix_lens, default=0) if max_prefix_len is None \
             else max_prefix_len
@@ -223,9 +232,6 @@ class CascadeGroups:
             raise ConfigError(f"cascade groups: max_rows {max_rows} / max_prefix_len "
                               f"{max_prefix_len} below the largest group {max(rows)} / prefix "
                               f"{max(prefix_lens)}")
-        starts = [0]
-        for r in [*rows, *[0] * pad]:
-            starts.append(starts[-1] + r)
         return cls(host_to_device(starts, torch.int32, device),
                    host_to_device([*prefix_lens, *[0] * pad], torch.int32, device),
                    max_rows, max_prefix_len)

@@ -182,7 +182,7 @@ def linear_fp8(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
         bias_epilogue_or_add(mm, (x.shape[0], w.shape[0], w.shape[1]), bias, out)
 
 
-NARROW = "triton_narrow"
+NARROW = impls.NARROW
 # The narrow Triton GEMM's launches (block_n, block_k, warps, stages, split_k) for the [N, K]
 # weights where it was measured faster than torch._scaled_mm, each for rows up to its bound;
 # a W8A8 GEMM that names no implementation runs it for NARROW_ABOVE < rows <= the last bound.

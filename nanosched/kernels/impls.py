@@ -30,11 +30,12 @@ OP_FAMILY = {
     "attn_prefill": PREFILL,
     "ar_attn": NETWORK, "ar_ffn": NETWORK,
 }
+NARROW = "triton_narrow"  # the W8A8 GEMM and grouped GEMM with the weight as the wide operand
 FIXED_NAMES = {
-    GEMM: ("cublas", "cublaslt", "triton_narrow"),
+    GEMM: ("cublas", "cublaslt", NARROW),
     DECODE: ("triton_paged", "triton_pipelined", "triton_pipelined_2w", "cuda_bulk", "torch"),
     ELEMENTWISE: ("triton", "torch"),
-    GROUPED: ("triton", "triton_narrow", "torch"),  # triton_narrow: W8A8 only
+    GROUPED: ("triton", NARROW, "torch"),  # NARROW: W8A8 only
     PREFILL: ("triton", "torch"),
     NETWORK: ("nccl", "copy_engine"),
 }

@@ -13,7 +13,7 @@ import torch
 
 from nanosched.errors import ConfigError
 from nanosched.kernels.common import CascadeGroups, PrefillSegments, host_to_device
-from nanosched.models.cascade import decode_groups, starts_of
+from nanosched.models.cascade import decode_groups
 
 
 @dataclass(frozen=True)
@@ -172,9 +172,7 @@ def _groups(tables: list[list[int]], lens: Sequence[int], page: int,
                                 np.asarray(lens, dtype=np.int32), page)
     if not pages.any():
         return None
-    return CascadeGroups(host_to_device(starts_of(rows).tolist(), torch.int32, device),
-                         host_to_device((pages * page).tolist(), torch.int32, device),
-                         int(rows.max()), int(pages.max()) * page)
+    return CascadeGroups.build(rows.tolist(), (pages * page).tolist(), page, device)
 
 
 def _with_prefill(meta: BatchMeta) -> BatchMeta:

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from nanosched.errors import ConfigError
-from nanosched.kernels.common import CascadeGroups, PrefillSegments, segment_rows
+from nanosched.kernels.common import CascadeGroups, PrefillSegments, group_starts, segment_rows
 from nanosched.models.batch import SeqChunk, TokenRange
-from nanosched.models.cascade import BUCKET_GROUPS, decode_groups, starts_of
+from nanosched.models.cascade import BUCKET_GROUPS, decode_groups
 
 
 def round_up(x: int, step: int) -> int:
@@ -100,7 +100,7 @@ class _Layout:
         if num_groups:
             rows, pages = decode_groups(self.dec_tables[:nd], self.dec_lens[:nd], page,
                                         num_groups - 1)
-            self.group_starts[:] = starts_of(np.append(rows, b.num_decode - nd), num_groups)
+            self.group_starts[:] = group_starts([*rows, b.num_decode - nd], num_groups)
             self.group_plens[:len(pages)] = pages * page
         # prefill chunks: (first row, end row, first position, block table [W])
         self.chunks: list[tuple[int, int, int, np.ndarray]] = []

@@ -77,10 +77,3 @@ def group_order(first_pages: Sequence[int]) -> list[int]:
     _, inverse, counts = np.unique(first, return_inverse=True, return_counts=True)
     return np.lexsort((first, counts[inverse] < 2)).tolist()  # stable: ties keep their order
 
-
-def starts_of(rows: np.ndarray, num_groups: int | None = None) -> np.ndarray:
-    """starts [G + 1] of groups of `rows` rows each, padded with empty groups to `num_groups`."""
-    starts = np.zeros((num_groups or len(rows)) + 1, dtype=np.int64)
-    starts[1:len(rows) + 1] = np.cumsum(rows)
-    starts[len(rows) + 1:] = starts[len(rows)]
-    return starts

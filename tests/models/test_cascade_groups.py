@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from nanosched.errors import ConfigError
+from nanosched.kernels.common import group_starts
 from nanosched.models.batch import BatchMeta, SeqChunk
 from nanosched.models.bucket import Bucket, BucketMeta
-from nanosched.models.cascade import BUCKET_GROUPS, decode_groups, group_order, starts_of
+from nanosched.models.cascade import BUCKET_GROUPS, decode_groups, group_order
 
 PAGE = 4
 
@@ -65,7 +66,7 @@ def test_groups_past_the_maximum_join_a_last_group_of_prefix_zero():
 
 def test_group_order_puts_shared_first_pages_side_by_side_first():
     assert group_order([5, 1, 5, 7, 1, 9]) == [1, 4, 0, 2, 3, 5]
-    assert starts_of(np.array([2, 3]), 4).tolist() == [0, 2, 5, 5, 5]
+    assert group_starts(np.array([2, 3]), 4) == [0, 2, 5, 5, 5]
 
 
 def decode(table, ctx):

@@ -4,6 +4,7 @@ from dataclasses import replace
 import pytest
 from repo import ROOT
 from search_fixtures import small_profile
+from signalled import default_sigint
 from typer.testing import CliRunner
 
 from nanosched.autosearch import request
@@ -174,10 +175,7 @@ def test_a_signal_stops_the_whole_search_and_writes_nothing(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "nanosched.cli", "search", *args, "--out", str(out)],
             cwd=root, env=os.environ | {"PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-            # a shell's background job starts with SIGINT ignored, and Python keeps it so:
-            # give the search the default disposition, as a terminal's foreground job has
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
         seen = ""
         while "stage I" not in seen:  # a solve is running
             line = proc.stdout.readline()

@@ -96,29 +96,27 @@ def bench(
     Flag names follow `vllm bench throughput`. Benchmark mode ignores EOS and generates each
     request's given output length.
     """
-    from nanosched.benchmarks import report
-    from nanosched.benchmarks.throughput import BenchConfig, run_bench
-    from nanosched.fileio import check_output_file, finite_json, write_json_atomic
-    from nanosched.runtime.config import EngineConfig
-
-    if json_out:
-        check_output_file(json_out, "--json")
-    engine = EngineConfig(model=model, tp=tp, weights=weights, device=device, seed=seed,
-                          schedule=schedule, force=force, dense_batch=dense_batch,
-                          graphs=graphs,
-                          admission=admission_config(admission, kv_headroom, preemption,
-                                                     swap_space),
-                          kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
-                          prefix_caching=prefix_caching(enable_prefix_caching,
-                                                        no_enable_prefix_caching),
-                          quantization=quantization,
-                          **mem_util_kwargs(gpu_memory_utilization),
-                          kernels=kernel_options(decode_attention, collective))
-    cfg = BenchConfig(engine, input_len=input_len, output_len=output_len, workload=workload,
-                      num_prompts=num_prompts, compare=compare, request_rate=request_rate,
-                      warmup_prompts=warmup_prompts)
     try:
+        # the imports too (torch's takes seconds): a Ctrl-C there is reported as in serving
         with sigterm_as_interrupt():
+            from nanosched.benchmarks import report
+            from nanosched.benchmarks.throughput import BenchConfig, run_bench
+            from nanosched.fileio import check_output_file, finite_json, write_json_atomic
+            from nanosched.runtime.config import EngineConfig
+
+            if json_out:
+                check_output_file(json_out, "--json")
+            engine = EngineConfig(
+                model=model, tp=tp, weights=weights, device=device, seed=seed,
+                schedule=schedule, force=force, dense_batch=dense_batch, graphs=graphs,
+                admission=admission_config(admission, kv_headroom, preemption, swap_space),
+                kv_dtype=kv_cache_dtype, max_context=max_model_len, dtype=dtype,
+                prefix_caching=prefix_caching(enable_prefix_caching, no_enable_prefix_caching),
+                quantization=quantization, **mem_util_kwargs(gpu_memory_utilization),
+                kernels=kernel_options(decode_attention, collective))
+            cfg = BenchConfig(engine, input_len=input_len, output_len=output_len,
+                              workload=workload, num_prompts=num_prompts, compare=compare,
+                              request_rate=request_rate, warmup_prompts=warmup_prompts)
             out = run_bench(cfg)
     except KeyboardInterrupt:
         typer.echo("bench interrupted: no results reported"

@@ -254,3 +254,19 @@ def test_bench_stopped_by_a_signal_says_so_and_exits_130(tmp_path, sig):
     assert proc.returncode == 130, (stdout, stderr)
     assert f"bench interrupted: no results reported ({out} untouched)" in stderr, stderr
     assert "Traceback" not in stderr and not out.exists()
+
+
+def test_bench_stopped_while_it_starts_says_so_too(tmp_path, monkeypatch):
+    """A Ctrl-C while bench imports torch and builds its config (seconds before the model
+    loads) gets the line and the exit code of one while serving."""
+    import nanosched.runtime.config as config
+
+    def interrupted(**kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(config, "EngineConfig", interrupted)
+    out = tmp_path / "b.json"
+    r = RUNNER.invoke(app, [*BENCH, "--json", str(out)])
+    assert r.exit_code == 130, (r.exit_code, r.output)
+    assert f"bench interrupted: no results reported ({out} untouched)" in r.stderr, r.output
+    assert not out.exists()

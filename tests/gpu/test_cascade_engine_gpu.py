@@ -1,4 +1,4 @@
-"""`--decode-attention cascade` in the engine on a GPU (not yet run): over a shared-prefix
+"""`--decode-attention cascade` in the engine on a GPU: over a shared-prefix
 workload with CUDA graphs, the cascade kernel runs inside the captured buckets, and the greedy
 tokens are those of the default decode attention (fp32 model, so that only the order of the
 attention's sums differs)."""

@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 from repo import ROOT
 from search_fixtures import small_profile
-from signalled import default_sigint
+from signalled import default_sigint, read_until
 from typer.testing import CliRunner
 
 from nanosched.autosearch import request
@@ -175,16 +175,12 @@ def test_a_signal_stops_the_whole_search_and_writes_nothing(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "nanosched.cli", "search", *args, "--out", str(out)],
             cwd=root, env=os.environ | {"PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
-        seen = ""
-        while "stage I" not in seen:  # a solve is running
-            line = proc.stdout.readline()
-            assert line, seen
-            seen += line
+            stderr=subprocess.STDOUT, preexec_fn=default_sigint)
+        seen = read_until(proc.stdout, b"stage I", timeout_s=300).decode()  # a solve runs
         time.sleep(1.0)
         start = time.monotonic()
         proc.send_signal(sig)
-        rest, _ = proc.communicate(timeout=60)
+        rest = proc.communicate(timeout=60)[0].decode()
         assert proc.returncode == 130, seen + rest
         assert time.monotonic() - start < 30  # the whole search stopped, not one solve
         assert "search interrupted: no schedule written" in rest

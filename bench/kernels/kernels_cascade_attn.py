@@ -1,7 +1,7 @@
 """Cascade decode attention against the engine's default decode attention, shared prefixes.
 
     PYTHONPATH=. python bench/kernels/kernels_cascade_attn.py [--groups 10] [--rows 100]
-        [--prefix 2000] [--own 328] [--kv-dtype auto,fp8]
+        [--prefix 2000] [--own 328] [--kv-dtype auto,fp8] [--decode-kernels K1,K2] [--parts]
 
 Llama-3-8B heads (Hq 32, Hkv 8, d 128), page 16, bf16 queries, pages shuffled, random data:
 `--groups` groups of `--rows` requests, each group's requests sharing a `--prefix`-token prompt
@@ -9,10 +9,12 @@ Llama-3-8B heads (Hq 32, Hkv 8, d 128), page 16, bf16 queries, pages shuffled, r
 `dispatch.decode_attention` (KernelOptions() defaults: what the engine launches) reading every
 row's full context, and `cascade_attn.cascade_decode_attention` (PREFIXES x PREFIX_SPLITS), as
 medians of CUDA-graph replays (`graph_us`, 20 calls a graph), after checking both against the
-fp32 reference. Bytes: the K/V (+ scales) each must read, q and out, and the cascade's fp32
-partials (written, read); `prefix_tile_gb` is the prefix bytes times tiles per group, what the
-prefix kernel reads where L2 serves no tile. TB/s = a kernel's bytes / its time. JSON through
-bench._common.write_result; table last.
+fp32 reference; `--decode-kernels` times other decode attentions over the full contexts beside
+the default, `--parts` each cascade launch alone (prefix, suffix from the starts the prefix
+launch wrote, merge), each in its own graph. Bytes: the K/V (+ scales) each must read, q and
+out, and the cascade's fp32 partials (written, read); `prefix_tile_gb` is the prefix bytes
+times tiles per group, what the prefix kernel reads where L2 serves no tile. TB/s = a kernel's
+bytes / its time. JSON through bench._common.write_result; table last.
 """
 
 # ruff: noqa: B023  (each lambda is timed at once, inside the loop iteration that made it)
@@ -30,7 +32,7 @@ from nanosched.kernels import reference as ref
 from nanosched.kernels.cascade_attn import (
     CascadeGroups,
     PrefixConfig,
-    cascade_decode_attention,
+    cascade_launches,
     cascade_plan,
 )
 from nanosched.kernels.common import PIPELINED, num_sms
@@ -89,13 +91,17 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
     io = 2 * n * HQ * HD * q.element_size()  # q in, out back
     tok = token_bytes(kv_dtype)
     impl = K._default_decode(OPTS, q, kc, vc, scales.get("k_scale"), scales.get("v_scale"))
-    K.decode_attention(q, kc, vc, tables, lens, ctx, scale, out, OPTS, **scales)
     decode_gb = (n * ctx * tok + io) / 1e9
-    decode_us = graph_us(lambda: K.decode_attention(q, kc, vc, tables, lens, ctx, scale, out,
-                                                    OPTS, **scales))
-    rows = [{"kv": kv_dtype, "kernel": f"decode {impl}", "us": decode_us, "gb": decode_gb,
-             "tbps": decode_gb / decode_us * 1e3, "err": rel_err(out, want),
-             "speedup": 1.0}]
+    rows = []
+    for name in dict.fromkeys([impl, *args.decode_kernels]):  # the default first
+        launch = None if name == impl else {"impl": name}
+        K.decode_attention(q, kc, vc, tables, lens, ctx, scale, out, OPTS, launch, **scales)
+        us = graph_us(lambda: K.decode_attention(q, kc, vc, tables, lens, ctx, scale, out,
+                                                 OPTS, launch, **scales))
+        rows.append({"kv": kv_dtype, "kernel": f"decode {name}", "us": us, "gb": decode_gb,
+                     "tbps": decode_gb / us * 1e3, "err": rel_err(out, want),
+                     "speedup": rows[0]["us"] / us if rows else 1.0})
+    decode_us = rows[0]["us"]
     groups = CascadeGroups.build([args.rows] * args.groups, [args.prefix] * args.groups, PAGE,
                                  DEVICE)
     for pc, ps in itertools.product(PREFIXES, PREFIX_SPLITS):
@@ -107,15 +113,14 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
         kv = args.groups * args.prefix * tok + n * args.own * tok
         gb = (kv + io + partial) / 1e9
 
-        def call() -> None:
-            cascade_decode_attention(q, kc, vc, tables, lens, ctx, scale, out, groups,
-                                     max_suffix_len=args.own, prefix_splits=ps, prefix=pc,
-                                     **scales)
-
+        call = cascade_launches(q, kc, vc, tables, lens, ctx, scale, out, groups,
+                                max_suffix_len=args.own, prefix_splits=ps, prefix=pc, **scales)
         out.fill_(float("nan"))
         call()
         us = graph_us(call)
-        rows.append({"kv": kv_dtype, "kernel": f"cascade m{pc.block_m}/n{pc.block_n}/"
+        parts = {f"{part}_us": graph_us(getattr(call, part))
+                 for part in ("prefix", "suffix", "merge")} if args.parts else {}
+        rows.append({**parts, "kv": kv_dtype, "kernel": f"cascade m{pc.block_m}/n{pc.block_n}/"
                      f"s{pc.num_stages}/w{pc.num_warps}/p{plan.p_splits}", "us": us, "gb": gb,
                      "tbps": gb / us * 1e3, "err": rel_err(out, want),
                      "speedup": decode_us / us, "kv_gb": kv / 1e9, "partial_gb": partial / 1e9,
@@ -132,7 +137,13 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=2000, help="shared tokens (whole pages)")
     ap.add_argument("--own", type=int, default=328, help="each request's own tokens")
     ap.add_argument("--kv-dtype", default="auto,fp8", help="comma-separated: auto (bf16), fp8")
+    ap.add_argument("--decode-kernels", default="triton_pipelined",
+                    help="comma-separated decode attentions timed beside the default "
+                         "(dispatch impl names, e.g. triton_pipelined,cuda_bulk)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time each cascade launch alone: prefix, suffix, merge")
     args = ap.parse_args()
+    args.decode_kernels = [k for k in args.decode_kernels.split(",") if k]
     if args.prefix % PAGE:
         ap.error(f"--prefix {args.prefix} is not a multiple of the page size {PAGE}")
     torch.manual_seed(0)
@@ -140,12 +151,16 @@ def main() -> None:
     path = write_result("kernels_cascade_attn", {
         "env": environment(), "command": "bench/kernels/kernels_cascade_attn.py --groups "
         f"{args.groups} --rows {args.rows} --prefix {args.prefix} --own {args.own} "
-        f"--kv-dtype {args.kv_dtype}", "shape": {"hq": HQ, "hkv": HKV, "d": HD, "page": PAGE},
-        "rows": rows})
+        f"--kv-dtype {args.kv_dtype} --decode-kernels {','.join(args.decode_kernels) or ','}"
+        + (" --parts" if args.parts else ""),
+        "shape": {"hq": HQ, "hkv": HKV, "d": HD, "page": PAGE}, "rows": rows})
     print(f"wrote {path}")
-    print_table(rows, [("kv", "kv", ""), ("kernel", "kernel", ""), ("us", "us", ".1f"),
-                       ("gb", "GB read", ".3f"), ("tbps", "TB/s", ".2f"),
-                       ("speedup", "x decode", ".2f"), ("err", "err", ".1e")])
+    parts = [(f"{p}_us", f"{p} us", ".1f") for p in ("prefix", "suffix", "merge")]
+    print_table([{**dict.fromkeys(k for k, _, _ in parts), **r} for r in rows],
+                [("kv", "kv", ""), ("kernel", "kernel", ""), ("us", "us", ".1f"),
+                 ("gb", "GB read", ".3f"), ("tbps", "TB/s", ".2f"),
+                 ("speedup", "x decode", ".2f"), ("err", "err", ".1e"),
+                 *(parts if args.parts else [])])
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ cache with its per-(token, KV head) scales, as decode_attention takes them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -175,22 +177,53 @@ def cascade_plan(groups: CascadeGroups, num_rows: int, num_kv: int, group: int,
     return CascadePlan(block_m, rows_per_tile, num_tiles, p_splits, p_len, s_splits, s_len)
 
 
+@dataclass(frozen=True)
+class CascadeLaunches:
+    """One call's three launches over buffers already allocated: `prefix` (partials, LSE and
+    each row's suffix start), `suffix` (from that start; needs `prefix` run once before it on
+    the same data), `merge`. Calling it runs the three in order. Apart they let a benchmark
+    time each launch (bench/kernels/kernels_cascade_attn.py --parts)."""
+
+    prefix: Callable[[], None]
+    suffix: Callable[[], None]
+    merge: Callable[[], None]
+    plan: CascadePlan
+
+    def __call__(self) -> None:
+        self.prefix()
+        self.suffix()
+        self.merge()
+
+
 def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, context_lens: torch.Tensor,
                              max_context_len: int, scale: float, out: torch.Tensor,
-                             groups: CascadeGroups, *, max_suffix_len: int | None = None,
-                             max_ctas: int | None = None, prefix_splits: int | None = None,
-                             suffix_splits: int | None = None, config: DecodeConfig = PIPELINED,
-                             prefix: PrefixConfig = PREFIX, k_scale: torch.Tensor | None = None,
-                             v_scale: torch.Tensor | None = None) -> None:
+                             groups: CascadeGroups, **kwargs: Any) -> None:
     """out [n, Hq, d] = decode attention of q over each row's whole context, the prefix of
     each group read once per row tile. Arguments as decode_attn.decode_attention, plus `groups`;
-    `max_suffix_len` bounds any row's tokens past its prefix (default max_context_len);
-    `config` is the suffix kernel's DecodeConfig, `prefix` the prefix kernel's."""
+    keyword arguments as `cascade_launches`."""
+    launches = cascade_launches(q, k_cache, v_cache, block_tables, context_lens,
+                                max_context_len, scale, out, groups, **kwargs)
+    if launches is not None:
+        launches()
+
+
+def cascade_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     max_context_len: int, scale: float, out: torch.Tensor,
+                     groups: CascadeGroups, *, max_suffix_len: int | None = None,
+                     max_ctas: int | None = None, prefix_splits: int | None = None,
+                     suffix_splits: int | None = None, config: DecodeConfig = PIPELINED,
+                     prefix: PrefixConfig = PREFIX, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> CascadeLaunches | None:
+    """The launches of `cascade_decode_attention` (None for no rows), checked and planned, their
+    partials allocated. `max_suffix_len` bounds any row's tokens past its prefix (default
+    max_context_len); `config` is the suffix kernel's DecodeConfig, `prefix` the prefix
+    kernel's."""
     check_args(q, k_cache, v_cache, block_tables, context_lens, out, groups)
     n, num_q, d = q.shape
     if n == 0:
-        return
+        return None
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     group = num_q // num_kv
     fp8 = k_scale is not None
@@ -213,20 +246,26 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                   DOT_PREC=dot_precision(q.dtype), FP8=fp8,
                   F16_DOTS=fp8 and q.dtype == torch.bfloat16)
     p_items = groups.num_groups * num_kv * plan.p_splits * plan.num_tiles
-    _prefix_kernel[(max(1, min(max_ctas, p_items)),)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, groups.starts,
-        groups.prefix_lens, part, lse, row_start, p_items, num_kv, plan.p_splits,
-        plan.num_tiles, plan.p_len, scale, *strides, GROUP=group, ROWS=plan.rows_per_tile,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=prefix.block_n, NUM_STAGES=prefix.num_stages, num_warps=prefix.num_warps,
-        **common)
     s_items = n * num_kv * plan.s_splits
     s_part, s_lse = part[:, :, plan.p_splits:], lse[:, :, plan.p_splits:]  # the suffix's slots
-    _decode_partial_kernel[(min(max_ctas, s_items),)](
-        q, k_cache, v_cache, ks, vs, block_tables, context_lens, row_start, s_part, s_lse,
-        s_items, num_kv, plan.s_splits, plan.s_len, scale, *strides,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=config.block_for(fp8),
-        STORE_LSE=True, NUM_STAGES=config.num_stages, HAS_START=True,
-        num_warps=config.num_warps, **common)
-    merge_splits(part, lse, out, max_ctas)
+
+    def run_prefix() -> None:
+        _prefix_kernel[(max(1, min(max_ctas, p_items)),)](
+            q, k_cache, v_cache, ks, vs, block_tables, context_lens, groups.starts,
+            groups.prefix_lens, part, lse, row_start, p_items, num_kv, plan.p_splits,
+            plan.num_tiles, plan.p_len, scale, *strides, GROUP=group, ROWS=plan.rows_per_tile,
+            BLOCK_M=plan.block_m,
+            BLOCK_N=prefix.block_n, NUM_STAGES=prefix.num_stages, num_warps=prefix.num_warps,
+            **common)
+
+    def run_suffix() -> None:
+        _decode_partial_kernel[(min(max_ctas, s_items),)](
+            q, k_cache, v_cache, ks, vs, block_tables, context_lens, row_start, s_part, s_lse,
+            s_items, num_kv, plan.s_splits, plan.s_len, scale, *strides,
+            GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=config.block_for(fp8),
+            STORE_LSE=True, NUM_STAGES=config.num_stages, HAS_START=True,
+            num_warps=config.num_warps, **common)
+
+    return CascadeLaunches(run_prefix, run_suffix, lambda: merge_splits(part, lse, out, max_ctas),
+                           plan)

@@ -133,6 +133,27 @@ def test_fp8_cache_with_scales():
     assert rel_err(got, case[5]) < 1e-5
 
 
+def test_launches_apart_give_the_whole_call():
+    """`cascade_launches`: prefix, then suffix run again on its starts, then merge, each called
+    apart (as a benchmark times them), give what one call gives; no rows, no launches."""
+    from nanosched.kernels.cascade_attn import CascadeGroups, PrefixConfig, cascade_launches
+
+    kc, vc, tables, lens, q, want, _ = make_case(GROUPS, seed=4)
+    meta = CascadeGroups.build([len(c) for _, c in GROUPS], [p * PAGE for p, _ in GROUPS],
+                               PAGE, "cpu")
+    got = torch.full_like(q, float("nan"))
+    launches = cascade_launches(q, kc, vc, tables, lens, int(lens.max()), D ** -0.5, got, meta,
+                                max_ctas=3, prefix=PrefixConfig(block_m=16, block_n=16))
+    launches.prefix()
+    launches.suffix()
+    launches.suffix()
+    assert got.isnan().all()  # only the merge writes out
+    launches.merge()
+    assert launches.plan.num_tiles == 2 and rel_err(got, want) < 1e-5
+    assert cascade_launches(q[:0], kc, vc, tables[:0], lens[:0], 1, D ** -0.5, got[:0],
+                            CascadeGroups.build([0], [0], PAGE, "cpu")) is None
+
+
 def test_builder_refuses_bad_groups():
     from nanosched.kernels.cascade_attn import CascadeGroups
 

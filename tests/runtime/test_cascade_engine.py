@@ -54,6 +54,7 @@ CASES = {
     "eager": dict(),
     "graph layout": dict(graphs="layout", graph_align=4),
     "fp8 KV, evictions": dict(pages=24, kv_dtype="fp8"),
+    "fp8 KV, graph layout": dict(kv_dtype="fp8", graphs="layout", graph_align=4),
     "async loop, graph layout": dict(async_loop=True, graphs="layout", graph_align=4),
 }
 

@@ -1,7 +1,8 @@
 """Cascade decode attention against the engine's default decode attention, shared prefixes.
 
     PYTHONPATH=. python bench/kernels/kernels_cascade_attn.py [--groups 10] [--rows 100]
-        [--prefix 2000] [--own 328] [--kv-dtype auto,fp8] [--decode-kernels K1,K2] [--parts]
+        [--prefix 2000] [--own 328] [--kv-dtype auto,fp8] [--decode-kernels K1,K2]
+        [--suffix-configs C1,C2] [--ctas-per-sm 2,4] [--parts]
 
 Llama-3-8B heads (Hq 32, Hkv 8, d 128), page 16, bf16 queries, pages shuffled, random data:
 `--groups` groups of `--rows` requests, each group's requests sharing a `--prefix`-token prompt
@@ -9,12 +10,13 @@ Llama-3-8B heads (Hq 32, Hkv 8, d 128), page 16, bf16 queries, pages shuffled, r
 `dispatch.decode_attention` (KernelOptions() defaults: what the engine launches) reading every
 row's full context, and `cascade_attn.cascade_decode_attention` (PREFIXES x PREFIX_SPLITS), as
 medians of CUDA-graph replays (`graph_us`, 20 calls a graph), after checking both against the
-fp32 reference; `--decode-kernels` times other decode attentions over the full contexts beside
-the default, `--parts` each cascade launch alone (prefix, suffix from the starts the prefix
-launch wrote, merge), each in its own graph. Bytes: the K/V (+ scales) each must read, q and
-out, and the cascade's fp32 partials (written, read); `prefix_tile_gb` is the prefix bytes
-times tiles per group, what the prefix kernel reads where L2 serves no tile. TB/s = a kernel's
-bytes / its time. JSON through bench._common.write_result; table last.
+fp32 reference. `--decode-kernels` times other decode attentions over the full contexts beside
+the default; `--suffix-configs` x `--ctas-per-sm` the suffix kernel's DecodeConfig and the grid
+bound, with the fastest prefix tile; `--parts` each cascade launch alone (prefix, suffix from
+the starts the prefix launch wrote, merge), each in its own graph. Bytes: the K/V (+ scales)
+each must read, q and out, and the cascade's fp32 partials (written, read); `prefix_tile_gb` is
+the prefix bytes times tiles per group, what the prefix kernel reads where L2 serves no tile.
+TB/s = a kernel's bytes / its time. JSON through bench._common.write_result; table last.
 """
 
 # ruff: noqa: B023  (each lambda is timed at once, inside the loop iteration that made it)
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from dataclasses import astuple
 
 import torch
 
@@ -33,17 +36,19 @@ from nanosched.kernels.cascade_attn import (
     CascadeGroups,
     PrefixConfig,
     cascade_launches,
-    cascade_plan,
 )
 from nanosched.kernels.common import PIPELINED, num_sms
+from nanosched.kernels.impls import DECODE_CONFIGS
 
 HQ, HKV, HD, PAGE = 32, 8, 128, 16
 DEVICE = "cuda"
 OPTS = K.KernelOptions()
 # prefix tiles timed: M (rows x 4 query heads), tokens per step, stages, warps
 PREFIXES = (PrefixConfig(64, 64, 2, 4), PrefixConfig(64, 32, 3, 4), PrefixConfig(128, 64, 2, 8),
-            PrefixConfig(128, 32, 3, 8), PrefixConfig(32, 64, 3, 4))
+            PrefixConfig(128, 32, 3, 8), PrefixConfig(32, 64, 3, 4), PrefixConfig(64, 128, 2, 4),
+            PrefixConfig(128, 128, 2, 8))
 PREFIX_SPLITS = (None, 4)  # the planned prefix splits, or more (shorter prefix work items)
+DEFAULT_SUFFIX = "triton_pipelined"  # the suffix kernel's DecodeConfig the engine launches
 
 
 
@@ -104,29 +109,39 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
     decode_us = rows[0]["us"]
     groups = CascadeGroups.build([args.rows] * args.groups, [args.prefix] * args.groups, PAGE,
                                  DEVICE)
-    for pc, ps in itertools.product(PREFIXES, PREFIX_SPLITS):
-        plan = cascade_plan(groups, n, HKV, HQ // HKV, args.own,
-                            PIPELINED.ctas_per_sm * num_sms(q.device), prefix_splits=ps,
-                            suffix_block=PIPELINED.block_for(kv_dtype == "fp8"), prefix=pc)
-        slots = plan.p_splits + plan.s_splits
-        partial = 2 * n * HQ * slots * (HD + 1) * 4  # fp32 partials + LSE, written then read
-        kv = args.groups * args.prefix * tok + n * args.own * tok
-        gb = (kv + io + partial) / 1e9
+    kv = args.groups * args.prefix * tok + n * args.own * tok
 
+    def time_cascade(pc: PrefixConfig, ps: int | None, suffix: str, ctas_per_sm: int) -> dict:
+        config, max_ctas = DECODE_CONFIGS[suffix], ctas_per_sm * num_sms(q.device)
         call = cascade_launches(q, kc, vc, tables, lens, ctx, scale, out, groups,
-                                max_suffix_len=args.own, prefix_splits=ps, prefix=pc, **scales)
+                                max_suffix_len=args.own, max_ctas=max_ctas, prefix_splits=ps,
+                                config=config, prefix=pc, **scales)
+        plan = call.plan
+        partial = 2 * n * HQ * (plan.p_splits + plan.s_splits) * (HD + 1) * 4  # fp32 + LSE,
+        gb = (kv + io + partial) / 1e9  # written then read
         out.fill_(float("nan"))
         call()
         us = graph_us(call)
         parts = {f"{part}_us": graph_us(getattr(call, part))
                  for part in ("prefix", "suffix", "merge")} if args.parts else {}
-        rows.append({**parts, "kv": kv_dtype, "kernel": f"cascade m{pc.block_m}/n{pc.block_n}/"
-                     f"s{pc.num_stages}/w{pc.num_warps}/p{plan.p_splits}", "us": us, "gb": gb,
-                     "tbps": gb / us * 1e3, "err": rel_err(out, want),
-                     "speedup": decode_us / us, "kv_gb": kv / 1e9, "partial_gb": partial / 1e9,
-                     "prefix_tile_gb": args.groups * plan.num_tiles * args.prefix * tok / 1e9,
-                     "tiles": plan.num_tiles, "prefix_splits": plan.p_splits,
-                     "suffix_splits": plan.s_splits})
+        return {**parts, "kv": kv_dtype, "kernel": f"cascade m{pc.block_m}/n{pc.block_n}/"
+                f"s{pc.num_stages}/w{pc.num_warps}/p{plan.p_splits} {suffix}/c{ctas_per_sm}",
+                "us": us, "gb": gb, "tbps": gb / us * 1e3, "err": rel_err(out, want),
+                "speedup": decode_us / us, "kv_gb": kv / 1e9, "partial_gb": partial / 1e9,
+                "prefix_tile_gb": args.groups * plan.num_tiles * args.prefix * tok / 1e9,
+                "tiles": plan.num_tiles, "prefix_splits": plan.p_splits,
+                "suffix_splits": plan.s_splits, "prefix_config": list(astuple(pc)),
+                "prefix_splits_asked": ps, "suffix_config": suffix,
+                "ctas_per_sm": ctas_per_sm}
+
+    swept = [time_cascade(pc, ps, DEFAULT_SUFFIX, PIPELINED.ctas_per_sm)
+             for pc, ps in itertools.product(PREFIXES, PREFIX_SPLITS)]
+    best = min(swept, key=lambda r: r["us"])
+    pc, ps = PrefixConfig(*best["prefix_config"]), best["prefix_splits_asked"]
+    rows += swept
+    rows += [time_cascade(pc, ps, suffix, c) for suffix, c in
+             itertools.product(args.suffix_configs, args.ctas_per_sm)
+             if (suffix, c) != (DEFAULT_SUFFIX, PIPELINED.ctas_per_sm)]
     return rows
 
 
@@ -140,10 +155,21 @@ def main() -> None:
     ap.add_argument("--decode-kernels", default="triton_pipelined",
                     help="comma-separated decode attentions timed beside the default "
                          "(dispatch impl names, e.g. triton_pipelined,cuda_bulk)")
+    ap.add_argument("--suffix-configs", default="triton_pipelined,triton_pipelined_2w",
+                    help="comma-separated DecodeConfigs (impls.DECODE_CONFIGS) of the suffix "
+                         "kernel, timed with the fastest prefix tile")
+    ap.add_argument("--ctas-per-sm", default="2,4",
+                    help="comma-separated cascade grid bounds, programs per SM, timed with "
+                         "each suffix config")
     ap.add_argument("--parts", action="store_true",
                     help="also time each cascade launch alone: prefix, suffix, merge")
     args = ap.parse_args()
     args.decode_kernels = [k for k in args.decode_kernels.split(",") if k]
+    args.suffix_configs = [k for k in args.suffix_configs.split(",") if k]
+    bad = [k for k in args.suffix_configs if k not in DECODE_CONFIGS]
+    if bad:
+        ap.error(f"--suffix-configs {bad}: not one of {sorted(DECODE_CONFIGS)}")
+    args.ctas_per_sm = [int(c) for c in args.ctas_per_sm.split(",") if c]
     if args.prefix % PAGE:
         ap.error(f"--prefix {args.prefix} is not a multiple of the page size {PAGE}")
     torch.manual_seed(0)
@@ -152,7 +178,8 @@ def main() -> None:
         "env": environment(), "command": "bench/kernels/kernels_cascade_attn.py --groups "
         f"{args.groups} --rows {args.rows} --prefix {args.prefix} --own {args.own} "
         f"--kv-dtype {args.kv_dtype} --decode-kernels {','.join(args.decode_kernels) or ','}"
-        + (" --parts" if args.parts else ""),
+        f" --suffix-configs {','.join(args.suffix_configs)} --ctas-per-sm "
+        f"{','.join(map(str, args.ctas_per_sm))}" + (" --parts" if args.parts else ""),
         "shape": {"hq": HQ, "hkv": HKV, "d": HD, "page": PAGE}, "rows": rows})
     print(f"wrote {path}")
     parts = [(f"{p}_us", f"{p} us", ".1f") for p in ("prefix", "suffix", "merge")]

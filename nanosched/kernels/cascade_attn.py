@@ -100,10 +100,17 @@ def _prefix_kernel(
             v_head = v_ptr + kvh * s_vh
             ks_head = ks_ptr + kvh * s_sh
             vs_head = vs_ptr + kvh * s_sh
+            # page ids one step ahead, as in decode_attn's partial kernel: K/V addresses then
+            # depend on a loop-carried value, so the pipeliner keeps NUM_STAGES - 1 steps of
+            # K/V in flight instead of spending a stage on the ids
+            nxt = lo + offs_n
+            page_next = tl.load(bt_row + nxt // PAGE, mask=nxt < hi, other=0)
             for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
                 tok = start + offs_n  # [BN]
                 t_mask = tok < hi
-                page = tl.load(bt_row + tok // PAGE, mask=t_mask, other=0).to(tl.int64)
+                page = page_next.to(tl.int64)
+                nxt = tok + BLOCK_N
+                page_next = tl.load(bt_row + nxt // PAGE, mask=nxt < hi, other=0)
                 slot = tok % PAGE
                 keep = t_mask[None, :] & (tok[None, :] < ctx[:, None])  # a row's own context
                 m_i, l_i, acc = attend_block(q, k_head, v_head, ks_head, vs_head, page, slot,

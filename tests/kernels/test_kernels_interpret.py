@@ -80,6 +80,27 @@ def test_decode_attention_padded_rows_are_zero_and_read_no_page(num_splits, conf
     assert rel_err(got[real], want) < tol(torch.float32)
 
 
+@pytest.mark.parametrize("heads, splits, d, max_ctas", [(6, 3, 32, 2), (32, 2, 128, 5),
+                                                        (5, 40, 128, 3)])
+def test_merge_splits_weights_partials_by_their_lse(heads, splits, d, max_ctas):
+    """merge_splits over blocks of heads (6 heads in one masked block of 8; 32 heads in two of
+    16; 40 splits, one head a block): each head's partials weighted by softmax of their LSE, a
+    head whose splits are all empty (-inf) zero."""
+    from nanosched.kernels.decode_attn import merge_splits
+
+    gen = torch.Generator().manual_seed(7)
+    part = torch.randn(3, heads, splits, d, generator=gen)
+    lse = torch.randn(3, heads, splits, generator=gen) * 4
+    lse[1, 2] = float("-inf")
+    lse[2, 0, 1:] = float("-inf")
+    out = torch.full((3, heads, d), float("nan"))
+    merge_splits(part, lse, out, max_ctas)
+    weight = torch.softmax(lse, dim=-1).nan_to_num(0.0)
+    want = (part * weight[..., None]).sum(2)
+    assert torch.all(out[1, 2] == 0) and torch.equal(out[2, 0], part[2, 0, 0])
+    assert rel_err(out, want) < 1e-6
+
+
 # (max_ctas, prefetch): one program per item, then persistent grids smaller than the items
 BOUNDS = [(None, True), (1, True), (3, True), (3, False)]
 

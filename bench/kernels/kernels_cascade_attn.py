@@ -13,7 +13,8 @@ medians of CUDA-graph replays (`graph_us`, 20 calls a graph), after checking bot
 fp32 reference. `--decode-kernels` times other decode attentions over the full contexts beside
 the default; `--suffix-configs` x `--ctas-per-sm` the suffix kernel's DecodeConfig and the grid
 bound, with the fastest prefix tile; `--parts` each cascade launch alone (prefix, suffix from
-the starts the prefix launch wrote, merge), each in its own graph. Bytes: the K/V (+ scales)
+the starts the prefix launch wrote, merge, and merge with one (row, head) a work item instead of
+a block of heads), each in its own graph. Bytes: the K/V (+ scales)
 each must read, q and out, and the cascade's fp32 partials (written, read); `prefix_tile_gb` is
 the prefix bytes times tiles per group, what the prefix kernel reads where L2 serves no tile.
 TB/s = a kernel's bytes / its time. JSON through bench._common.write_result; table last.
@@ -30,6 +31,7 @@ from dataclasses import astuple
 import torch
 
 from bench._common import environment, graph_us, print_table, write_result
+from nanosched.kernels import decode_attn
 from nanosched.kernels import dispatch as K
 from nanosched.kernels import reference as ref
 from nanosched.kernels.cascade_attn import (
@@ -124,6 +126,12 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
         us = graph_us(call)
         parts = {f"{part}_us": graph_us(getattr(call, part))
                  for part in ("prefix", "suffix", "merge")} if args.parts else {}
+        if args.parts:  # the merge with one (row, head) a work item, beside its head blocks
+            tile, decode_attn.MERGE_TILE = decode_attn.MERGE_TILE, 1
+            try:
+                parts["merge_one_head_us"] = graph_us(call.merge)
+            finally:
+                decode_attn.MERGE_TILE = tile
         return {**parts, "kv": kv_dtype, "kernel": f"cascade m{pc.block_m}/n{pc.block_n}/"
                 f"s{pc.num_stages}/w{pc.num_warps}/p{plan.p_splits} {suffix}/c{ctas_per_sm}",
                 "us": us, "gb": gb, "tbps": gb / us * 1e3, "err": rel_err(out, want),
@@ -182,7 +190,7 @@ def main() -> None:
         f"{','.join(map(str, args.ctas_per_sm))}" + (" --parts" if args.parts else ""),
         "shape": {"hq": HQ, "hkv": HKV, "d": HD, "page": PAGE}, "rows": rows})
     print(f"wrote {path}")
-    parts = [(f"{p}_us", f"{p} us", ".1f") for p in ("prefix", "suffix", "merge")]
+    parts = [(f"{p}_us", f"{p} us", ".1f") for p in ("prefix", "suffix", "merge", "merge_one_head")]
     print_table([{**dict.fromkeys(k for k, _, _ in parts), **r} for r in rows],
                 [("kv", "kv", ""), ("kernel", "kernel", ""), ("us", "us", ".1f"),
                  ("gb", "GB read", ".3f"), ("tbps", "TB/s", ".2f"),

@@ -11,13 +11,14 @@ Llama-3-8B heads (Hq 32, Hkv 8, d 128), page 16, bf16 queries, pages shuffled, r
 row's full context, and `cascade_attn.cascade_decode_attention` (PREFIXES x PREFIX_SPLITS), as
 medians of CUDA-graph replays (`graph_us`, 20 calls a graph), after checking both against the
 fp32 reference. `--decode-kernels` times other decode attentions over the full contexts beside
-the default; `--suffix-configs` x `--ctas-per-sm` the suffix kernel's DecodeConfig and the grid
-bound, with the fastest prefix tile; `--parts` each cascade launch alone (prefix, suffix from
-the starts the prefix launch wrote, merge, and merge with one (row, head) a work item instead of
-a block of heads), each in its own graph. Bytes: the K/V (+ scales)
-each must read, q and out, and the cascade's fp32 partials (written, read); `prefix_tile_gb` is
-the prefix bytes times tiles per group, what the prefix kernel reads where L2 serves no tile.
-TB/s = a kernel's bytes / its time. JSON through bench._common.write_result; table last.
+the default; `--suffix-configs` x `--ctas-per-sm` the suffix kernel (a Triton DecodeConfig, or
+cuda_bulk) and the grid bound, with the fastest prefix tile; `--parts` each cascade launch
+alone (prefix, suffix from the starts the prefix launch wrote, merge, and merge with one (row,
+head) a work item instead of a block of heads), each in its own graph. Bytes: the K/V (+
+scales) each must read, q and out, and the cascade's fp32 partials (written, read);
+`prefix_tile_gb` is the prefix bytes times tiles per group, what the prefix kernel reads where
+L2 serves no tile. TB/s = a kernel's bytes / its time. JSON through bench._common.write_result;
+table last.
 """
 
 # ruff: noqa: B023  (each lambda is timed at once, inside the loop iteration that made it)
@@ -50,7 +51,8 @@ PREFIXES = (PrefixConfig(64, 64, 2, 4), PrefixConfig(64, 32, 3, 4), PrefixConfig
             PrefixConfig(128, 32, 3, 8), PrefixConfig(32, 64, 3, 4), PrefixConfig(64, 128, 2, 4),
             PrefixConfig(128, 128, 2, 8))
 PREFIX_SPLITS = (None, 4)  # the planned prefix splits, or more (shorter prefix work items)
-DEFAULT_SUFFIX = "triton_pipelined"  # the suffix kernel's DecodeConfig the engine launches
+DEFAULT_SUFFIX = "triton_pipelined"  # the Triton suffix kernel's DecodeConfig
+BULK = "cuda_bulk"  # the suffix read by decode_attn_bulk (the engine's choice over e4m3)
 
 
 
@@ -114,10 +116,11 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
     kv = args.groups * args.prefix * tok + n * args.own * tok
 
     def time_cascade(pc: PrefixConfig, ps: int | None, suffix: str, ctas_per_sm: int) -> dict:
-        config, max_ctas = DECODE_CONFIGS[suffix], ctas_per_sm * num_sms(q.device)
+        config, max_ctas = DECODE_CONFIGS.get(suffix, PIPELINED), ctas_per_sm * num_sms(q.device)
         call = cascade_launches(q, kc, vc, tables, lens, ctx, scale, out, groups,
                                 max_suffix_len=args.own, max_ctas=max_ctas, prefix_splits=ps,
-                                config=config, prefix=pc, **scales)
+                                config=config, prefix=pc, **scales,
+                                suffix_impl="cuda_bulk" if suffix == BULK else "triton")
         plan = call.plan
         partial = 2 * n * HQ * (plan.p_splits + plan.s_splits) * (HD + 1) * 4  # fp32 + LSE,
         gb = (kv + io + partial) / 1e9  # written then read
@@ -163,9 +166,9 @@ def main() -> None:
     ap.add_argument("--decode-kernels", default="triton_pipelined",
                     help="comma-separated decode attentions timed beside the default "
                          "(dispatch impl names, e.g. triton_pipelined,cuda_bulk)")
-    ap.add_argument("--suffix-configs", default="triton_pipelined,triton_pipelined_2w",
-                    help="comma-separated DecodeConfigs (impls.DECODE_CONFIGS) of the suffix "
-                         "kernel, timed with the fastest prefix tile")
+    ap.add_argument("--suffix-configs", default="triton_pipelined,triton_pipelined_2w,cuda_bulk",
+                    help="comma-separated suffix kernels timed with the fastest prefix tile: "
+                         "DecodeConfigs of the Triton one (impls.DECODE_CONFIGS) or cuda_bulk")
     ap.add_argument("--ctas-per-sm", default="2,4",
                     help="comma-separated cascade grid bounds, programs per SM, timed with "
                          "each suffix config")
@@ -174,9 +177,9 @@ def main() -> None:
     args = ap.parse_args()
     args.decode_kernels = [k for k in args.decode_kernels.split(",") if k]
     args.suffix_configs = [k for k in args.suffix_configs.split(",") if k]
-    bad = [k for k in args.suffix_configs if k not in DECODE_CONFIGS]
+    bad = [k for k in args.suffix_configs if k not in DECODE_CONFIGS and k != BULK]
     if bad:
-        ap.error(f"--suffix-configs {bad}: not one of {sorted(DECODE_CONFIGS)}")
+        ap.error(f"--suffix-configs {bad}: not one of {sorted(DECODE_CONFIGS)} or {BULK}")
     args.ctas_per_sm = [int(c) for c in args.ctas_per_sm.split(",") if c]
     if args.prefix % PAGE:
         ap.error(f"--prefix {args.prefix} is not a multiple of the page size {PAGE}")

@@ -7,8 +7,9 @@ that share nothing sit in a group of prefix 0. Three launches, no host sync: (1)
 one work item per (group, KV head, prefix split, tile of rows), M = the tile's rows x the GQA
 group's query heads, streams the prefix once per tile through `tl.dot` (a tile's K/V items are
 adjacent, so tiles of one group meet in L2), writes partials + LSE and each row's suffix start;
-(2) decode_attn's partial kernel from that start to the row's context; (3) decode_attn's
-`merge_splits` over the prefix and suffix partials by log-sum-exp. bf16/fp16/fp32, and the e4m3
+(2) decode_attn's partial kernel from that start to the row's context, or decode_attn_bulk's
+kernel over each row's block table shifted past its prefix; (3) decode_attn's `merge_splits`
+over the prefix and suffix partials by log-sum-exp. bf16/fp16/fp32, and the e4m3
 cache with its per-(token, KV head) scales, as decode_attention takes them.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -52,6 +53,8 @@ class PrefixConfig:
 
 
 PREFIX = PrefixConfig()
+SUFFIX_IMPLS = ("triton", "cuda_bulk")  # what reads the rows' own tokens
+BULK_SPLITS = 2  # splits of each row's suffix with cuda_bulk (its partials need two or more)
 
 
 @triton.jit
@@ -222,11 +225,18 @@ def cascade_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_ctas: int | None = None, prefix_splits: int | None = None,
                      suffix_splits: int | None = None, config: DecodeConfig = PIPELINED,
                      prefix: PrefixConfig = PREFIX, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> CascadeLaunches | None:
+                     v_scale: torch.Tensor | None = None,
+                     suffix_impl: str = "triton") -> CascadeLaunches | None:
     """The launches of `cascade_decode_attention` (None for no rows), checked and planned, their
     partials allocated. `max_suffix_len` bounds any row's tokens past its prefix (default
     max_context_len); `config` is the suffix kernel's DecodeConfig, `prefix` the prefix
-    kernel's."""
+    kernel's (`suffix_splits` and `config` are the Triton suffix's). `suffix_impl` "cuda_bulk"
+    reads the suffixes with decode_attn_bulk's kernel
+    instead (its unmerged partials, in BULK_SPLITS splits, over each row's block table shifted
+    past its prefix), where it runs (bf16/fp16 q, 16-token pages; ConfigError says why not)."""
+    if suffix_impl not in SUFFIX_IMPLS:
+        raise ConfigError(f"cascade attention: suffix_impl {suffix_impl!r} is not one of "
+                          f"{SUFFIX_IMPLS}")
     check_args(q, k_cache, v_cache, block_tables, context_lens, out, groups)
     n, num_q, d = q.shape
     if n == 0:
@@ -239,10 +249,20 @@ def cascade_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                           "a layout")
     if max_ctas is None:
         max_ctas = config.ctas_per_sm * num_sms(q.device)
-    plan = cascade_plan(groups, n, num_kv, group, max_context_len if max_suffix_len is None
-                        else max_suffix_len, max_ctas, prefix_splits, suffix_splits,
-                        config.block_for(fp8), prefix)
-    slots = plan.p_splits + plan.s_splits
+    suffix_len = max_context_len if max_suffix_len is None else max_suffix_len
+    plan = cascade_plan(groups, n, num_kv, group, suffix_len, max_ctas, prefix_splits,
+                        suffix_splits, config.block_for(fp8), prefix)
+    bulk = suffix_impl == "cuda_bulk"
+    if bulk:
+        from nanosched.kernels import decode_attn_bulk
+
+        why = decode_attn_bulk.missing_dependency() or decode_attn_bulk.unsupported(
+            q, k_cache, v_cache, k_scale, v_scale)
+        if why:
+            raise ConfigError(f"cascade attention: the cuda_bulk suffix cannot run: {why}")
+        per = decode_attn_bulk.partial_pages(suffix_len, BULK_SPLITS)
+        plan = replace(plan, s_splits=BULK_SPLITS, s_len=per * page)
+    slots = plan.p_splits + (0 if bulk else plan.s_splits)
     part = torch.empty((n, num_q, slots, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, num_q, slots), dtype=torch.float32, device=q.device)
     row_start = torch.empty((n,), dtype=torch.int32, device=q.device)
@@ -274,5 +294,22 @@ def cascade_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             STORE_LSE=True, NUM_STAGES=config.num_stages, HAS_START=True,
             num_warps=config.num_warps, **common)
 
-    return CascadeLaunches(run_prefix, run_suffix, lambda: merge_splits(part, lse, out, max_ctas),
-                           plan)
+    if not bulk:
+        return CascadeLaunches(run_prefix, run_suffix,
+                               lambda: merge_splits(part, lse, out, max_ctas), plan)
+    s_part = torch.empty((n, num_q, BULK_SPLITS, d), dtype=torch.float32, device=q.device)
+    s_lse = torch.empty((n, num_q, BULK_SPLITS), dtype=torch.float32, device=q.device)
+    width = block_tables.shape[1]
+    cols = torch.arange(width, device=q.device)[None, :]
+
+    def run_bulk_suffix() -> None:
+        # row i's suffix: its block table from page row_start / S on (the prefix is whole
+        # pages; a row inside its prefix has no suffix tokens), its context less row_start
+        shifted = (cols + (row_start // page)[:, None]).clamp_(max=width - 1)
+        decode_attn_bulk.decode_partials(
+            q, k_cache, v_cache, block_tables.gather(1, shifted), context_lens - row_start,
+            suffix_len, scale, s_part, s_lse, k_scale=k_scale, v_scale=v_scale)
+
+    return CascadeLaunches(
+        run_prefix, run_bulk_suffix,
+        lambda: merge_splits(part, lse, out, max_ctas, more=(s_part, s_lse)), plan)

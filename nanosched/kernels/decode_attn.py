@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanosched.errors import ConfigError
 from nanosched.kernels.common import PAGED, DecodeConfig, dot_precision, num_sms
 
 
@@ -137,10 +138,10 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_ptr, lse_ptr, out_ptr, num_items, num_heads, num_splits,
-    s_pn, s_ph, s_ps, s_ln, s_lh, s_on, s_oh,
+    part_ptr, lse_ptr, part2_ptr, lse2_ptr, out_ptr, num_items, num_heads, num_splits,
+    num_splits2, s_pn, s_ph, s_ps, s_ln, s_lh, s2_pn, s2_ph, s2_ps, s2_ln, s2_lh, s_on, s_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, TWO: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -152,21 +153,31 @@ def _decode_merge_kernel(
     for item in range(pid, num_items, tl.num_programs(0)):
         req = item // head_blocks
         heads = (item % head_blocks) * BLOCK_H + offs_h  # [BH]
-        hs_mask = (heads < num_heads)[:, None] & s_mask[None, :]
+        h_mask = heads < num_heads
+        hs_mask = h_mask[:, None] & s_mask[None, :]
         lse = tl.load(lse_ptr + req * s_ln + heads[:, None] * s_lh + offs_s[None, :],
                       mask=hs_mask, other=float("-inf"))  # [BH, BS]
+        part = tl.load(part_ptr + req * s_pn + heads[:, None, None] * s_ph
+                       + offs_s[None, :, None] * s_ps + offs_d[None, None, :],
+                       mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0)
+        if TWO:  # slots num_splits.. of the row come from the second set
+            offs_s2 = offs_s - num_splits
+            hs2_mask = h_mask[:, None] & ((offs_s2 >= 0) & (offs_s2 < num_splits2))[None, :]
+            lse2 = tl.load(lse2_ptr + req * s2_ln + heads[:, None] * s2_lh + offs_s2[None, :],
+                           mask=hs2_mask, other=float("-inf"))
+            part2 = tl.load(part2_ptr + req * s2_pn + heads[:, None, None] * s2_ph
+                            + offs_s2[None, :, None] * s2_ps + offs_d[None, None, :],
+                            mask=hs2_mask[:, :, None] & d_mask[None, None, :], other=0.0)
+            lse = tl.where(hs2_mask, lse2, lse)
+            part = tl.where(hs2_mask[:, :, None], part2, part)
         top = tl.max(lse, 1)
         top = tl.where(top == float("-inf"), 0.0, top)  # an empty context: every split empty
         weight = tl.exp(lse - top[:, None])
         total = tl.sum(weight, 1)
         weight = weight / tl.where(total > 0, total, 1.0)[:, None]  # all zero: the output is 0
-        part = tl.load(part_ptr + req * s_pn + heads[:, None, None] * s_ph
-                       + offs_s[None, :, None] * s_ps + offs_d[None, None, :],
-                       mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0)
         res = tl.sum(part * weight[:, :, None], 1)  # [BH, BD]
         tl.store(out_ptr + req * s_on + heads[:, None] * s_oh + offs_d[None, :],
-                 res.to(out_ptr.dtype.element_ty),
-                 mask=(heads < num_heads)[:, None] & d_mask[None, :])
+                 res.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 MERGE_TILE = 4096  # fp32 partial elements a merge item reads (32 a thread on 4 warps)
@@ -228,16 +239,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         merge_splits(part, lse, out, max_ctas)
 
 
-def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, max_ctas: int) -> None:
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, max_ctas: int,
+                 more: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out [n, Hq, d] = the split partials part [n, Hq, S, d] (fp32, each normalised) weighted
-    by their log-sum-exp lse [n, Hq, S], on at most `max_ctas` programs. A work item merges
-    MERGE_TILE elements' worth of a row's heads at once: one (row, head) an item left each
-    program a long chain of small dependent loads (32,000 of them for 1,000 rows of 32 heads)."""
+    by their log-sum-exp lse [n, Hq, S], on at most `max_ctas` programs; `more` = (part2, lse2)
+    adds a second set of splits of the same rows (another kernel's), as if appended. A work
+    item merges MERGE_TILE elements' worth of a row's heads at once: one (row, head) an item
+    left each program a long chain of small dependent loads (32,000 for 1,000 rows of 32)."""
     n, num_q, splits, d = part.shape
-    block_s, block_d = triton.next_power_of_2(splits), triton.next_power_of_2(d)
+    part2, lse2 = more if more is not None else (part, lse)
+    splits2 = part2.shape[2] if more is not None else 0
+    if more is not None and (part2.shape[:2] != (n, num_q) or part2.shape[3] != d
+                             or lse2.shape != part2.shape[:3]):
+        raise ConfigError(f"merge_splits: the second set's part {tuple(part2.shape)} and lse "
+                          f"{tuple(lse2.shape)} must be [{n}, {num_q}, S2, {d}] and "
+                          f"[{n}, {num_q}, S2]")
+    block_s, block_d = triton.next_power_of_2(splits + splits2), triton.next_power_of_2(d)
     block_h = max(1, min(triton.next_power_of_2(num_q), MERGE_TILE // (block_s * block_d)))
     merge_items = n * triton.cdiv(num_q, block_h)
     _decode_merge_kernel[(min(max_ctas, merge_items),)](
-        part, lse, out, merge_items, num_q, splits,
-        *part.stride()[:3], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_H=block_h, num_warps=4)
+        part, lse, part2, lse2, out, merge_items, num_q, splits, splits2,
+        *part.stride()[:3], lse.stride(0), lse.stride(1), *part2.stride()[:3], lse2.stride(0),
+        lse2.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_H=block_h, TWO=more is not None,
+        num_warps=4)

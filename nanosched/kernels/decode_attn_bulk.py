@@ -338,6 +338,47 @@ def plan(num_requests: int, max_context_len: int, grid: int,
     return math.ceil(pages / per), per
 
 
+def _check_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor | None,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the call reads an FP8 cache; ConfigError names every reason it cannot run."""
+    fp8 = k_scale is not None or v_scale is not None
+    why = missing_dependency() or unsupported(q, k_cache, v_cache, k_scale, v_scale)
+    if not why and (context_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
+        why = "it needs int32 block tables and context lengths"
+    if not why and out is not None and (out.dtype != q.dtype or out.stride(2) != 1):
+        why = "it writes out in q's dtype, each head's row contiguous"
+    if why:
+        raise ConfigError(f"decode attention 'cuda_bulk' cannot run: {why}")
+    return fp8
+
+
+def _launch(build: _Build, grid: int, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+            scale: float, out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor,
+            splits: int, per: int, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> None:
+    """One launch over n x `splits` items of `per` pages: one split writes `out`, several write
+    `part` [n, Hq, splits, d] and `lse` [n, Hq, splits] (contiguous)."""
+    n = q.shape[0]
+    items = n * splits
+    bt = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    kernel = _kernel(build)
+    maps = tensor_maps(k_cache, v_cache)
+    args = (np.uint64(q.data_ptr()), np.uint64(maps.data_ptr()), np.uint64(bt.data_ptr()),
+            np.uint64(context_lens.data_ptr()), np.uint64(out.data_ptr()),
+            np.uint64(part.data_ptr()), np.uint64(lse.data_ptr()), np.int32(items),
+            np.int32(splits), np.int32(per), np.int32(bt.stride(0)), np.int32(bt.shape[1]),
+            np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(out.stride(0)),
+            np.int64(out.stride(1)),
+            np.float32(scale * math.log2(math.e)))
+    if k_scale is not None:  # the FP8 kernel's scales: pointers and their page stride (floats)
+        args += (np.uint64(k_scale.data_ptr()), np.uint64(v_scale.data_ptr()),
+                 np.int64(k_scale.stride(0)))
+    with _stream(torch.cuda.current_stream(q.device).cuda_stream, build.device):
+        kernel((min(grid, items),), (build.threads,), args, shared_mem=build.smem)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      max_context_len: int, scale: float, out: torch.Tensor,
@@ -351,38 +392,54 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n, num_q, d = q.shape
     if n == 0:
         return
-    fp8 = k_scale is not None or v_scale is not None
-    why = missing_dependency() or unsupported(q, k_cache, v_cache, k_scale, v_scale)
-    if not why and (context_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
-        why = "it needs int32 block tables and context lengths"
-    if not why and (out.dtype != q.dtype or out.stride(2) != 1):
-        why = "it writes out in q's dtype, each head's row contiguous"
-    if why:
-        raise ConfigError(f"decode attention 'cuda_bulk' cannot run: {why}")
+    fp8 = _check_call(q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale)
     build, grid = kernel_and_grid(q, k_cache, fp8, max_ctas, sms)
     splits, per = plan(n, max_context_len, grid, num_splits)
-    items = n * splits
     if splits == 1:
         part = lse = out  # unused by the kernel
     else:
         part = torch.empty((n, num_q, splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((n, num_q, splits), dtype=torch.float32, device=q.device)
-    bt = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    kernel = _kernel(build)
-    maps = tensor_maps(k_cache, v_cache)
-    args = (np.uint64(q.data_ptr()), np.uint64(maps.data_ptr()), np.uint64(bt.data_ptr()),
-            np.uint64(context_lens.data_ptr()), np.uint64(out.data_ptr()),
-            np.uint64(part.data_ptr()), np.uint64(lse.data_ptr()), np.int32(items),
-            np.int32(splits), np.int32(per), np.int32(bt.stride(0)), np.int32(bt.shape[1]),
-            np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(out.stride(0)),
-            np.int64(out.stride(1)),
-            np.float32(scale * math.log2(math.e)))
-    if fp8:  # the FP8 kernel's scales: pointers and their page stride (floats)
-        args += (np.uint64(k_scale.data_ptr()), np.uint64(v_scale.data_ptr()),
-                 np.int64(k_scale.stride(0)))
-    with _stream(torch.cuda.current_stream(q.device).cuda_stream, build.device):
-        kernel((min(grid, items),), (build.threads,), args, shared_mem=build.smem)
+    _launch(build, grid, q, k_cache, v_cache, block_tables, context_lens, scale, out, part, lse,
+            splits, per, k_scale, v_scale)
     if splits > 1:
         from nanosched.kernels.decode_attn import merge_splits
 
         merge_splits(part, lse, out, MERGE_PROGRAMS_PER_CTA * grid)
+
+
+def partial_pages(max_context_len: int, splits: int) -> int | None:
+    """Pages per split that cut `max_context_len` tokens into exactly `splits` splits (at
+    least `splits` pages counted), or None where no count does."""
+    pages = max(splits, math.ceil(max_context_len / PAGE))
+    per = math.ceil(pages / splits)
+    return per if math.ceil(pages / per) == splits else None
+
+
+def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    max_context_len: int, scale: float, part: torch.Tensor, lse: torch.Tensor,
+                    *, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """Each row's context in S = part.shape[2] >= 2 splits of whole pages, unmerged: part
+    [n, Hq, S, d] fp32 (each split normalised) and lse [n, Hq, S] (natural log; a split with no
+    tokens writes zeros and -inf), both contiguous, for a caller that merges them with partials
+    of its own (cascade attention's suffix). The whole GPU's grid, as the default launch."""
+    n, num_q, d = q.shape
+    splits = part.shape[2]
+    if part.shape != (n, num_q, splits, d) or lse.shape != (n, num_q, splits) or splits < 2 \
+            or not part.is_contiguous() or not lse.is_contiguous() \
+            or part.dtype != torch.float32 or lse.dtype != torch.float32:
+        raise ConfigError(f"cuda_bulk partials: part {tuple(part.shape)} and lse "
+                          f"{tuple(lse.shape)} must be contiguous fp32 [{n}, {num_q}, S, {d}] "
+                          f"and [{n}, {num_q}, S], S >= 2")
+    per = partial_pages(max_context_len, splits)
+    if per is None:
+        raise ConfigError(f"cuda_bulk partials: {max_context_len} tokens do not cut into "
+                          f"{splits} splits of whole {PAGE}-token pages; use 2")
+    if n == 0:
+        return
+    fp8 = _check_call(q, k_cache, v_cache, block_tables, context_lens, None, k_scale, v_scale)
+    build, grid = kernel_and_grid(q, k_cache, fp8, None, None)
+    _launch(build, grid, q, k_cache, v_cache, block_tables, context_lens, scale, q, part, lse,
+            splits, per, k_scale, v_scale)  # `out` (q here) is not written with several splits

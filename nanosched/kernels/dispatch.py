@@ -351,8 +351,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Paged GQA decode attention. q, out [n, Hq, d]; launch: impl, max_ctas or num_sms,
     num_splits; k_scale, v_scale [P, S, Hkv] for an FP8 cache. With `opts.decode_impl`
     "cascade" and `groups` (the rows' prefix groups, models/cascade.py), the cascade kernel
-    runs whatever the launch names (its grid bound kept); on torch, the reference over each
-    row's whole context, which is what cascade computes."""
+    runs whatever the launch names (its grid bound kept; the suffix read by cuda_bulk over an
+    FP8 cache where that runs); on torch, the reference over each row's whole context, which
+    is what cascade computes."""
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     args = impls.read_launch(launch)
     if groups is not None and opts.decode_impl == impls.CASCADE_DECODE:
@@ -360,9 +361,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             from nanosched.kernels.cascade_attn import cascade_decode_attention
 
             bound = impls.grid_bound(args["max_ctas"], args["num_sms"], PIPELINED.ctas_per_sm)
+            # the rows' own tokens read as the default would read them: cuda_bulk over an
+            # FP8 cache where it runs
+            bulk = k_scale is not None and _bulk_runs(q, k_cache, v_cache, k_scale, v_scale)
             cascade_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                      max_context_len, scale, out, groups, max_ctas=bound,
-                                     **scales)
+                                     suffix_impl="cuda_bulk" if bulk else "triton", **scales)
         else:
             ref.decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                  max_context_len, scale, out, **scales)

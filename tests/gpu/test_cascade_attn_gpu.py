@@ -4,7 +4,8 @@ d 128, page 16), on a bf16 and an e4m3 cache, eager and replayed from a CUDA gra
 Both the fp32 reference (`reference.decode_attention`) and the engine's Triton kernel
 (`decode_attn.decode_attention`) read each row's full block table. The cascade kernel gets
 tables whose shared prefix entries past a group's first row point at a decoy page of huge
-values, so reading them there (instead of once from the first row) shows in the output.
+values, so reading them there (instead of once from the first row) shows in the output. The
+rows' own tokens are read by the Triton partial kernel or by cuda_bulk (`suffix_impl`).
 """
 
 from __future__ import annotations
@@ -82,10 +83,12 @@ def want_outputs(q, kc, vc, tables, lens, scales):
     return want, engine
 
 
+@pytest.mark.parametrize("suffix_impl", ["triton", "cuda_bulk"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("max_ctas, prefix_splits, suffix_splits",
                          [(None, None, None), (64, 1, 1), (528, 4, 3)])
-def test_cascade_matches_decode_attention(kv_dtype, max_ctas, prefix_splits, suffix_splits):
+def test_cascade_matches_decode_attention(kv_dtype, max_ctas, prefix_splits, suffix_splits,
+                                          suffix_impl):
     from nanosched.kernels.cascade_attn import cascade_decode_attention
 
     q, kc, vc, tables, decoyed, lens, scales = make_case(kv_dtype)
@@ -93,17 +96,19 @@ def test_cascade_matches_decode_attention(kv_dtype, max_ctas, prefix_splits, suf
     got = torch.full_like(q, float("nan"))
     cascade_decode_attention(q, kc, vc, decoyed, lens, int(lens.max()), HD ** -0.5, got,
                              groups_meta(), max_suffix_len=700, max_ctas=max_ctas,
-                             prefix_splits=prefix_splits, suffix_splits=suffix_splits, **scales)
+                             prefix_splits=prefix_splits, suffix_splits=suffix_splits,
+                             suffix_impl=suffix_impl, **scales)
     torch.cuda.synchronize()
     assert not got.isnan().any()
     assert torch.equal(got[-3], torch.zeros_like(got[-3]))  # the padded row
     err, engine_err = rel_err(got, want), rel_err(engine, want)
-    print(f"{kv_dtype}: cascade {err:.2e}, decode_attention {engine_err:.2e}")
+    print(f"{kv_dtype} {suffix_impl}: cascade {err:.2e}, decode_attention {engine_err:.2e}")
     assert err < 1e-2 and rel_err(got, engine) < 1e-2
 
 
+@pytest.mark.parametrize("suffix_impl", ["triton", "cuda_bulk"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_cascade_in_a_cuda_graph(kv_dtype):
+def test_cascade_in_a_cuda_graph(kv_dtype, suffix_impl):
     """Captured once, replayed on new queries: the same output as an eager call."""
     from nanosched.kernels.cascade_attn import cascade_decode_attention
     from nanosched.profiler.timing import captured
@@ -113,7 +118,7 @@ def test_cascade_in_a_cuda_graph(kv_dtype):
 
     def call() -> None:
         cascade_decode_attention(q, kc, vc, decoyed, lens, max_len, HD ** -0.5, out, meta,
-                                 max_suffix_len=700, **scales)
+                                 max_suffix_len=700, suffix_impl=suffix_impl, **scales)
 
     graph = captured(call, torch.cuda.Stream())  # one eager call, then the capture
     q.copy_(torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda")

@@ -154,6 +154,71 @@ def test_launches_apart_give_the_whole_call():
                             CascadeGroups.build([0], [0], PAGE, "cpu")) is None
 
 
+def torch_bulk_partials(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
+                        scale, part, lse, *, k_scale=None, v_scale=None):
+    """decode_attn_bulk.decode_partials' contract in torch: each row's context in part.shape[2]
+    splits of `partial_pages` pages, each normalised, with its natural-log LSE (an empty split:
+    zeros and -inf)."""
+    from nanosched.kernels.decode_attn_bulk import partial_pages
+
+    splits = part.shape[2]
+    step = partial_pages(max_context_len, splits) * PAGE
+    group = q.shape[1] // k_cache.shape[2]
+    for i, length in enumerate(context_lens.tolist()):
+        tok = torch.arange(length)
+        pages = block_tables[i, tok // PAGE].long()
+        k = ref.dequantize(k_cache[pages, tok % PAGE], None if k_scale is None
+                           else k_scale[pages, tok % PAGE])  # [T, Hkv, d]
+        v = ref.dequantize(v_cache[pages, tok % PAGE], None if v_scale is None
+                           else v_scale[pages, tok % PAGE])
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [T, Hq, d]
+        scores = torch.einsum("hd,thd->ht", q[i].float(), k) * scale  # [Hq, T]
+        for j in range(splits):
+            lo, hi = j * step, min((j + 1) * step, length)
+            if hi <= lo:
+                part[i, :, j], lse[i, :, j] = 0.0, float("-inf")
+                continue
+            w = torch.softmax(scores[:, lo:hi], dim=1)
+            part[i, :, j] = torch.einsum("ht,thd->hd", w, v[lo:hi])
+            lse[i, :, j] = torch.logsumexp(scores[:, lo:hi], dim=1)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_bulk_suffix_reads_each_row_past_its_prefix(fp8, monkeypatch):
+    """suffix_impl "cuda_bulk": the prefix partials merge with the bulk kernel's two splits of
+    each row's own tokens, read through its block table shifted past its prefix (here the
+    bulk kernel's contract in torch: no GPU); poisoned prefix pages are never read."""
+    from nanosched.kernels import decode_attn_bulk
+    from nanosched.kernels.cascade_attn import CascadeGroups, PrefixConfig, cascade_launches
+
+    monkeypatch.setattr(decode_attn_bulk, "missing_dependency", lambda: None)
+    monkeypatch.setattr(decode_attn_bulk, "unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(decode_attn_bulk, "decode_partials", torch_bulk_partials)
+    kc, vc, tables, lens, q, want, scales = make_case(GROUPS, fp8=fp8, seed=5)
+    meta = CascadeGroups.build([len(c) for _, c in GROUPS], [p * PAGE for p, _ in GROUPS],
+                               PAGE, "cpu", num_groups=4)
+    got = torch.full_like(q, float("nan"))
+    launches = cascade_launches(q, kc, vc, tables, lens, int(lens.max()), D ** -0.5, got, meta,
+                                max_ctas=3, prefix=PrefixConfig(block_m=16, block_n=16),
+                                suffix_impl="cuda_bulk", **scales)
+    launches()
+    assert launches.plan.s_splits == 2 and torch.all(got[9] == 0)
+    assert rel_err(got, want) < 1e-5
+    with pytest.raises(ConfigError, match="suffix_impl 'bulk' is not one of"):
+        cascade_launches(q, kc, vc, tables, lens, int(lens.max()), D ** -0.5, got, meta,
+                         suffix_impl="bulk")
+
+
+def test_cuda_bulk_suffix_says_why_it_cannot_run():
+    from nanosched.kernels.cascade_attn import CascadeGroups, cascade_launches
+
+    kc, vc, tables, lens, q, _, _ = make_case([(1, [20, 30])])
+    meta = CascadeGroups.build([2], [16], PAGE, "cpu")
+    with pytest.raises(ConfigError, match="the cuda_bulk suffix cannot run: .*(installed|q)"):
+        cascade_launches(q, kc, vc, tables, lens, 30, D ** -0.5, torch.empty_like(q), meta,
+                         suffix_impl="cuda_bulk")
+
+
 def test_builder_refuses_bad_groups():
     from nanosched.kernels.cascade_attn import CascadeGroups
 

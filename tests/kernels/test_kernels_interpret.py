@@ -101,6 +101,26 @@ def test_merge_splits_weights_partials_by_their_lse(heads, splits, d, max_ctas):
     assert rel_err(out, want) < 1e-6
 
 
+def test_merge_splits_with_a_second_set_is_the_merge_of_both():
+    """`more`: a second kernel's splits of the same rows (other strides, other count) merge as
+    if appended to the first set's; mismatched rows are refused."""
+    from nanosched.kernels.decode_attn import merge_splits
+
+    gen = torch.Generator().manual_seed(8)
+    part = torch.randn(4, 6, 3, 32, generator=gen)
+    lse = torch.randn(4, 6, 3, generator=gen) * 3
+    part2 = torch.randn(4, 6, 2, 32, generator=gen)
+    lse2 = torch.randn(4, 6, 2, generator=gen) * 3
+    lse2[0, 1] = float("-inf")
+    got, want = torch.empty(4, 6, 32), torch.empty(4, 6, 32)
+    merge_splits(part[:, :, :2], lse[:, :, :2], got, 3, more=(part2, lse2))
+    merge_splits(torch.cat([part[:, :, :2], part2], 2), torch.cat([lse[:, :, :2], lse2], 2),
+                 want, 3)
+    assert rel_err(got, want) < 1e-6
+    with pytest.raises(ConfigError, match="second set's part"):
+        merge_splits(part, lse, got, 3, more=(part2[:3], lse2[:3]))
+
+
 # (max_ctas, prefetch): one program per item, then persistent grids smaller than the items
 BOUNDS = [(None, True), (1, True), (3, True), (3, False)]
 

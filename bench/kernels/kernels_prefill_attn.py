@@ -12,8 +12,9 @@ Per case: the torch path (`reference.prefill_attention`: per segment a gather of
 repeated over the query group, SDPA; its Python loop is part of its time), the Triton kernel at
 its default tiles with prebuilt device segments (what the runtime launches) and with the
 (start, end, first_pos) list (one H2D copy per call), and a sweep of tile configs
-(BLOCK_M x BLOCK_N, warps, stages). TFLOP/s count causal FLOPs: 4 · d · Hq per (query, key it
-sees). Medians of triton.testing.do_bench, random data; every Triton result is checked against
+(BLOCK_M x BLOCK_N, warps, stages; a trailing 'a': page ids a tile ahead). TFLOP/s count
+causal FLOPs: 4 · d · Hq per (query, key it sees). Medians of triton.testing.do_bench, random
+data; every Triton result is checked against
 the torch path (relative L2 error). `--kv-dtype fp8` stores the cache in e4m3 with a scale per
 (token, KV head), as the engine's FP8 KV cache does (the torch path then dequantises). Beside
 them, a ceiling: torch SDPA on contiguous bf16 q/k/v of one fresh prompt (`is_causal`, GQA;
@@ -42,21 +43,25 @@ CASES = {  # name: segments (start, end, first_pos)
     "cont4x512of2048": [(i * 512, (i + 1) * 512, 1536) for i in range(4)],
 }
 SWEEP = ["128x64w8s2", "128x64w4s3", "128x64w8s3", "128x128w8s2", "64x64w4s3", "64x64w4s2",
-         "128x32w4s3", "64x128w4s2", "128x128w8s3", "64x128w4s3", "128x64w4s4", "64x64w4s4"]
+         "128x32w4s3", "64x128w4s2", "128x128w8s3", "64x128w4s3", "128x64w4s4", "64x64w4s4",
+         "64x64w4s3a", "64x128w4s2a", "64x128w4s3a", "128x64w8s3a"]
 
 
 def parse_config(text: str):
-    """'128x64w8s2' -> PrefillConfig(128, 64, 8, 2)."""
+    """'128x64w8s2' -> PrefillConfig(128, 64, 8, 2); a trailing 'a' loads each K/V tile's
+    page ids a tile ahead (PrefillConfig.pages_ahead)."""
     from nanosched.kernels.prefill_attn import PrefillConfig
 
-    tiles, rest = text.split("w")
+    ahead = text.endswith("a")
+    tiles, rest = text.removesuffix("a").split("w")
     bm, bn = tiles.split("x")
     warps, stages = rest.split("s")
-    return PrefillConfig(int(bm), int(bn), int(warps), int(stages))
+    return PrefillConfig(int(bm), int(bn), int(warps), int(stages), pages_ahead=ahead)
 
 
 def config_name(cfg) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+    return (f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+            + ("a" if cfg.pages_ahead else ""))
 
 
 def causal_flops(segments, num_heads: int, head_dim: int) -> float:
@@ -120,7 +125,7 @@ def bench_case(model: str, case: str, page: int, configs: list, kv_dtype: str = 
     torch_ms = median_ms(lambda: ref.prefill_attention(q, kc, vc, tables, segments, scale,
                                                        want, **scales))
     meta = PrefillSegments.build(segments, "cuda")
-    default = default_config()
+    default = default_config(q.dtype, kv_dtype == "fp8")  # what the engine launches
     row = {"model": model, "case": case, "tokens": segments[-1][1], "kv_dtype": kv_dtype,
            "segments": len(segments), "flops": flops, "torch_us": 1e3 * torch_ms,
            "torch_tflops": flops / torch_ms / 1e9, "default_config": config_name(default)}

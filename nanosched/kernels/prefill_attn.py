@@ -26,25 +26,32 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kvh,
+def _tile_pages(bt_row, kv, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Page ids of the K/V tile [kv, kv + BLOCK_N) (0 past kv_end), int64: page * stride
+    passes 2^31."""
+    keys = kv + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + keys // PAGE, mask=keys < kv_end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, page, k_ptr, v_ptr, ks_ptr, vs_ptr, kvh,
             scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_sp, s_ss, s_sh,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
             PAGE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
             FP8: tl.constexpr):
-    """One K/V tile [kv, kv + BLOCK_N) folded into the online softmax of the rows."""
+    """One K/V tile [kv, kv + BLOCK_N), its page ids `page` [BN] given, folded into the online
+    softmax of the rows."""
     keys = kv + tl.arange(0, BLOCK_N)  # [BN] positions in the request
     offs_d = tl.arange(0, BLOCK_D)
     if MASKED or HEAD_DIM != BLOCK_D:
         k_ok = keys < kv_end
         kv_mask = k_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-        page = tl.load(bt_row + keys // PAGE, mask=k_ok, other=0).to(tl.int64)
         slot = keys % PAGE
         k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
         v = tl.load(v_ptr + page[:, None] * s_vp + slot[:, None] * s_vs + kvh * s_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
     else:  # every key of the tile is seen by every row: no mask
-        page = tl.load(bt_row + keys // PAGE).to(tl.int64)  # page * stride passes 2^31
         slot = keys % PAGE
         k = tl.load(k_ptr + page[:, None] * s_kp + slot[:, None] * s_ks + kvh * s_kh
                     + offs_d[None, :])
@@ -80,6 +87,7 @@ def _prefill_kernel(
     s_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_PREC: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr,
+    PAGES_AHEAD: tl.constexpr,
 ):
     # program -> (segment, m-tile): segments' m-tiles laid end to end, counted on the device
     tile = tl.program_id(0)
@@ -115,14 +123,29 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # PAGES_AHEAD: each tile's page ids are loaded one tile ahead, so the K/V addresses depend
+    # on a loop-carried value rather than on a load of the same step and the pipeliner keeps
+    # num_stages - 1 tiles of K/V in flight (as decode_attn's partial kernel)
+    page_next = _tile_pages(bt_row, 0, kv_end, BLOCK_N, PAGE)
     for kv in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, ks_ptr,
-                                vs_ptr, bt_row, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
+        if PAGES_AHEAD:
+            page = page_next
+            page_next = _tile_pages(bt_row, kv + BLOCK_N, kv_end, BLOCK_N, PAGE)
+        else:
+            page = _tile_pages(bt_row, kv, kv_end, BLOCK_N, PAGE)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, page, k_ptr, v_ptr,
+                                ks_ptr, vs_ptr, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
                                 s_vh, s_sp, s_ss, s_sh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, False,
                                 DOT_PREC, FP8)
+    page_next = _tile_pages(bt_row, full_end, kv_end, BLOCK_N, PAGE)
     for kv in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, k_ptr, v_ptr, ks_ptr,
-                                vs_ptr, bt_row, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
+        if PAGES_AHEAD:
+            page = page_next
+            page_next = _tile_pages(bt_row, kv + BLOCK_N, kv_end, BLOCK_N, PAGE)
+        else:
+            page = _tile_pages(bt_row, kv, kv_end, BLOCK_N, PAGE)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, page, k_ptr, v_ptr,
+                                ks_ptr, vs_ptr, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
                                 s_vh, s_sp, s_ss, s_sh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,
                                 DOT_PREC, FP8)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -135,12 +158,16 @@ TILES = (16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch parameters: M tile (flattened token x group-head rows), K/V tile, warps, stages."""
+    """Launch parameters: M tile (flattened token x group-head rows), K/V tile, warps, stages,
+    and whether each K/V tile's page ids are loaded a tile ahead (`pages_ahead`: what the
+    decode kernels do; not yet timed here, so off by default, and kernels_prefill_attn.py
+    sweeps both)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    pages_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in TILES or self.block_n not in TILES:
@@ -203,8 +230,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=page,
         BLOCK_S=max(2, triton.next_power_of_2(segments.num_segments)),
         DOT_PREC=dot_precision(q.dtype), FP8=fp8,
-        F16_DOTS=fp8 and q.dtype == torch.bfloat16, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        F16_DOTS=fp8 and q.dtype == torch.bfloat16, PAGES_AHEAD=cfg.pages_ahead,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -79,9 +79,12 @@ CASES = {  # name: (segments, Hkv, group, head dim, page size, tiles (BM, BN) or
 }
 
 
+@pytest.mark.parametrize("pages_ahead", [True, False], ids=["pages-ahead", "pages-in-step"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_prefill_attention_matches_reference(case, dtype):
+def test_prefill_attention_matches_reference(case, dtype, pages_ahead):
+    from dataclasses import replace
+
     from nanosched.kernels.prefill_attn import PrefillConfig, default_config, prefill_attention
 
     segments, hkv, group, d, page, tiles = CASES[case]
@@ -92,7 +95,8 @@ def test_prefill_attention_matches_reference(case, dtype):
     buf = torch.full((n + 3, hkv * group, d), float("nan"), dtype=dtype)
     out = buf[2:2 + n]  # a row slice of a larger buffer
     cfg = PrefillConfig(*tiles, num_warps=4, num_stages=1) if tiles else default_config(dtype)
-    prefill_attention(q, kc, vc, tables, segments, d ** -0.5, out, cfg)
+    prefill_attention(q, kc, vc, tables, segments, d ** -0.5, out,
+                      replace(cfg, pages_ahead=pages_ahead))
     assert rel_err(out, reference(q, kc, vc, tables, segments, d ** -0.5)) < tol(dtype)
     assert buf[:2].isnan().all() and buf[2 + n:].isnan().all()  # nothing written outside
 

@@ -34,6 +34,16 @@ def _tile_pages(bt_row, kv, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _step_pages(bt_row, kv, kv_end, page_next, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                PAGES_AHEAD: tl.constexpr):
+    """(this tile's page ids, the next tile's): with PAGES_AHEAD the ids loaded a step earlier
+    and the next ones loaded now, else this tile's loaded now (`page_next` passed through)."""
+    if PAGES_AHEAD:
+        return page_next, _tile_pages(bt_row, kv + BLOCK_N, kv_end, BLOCK_N, PAGE)
+    return _tile_pages(bt_row, kv, kv_end, BLOCK_N, PAGE), page_next
+
+
+@triton.jit
 def _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, page, k_ptr, v_ptr, ks_ptr, vs_ptr, kvh,
             scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, s_sp, s_ss, s_sh,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -128,22 +138,14 @@ def _prefill_kernel(
     # num_stages - 1 tiles of K/V in flight (as decode_attn's partial kernel)
     page_next = _tile_pages(bt_row, 0, kv_end, BLOCK_N, PAGE)
     for kv in range(0, full_end, BLOCK_N):
-        if PAGES_AHEAD:
-            page = page_next
-            page_next = _tile_pages(bt_row, kv + BLOCK_N, kv_end, BLOCK_N, PAGE)
-        else:
-            page = _tile_pages(bt_row, kv, kv_end, BLOCK_N, PAGE)
+        page, page_next = _step_pages(bt_row, kv, kv_end, page_next, BLOCK_N, PAGE, PAGES_AHEAD)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, page, k_ptr, v_ptr,
                                 ks_ptr, vs_ptr, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
                                 s_vh, s_sp, s_ss, s_sh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, False,
                                 DOT_PREC, FP8)
     page_next = _tile_pages(bt_row, full_end, kv_end, BLOCK_N, PAGE)
     for kv in range(full_end, kv_end, BLOCK_N):
-        if PAGES_AHEAD:
-            page = page_next
-            page_next = _tile_pages(bt_row, kv + BLOCK_N, kv_end, BLOCK_N, PAGE)
-        else:
-            page = _tile_pages(bt_row, kv, kv_end, BLOCK_N, PAGE)
+        page, page_next = _step_pages(bt_row, kv, kv_end, page_next, BLOCK_N, PAGE, PAGES_AHEAD)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, page, k_ptr, v_ptr,
                                 ks_ptr, vs_ptr, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
                                 s_vh, s_sp, s_ss, s_sh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,

@@ -146,3 +146,34 @@ def test_where_two_rings_do_not_fit_an_sm_one_cta_runs_there(monkeypatch):
     k = torch.zeros(4, 16, 16, 128, dtype=torch.float8_e4m3fn)  # 16 KV heads: 33 KB slots
     build, grid = bulk.kernel_and_grid(q, k, True, None, 32)
     assert (build.ctas_per_sm, grid) == (1, 32) and build.slots >= 4
+
+
+@pytest.mark.parametrize("ctx, splits", [(1, 2), (16, 2), (328, 2), (2328, 2), (64, 4), (4096, 3)])
+def test_partial_pages_cut_a_context_into_exactly_that_many_splits(ctx, splits):
+    per = bulk.partial_pages(ctx, splits)
+    pages = max(splits, math.ceil(ctx / bulk.PAGE))
+    assert per is not None and math.ceil(pages / per) == splits and per * splits >= pages
+
+
+def test_partial_pages_says_when_no_count_fits():
+    assert bulk.partial_pages(5 * bulk.PAGE, 4) is None  # 5 pages: 2 a split gives 3 splits
+
+
+def test_decode_partials_refuses_buffers_it_would_misread():
+    """The caller's partial buffers are checked before any GPU work: their shape, dtype,
+    layout, at least two splits, and a split count the context cuts into exactly."""
+    q = torch.zeros(3, 32, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(3, 4, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
+
+    def call(part, lse, ctx=64):
+        bulk.decode_partials(q, kc, kc, tables, lens, ctx, 0.1, part, lse)
+
+    good = torch.zeros(3, 32, 2, 128), torch.zeros(3, 32, 2)
+    for part, lse in [(torch.zeros(3, 32, 1, 128), torch.zeros(3, 32, 1)),
+                      (good[0].half(), good[1]), (good[0], torch.zeros(3, 32, 3)),
+                      (torch.zeros(3, 32, 128, 2).transpose(2, 3), good[1])]:
+        with pytest.raises(ConfigError, match="cuda_bulk partials: part"):
+            call(part, lse)
+    with pytest.raises(ConfigError, match="80 tokens do not cut into 4 splits"):
+        call(torch.zeros(3, 32, 4, 128), torch.zeros(3, 32, 4), ctx=80)

@@ -26,21 +26,34 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_pages(bt_row, kv, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
-    """Page ids of the K/V tile [kv, kv + BLOCK_N) (0 past kv_end), int64: page * stride
-    passes 2^31."""
+def _tile_pages(bt_row, kv, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Page ids of the K/V tile [kv, kv + BLOCK_N), int64 (page * stride passes 2^31); MASKED:
+    0 past kv_end (unmasked, every key of the tile must lie before it)."""
     keys = kv + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + keys // PAGE, mask=keys < kv_end, other=0).to(tl.int64)
+    if MASKED:
+        return tl.load(bt_row + keys // PAGE, mask=keys < kv_end, other=0).to(tl.int64)
+    return tl.load(bt_row + keys // PAGE).to(tl.int64)
 
 
 @triton.jit
 def _step_pages(bt_row, kv, kv_end, page_next, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                PAGES_AHEAD: tl.constexpr):
+                MASKED: tl.constexpr, PAGES_AHEAD: tl.constexpr):
     """(this tile's page ids, the next tile's): with PAGES_AHEAD the ids loaded a step earlier
-    and the next ones loaded now, else this tile's loaded now (`page_next` passed through)."""
+    and the next ones loaded now (masked: the next tile may pass kv_end), else this tile's
+    loaded now, masked as the tile is (`page_next` passed through)."""
     if PAGES_AHEAD:
-        return page_next, _tile_pages(bt_row, kv + BLOCK_N, kv_end, BLOCK_N, PAGE)
-    return _tile_pages(bt_row, kv, kv_end, BLOCK_N, PAGE), page_next
+        return page_next, _tile_pages(bt_row, kv + BLOCK_N, kv_end, BLOCK_N, PAGE, True)
+    return _tile_pages(bt_row, kv, kv_end, BLOCK_N, PAGE, MASKED), page_next
+
+
+@triton.jit
+def _first_pages(bt_row, kv, kv_end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                 PAGES_AHEAD: tl.constexpr):
+    """The page ids a loop from tile `kv` starts with: loaded with PAGES_AHEAD, else unused."""
+    if PAGES_AHEAD:
+        return _tile_pages(bt_row, kv, kv_end, BLOCK_N, PAGE, True)
+    return tl.zeros([BLOCK_N], tl.int64)
 
 
 @triton.jit
@@ -136,16 +149,18 @@ def _prefill_kernel(
     # PAGES_AHEAD: each tile's page ids are loaded one tile ahead, so the K/V addresses depend
     # on a loop-carried value rather than on a load of the same step and the pipeliner keeps
     # num_stages - 1 tiles of K/V in flight (as decode_attn's partial kernel)
-    page_next = _tile_pages(bt_row, 0, kv_end, BLOCK_N, PAGE)
+    page_next = _first_pages(bt_row, 0, kv_end, BLOCK_N, PAGE, PAGES_AHEAD)
     for kv in range(0, full_end, BLOCK_N):
-        page, page_next = _step_pages(bt_row, kv, kv_end, page_next, BLOCK_N, PAGE, PAGES_AHEAD)
+        page, page_next = _step_pages(bt_row, kv, kv_end, page_next, BLOCK_N, PAGE,
+                                      HEAD_DIM != BLOCK_D, PAGES_AHEAD)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, page, k_ptr, v_ptr,
                                 ks_ptr, vs_ptr, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
                                 s_vh, s_sp, s_ss, s_sh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, False,
                                 DOT_PREC, FP8)
-    page_next = _tile_pages(bt_row, full_end, kv_end, BLOCK_N, PAGE)
+    page_next = _first_pages(bt_row, full_end, kv_end, BLOCK_N, PAGE, PAGES_AHEAD)
     for kv in range(full_end, kv_end, BLOCK_N):
-        page, page_next = _step_pages(bt_row, kv, kv_end, page_next, BLOCK_N, PAGE, PAGES_AHEAD)
+        page, page_next = _step_pages(bt_row, kv, kv_end, page_next, BLOCK_N, PAGE, True,
+                                      PAGES_AHEAD)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, q_pos, kv, kv_end, page, k_ptr, v_ptr,
                                 ks_ptr, vs_ptr, kvh, scale_log2, s_kp, s_ks, s_kh, s_vp, s_vs,
                                 s_vh, s_sp, s_ss, s_sh, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, True,

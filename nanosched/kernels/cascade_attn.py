@@ -273,8 +273,6 @@ def cascade_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   DOT_PREC=dot_precision(q.dtype), FP8=fp8,
                   F16_DOTS=fp8 and q.dtype == torch.bfloat16)
     p_items = groups.num_groups * num_kv * plan.p_splits * plan.num_tiles
-    s_items = n * num_kv * plan.s_splits
-    s_part, s_lse = part[:, :, plan.p_splits:], lse[:, :, plan.p_splits:]  # the suffix's slots
 
     def run_prefix() -> None:
         _prefix_kernel[(max(1, min(max_ctas, p_items)),)](
@@ -285,6 +283,27 @@ def cascade_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             BLOCK_N=prefix.block_n, NUM_STAGES=prefix.num_stages, num_warps=prefix.num_warps,
             **common)
 
+    if bulk:  # the suffix partials in buffers of the bulk kernel's layout, merged as a 2nd set
+        s_part = torch.empty((n, num_q, BULK_SPLITS, d), dtype=torch.float32, device=q.device)
+        s_lse = torch.empty((n, num_q, BULK_SPLITS), dtype=torch.float32, device=q.device)
+        width = block_tables.shape[1]
+        cols = torch.arange(width, device=q.device)[None, :]
+
+        def run_suffix() -> None:
+            # row i's suffix: its block table from page row_start / S on (the prefix is whole
+            # pages; a row inside its prefix has no suffix tokens), its context less row_start
+            shifted = (cols + (row_start // page)[:, None]).clamp_(max=width - 1)
+            decode_attn_bulk.decode_partials(
+                q, k_cache, v_cache, block_tables.gather(1, shifted), context_lens - row_start,
+                suffix_len, scale, s_part, s_lse, k_scale=k_scale, v_scale=v_scale)
+
+        return CascadeLaunches(
+            run_prefix, run_suffix,
+            lambda: merge_splits(part, lse, out, max_ctas, more=(s_part, s_lse)), plan)
+
+    s_items = n * num_kv * plan.s_splits
+    s_part, s_lse = part[:, :, plan.p_splits:], lse[:, :, plan.p_splits:]  # the suffix's slots
+
     def run_suffix() -> None:
         _decode_partial_kernel[(min(max_ctas, s_items),)](
             q, k_cache, v_cache, ks, vs, block_tables, context_lens, row_start, s_part, s_lse,
@@ -294,22 +313,5 @@ def cascade_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             STORE_LSE=True, NUM_STAGES=config.num_stages, HAS_START=True,
             num_warps=config.num_warps, **common)
 
-    if not bulk:
-        return CascadeLaunches(run_prefix, run_suffix,
-                               lambda: merge_splits(part, lse, out, max_ctas), plan)
-    s_part = torch.empty((n, num_q, BULK_SPLITS, d), dtype=torch.float32, device=q.device)
-    s_lse = torch.empty((n, num_q, BULK_SPLITS), dtype=torch.float32, device=q.device)
-    width = block_tables.shape[1]
-    cols = torch.arange(width, device=q.device)[None, :]
-
-    def run_bulk_suffix() -> None:
-        # row i's suffix: its block table from page row_start / S on (the prefix is whole
-        # pages; a row inside its prefix has no suffix tokens), its context less row_start
-        shifted = (cols + (row_start // page)[:, None]).clamp_(max=width - 1)
-        decode_attn_bulk.decode_partials(
-            q, k_cache, v_cache, block_tables.gather(1, shifted), context_lens - row_start,
-            suffix_len, scale, s_part, s_lse, k_scale=k_scale, v_scale=v_scale)
-
-    return CascadeLaunches(
-        run_prefix, run_bulk_suffix,
-        lambda: merge_splits(part, lse, out, max_ctas, more=(s_part, s_lse)), plan)
+    return CascadeLaunches(run_prefix, run_suffix,
+                           lambda: merge_splits(part, lse, out, max_ctas), plan)

@@ -127,9 +127,10 @@ def measure(args: argparse.Namespace, kv_dtype: str) -> list[dict]:
         out.fill_(float("nan"))
         call()
         us = graph_us(call)
-        parts = {f"{part}_us": graph_us(getattr(call, part))
-                 for part in ("prefix", "suffix", "merge")} if args.parts else {}
-        if args.parts:  # the merge with one (row, head) a work item, beside its head blocks
+        parts = {}
+        if args.parts:  # each launch alone, and the merge with one (row, head) a work item
+            parts = {f"{part}_us": graph_us(getattr(call, part))
+                     for part in ("prefix", "suffix", "merge")}
             tile, decode_attn.MERGE_TILE = decode_attn.MERGE_TILE, 1
             try:
                 parts["merge_one_head_us"] = graph_us(call.merge)
